@@ -1,0 +1,164 @@
+//! A lane is the append-only run of pages of one (stored layer, KV head) of
+//! one sequence, with the digest of every page.
+
+use crate::{DType, DigestColumn, Reason};
+
+/// What a logical page maps to. `P` is the owner's reference to a physical
+/// page (its placement tells hot from cold), `S` its summary storage.
+#[derive(Debug)]
+pub enum LogicalPage<P, S> {
+    Physical(P),
+    Summary(S),
+    Gone(Reason),
+}
+
+#[derive(Debug)]
+pub struct Lane<P, S> {
+    page_size: u32,
+    tokens: u64,
+    pages: Vec<LogicalPage<P, S>>,
+    digests: DigestColumn,
+}
+
+/// Where `n` appended tokens go: `fill` rows into the partial last page, then
+/// new pages holding `new_pages[i]` rows each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AppendPlan {
+    pub fill: u32,
+    pub new_pages: Vec<u32>,
+}
+
+impl<P, S> Lane<P, S> {
+    pub fn new(dtype: DType, head_dim: usize, page_size: u32) -> Self {
+        Self {
+            page_size,
+            tokens: 0,
+            pages: Vec::new(),
+            digests: DigestColumn::new(dtype, head_dim),
+        }
+    }
+
+    /// Positions held, `0..tokens`, whatever the state of their pages.
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    pub fn num_pages(&self) -> usize {
+        self.pages.len()
+    }
+
+    pub fn pages(&self) -> &[LogicalPage<P, S>] {
+        &self.pages
+    }
+
+    pub fn page(&self, page: usize) -> Option<&LogicalPage<P, S>> {
+        self.pages.get(page)
+    }
+
+    pub fn digests(&self) -> &DigestColumn {
+        &self.digests
+    }
+
+    /// Valid rows of page `page` (the last page may be partial).
+    pub fn rows_in(&self, page: usize) -> u32 {
+        let p = u64::from(self.page_size);
+        self.tokens.saturating_sub(page as u64 * p).min(p) as u32
+    }
+
+    /// Rows still free in the last page (0 when it is full or there is none).
+    pub fn room_in_last(&self) -> u32 {
+        match self.tokens % u64::from(self.page_size) {
+            0 => 0,
+            used => self.page_size - used as u32,
+        }
+    }
+
+    pub fn plan_append(&self, n: u32) -> AppendPlan {
+        let fill = n.min(self.room_in_last());
+        let mut rest = n - fill;
+        let mut new_pages = Vec::new();
+        while rest > 0 {
+            let rows = rest.min(self.page_size);
+            new_pages.push(rows);
+            rest -= rows;
+        }
+        AppendPlan { fill, new_pages }
+    }
+
+    /// Opens a new page holding `keys.len() / row` rows. The last page must
+    /// be full.
+    pub fn push_page(&mut self, page: LogicalPage<P, S>, keys: &[u8]) {
+        let rows = keys.len() / (self.digests.entry_bytes() / 2);
+        self.check_push(rows);
+        self.digests.open_page(keys);
+        self.pages.push(page);
+        self.tokens += rows as u64;
+    }
+
+    /// Opens a new full page whose digest is already known (a shared page).
+    pub fn push_full_page(&mut self, page: LogicalPage<P, S>, digest_entry: &[u8]) {
+        self.check_push(self.page_size as usize);
+        self.digests.push_entry(digest_entry);
+        self.pages.push(page);
+        self.tokens += u64::from(self.page_size);
+    }
+
+    fn check_push(&self, rows: usize) {
+        assert!(self.room_in_last() == 0, "a new page needs a full last page");
+        assert!(rows >= 1 && rows <= self.page_size as usize, "a page holds 1..=page_size rows");
+    }
+
+    /// Adds key rows to the partial last page, whose storage the caller has
+    /// already written.
+    pub fn extend_last(&mut self, keys: &[u8]) {
+        let rows = keys.len() / (self.digests.entry_bytes() / 2);
+        assert!(rows as u32 <= self.room_in_last(), "rows beyond the last page");
+        let last = self.pages.len() - 1;
+        self.digests.extend_page(last, keys);
+        self.tokens += rows as u64;
+    }
+
+    /// Replaces page `page`'s mapping, returning the old one. Digest and
+    /// length stay: a summarised or gone page still counts its positions.
+    pub fn replace(&mut self, page: usize, new: LogicalPage<P, S>) -> LogicalPage<P, S> {
+        std::mem::replace(&mut self.pages[page], new)
+    }
+
+    /// Takes every page out (when the sequence is dropped).
+    pub fn take_pages(&mut self) -> Vec<LogicalPage<P, S>> {
+        std::mem::take(&mut self.pages)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type TestLane = Lane<u32, ()>;
+
+    fn rows(n: usize) -> Vec<u8> {
+        (0..n * 2 * 4).map(|i| (i % 7) as u8).collect()
+    }
+
+    #[test]
+    fn appends_fill_the_partial_page_first() {
+        let mut lane = TestLane::new(DType::F32, 2, 4);
+        assert_eq!(lane.plan_append(9), AppendPlan { fill: 0, new_pages: vec![4, 4, 1] });
+        lane.push_page(LogicalPage::Physical(0), &rows(3));
+        assert_eq!((lane.tokens(), lane.room_in_last()), (3, 1));
+        assert_eq!(lane.plan_append(6), AppendPlan { fill: 1, new_pages: vec![4, 1] });
+        lane.extend_last(&rows(1));
+        assert_eq!((lane.tokens(), lane.room_in_last()), (4, 0));
+        lane.push_page(LogicalPage::Physical(1), &rows(2));
+        assert_eq!((lane.rows_in(0), lane.rows_in(1), lane.rows_in(2)), (4, 2, 0));
+        assert_eq!(lane.digests().pages(), 2);
+    }
+
+    #[test]
+    #[should_panic(expected = "a new page needs a full last page")]
+    fn a_new_page_after_a_partial_one_is_a_bug() {
+        let mut lane = TestLane::new(DType::F32, 2, 4);
+        lane.push_page(LogicalPage::Physical(0), &rows(3));
+        lane.push_page(LogicalPage::Physical(1), &rows(1));
+    }
+}

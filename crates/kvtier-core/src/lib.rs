@@ -1,0 +1,25 @@
+//! The kvtier model, free of I/O: what a page is, which state it is in, what
+//! its digest says, and which physical page backs it.
+//!
+//! Everything here is deterministic and synchronous so that it can be tested
+//! exhaustively (property tests) and reused by every tier and by the server.
+
+pub mod digest;
+pub mod dtype;
+pub mod error;
+pub mod ids;
+pub mod lane;
+pub mod layout;
+pub mod page_table;
+pub mod state;
+pub mod summary;
+
+pub use digest::DigestColumn;
+pub use dtype::DType;
+pub use error::FieldError;
+pub use ids::{SequenceId, SequenceKey, TenantId};
+pub use lane::{Lane, LogicalPage};
+pub use layout::{LayerGroup, Layout, LayoutSpec};
+pub use page_table::{PageTableError, PhysId, PhysicalPages};
+pub use state::{Action, ColdTier, IllegalTransition, PageState, Reason};
+pub use summary::Summary;
