@@ -1,0 +1,198 @@
+//! The conformance suite every tier backend passes. A backend's tests
+//! instantiate it with [`tier_conformance_tests!`](crate::tier_conformance_tests),
+//! giving a factory from a capacity in bytes to a fresh tier.
+
+use std::sync::Arc;
+use std::thread;
+
+use crate::{Slot, Tier, TierError};
+
+/// A recognisable byte pattern per (seed, index), so a misplaced copy shows.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn read_all<T: Tier>(tier: &T, slot: &Slot) -> Vec<u8> {
+    let mut out = vec![0u8; slot.len() as usize];
+    tier.read(slot, 0, &mut out).expect("read back");
+    out
+}
+
+/// Whole and partial writes read back bit-exact, for odd and large sizes.
+pub fn round_trip<T: Tier>(make: impl Fn(u64) -> T) {
+    let tier = make(1 << 22);
+    let mut slots = Vec::new();
+    for (i, len) in [1usize, 63, 64, 65, 4096, 8192, 100_000].into_iter().enumerate() {
+        let mut slot = tier.allocate(len as u64).unwrap();
+        assert_eq!(slot.len(), len as u64);
+        let data = pattern(i as u64, len);
+        tier.write(&mut slot, 0, &data).unwrap();
+        slots.push((slot, data));
+    }
+    for (slot, data) in &mut slots {
+        assert_eq!(&read_all(&tier, slot), data);
+        if data.len() > 10 {
+            let patch = pattern(99, data.len() / 2);
+            tier.write(slot, 3, &patch).unwrap();
+            data[3..3 + patch.len()].copy_from_slice(&patch);
+            assert_eq!(&read_all(&tier, slot), data);
+            let mut mid = vec![0u8; 5];
+            tier.read(slot, 2, &mut mid).unwrap();
+            assert_eq!(mid, data[2..7]);
+        }
+    }
+}
+
+/// The capacity is exact: allocations stop at it with `Full` and nothing
+/// is overwritten; freeing makes room again.
+pub fn full_tier<T: Tier>(make: impl Fn(u64) -> T) {
+    let capacity = 64 * 1024;
+    let tier = make(capacity);
+    assert_eq!(tier.capacity_bytes(), capacity);
+    let mut slots = Vec::new();
+    loop {
+        match tier.allocate(4000) {
+            Ok(mut slot) => {
+                let data = pattern(slots.len() as u64, 4000);
+                tier.write(&mut slot, 0, &data).unwrap();
+                slots.push((slot, data));
+                assert!(tier.used_bytes() <= capacity);
+            }
+            Err(TierError::Full { requested, free, capacity: c, .. }) => {
+                assert_eq!((requested, c), (4000, capacity));
+                assert_eq!(free, capacity - tier.used_bytes());
+                break;
+            }
+            Err(e) => panic!("unexpected {e}"),
+        }
+    }
+    assert!(!slots.is_empty());
+    assert!(tier.used_bytes() + 4000 > capacity, "gave up with room left");
+    assert_eq!(tier.slots(), slots.len() as u64);
+    for (slot, data) in &slots {
+        assert_eq!(&read_all(&tier, slot), data, "a full tier must not corrupt pages");
+    }
+    slots.pop();
+    tier.allocate(4000).expect("room after a free");
+}
+
+/// Reads and writes outside a slot are refused and change nothing.
+pub fn out_of_range<T: Tier>(make: impl Fn(u64) -> T) {
+    let tier = make(1 << 16);
+    let mut slot = tier.allocate(100).unwrap();
+    let mut neighbour = tier.allocate(100).unwrap();
+    let data = pattern(1, 100);
+    tier.write(&mut slot, 0, &data).unwrap();
+    tier.write(&mut neighbour, 0, &data).unwrap();
+    for (offset, len) in [(0u64, 101usize), (100, 1), (99, 2), (u64::MAX, 2)] {
+        let err = tier.write(&mut slot, offset, &vec![0xAA; len]).unwrap_err();
+        assert!(matches!(err, TierError::OutOfBounds { slot_len: 100, .. }), "{err}");
+        let err = tier.read(&slot, offset, &mut vec![0; len]).unwrap_err();
+        assert!(matches!(err, TierError::OutOfBounds { .. }), "{err}");
+    }
+    assert_eq!(read_all(&tier, &slot), data);
+    assert_eq!(read_all(&tier, &neighbour), data);
+    assert_eq!(tier.allocate(0).unwrap_err(), TierError::ZeroLength);
+}
+
+/// Dropped slots return their bytes; fragments coalesce so the whole
+/// capacity can be taken again in one slot.
+pub fn free_and_reuse<T: Tier>(make: impl Fn(u64) -> T) {
+    let capacity = 1 << 20;
+    let tier = make(capacity);
+    for round in 0..3u64 {
+        let slots: Vec<Slot> = (0..100).map(|i| tier.allocate(1000 + i * 7).unwrap()).collect();
+        assert_eq!(tier.slots(), 100);
+        // Free in an interleaved order to exercise coalescing both ways.
+        let (even, odd): (Vec<_>, Vec<_>) = slots.into_iter().enumerate().partition(|(i, _)| i % 2 == 0);
+        drop(odd);
+        drop(even);
+        assert_eq!((tier.used_bytes(), tier.slots()), (0, 0), "round {round}");
+        let mut all = tier.allocate(capacity).expect("whole capacity after frees");
+        tier.write(&mut all, capacity - 1, &[7]).unwrap();
+    }
+}
+
+/// A slot from another tier instance is refused.
+pub fn foreign_slot<T: Tier>(make: impl Fn(u64) -> T) {
+    let (a, b) = (make(1 << 16), make(1 << 16));
+    let mut slot = a.allocate(64).unwrap();
+    assert_eq!(b.write(&mut slot, 0, &[1]).unwrap_err(), TierError::ForeignSlot);
+    assert_eq!(b.read(&slot, 0, &mut [0]).unwrap_err(), TierError::ForeignSlot);
+}
+
+/// Threads allocating, writing, reading and freeing at once never see each
+/// other's bytes, and every byte comes back at the end.
+pub fn concurrent_readers_and_writers<T: Tier + 'static>(make: impl Fn(u64) -> T) {
+    let tier = Arc::new(make(8 << 20));
+    let workers: Vec<_> = (0..4u64)
+        .map(|t| {
+            let tier = Arc::clone(&tier);
+            thread::spawn(move || {
+                let mut held: Vec<(Slot, Vec<u8>)> = Vec::new();
+                for i in 0..400u64 {
+                    let len = 512 + ((t * 131 + i * 17) % 8192) as usize;
+                    let mut slot = tier.allocate(len as u64).unwrap();
+                    let data = pattern(t << 32 | i, len);
+                    tier.write(&mut slot, 0, &data).unwrap();
+                    held.push((slot, data));
+                    if i % 3 == 0 {
+                        let (slot, data) = held.swap_remove((i as usize * 7) % held.len());
+                        assert_eq!(read_all(&*tier, &slot), data);
+                    }
+                    for (slot, data) in held.iter().rev().take(4) {
+                        assert_eq!(&read_all(&*tier, slot), data);
+                    }
+                }
+                // Dropping what is still held must return its bytes.
+                drop(held);
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.join().unwrap();
+    }
+    assert_eq!((tier.used_bytes(), tier.slots()), (0, 0));
+}
+
+/// Instantiates the whole suite as `#[test]`s in a module named `$name`.
+#[macro_export]
+macro_rules! tier_conformance_tests {
+    ($name:ident, $make:expr) => {
+        mod $name {
+            use $crate::conformance as c;
+            #[test]
+            fn round_trip() {
+                c::round_trip($make);
+            }
+            #[test]
+            fn full_tier() {
+                c::full_tier($make);
+            }
+            #[test]
+            fn out_of_range() {
+                c::out_of_range($make);
+            }
+            #[test]
+            fn free_and_reuse() {
+                c::free_and_reuse($make);
+            }
+            #[test]
+            fn foreign_slot() {
+                c::foreign_slot($make);
+            }
+            #[test]
+            fn concurrent_readers_and_writers() {
+                c::concurrent_readers_and_writers($make);
+            }
+        }
+    };
+}
