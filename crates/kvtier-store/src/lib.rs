@@ -1,1 +1,26 @@
+//! The kvtier engine: sequences of pages across the device, host and (later)
+//! NVMe tiers, every page in one of four explicit states.
+//!
+//! Synchronous and thread-safe: callers on an async runtime run operations
+//! on blocking threads. Per-sequence locks serialise writers of one sequence;
+//! different sequences proceed in parallel, and byte copies happen outside
+//! the global page-table lock.
 
+mod device;
+mod error;
+mod page;
+mod read;
+mod sequence;
+mod stats;
+mod store;
+mod sync;
+mod transition;
+mod write;
+
+pub use error::{StoreError, StoreResult};
+pub use read::{FetchPages, FetchedPage, PageContent};
+pub use sequence::HeadRange;
+pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};
+pub use store::{Created, Store, StoreConfig};
+pub use transition::{PageSelection, SetPageState, TransitionOutcome};
+pub use write::{AppendOutcome, AppendTokens, PutOutcome, PutPages};

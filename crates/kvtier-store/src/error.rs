@@ -1,0 +1,57 @@
+use kvtier_core::FieldError;
+use kvtier_tiers::TierError;
+
+/// Everything a store operation can refuse. Each variant has exactly one
+/// status code in the API; the server maps them in one exhaustive `match`.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The request is malformed on its own (wrong length, out of range, bad
+    /// name). Nothing changed.
+    #[error("{0}")]
+    InvalidArgument(FieldError),
+    #[error("{what} does not exist")]
+    NotFound { what: String },
+    #[error("{what} already exists")]
+    AlreadyExists { what: String },
+    /// Well-formed, but the current state forbids it (an illegal transition,
+    /// a write that does not start at the end). Nothing changed.
+    #[error("{0}")]
+    FailedPrecondition(FieldError),
+    /// No tier has room and nothing may be dropped to make it. Nothing changed.
+    #[error("{0}")]
+    ResourceExhausted(TierError),
+    /// A broken invariant inside the store; a bug, reported rather than
+    /// served.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl StoreError {
+    pub(crate) fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::InvalidArgument(FieldError::new(field, message))
+    }
+
+    pub(crate) fn precondition(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::FailedPrecondition(FieldError::new(field, message))
+    }
+}
+
+impl From<FieldError> for StoreError {
+    fn from(e: FieldError) -> Self {
+        Self::InvalidArgument(e)
+    }
+}
+
+impl From<TierError> for StoreError {
+    fn from(e: TierError) -> Self {
+        match e {
+            TierError::Full { .. } => Self::ResourceExhausted(e),
+            TierError::ZeroLength
+            | TierError::ForeignSlot
+            | TierError::OutOfBounds { .. }
+            | TierError::Reserve { .. } => Self::Internal(e.to_string()),
+        }
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;

@@ -1,0 +1,102 @@
+//! A sequence: its layout, prefix hash chain and one lane per (stored layer,
+//! KV head), plus the range checks every operation shares.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use kvtier_core::{Lane, Layout, SequenceKey};
+
+use crate::page::StoreLane;
+use crate::{StoreError, StoreResult};
+
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    pub(crate) key: SequenceKey,
+    pub(crate) layout: Arc<Layout>,
+    pub(crate) hashes: Vec<Arc<[u8]>>,
+    pub(crate) lanes: Vec<StoreLane>,
+    /// Set by `drop_sequence`; an operation that was waiting for the lock
+    /// then finds the sequence gone.
+    pub(crate) dropped: bool,
+}
+
+/// A range of KV heads, `start..start + count`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadRange {
+    pub start: u32,
+    pub count: u32,
+}
+
+impl HeadRange {
+    pub fn all(layout: &Layout) -> Self {
+        Self {
+            start: 0,
+            count: layout.num_kv_heads(),
+        }
+    }
+}
+
+impl Sequence {
+    pub(crate) fn new(key: SequenceKey, layout: Arc<Layout>, hashes: Vec<Arc<[u8]>>) -> Self {
+        let lanes = (0..layout.num_lanes())
+            .map(|_| Lane::new(layout.dtype(), layout.head_dim() as usize, layout.page_size()))
+            .collect();
+        Self {
+            key,
+            layout,
+            hashes,
+            lanes,
+            dropped: false,
+        }
+    }
+
+    pub(crate) fn check_layer(&self, field: &str, layer: u32) -> StoreResult<()> {
+        if layer >= self.layout.num_layers() {
+            return Err(StoreError::invalid(
+                field,
+                format!("is {layer}, but the layout has {} layers", self.layout.num_layers()),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_layers(&self, start: u32, count: u32) -> StoreResult<Range<u32>> {
+        check_range("layer_start", "layer_count", start, count, self.layout.num_layers(), "layers")
+    }
+
+    pub(crate) fn check_heads(&self, heads: HeadRange) -> StoreResult<Range<u32>> {
+        check_range(
+            "kv_head_start",
+            "kv_head_count",
+            heads.start,
+            heads.count,
+            self.layout.num_kv_heads(),
+            "KV heads",
+        )
+    }
+
+    /// Lane indices of `layer` × `heads`.
+    pub(crate) fn lanes_of(&self, layer: u32, heads: Range<u32>) -> impl Iterator<Item = (u32, usize)> + '_ {
+        heads.map(move |h| (h, self.layout.lane(layer, h)))
+    }
+}
+
+fn check_range(
+    start_field: &str,
+    count_field: &str,
+    start: u32,
+    count: u32,
+    limit: u32,
+    what: &str,
+) -> StoreResult<Range<u32>> {
+    if count == 0 {
+        return Err(StoreError::invalid(count_field, "must be at least 1"));
+    }
+    match start.checked_add(count) {
+        Some(end) if end <= limit => Ok(start..end),
+        _ => Err(StoreError::invalid(
+            if start >= limit { start_field } else { count_field },
+            format!("{what} {start}..{} exceed the layout's {limit}", u64::from(start) + u64::from(count)),
+        )),
+    }
+}

@@ -1,0 +1,156 @@
+//! Counters and the snapshots reported by `GetStats`, `GetSequence` and
+//! the metrics endpoint.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use kvtier_core::{ColdTier, Layout, PageState, Reason};
+use kvtier_tiers::{Tier, TierKind};
+
+/// Event counters, updated without locks.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    /// `[from][to][reason]` with states indexed by `PageState::index`.
+    transitions: [[[AtomicU64; Reason::COUNT]; PageState::COUNT]; PageState::COUNT],
+    pub(crate) pages_written: AtomicU64,
+    pub(crate) pages_shared: AtomicU64,
+    pub(crate) bytes_written: AtomicU64,
+    pub(crate) bytes_read: AtomicU64,
+    pub(crate) tokens_appended: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn transition(&self, from: PageState, to: PageState, reason: Reason, pages: u64) {
+        self.transitions[from.index()][to.index()][reason.index()].fetch_add(pages, Relaxed);
+        tracing::debug!(%from, %to, reason = reason.name(), pages, "page transition");
+    }
+
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Relaxed);
+    }
+
+    pub(crate) fn transitions(&self) -> Vec<TransitionCount> {
+        let mut out = Vec::new();
+        for from in PageState::ALL {
+            for to in PageState::ALL {
+                for reason in Reason::ALL {
+                    let count = self.transitions[from.index()][to.index()][reason.index()].load(Relaxed);
+                    if count > 0 {
+                        out.push(TransitionCount { from, to, reason, count });
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Pages per state, cold split by tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StateCounts(pub [u64; PageState::COUNT]);
+
+impl StateCounts {
+    pub fn get(&self, state: PageState) -> u64 {
+        self.0[state.index()]
+    }
+
+    pub(crate) fn add(&mut self, state: PageState) {
+        self.0[state.index()] += 1;
+    }
+
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransitionCount {
+    pub from: PageState,
+    pub to: PageState,
+    pub reason: Reason,
+    pub count: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TierStats {
+    pub kind: TierKind,
+    pub backend: &'static str,
+    pub emulated: bool,
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    pub slots: u64,
+}
+
+impl TierStats {
+    pub(crate) fn of(tier: &dyn Tier) -> Self {
+        Self {
+            kind: tier.kind(),
+            backend: tier.backend(),
+            emulated: tier.emulated(),
+            capacity_bytes: tier.capacity_bytes(),
+            used_bytes: tier.used_bytes(),
+            slots: tier.slots(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    pub tiers: Vec<TierStats>,
+    /// Logical pages of all live sequences by state.
+    pub pages: StateCounts,
+    pub sequences: u64,
+    /// Distinct physical pages (shared pages count once).
+    pub physical_pages: u64,
+    pub transitions: Vec<TransitionCount>,
+    pub pages_written: u64,
+    /// Page writes that found the page already stored under its prefix hash.
+    pub pages_shared: u64,
+    pub bytes_written: u64,
+    pub bytes_read: u64,
+    pub tokens_appended: u64,
+}
+
+impl StatsSnapshot {
+    pub(crate) fn counters(&mut self, c: &Counters) {
+        self.transitions = c.transitions();
+        self.pages_written = c.pages_written.load(Relaxed);
+        self.pages_shared = c.pages_shared.load(Relaxed);
+        self.bytes_written = c.bytes_written.load(Relaxed);
+        self.bytes_read = c.bytes_read.load(Relaxed);
+        self.tokens_appended = c.tokens_appended.load(Relaxed);
+    }
+}
+
+/// Bytes one sequence holds per tier. A page shared with other sequences is
+/// counted in full here (this is the sequence's view), and once in the tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierBytes {
+    pub device: u64,
+    pub host: u64,
+    pub nvme: u64,
+}
+
+impl TierBytes {
+    pub(crate) fn add_cold(&mut self, tier: ColdTier, bytes: u64) {
+        match tier {
+            ColdTier::Host => self.host += bytes,
+            ColdTier::Nvme => self.nvme += bytes,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SequenceInfo {
+    pub layout: Layout,
+    /// Positions present in every lane.
+    pub tokens: u64,
+    /// Positions present in the longest lane (lanes differ while writers of
+    /// different layers or head ranges are mid-step).
+    pub max_tokens: u64,
+    pub pages: StateCounts,
+    pub bytes: TierBytes,
+    /// Pages whose physical page other sequences also use.
+    pub shared_pages: u64,
+    pub digest_bytes: u64,
+    pub prefix_hashes: u64,
+}

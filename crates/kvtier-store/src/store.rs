@@ -1,0 +1,329 @@
+//! The store: sequences, the shared page table and the tiers.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, RwLock};
+
+use kvtier_core::{Layout, LogicalPage, PageState, PhysicalPages, SequenceKey};
+use kvtier_tiers::{ArenaTier, Tier, TierKind};
+
+use crate::device::DeviceLru;
+use crate::page::{PageRef, PhysPage, ShareKey, StorePage};
+use crate::sequence::Sequence;
+use crate::stats::{Counters, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats};
+use crate::sync::{lock, read, write};
+use crate::{StoreError, StoreResult};
+
+/// Sizes and placement choices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreConfig {
+    /// Device tier capacity. Emulated in host memory when no GPU is present.
+    pub device_bytes: u64,
+    pub host_bytes: u64,
+    /// New pages also get a device copy (demoting LRU hot pages for room);
+    /// off, they start cold and become hot only on demand.
+    pub cache_writes_on_device: bool,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            device_bytes: 256 << 20,
+            host_bytes: 1 << 30,
+            cache_writes_on_device: true,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Store {
+    pub(crate) device: Arc<dyn Tier>,
+    pub(crate) host: Arc<dyn Tier>,
+    pub(crate) config: StoreConfig,
+    sequences: RwLock<HashMap<SequenceKey, Arc<RwLock<Sequence>>>>,
+    /// Lock order: a sequence, then `pages`, then a page's placement, then
+    /// `device_lru`. Nothing takes them the other way round.
+    pub(crate) pages: Mutex<PhysicalPages<Arc<PhysPage>, ShareKey>>,
+    pub(crate) device_lru: Mutex<DeviceLru>,
+    next_page_id: AtomicU64,
+    pub(crate) counters: Counters,
+}
+
+/// A new sequence and how many leading pages it shares with earlier ones.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Created {
+    pub attached_pages: u64,
+    pub info: SequenceInfo,
+}
+
+impl Store {
+    /// A store over host memory, with the device tier emulated in host memory.
+    pub fn new(config: StoreConfig) -> StoreResult<Self> {
+        let device = ArenaTier::emulated_device(config.device_bytes)?;
+        let host = ArenaTier::host(config.host_bytes)?;
+        tracing::info!(
+            device_bytes = config.device_bytes,
+            host_bytes = config.host_bytes,
+            "no CUDA support in this build: the device tier is emulated in host memory"
+        );
+        Ok(Self::with_tiers(Arc::new(device), Arc::new(host), config))
+    }
+
+    /// A store over the given tiers (their capacities override the config's).
+    pub fn with_tiers(device: Arc<dyn Tier>, host: Arc<dyn Tier>, config: StoreConfig) -> Self {
+        assert_eq!(device.kind(), TierKind::Device, "device tier kind");
+        assert_eq!(host.kind(), TierKind::Host, "host tier kind");
+        Self {
+            device,
+            host,
+            config,
+            sequences: RwLock::default(),
+            pages: Mutex::default(),
+            device_lru: Mutex::new(DeviceLru::unbounded()),
+            next_page_id: AtomicU64::new(0),
+            counters: Counters::default(),
+        }
+    }
+
+    pub(crate) fn next_page_id(&self) -> u64 {
+        self.next_page_id.fetch_add(1, Relaxed)
+    }
+
+    /// The cell of sequence `key`.
+    pub(crate) fn sequence(&self, key: &SequenceKey) -> StoreResult<Arc<RwLock<Sequence>>> {
+        read(&self.sequences)
+            .get(key)
+            .cloned()
+            .ok_or_else(|| not_found(key))
+    }
+
+    /// Runs `f` on the sequence with its lock held for reading.
+    pub(crate) fn with_sequence<T>(&self, key: &SequenceKey, f: impl FnOnce(&Sequence) -> StoreResult<T>) -> StoreResult<T> {
+        let cell = self.sequence(key)?;
+        let seq = read(&cell);
+        if seq.dropped {
+            return Err(not_found(key));
+        }
+        f(&seq)
+    }
+
+    /// Runs `f` on the sequence with its lock held for writing.
+    pub(crate) fn with_sequence_mut<T>(
+        &self,
+        key: &SequenceKey,
+        f: impl FnOnce(&mut Sequence) -> StoreResult<T>,
+    ) -> StoreResult<T> {
+        let cell = self.sequence(key)?;
+        let mut seq = write(&cell);
+        if seq.dropped {
+            return Err(not_found(key));
+        }
+        f(&mut seq)
+    }
+
+    /// Creates a sequence. With a prefix hash chain (one hash per full page),
+    /// the longest run of leading pages already stored for every lane under
+    /// the same tenant, layout and hashes is attached at once: those pages are
+    /// shared, not copied, and need not be sent again.
+    pub fn create_sequence(&self, key: SequenceKey, layout: Layout, prefix_hashes: Vec<Vec<u8>>) -> StoreResult<Created> {
+        let hashes = check_hashes(prefix_hashes)?;
+        if read(&self.sequences).contains_key(&key) {
+            return Err(already_exists(&key));
+        }
+        let mut seq = Sequence::new(key.clone(), Arc::new(layout), hashes);
+        let attached_pages = self.attach_prefix(&mut seq);
+        let mut sequences = write(&self.sequences);
+        if sequences.contains_key(&key) {
+            drop(sequences);
+            self.release_sequence_pages(&mut seq);
+            return Err(already_exists(&key));
+        }
+        let info = self.info_of(&seq);
+        sequences.insert(key.clone(), Arc::new(RwLock::new(seq)));
+        tracing::info!(sequence = %key, attached_pages, "sequence created");
+        Ok(Created { attached_pages, info })
+    }
+
+    fn attach_prefix(&self, seq: &mut Sequence) -> u64 {
+        let mut pages = lock(&self.pages);
+        let mut attached = 0;
+        for (p, hash) in seq.hashes.iter().enumerate() {
+            let found: Option<Vec<_>> = (0..seq.lanes.len())
+                .map(|lane| pages.find(&share_key(seq, hash, lane)))
+                .collect();
+            let Some(ids) = found else { break };
+            for (lane, id) in ids.into_iter().enumerate() {
+                let page = Arc::clone(pages.get(id).expect("registered pages are live"));
+                pages.acquire(id).expect("registered pages are live");
+                let digest = page.digest.as_deref().expect("shared pages keep their digest");
+                seq.lanes[lane].push_full_page(LogicalPage::Physical(PageRef { id, page: Arc::clone(&page) }), digest);
+            }
+            attached = p as u64 + 1;
+        }
+        attached
+    }
+
+    /// Drops a sequence; physical pages no other sequence uses are freed.
+    pub fn drop_sequence(&self, key: &SequenceKey) -> StoreResult<()> {
+        let cell = write(&self.sequences).remove(key).ok_or_else(|| not_found(key))?;
+        let mut seq = write(&cell);
+        seq.dropped = true;
+        self.release_sequence_pages(&mut seq);
+        tracing::info!(sequence = %key, "sequence dropped");
+        Ok(())
+    }
+
+    fn release_sequence_pages(&self, seq: &mut Sequence) {
+        let pages: Vec<StorePage> = seq.lanes.iter_mut().flat_map(|l| l.take_pages()).collect();
+        self.release(pages);
+    }
+
+    /// Releases logical pages: summaries free their slot, physical pages lose
+    /// a reference and are freed with the last one.
+    pub(crate) fn release(&self, logical: impl IntoIterator<Item = StorePage>) {
+        let mut freed = Vec::new();
+        {
+            let mut pages = lock(&self.pages);
+            for page in logical {
+                if let LogicalPage::Physical(r) = page {
+                    match pages.release(r.id) {
+                        Ok(Some(page)) => freed.push(page),
+                        Ok(None) => {}
+                        Err(e) => tracing::error!(error = %e, "page table out of step; page leaked"),
+                    }
+                }
+            }
+        }
+        self.forget_device(freed.iter().map(|p| p.id));
+        // Slots return to their tiers as the last `Arc`s drop here (or when a
+        // reader still copying from one finishes).
+    }
+
+    pub fn sequence_info(&self, key: &SequenceKey) -> StoreResult<SequenceInfo> {
+        self.with_sequence(key, |seq| Ok(self.info_of(seq)))
+    }
+
+    fn info_of(&self, seq: &Sequence) -> SequenceInfo {
+        let layout = &seq.layout;
+        let page_bytes = layout.page_bytes() as u64;
+        let mut states = StateCounts::default();
+        let mut bytes = TierBytes::default();
+        let mut shared_ids = Vec::new();
+        for lane in &seq.lanes {
+            for page in lane.pages() {
+                match page {
+                    LogicalPage::Physical(r) => {
+                        let place = read(&r.page.place);
+                        states.add(place.state());
+                        if place.device.is_some() {
+                            bytes.device += page_bytes;
+                        }
+                        bytes.add_cold(place.backing.tier(), page_bytes);
+                        shared_ids.push(r.id);
+                    }
+                    LogicalPage::Summary(s) => {
+                        states.add(PageState::Summary);
+                        bytes.host += s.slot.len();
+                    }
+                    LogicalPage::Gone(_) => states.add(PageState::Gone),
+                }
+            }
+        }
+        let shared_pages = {
+            let pages = lock(&self.pages);
+            shared_ids.iter().filter(|id| pages.refs(**id).is_some_and(|r| r > 1)).count() as u64
+        };
+        let tokens = seq.lanes.iter().map(|l| l.tokens());
+        SequenceInfo {
+            layout: (**layout).clone(),
+            tokens: tokens.clone().min().unwrap_or(0),
+            max_tokens: tokens.max().unwrap_or(0),
+            pages: states,
+            bytes,
+            shared_pages,
+            digest_bytes: seq.lanes.iter().map(|l| l.digests().as_bytes().len() as u64).sum(),
+            prefix_hashes: seq.hashes.len() as u64,
+        }
+    }
+
+    pub fn stats(&self) -> StatsSnapshot {
+        let cells: Vec<_> = read(&self.sequences).values().cloned().collect();
+        let mut pages = StateCounts::default();
+        for cell in &cells {
+            let seq = read(cell);
+            for page in seq.lanes.iter().flat_map(|l| l.pages()) {
+                pages.add(match page {
+                    LogicalPage::Physical(r) => read(&r.page.place).state(),
+                    LogicalPage::Summary(_) => PageState::Summary,
+                    LogicalPage::Gone(_) => PageState::Gone,
+                });
+            }
+        }
+        let mut snapshot = StatsSnapshot {
+            tiers: vec![TierStats::of(&*self.device), TierStats::of(&*self.host)],
+            pages,
+            sequences: cells.len() as u64,
+            physical_pages: lock(&self.pages).len() as u64,
+            transitions: Vec::new(),
+            pages_written: 0,
+            pages_shared: 0,
+            bytes_written: 0,
+            bytes_read: 0,
+            tokens_appended: 0,
+        };
+        snapshot.counters(&self.counters);
+        snapshot
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+}
+
+pub(crate) fn share_key(seq: &Sequence, hash: &Arc<[u8]>, lane: usize) -> ShareKey {
+    ShareKey {
+        tenant: seq.key.tenant.clone(),
+        layout: Arc::clone(&seq.layout),
+        hash: Arc::clone(hash),
+        lane: lane as u32,
+    }
+}
+
+const MAX_HASH_BYTES: usize = 64;
+
+fn check_hashes(hashes: Vec<Vec<u8>>) -> StoreResult<Vec<Arc<[u8]>>> {
+    let mut seen = HashSet::with_capacity(hashes.len());
+    hashes
+        .into_iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let field = format!("prefix_hashes[{i}]");
+            if h.is_empty() || h.len() > MAX_HASH_BYTES {
+                return Err(StoreError::invalid(
+                    field,
+                    format!("is {} bytes long, must be 1..={MAX_HASH_BYTES}", h.len()),
+                ));
+            }
+            let h: Arc<[u8]> = h.into();
+            if !seen.insert(Arc::clone(&h)) {
+                return Err(StoreError::invalid(
+                    field,
+                    "repeats an earlier hash; a hash chain names each prefix once",
+                ));
+            }
+            Ok(h)
+        })
+        .collect()
+}
+
+pub(crate) fn not_found(key: &SequenceKey) -> StoreError {
+    StoreError::NotFound {
+        what: format!("sequence {key}"),
+    }
+}
+
+fn already_exists(key: &SequenceKey) -> StoreError {
+    StoreError::AlreadyExists {
+        what: format!("sequence {key}"),
+    }
+}

@@ -1,0 +1,250 @@
+//! Explicit state transitions for ranges of pages, all-or-nothing: every
+//! page is checked against the state machine and every slot reserved before
+//! anything changes.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kvtier_core::{Action, ColdTier, LogicalPage, PageState, Reason, SequenceKey, Summary};
+use kvtier_tiers::{Slot, TierError, TierKind};
+
+use crate::page::{SummaryPage, read_rows};
+use crate::sequence::{HeadRange, Sequence};
+use crate::sync::{read, write};
+use crate::{Store, StoreError, StoreResult};
+
+#[derive(Debug, Clone, Copy)]
+pub struct SetPageState<'a> {
+    pub layer_start: u32,
+    pub layer_count: u32,
+    pub heads: HeadRange,
+    pub pages: PageSelection<'a>,
+    pub action: Action,
+    /// Rows per summary (`Summarize` only), clamped to each page's tokens.
+    pub summary_rows: u32,
+    pub reason: Reason,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum PageSelection<'a> {
+    /// Pages `first..first + count` of every lane; `count == 0` means through
+    /// the end of each lane.
+    Range { first: u32, count: u32 },
+    /// These pages of every lane.
+    List(&'a [u32]),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransitionOutcome {
+    pub pages: u64,
+}
+
+/// A page named by the request, located.
+struct Target {
+    layer: u32,
+    head: u32,
+    lane: usize,
+    page: usize,
+    from: PageState,
+}
+
+impl Store {
+    pub fn set_page_state(&self, key: &SequenceKey, req: SetPageState<'_>) -> StoreResult<TransitionOutcome> {
+        self.with_sequence_mut(key, |seq| {
+            let targets = self.targets(seq, &req)?;
+            let to = |t: &Target| {
+                t.from.apply(req.action).map_err(|e| {
+                    StoreError::precondition(
+                        "action",
+                        format!("layer {} KV head {} page {}: {e}", t.layer, t.head, t.page),
+                    )
+                })
+            };
+            for t in &targets {
+                to(t)?;
+            }
+            match req.action {
+                Action::Offload(ColdTier::Host) => self.offload(seq, &targets),
+                Action::SwapIn => self.swap_in(seq, &targets)?,
+                Action::Summarize => self.summarize(seq, &targets, req.summary_rows, req.reason)?,
+                Action::Evict => self.evict(seq, &targets, req.reason),
+                Action::Offload(ColdTier::Nvme) | Action::Migrate(_) => {
+                    unreachable!("refused by `targets` while there is no nvme tier")
+                }
+            }
+            let mut by_from = [0u64; PageState::COUNT];
+            for t in &targets {
+                by_from[t.from.index()] += 1;
+            }
+            for from in PageState::ALL {
+                if by_from[from.index()] > 0 {
+                    let to = from.apply(req.action).expect("checked above");
+                    self.counters.transition(from, to, req.reason, by_from[from.index()]);
+                }
+            }
+            Ok(TransitionOutcome {
+                pages: targets.len() as u64,
+            })
+        })
+    }
+
+    /// Resolves and checks the request's pages, in lane then page order.
+    fn targets(&self, seq: &Sequence, req: &SetPageState<'_>) -> StoreResult<Vec<Target>> {
+        let layers = seq.check_layers(req.layer_start, req.layer_count)?;
+        let heads = seq.check_heads(req.heads)?;
+        match req.action {
+            Action::Offload(ColdTier::Nvme) | Action::Migrate(ColdTier::Nvme) => {
+                return Err(StoreError::precondition("action", "the nvme tier is not configured"));
+            }
+            Action::Summarize if req.summary_rows == 0 => {
+                return Err(StoreError::invalid("summary_rows", "must be at least 1 to summarize"));
+            }
+            _ => {}
+        }
+        if let PageSelection::List(pages) = req.pages {
+            let mut seen = BTreeMap::new();
+            for (i, p) in pages.iter().enumerate() {
+                if let Some(first) = seen.insert(*p, i) {
+                    return Err(StoreError::invalid(format!("pages[{i}]"), format!("repeats pages[{first}]")));
+                }
+            }
+        }
+        // Layers of one shared-KV group name the same lane once.
+        let mut lanes = BTreeMap::new();
+        for layer in layers {
+            for (head, lane) in seq.lanes_of(layer, heads.clone()) {
+                lanes.entry(lane).or_insert((layer, head));
+            }
+        }
+        let mut targets = Vec::new();
+        for (lane, (layer, head)) in lanes {
+            let held = seq.lanes[lane].num_pages();
+            let out_of_range = |field: String, p: usize| {
+                StoreError::invalid(field, format!("page {p} is beyond layer {layer} KV head {head}, which holds {held} pages"))
+            };
+            let pages: Vec<usize> = match req.pages {
+                PageSelection::Range { first, count: 0 } if first as usize <= held => (first as usize..held).collect(),
+                PageSelection::Range { first, count: 0 } => return Err(out_of_range("first_page".into(), first as usize)),
+                PageSelection::Range { first, count } => {
+                    let end = first as usize + count as usize;
+                    if end > held {
+                        return Err(out_of_range("page_count".into(), end - 1));
+                    }
+                    (first as usize..end).collect()
+                }
+                PageSelection::List(list) => {
+                    if let Some((i, p)) = list.iter().enumerate().find(|(_, p)| **p as usize >= held) {
+                        return Err(out_of_range(format!("pages[{i}]"), *p as usize));
+                    }
+                    list.iter().map(|p| *p as usize).collect()
+                }
+            };
+            for page in pages {
+                let from = match seq.lanes[lane].page(page).expect("in range") {
+                    LogicalPage::Physical(r) => read(&r.page.place).state(),
+                    LogicalPage::Summary(_) => PageState::Summary,
+                    LogicalPage::Gone(_) => PageState::Gone,
+                };
+                targets.push(Target { layer, head, lane, page, from });
+            }
+        }
+        if targets.is_empty() {
+            return Err(StoreError::invalid("page_count", "selects no pages"));
+        }
+        Ok(targets)
+    }
+
+    fn physical<'s>(seq: &'s Sequence, t: &Target) -> &'s crate::page::PageRef {
+        match seq.lanes[t.lane].page(t.page) {
+            Some(LogicalPage::Physical(r)) => r,
+            _ => unreachable!("the state machine admitted only pages with original bytes"),
+        }
+    }
+
+    /// hot → cold(host): the backing copy is already there; drop the device
+    /// copy.
+    fn offload(&self, seq: &Sequence, targets: &[Target]) {
+        let mut ids = Vec::with_capacity(targets.len());
+        for t in targets {
+            let r = Self::physical(seq, t);
+            write(&r.page.place).device = None;
+            ids.push(r.page.id);
+        }
+        self.forget_device(ids);
+    }
+
+    /// cold → hot: reserve device room for every page first (demoting LRU hot
+    /// pages), then copy.
+    fn swap_in(&self, seq: &Sequence, targets: &[Target]) -> StoreResult<()> {
+        let len = seq.layout.page_bytes() as u64;
+        let needed = len * targets.len() as u64;
+        if needed > self.device.capacity_bytes() {
+            return Err(StoreError::ResourceExhausted(TierError::Full {
+                tier: TierKind::Device,
+                requested: needed,
+                free: self.device.capacity_bytes() - self.device.used_bytes(),
+                largest_free: 0,
+                capacity: self.device.capacity_bytes(),
+            }));
+        }
+        let slots: Vec<Slot> = targets
+            .iter()
+            .map(|_| self.allocate_device(len))
+            .collect::<Result<_, _>>()?;
+        let mut buf = vec![0u8; len as usize];
+        let mut hot = Vec::with_capacity(targets.len());
+        for (t, mut slot) in targets.iter().zip(slots) {
+            let r = Self::physical(seq, t);
+            let mut place = write(&r.page.place);
+            // A page shared with another sequence may have been promoted
+            // through it meanwhile; it is hot either way.
+            if place.device.is_none() {
+                self.host.read(place.backing.slot(), 0, &mut buf)?;
+                self.device.write(&mut slot, 0, &buf)?;
+                place.device = Some(slot);
+            }
+            hot.push(Arc::clone(&r.page));
+        }
+        self.touch_device(hot);
+        Ok(())
+    }
+
+    /// hot | cold → summary: compute and store every summary, then swap them
+    /// in and release the originals.
+    fn summarize(&self, seq: &mut Sequence, targets: &[Target], rows: u32, reason: Reason) -> StoreResult<()> {
+        let layout = Arc::clone(&seq.layout);
+        let mut summaries = Vec::with_capacity(targets.len());
+        for t in targets {
+            let valid = seq.lanes[t.lane].rows_in(t.page);
+            let original = {
+                let place = read(&Self::physical(seq, t).page.place);
+                read_rows(&*self.host, place.backing.slot(), &layout, valid)?
+            };
+            let (keys, values) = original.split_at(original.len() / 2);
+            let summary = Summary::chunk_means(layout.dtype(), layout.head_dim() as usize, keys, values, rows);
+            let mut slot = self.host.allocate(summary.kv.len() as u64)?;
+            self.host.write(&mut slot, 0, &summary.kv)?;
+            summaries.push(SummaryPage {
+                counts: summary.counts,
+                slot,
+            });
+        }
+        let old: Vec<_> = targets
+            .iter()
+            .zip(summaries)
+            .map(|(t, s)| seq.lanes[t.lane].replace(t.page, LogicalPage::Summary(s)))
+            .collect();
+        self.release(old);
+        tracing::debug!(sequence = %seq.key, pages = targets.len(), reason = reason.name(), "summarized");
+        Ok(())
+    }
+
+    /// hot | cold | summary → gone.
+    fn evict(&self, seq: &mut Sequence, targets: &[Target], reason: Reason) {
+        let old: Vec<_> = targets
+            .iter()
+            .map(|t| seq.lanes[t.lane].replace(t.page, LogicalPage::Gone(reason)))
+            .collect();
+        self.release(old);
+    }
+}

@@ -1,0 +1,439 @@
+//! Writes: whole pages (`put_pages`, with prefix sharing) and decode tokens
+//! (`append_tokens`, filling the partial last page first).
+//!
+//! Both run in phases so that a refused write changes nothing: validate,
+//! reserve every slot, copy the bytes, then publish to the page table and
+//! the lanes.
+
+use std::ops::Range;
+use std::sync::{Arc, RwLock};
+
+use kvtier_core::{DigestColumn, Layout, LogicalPage, PageTableError};
+use kvtier_tiers::Slot;
+
+use crate::page::{Backing, PageRef, PhysPage, Placement, ShareKey, StorePage, write_rows};
+use crate::sequence::{HeadRange, Sequence};
+use crate::stats::Counters;
+use crate::store::share_key;
+use crate::sync::{lock, write};
+use crate::{Store, StoreError, StoreResult};
+
+/// Whole pages for one layer and a range of KV heads, starting at the end
+/// of every lane in the range (a page boundary).
+#[derive(Debug, Clone, Copy)]
+pub struct PutPages<'a> {
+    pub layer: u32,
+    pub heads: HeadRange,
+    pub first_page: u32,
+    /// Tokens covered; all pages are full except possibly the last.
+    pub num_tokens: u32,
+    /// Per head (head-major): K rows `[num_tokens][head_dim]`, then V rows.
+    pub kv: &'a [u8],
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PutOutcome {
+    pub pages_written: u64,
+    /// Pages found already stored under their prefix hash: shared, not written.
+    pub pages_shared: u64,
+}
+
+/// Decode tokens for one layer and a range of KV heads, at the end of every
+/// lane in the range.
+#[derive(Debug, Clone, Copy)]
+pub struct AppendTokens<'a> {
+    pub layer: u32,
+    pub heads: HeadRange,
+    pub num_tokens: u32,
+    /// Per head (head-major): K rows `[num_tokens][head_dim]`, then V rows.
+    pub kv: &'a [u8],
+    /// If set, the lanes must hold exactly this many tokens (guards retries).
+    pub expected_position: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppendOutcome {
+    /// Tokens in each written lane afterwards.
+    pub tokens: u64,
+    pub pages_opened: u64,
+}
+
+/// The K and V rows of one message, validated against the layout.
+struct KvRows<'a> {
+    kv: &'a [u8],
+    row: usize,
+    tokens: usize,
+}
+
+impl<'a> KvRows<'a> {
+    fn new(layout: &Layout, heads: usize, tokens: u32, kv: &'a [u8]) -> StoreResult<Self> {
+        if tokens == 0 {
+            return Err(StoreError::invalid("num_tokens", "must be at least 1"));
+        }
+        let (row, tokens) = (layout.row_bytes(), tokens as usize);
+        let expected = heads as u128 * 2 * tokens as u128 * row as u128;
+        if kv.len() as u128 != expected {
+            return Err(StoreError::invalid(
+                "kv",
+                format!(
+                    "is {} bytes, but {heads} KV heads × 2 (K, V) × {tokens} tokens × head_dim {} × {} bytes ({}) = {expected}",
+                    kv.len(),
+                    layout.head_dim(),
+                    layout.dtype().size(),
+                    layout.dtype()
+                ),
+            ));
+        }
+        let rows = Self { kv, row, tokens };
+        let dtype = layout.dtype();
+        for h in 0..heads {
+            if let Some(i) = dtype.first_non_finite(rows.keys(h, 0..tokens)) {
+                let d = layout.head_dim() as usize;
+                return Err(StoreError::invalid(
+                    "kv",
+                    format!(
+                        "key of head {h} (of the message), token {}, dim {} is NaN or infinite; keys must be finite",
+                        i / d,
+                        i % d
+                    ),
+                ));
+            }
+        }
+        Ok(rows)
+    }
+
+    fn keys(&self, head: usize, tokens: Range<usize>) -> &'a [u8] {
+        let base = head * 2 * self.tokens * self.row;
+        &self.kv[base + tokens.start * self.row..base + tokens.end * self.row]
+    }
+
+    fn values(&self, head: usize, tokens: Range<usize>) -> &'a [u8] {
+        let base = head * 2 * self.tokens * self.row + self.tokens * self.row;
+        &self.kv[base + tokens.start * self.row..base + tokens.end * self.row]
+    }
+}
+
+/// Storage reserved for a page about to be written.
+struct NewPage {
+    host: Slot,
+    device: Option<Slot>,
+}
+
+enum Planned {
+    /// Already stored under its prefix hash; a reference is held.
+    Shared(PageRef),
+    /// To be written; storage not reserved yet.
+    Unreserved(Option<ShareKey>),
+    /// To be written into `page`.
+    New { page: NewPage, key: Option<ShareKey> },
+}
+
+impl Store {
+    pub fn put_pages(&self, key: &kvtier_core::SequenceKey, req: PutPages<'_>) -> StoreResult<PutOutcome> {
+        self.with_sequence_mut(key, |seq| self.put_pages_locked(seq, req))
+    }
+
+    fn put_pages_locked(&self, seq: &mut Sequence, req: PutPages<'_>) -> StoreResult<PutOutcome> {
+        seq.check_layer("layer", req.layer)?;
+        let heads = seq.check_heads(req.heads)?;
+        let layout = Arc::clone(&seq.layout);
+        let rows = KvRows::new(&layout, heads.len(), req.num_tokens, req.kv)?;
+        let page_size = layout.page_size() as usize;
+        let start = u64::from(req.first_page) * page_size as u64;
+        for (h, lane) in seq.lanes_of(req.layer, heads.clone()) {
+            let tokens = seq.lanes[lane].tokens();
+            if tokens != start {
+                let hint = if tokens % page_size as u64 == 0 {
+                    format!("PutPages continues at page {}", tokens / page_size as u64)
+                } else {
+                    "its last page is partial; continue with AppendTokens".to_owned()
+                };
+                return Err(StoreError::precondition(
+                    "first_page",
+                    format!("is {}, but layer {} KV head {h} holds {tokens} tokens; {hint}", req.first_page, req.layer),
+                ));
+            }
+        }
+        let lanes: Vec<usize> = seq.lanes_of(req.layer, heads).map(|(_, lane)| lane).collect();
+        let pages = (req.num_tokens as usize).div_ceil(page_size);
+        let token_range = |i: usize| i * page_size..((i + 1) * page_size).min(rows.tokens);
+
+        // Reserve: share what is already stored under its prefix hash,
+        // allocate the rest. A failure releases what was taken.
+        let mut planned: Vec<Planned> = Vec::with_capacity(lanes.len() * pages);
+        {
+            let mut table = lock(&self.pages);
+            for &lane in &lanes {
+                for i in 0..pages {
+                    let full = token_range(i).len() == page_size;
+                    let key = seq
+                        .hashes
+                        .get(req.first_page as usize + i)
+                        .filter(|_| full)
+                        .map(|hash| share_key(seq, hash, lane));
+                    let shared = key.as_ref().and_then(|k| table.find(k)).map(|id| {
+                        table.acquire(id).expect("registered pages are live");
+                        let page = Arc::clone(table.get(id).expect("registered pages are live"));
+                        PageRef { id, page }
+                    });
+                    planned.push(match shared {
+                        Some(r) => Planned::Shared(r),
+                        None => Planned::Unreserved(key),
+                    });
+                }
+            }
+        }
+        if let Err(e) = self.reserve_new_pages(&layout, &mut planned) {
+            self.release_planned(planned);
+            return Err(e);
+        }
+
+        // Copy the bytes into the reserved slots.
+        let copied = planned.iter_mut().enumerate().try_for_each(|(j, plan)| match plan {
+            Planned::New { page, .. } => {
+                let t = token_range(j % pages);
+                self.fill(page, &layout, rows.keys(j / pages, t.clone()), rows.values(j / pages, t))
+            }
+            Planned::Shared(_) | Planned::Unreserved(_) => Ok(()),
+        });
+        if let Err(e) = copied {
+            self.release_planned(planned);
+            return Err(e);
+        }
+
+        // Publish.
+        let (mut written, mut shared) = (0u64, 0u64);
+        let mut hot = Vec::new();
+        let mut table = lock(&self.pages);
+        for (j, plan) in planned.into_iter().enumerate() {
+            let (h, i) = (j / pages, j % pages);
+            let lane = &mut seq.lanes[lanes[h]];
+            let keys = rows.keys(h, token_range(i));
+            match plan {
+                Planned::Shared(r) => {
+                    shared += 1;
+                    let page = Arc::clone(&r.page);
+                    let digest = page.digest.as_deref().expect("shared pages keep their digest");
+                    lane.push_full_page(LogicalPage::Physical(r), digest);
+                }
+                Planned::New { page, key: None } => {
+                    written += 1;
+                    let page = self.phys_page(page, None);
+                    let id = table.insert(Arc::clone(&page), None).map_err(|(e, _)| internal(e))?;
+                    if read_device(&page) {
+                        hot.push(Arc::clone(&page));
+                    }
+                    lane.push_page(LogicalPage::Physical(PageRef { id, page }), keys);
+                }
+                Planned::New { page, key: Some(key) } => {
+                    let mut digest = DigestColumn::new(layout.dtype(), layout.head_dim() as usize);
+                    digest.open_page(keys);
+                    let page = self.phys_page(page, Some(digest.entry(0).into()));
+                    let r = match table.insert(Arc::clone(&page), Some(key)) {
+                        Ok(id) => {
+                            written += 1;
+                            if read_device(&page) {
+                                hot.push(Arc::clone(&page));
+                            }
+                            PageRef { id, page }
+                        }
+                        // Another sequence stored the same prefix meanwhile:
+                        // use its page; ours is freed as it drops here.
+                        Err((PageTableError::KeyTaken(id), _)) => {
+                            shared += 1;
+                            table.acquire(id).map_err(internal)?;
+                            let page = Arc::clone(table.get(id).expect("registered pages are live"));
+                            PageRef { id, page }
+                        }
+                        Err((e, _)) => return Err(internal(e)),
+                    };
+                    lane.push_full_page(LogicalPage::Physical(r), digest.entry(0));
+                }
+                Planned::Unreserved(_) => unreachable!("every new page was reserved"),
+            }
+        }
+        drop(table);
+        self.touch_device(hot);
+        Counters::add(&self.counters.pages_written, written);
+        Counters::add(&self.counters.pages_shared, shared);
+        Counters::add(&self.counters.bytes_written, req.kv.len() as u64);
+        Ok(PutOutcome {
+            pages_written: written,
+            pages_shared: shared,
+        })
+    }
+
+    pub fn append_tokens(&self, key: &kvtier_core::SequenceKey, req: AppendTokens<'_>) -> StoreResult<AppendOutcome> {
+        self.with_sequence_mut(key, |seq| self.append_locked(seq, req))
+    }
+
+    fn append_locked(&self, seq: &mut Sequence, req: AppendTokens<'_>) -> StoreResult<AppendOutcome> {
+        seq.check_layer("layer", req.layer)?;
+        let heads = seq.check_heads(req.heads)?;
+        let layout = Arc::clone(&seq.layout);
+        let rows = KvRows::new(&layout, heads.len(), req.num_tokens, req.kv)?;
+        let lanes: Vec<(u32, usize)> = seq.lanes_of(req.layer, heads).collect();
+        let tokens = seq.lanes[lanes[0].1].tokens();
+        if let Some(&(h, lane)) = lanes.iter().find(|(_, lane)| seq.lanes[*lane].tokens() != tokens) {
+            return Err(StoreError::precondition(
+                "kv_head_start",
+                format!(
+                    "layer {} KV heads {} and {h} hold different lengths ({tokens} and {} tokens); append to each head range separately",
+                    req.layer,
+                    lanes[0].0,
+                    seq.lanes[lane].tokens()
+                ),
+            ));
+        }
+        if let Some(expected) = req.expected_position.filter(|p| *p != tokens) {
+            return Err(StoreError::precondition(
+                "position",
+                format!("is {expected}, but layer {} holds {tokens} tokens in these KV heads", req.layer),
+            ));
+        }
+        let plan = seq.lanes[lanes[0].1].plan_append(req.num_tokens);
+        if plan.fill > 0 {
+            for &(h, lane) in &lanes {
+                let lane = &seq.lanes[lane];
+                let last = lane.num_pages() - 1;
+                if let Some(LogicalPage::Summary(_) | LogicalPage::Gone(_)) = lane.page(last) {
+                    return Err(StoreError::precondition(
+                        "position",
+                        format!(
+                            "appending at {tokens} writes into page {last} of layer {} KV head {h}, \
+                             which no longer holds its original bytes",
+                            req.layer
+                        ),
+                    ));
+                }
+            }
+        }
+
+        let mut planned: Vec<Planned> = (0..lanes.len() * plan.new_pages.len())
+            .map(|_| Planned::Unreserved(None))
+            .collect();
+        self.reserve_new_pages(&layout, &mut planned)?;
+        let opened = planned.len() as u64;
+
+        // Fill the partial last pages in place, then the new pages.
+        let fill = plan.fill as usize;
+        for (h, &(_, lane)) in lanes.iter().enumerate() {
+            if fill == 0 {
+                break;
+            }
+            let lane = &seq.lanes[lane];
+            let Some(LogicalPage::Physical(r)) = lane.page(lane.num_pages() - 1) else {
+                unreachable!("checked above")
+            };
+            let first_row = lane.rows_in(lane.num_pages() - 1);
+            let mut place = write(&r.page.place);
+            let place = &mut *place;
+            let (k, v) = (rows.keys(h, 0..fill), rows.values(h, 0..fill));
+            write_rows(&*self.host, place.backing.slot_mut(), &layout, first_row, k, v)?;
+            if let Some(device) = place.device.as_mut() {
+                write_rows(&*self.device, device, &layout, first_row, k, v)?;
+            }
+        }
+        let per_lane = plan.new_pages.len();
+        let page_tokens = |i: usize| {
+            let start = fill + plan.new_pages[..i].iter().map(|r| *r as usize).sum::<usize>();
+            start..start + plan.new_pages[i] as usize
+        };
+        for (j, p) in planned.iter_mut().enumerate() {
+            let Planned::New { page, .. } = p else { unreachable!("appends plan new pages only") };
+            let t = page_tokens(j % per_lane);
+            self.fill(page, &layout, rows.keys(j / per_lane, t.clone()), rows.values(j / per_lane, t))?;
+        }
+
+        // Publish.
+        let mut hot = Vec::new();
+        let mut table = lock(&self.pages);
+        let mut planned = planned.into_iter();
+        for (h, &(_, lane)) in lanes.iter().enumerate() {
+            let lane = &mut seq.lanes[lane];
+            if fill > 0 {
+                lane.extend_last(rows.keys(h, 0..fill));
+            }
+            for i in 0..per_lane {
+                let Some(Planned::New { page, .. }) = planned.next() else {
+                    unreachable!("appends plan new pages only")
+                };
+                let page = self.phys_page(page, None);
+                let id = table.insert(Arc::clone(&page), None).map_err(|(e, _)| internal(e))?;
+                if read_device(&page) {
+                    hot.push(Arc::clone(&page));
+                }
+                lane.push_page(LogicalPage::Physical(PageRef { id, page }), rows.keys(h, page_tokens(i)));
+            }
+        }
+        drop(table);
+        self.touch_device(hot);
+        Counters::add(&self.counters.pages_written, opened);
+        Counters::add(&self.counters.tokens_appended, u64::from(req.num_tokens) * lanes.len() as u64);
+        Counters::add(&self.counters.bytes_written, req.kv.len() as u64);
+        Ok(AppendOutcome {
+            tokens: tokens + u64::from(req.num_tokens),
+            pages_opened: opened,
+        })
+    }
+
+    /// Allocates host (and, when caching writes, device) slots for every
+    /// planned new page. Host room is required; device room is best effort.
+    fn reserve_new_pages(&self, layout: &Layout, planned: &mut [Planned]) -> StoreResult<()> {
+        let len = layout.page_bytes() as u64;
+        for plan in planned.iter_mut() {
+            if let Planned::Unreserved(key) = plan {
+                let page = NewPage {
+                    host: self.host.allocate(len)?,
+                    device: None,
+                };
+                *plan = Planned::New { page, key: key.take() };
+            }
+        }
+        if self.config.cache_writes_on_device {
+            for plan in planned.iter_mut() {
+                if let Planned::New { page, .. } = plan {
+                    match self.allocate_device(len) {
+                        Ok(slot) => page.device = Some(slot),
+                        Err(_) => break,
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn fill(&self, page: &mut NewPage, layout: &Layout, keys: &[u8], values: &[u8]) -> StoreResult<()> {
+        write_rows(&*self.host, &mut page.host, layout, 0, keys, values)?;
+        if let Some(device) = page.device.as_mut() {
+            write_rows(&*self.device, device, layout, 0, keys, values)?;
+        }
+        Ok(())
+    }
+
+    fn phys_page(&self, page: NewPage, digest: Option<Box<[u8]>>) -> Arc<PhysPage> {
+        Arc::new(PhysPage {
+            id: self.next_page_id(),
+            digest,
+            place: RwLock::new(Placement {
+                device: page.device,
+                backing: Backing::Host(page.host),
+            }),
+        })
+    }
+
+    fn release_planned(&self, planned: Vec<Planned>) {
+        self.release(planned.into_iter().filter_map(|p| match p {
+            Planned::Shared(r) => Some(StorePage::Physical(r)),
+            Planned::Unreserved(_) | Planned::New { .. } => None,
+        }));
+    }
+}
+
+fn read_device(page: &PhysPage) -> bool {
+    crate::sync::read(&page.place).device.is_some()
+}
+
+fn internal(e: PageTableError) -> StoreError {
+    StoreError::Internal(e.to_string())
+}
