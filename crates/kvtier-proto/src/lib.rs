@@ -1,1 +1,9 @@
+//! Generated gRPC types and stubs for `kvtier.v1` (see `proto/kvtier/v1/kvtier.proto`).
 
+#[allow(missing_debug_implementations, unreachable_pub, clippy::all, clippy::pedantic)]
+pub mod v1 {
+    tonic::include_proto!("kvtier.v1");
+}
+
+/// The encoded file descriptor set of `kvtier.v1`, for server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kvtier_descriptor.bin"));

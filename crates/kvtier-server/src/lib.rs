@@ -1,1 +1,149 @@
+//! The kvtier gRPC server: `kvtier.v1.KvTier`, `grpc.health.v1.Health`,
+//! server reflection, and Prometheus metrics over HTTP.
 
+mod convert;
+mod metrics;
+mod service;
+mod status;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use kvtier_proto::v1::kv_tier_server::KvTierServer;
+use kvtier_store::Store;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+
+pub use service::KvTierService;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// Prometheus `/metrics`; `None` disables it.
+    pub metrics_listen: Option<SocketAddr>,
+    /// Largest message accepted or sent, in bytes.
+    pub max_message_bytes: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: ([127, 0, 0, 1], 50051).into(),
+            metrics_listen: Some(([127, 0, 0, 1], 9464).into()),
+            max_message_bytes: 64 << 20,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("gRPC server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("metrics server failed: {0}")]
+    Metrics(std::io::Error),
+    #[error("reflection service: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+}
+
+/// A server whose sockets are bound (so tests can ask for port 0 and read
+/// the port back) but which is not serving yet.
+#[derive(Debug)]
+pub struct BoundServer {
+    store: Arc<Store>,
+    config: ServerConfig,
+    grpc: TcpListener,
+    metrics: Option<TcpListener>,
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
+    TcpListener::bind(addr).await.map_err(|source| ServerError::Bind { addr, source })
+}
+
+impl BoundServer {
+    pub async fn bind(store: Arc<Store>, config: ServerConfig) -> Result<Self, ServerError> {
+        let grpc = bind(config.listen).await?;
+        let metrics = match config.metrics_listen {
+            Some(addr) => Some(bind(addr).await?),
+            None => None,
+        };
+        Ok(Self {
+            store,
+            config,
+            grpc,
+            metrics,
+        })
+    }
+
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc.local_addr().expect("bound socket has an address")
+    }
+
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(|m| m.local_addr().expect("bound socket has an address"))
+    }
+
+    /// Serves until `shutdown` completes, then drains in-flight calls.
+    pub async fn serve(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        tokio::spawn(async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        });
+        let stopped = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        };
+
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health.set_serving::<KvTierServer<KvTierService>>().await;
+        health
+            .set_service_status("", tonic_health::ServingStatus::Serving)
+            .await;
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(kvtier_proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let reflection_v1 = reflection().build_v1()?;
+        let reflection_v1alpha = reflection().build_v1alpha()?;
+        let limit = self.config.max_message_bytes;
+        let kvtier = KvTierServer::new(KvTierService::new(Arc::clone(&self.store)))
+            .max_decoding_message_size(limit)
+            .max_encoding_message_size(limit);
+
+        let metrics = self.metrics.map(|listener| {
+            let router = metrics::router(Arc::clone(&self.store));
+            let stop = stopped(stop_rx.clone());
+            tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await })
+        });
+        tracing::info!(
+            grpc = %self.grpc.local_addr().map_err(ServerError::Metrics)?,
+            metrics = ?self.config.metrics_listen,
+            "serving kvtier.v1"
+        );
+        // Larger HTTP/2 windows and frames: the defaults cap one client at
+        // about half of what loopback carries for megabyte messages.
+        tonic::transport::Server::builder()
+            .initial_stream_window_size(Some(16 << 20))
+            .initial_connection_window_size(Some(32 << 20))
+            .max_frame_size(Some((1 << 20) - 1))
+            .tcp_nodelay(true)
+            .add_service(health_service)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
+            .add_service(kvtier)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(self.grpc), stopped(stop_rx))
+            .await?;
+        if let Some(metrics) = metrics {
+            match metrics.await {
+                Ok(result) => result.map_err(ServerError::Metrics)?,
+                Err(e) => tracing::warn!(error = %e, "metrics task ended abnormally"),
+            }
+        }
+        tracing::info!("kvtier.v1 stopped");
+        Ok(())
+    }
+}

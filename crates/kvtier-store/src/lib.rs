@@ -18,7 +18,8 @@ mod transition;
 mod write;
 
 pub use error::{StoreError, StoreResult};
-pub use read::{FetchPages, FetchedPage, PageContent};
+pub use kvtier_tiers::{TierError, TierKind};
+pub use read::{FetchCursor, FetchPages, FetchedPage, PageContent};
 pub use sequence::HeadRange;
 pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};
 pub use store::{Created, Store, StoreConfig};

@@ -40,10 +40,31 @@ pub enum PageContent {
     Gone(Reason),
 }
 
+/// Where a chunked fetch resumes: the `head`-th head of the range, the
+/// `index`-th page of its list.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FetchCursor {
+    pub head: usize,
+    pub index: usize,
+}
+
 impl Store {
     /// Reads pages bit-exact as written. Summaries come back as summaries and
     /// gone pages as a per-page status; neither fails the call.
     pub fn fetch_pages(&self, key: &SequenceKey, req: FetchPages<'_>) -> StoreResult<Vec<FetchedPage>> {
+        self.fetch_chunk(key, req, FetchCursor::default(), usize::MAX).map(|(pages, _)| pages)
+    }
+
+    /// Like [`Self::fetch_pages`], but stops before the page bytes would
+    /// exceed `max_bytes` (returning at least one page) and says where to
+    /// resume, so large reads stream in bounded memory.
+    pub fn fetch_chunk(
+        &self,
+        key: &SequenceKey,
+        req: FetchPages<'_>,
+        from: FetchCursor,
+        max_bytes: usize,
+    ) -> StoreResult<(Vec<FetchedPage>, Option<FetchCursor>)> {
         self.with_sequence(key, |seq| {
             seq.check_layer("layer", req.layer)?;
             let heads = seq.check_heads(req.heads)?;
@@ -65,20 +86,25 @@ impl Store {
             }
             let mut out = Vec::new();
             let mut hot = Vec::new();
-            let mut bytes = 0u64;
-            for &(h, lane_index) in &lanes {
+            let mut bytes = 0usize;
+            let mut cursor = from;
+            'heads: while let Some(&(h, lane_index)) = lanes.get(cursor.head) {
                 let lane = &seq.lanes[lane_index];
-                let all: Vec<u32>;
-                let pages = match req.pages {
-                    Some(pages) => pages,
-                    None => {
-                        all = (0..lane.num_pages() as u32).collect();
-                        &all
-                    }
-                };
-                for &p in pages {
+                let count = req.pages.map_or(lane.num_pages(), <[u32]>::len);
+                while cursor.index < count {
+                    let p = req.pages.map_or(cursor.index as u32, |pages| pages[cursor.index]);
                     let rows = lane.rows_in(p as usize);
-                    let (state, content) = match lane.page(p as usize).expect("checked above") {
+                    let page = lane.page(p as usize).expect("checked above");
+                    let size = match page {
+                        LogicalPage::Physical(_) => 2 * rows as usize * layout.row_bytes(),
+                        LogicalPage::Summary(s) => s.slot.len() as usize,
+                        LogicalPage::Gone(_) => 0,
+                    };
+                    if !out.is_empty() && bytes + size > max_bytes {
+                        break 'heads;
+                    }
+                    bytes += size;
+                    let (state, content) = match page {
                         LogicalPage::Physical(r) => {
                             let place = read(&r.page.place);
                             let data = read_rows(&*self.host, place.backing.slot(), layout, rows)?;
@@ -95,9 +121,6 @@ impl Store {
                         }
                         LogicalPage::Gone(reason) => (PageState::Gone, PageContent::Gone(*reason)),
                     };
-                    if let PageContent::Original(d) | PageContent::Summary { kv: d, .. } = &content {
-                        bytes += d.len() as u64;
-                    }
                     out.push(FetchedPage {
                         kv_head: h,
                         page: p,
@@ -105,11 +128,17 @@ impl Store {
                         rows,
                         content,
                     });
+                    cursor.index += 1;
                 }
+                cursor = FetchCursor {
+                    head: cursor.head + 1,
+                    index: 0,
+                };
             }
             self.touch_device(hot);
-            Counters::add(&self.counters.bytes_read, bytes);
-            Ok(out)
+            Counters::add(&self.counters.bytes_read, bytes as u64);
+            let more = cursor.head < lanes.len();
+            Ok((out, more.then_some(cursor)))
         })
     }
 }

@@ -1,0 +1,202 @@
+//! Conversions between `kvtier.v1` messages and store types. Every refusal
+//! names the protobuf field.
+
+use kvtier_core::{Action, ColdTier, DType, LayerGroup, Layout, LayoutSpec, PageState, Reason, SequenceKey};
+use kvtier_proto::v1 as pb;
+use kvtier_store::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierKind, TransitionCount};
+use tonic::Status;
+
+use crate::status::{field_status, invalid};
+
+pub(crate) fn key(tenant: &str, sequence_id: &str) -> Result<SequenceKey, Status> {
+    SequenceKey::parse(tenant, sequence_id).map_err(field_status)
+}
+
+/// Decodes a proto enum field, refusing unknown and unspecified values.
+fn enum_field<E: TryFrom<i32>>(field: &str, value: i32, names: &str) -> Result<E, Status> {
+    if value == 0 {
+        return Err(invalid(field, format!("is required ({names})")));
+    }
+    E::try_from(value).map_err(|_| invalid(field, format!("{value} is not one of {names}")))
+}
+
+pub(crate) fn layout(layout: Option<pb::Layout>) -> Result<Layout, Status> {
+    let l = layout.ok_or_else(|| invalid("layout", "is required"))?;
+    let dtype = match enum_field("layout.dtype", l.dtype, "DTYPE_F32, DTYPE_F16, DTYPE_BF16")? {
+        pb::DType::DtypeF32 => DType::F32,
+        pb::DType::DtypeF16 => DType::F16,
+        pb::DType::DtypeBf16 => DType::Bf16,
+        pb::DType::DtypeUnspecified => unreachable!("refused by enum_field"),
+    };
+    Layout::new(LayoutSpec {
+        num_layers: l.num_layers,
+        num_kv_heads: l.num_kv_heads,
+        num_query_heads: l.num_query_heads,
+        head_dim: l.head_dim,
+        dtype,
+        page_size: l.page_size,
+        layer_groups: l
+            .layer_groups
+            .iter()
+            .map(|g| LayerGroup {
+                first_layer: g.first_layer,
+                num_layers: g.num_layers,
+            })
+            .collect(),
+    })
+    .map_err(field_status)
+}
+
+pub(crate) fn layout_to_pb(l: &Layout) -> pb::Layout {
+    let s = l.spec();
+    pb::Layout {
+        num_layers: s.num_layers,
+        num_kv_heads: s.num_kv_heads,
+        num_query_heads: s.num_query_heads,
+        head_dim: s.head_dim,
+        dtype: match s.dtype {
+            DType::F32 => pb::DType::DtypeF32,
+            DType::F16 => pb::DType::DtypeF16,
+            DType::Bf16 => pb::DType::DtypeBf16,
+        } as i32,
+        page_size: s.page_size,
+        layer_groups: s
+            .layer_groups
+            .iter()
+            .map(|g| pb::LayerGroup {
+                first_layer: g.first_layer,
+                num_layers: g.num_layers,
+            })
+            .collect(),
+    }
+}
+
+/// The state as (state, cold tier); the tier is unspecified unless cold.
+pub(crate) fn state_to_pb(state: PageState) -> (pb::PageState, pb::Tier) {
+    match state {
+        PageState::Hot => (pb::PageState::Hot, pb::Tier::Unspecified),
+        PageState::Cold(tier) => (pb::PageState::Cold, cold_tier_to_pb(tier)),
+        PageState::Summary => (pb::PageState::Summary, pb::Tier::Unspecified),
+        PageState::Gone => (pb::PageState::Gone, pb::Tier::Unspecified),
+    }
+}
+
+fn cold_tier_to_pb(tier: ColdTier) -> pb::Tier {
+    match tier {
+        ColdTier::Host => pb::Tier::Host,
+        ColdTier::Nvme => pb::Tier::Nvme,
+    }
+}
+
+pub(crate) fn reason_to_pb(reason: Reason) -> pb::Reason {
+    match reason {
+        Reason::Explicit => pb::Reason::Explicit,
+        Reason::CapacityPressure => pb::Reason::Capacity,
+        Reason::Demand => pb::Reason::Demand,
+        Reason::Prefetch => pb::Reason::Prefetch,
+        Reason::Policy => pb::Reason::Policy,
+        Reason::Integrity => pb::Reason::Integrity,
+        Reason::LostOnRestart => pb::Reason::LostOnRestart,
+    }
+}
+
+fn cold_tier(field: &str, tier: i32) -> Result<ColdTier, Status> {
+    match enum_field(field, tier, "TIER_HOST, TIER_NVME")? {
+        pb::Tier::Host => Ok(ColdTier::Host),
+        pb::Tier::Nvme => Ok(ColdTier::Nvme),
+        pb::Tier::Device => Err(invalid(field, "must be a cold tier (TIER_HOST or TIER_NVME)")),
+        pb::Tier::Unspecified => unreachable!("refused by enum_field"),
+    }
+}
+
+/// The action and, for summaries, the rows per summary.
+pub(crate) fn action(action: Option<pb::set_page_state_request::Action>) -> Result<(Action, u32), Status> {
+    use pb::set_page_state_request::Action as A;
+    match action {
+        None => Err(invalid("action", "is required (offload, swap_in, migrate, summarize or evict)")),
+        Some(A::Offload(o)) => Ok((Action::Offload(cold_tier("action.offload.tier", o.tier)?), 0)),
+        Some(A::SwapIn(_)) => Ok((Action::SwapIn, 0)),
+        Some(A::Migrate(m)) => Ok((Action::Migrate(cold_tier("action.migrate.tier", m.tier)?), 0)),
+        Some(A::Summarize(s)) if s.rows == 0 => Err(invalid("action.summarize.rows", "must be at least 1")),
+        Some(A::Summarize(s)) => Ok((Action::Summarize, s.rows)),
+        Some(A::Evict(_)) => Ok((Action::Evict, 0)),
+    }
+}
+
+fn counts_to_pb(c: &StateCounts) -> pb::PageCounts {
+    pb::PageCounts {
+        hot: c.get(PageState::Hot),
+        cold_host: c.get(PageState::Cold(ColdTier::Host)),
+        cold_nvme: c.get(PageState::Cold(ColdTier::Nvme)),
+        summary: c.get(PageState::Summary),
+        gone: c.get(PageState::Gone),
+    }
+}
+
+fn bytes_to_pb(b: &TierBytes) -> pb::TierBytes {
+    pb::TierBytes {
+        device: b.device,
+        host: b.host,
+        nvme: b.nvme,
+    }
+}
+
+pub(crate) fn info_to_pb(info: &SequenceInfo) -> pb::SequenceInfo {
+    pb::SequenceInfo {
+        layout: Some(layout_to_pb(&info.layout)),
+        tokens: info.tokens,
+        max_tokens: info.max_tokens,
+        pages: Some(counts_to_pb(&info.pages)),
+        bytes: Some(bytes_to_pb(&info.bytes)),
+        shared_pages: info.shared_pages,
+        digest_bytes: info.digest_bytes,
+        prefix_hashes: info.prefix_hashes,
+    }
+}
+
+fn tier_kind_to_pb(kind: TierKind) -> pb::Tier {
+    match kind {
+        TierKind::Device => pb::Tier::Device,
+        TierKind::Host => pb::Tier::Host,
+        TierKind::Nvme => pb::Tier::Nvme,
+    }
+}
+
+fn transition_to_pb(t: &TransitionCount) -> pb::TransitionCount {
+    let (from_state, from_tier) = state_to_pb(t.from);
+    let (to_state, to_tier) = state_to_pb(t.to);
+    pb::TransitionCount {
+        from_state: from_state as i32,
+        from_tier: from_tier as i32,
+        to_state: to_state as i32,
+        to_tier: to_tier as i32,
+        reason: reason_to_pb(t.reason) as i32,
+        count: t.count,
+    }
+}
+
+pub(crate) fn stats_to_pb(s: &StatsSnapshot) -> pb::Stats {
+    pb::Stats {
+        tiers: s
+            .tiers
+            .iter()
+            .map(|t| pb::TierStats {
+                tier: tier_kind_to_pb(t.kind) as i32,
+                backend: t.backend.to_owned(),
+                emulated: t.emulated,
+                capacity_bytes: t.capacity_bytes,
+                used_bytes: t.used_bytes,
+                slots: t.slots,
+            })
+            .collect(),
+        pages: Some(counts_to_pb(&s.pages)),
+        sequences: s.sequences,
+        physical_pages: s.physical_pages,
+        transitions: s.transitions.iter().map(transition_to_pb).collect(),
+        pages_written: s.pages_written,
+        pages_shared: s.pages_shared,
+        bytes_written: s.bytes_written,
+        bytes_read: s.bytes_read,
+        tokens_appended: s.tokens_appended,
+    }
+}

@@ -1,0 +1,264 @@
+//! `kvtier.v1.KvTier` handlers: validate, convert, call the store on a
+//! blocking thread, map errors. No logic of their own.
+
+use std::sync::Arc;
+
+use kvtier_core::{Reason, SequenceKey};
+use kvtier_proto::v1 as pb;
+use kvtier_proto::v1::kv_tier_server::KvTier;
+use kvtier_store::{
+    AppendTokens, FetchCursor, FetchPages, FetchedPage, HeadRange, PageContent, PageSelection, PutPages, SetPageState,
+    Store, StoreResult,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::convert;
+use crate::status::{invalid, to_status};
+
+/// Default and maximum page bytes per `FetchPages` response message.
+const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
+const MAX_CHUNK_BYTES: usize = 32 << 20;
+
+#[derive(Debug, Clone)]
+pub struct KvTierService {
+    store: Arc<Store>,
+}
+
+impl KvTierService {
+    pub fn new(store: Arc<Store>) -> Self {
+        Self { store }
+    }
+
+    /// Runs a store call on a blocking thread: copies of many megabytes must
+    /// not stall the runtime's workers.
+    async fn call<T, F>(&self, f: F) -> Result<T, Status>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Store) -> StoreResult<T> + Send + 'static,
+    {
+        let store = Arc::clone(&self.store);
+        tokio::task::spawn_blocking(move || f(&store))
+            .await
+            .map_err(|e| Status::internal(format!("store task failed: {e}")))?
+            .map_err(to_status)
+    }
+}
+
+fn heads(start: u32, count: u32) -> HeadRange {
+    HeadRange { start, count }
+}
+
+fn page_to_pb(p: FetchedPage) -> pb::Page {
+    let (state, cold_tier) = convert::state_to_pb(p.state);
+    let mut page = pb::Page {
+        kv_head: p.kv_head,
+        page: p.page,
+        state: state as i32,
+        cold_tier: cold_tier as i32,
+        tokens: p.rows,
+        ..Default::default()
+    };
+    match p.content {
+        PageContent::Original(kv) => page.kv = kv.into(),
+        PageContent::Summary { counts, kv } => {
+            page.kv = kv.into();
+            page.summary_counts = counts;
+        }
+        PageContent::Gone(reason) => page.gone_reason = convert::reason_to_pb(reason) as i32,
+    }
+    page
+}
+
+type FetchStream = ReceiverStream<Result<pb::FetchPagesResponse, Status>>;
+
+#[tonic::async_trait]
+impl KvTier for KvTierService {
+    async fn create_sequence(
+        &self,
+        request: Request<pb::CreateSequenceRequest>,
+    ) -> Result<Response<pb::CreateSequenceResponse>, Status> {
+        let r = request.into_inner();
+        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let layout = convert::layout(r.layout)?;
+        let hashes = r.prefix_hashes.into_iter().map(|h| h.to_vec()).collect();
+        let created = self.call(move |s| s.create_sequence(key, layout, hashes)).await?;
+        Ok(Response::new(pb::CreateSequenceResponse {
+            attached_pages: created.attached_pages,
+            info: Some(convert::info_to_pb(&created.info)),
+        }))
+    }
+
+    async fn get_sequence(&self, request: Request<pb::GetSequenceRequest>) -> Result<Response<pb::SequenceInfo>, Status> {
+        let r = request.into_inner();
+        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let info = self.call(move |s| s.sequence_info(&key)).await?;
+        Ok(Response::new(convert::info_to_pb(&info)))
+    }
+
+    async fn drop_sequence(
+        &self,
+        request: Request<pb::DropSequenceRequest>,
+    ) -> Result<Response<pb::DropSequenceResponse>, Status> {
+        let r = request.into_inner();
+        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        self.call(move |s| s.drop_sequence(&key)).await?;
+        Ok(Response::new(pb::DropSequenceResponse {}))
+    }
+
+    async fn put_pages(
+        &self,
+        request: Request<Streaming<pb::PutPagesRequest>>,
+    ) -> Result<Response<pb::PutPagesResponse>, Status> {
+        let mut stream = request.into_inner();
+        let mut total = pb::PutPagesResponse::default();
+        while let Some(r) = stream.message().await? {
+            let write = total.writes;
+            let numbered = |e: Status| Status::new(e.code(), format!("write {write}: {}", e.message()));
+            let key = convert::key(&r.tenant, &r.sequence_id).map_err(numbered)?;
+            let outcome = self
+                .call(move |s| {
+                    s.put_pages(
+                        &key,
+                        PutPages {
+                            layer: r.layer,
+                            heads: heads(r.kv_head_start, r.kv_head_count),
+                            first_page: r.first_page,
+                            num_tokens: r.num_tokens,
+                            kv: &r.kv,
+                        },
+                    )
+                })
+                .await
+                .map_err(numbered)?;
+            total.pages_written += outcome.pages_written;
+            total.pages_shared += outcome.pages_shared;
+            total.writes += 1;
+        }
+        Ok(Response::new(total))
+    }
+
+    async fn append_tokens(
+        &self,
+        request: Request<pb::AppendTokensRequest>,
+    ) -> Result<Response<pb::AppendTokensResponse>, Status> {
+        let r = request.into_inner();
+        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let outcome = self
+            .call(move |s| {
+                s.append_tokens(
+                    &key,
+                    AppendTokens {
+                        layer: r.layer,
+                        heads: heads(r.kv_head_start, r.kv_head_count),
+                        num_tokens: r.num_tokens,
+                        kv: &r.kv,
+                        expected_position: r.position,
+                    },
+                )
+            })
+            .await?;
+        Ok(Response::new(pb::AppendTokensResponse {
+            tokens: outcome.tokens,
+            pages_opened: outcome.pages_opened,
+        }))
+    }
+
+    type FetchPagesStream = FetchStream;
+
+    async fn fetch_pages(&self, request: Request<pb::FetchPagesRequest>) -> Result<Response<FetchStream>, Status> {
+        let r = Arc::new(request.into_inner());
+        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let max_bytes = match r.max_chunk_bytes as usize {
+            0 => DEFAULT_CHUNK_BYTES,
+            n if n > MAX_CHUNK_BYTES => {
+                return Err(invalid("max_chunk_bytes", format!("is {n}, at most {MAX_CHUNK_BYTES} allowed")));
+            }
+            n => n,
+        };
+        let chunk = move |store: &Store, key: &SequenceKey, r: &pb::FetchPagesRequest, from| {
+            let req = FetchPages {
+                layer: r.layer,
+                heads: heads(r.kv_head_start, r.kv_head_count),
+                pages: (!r.pages.is_empty()).then_some(&r.pages[..]),
+            };
+            store.fetch_chunk(key, req, from, max_bytes)
+        };
+        // The first chunk is read before the stream starts, so a bad request
+        // fails the call itself rather than the stream.
+        let (first, mut next) = {
+            let (key, r) = (key.clone(), Arc::clone(&r));
+            self.call(move |s| chunk(s, &key, &r, FetchCursor::default())).await?
+        };
+        let (tx, rx) = mpsc::channel(2);
+        let store = Arc::clone(&self.store);
+        tokio::spawn(async move {
+            let mut pages = first;
+            loop {
+                let msg = pb::FetchPagesResponse {
+                    pages: pages.into_iter().map(page_to_pb).collect(),
+                };
+                if tx.send(Ok(msg)).await.is_err() {
+                    return; // the client went away
+                }
+                let Some(from) = next else { return };
+                let (store, key, r) = (Arc::clone(&store), key.clone(), Arc::clone(&r));
+                let read = tokio::task::spawn_blocking(move || chunk(&store, &key, &r, from)).await;
+                match read {
+                    Ok(Ok((p, n))) => (pages, next) = (p, n),
+                    Ok(Err(e)) => {
+                        let _ = tx.send(Err(to_status(e))).await;
+                        return;
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(Status::internal(format!("store task failed: {e}")))).await;
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn set_page_state(
+        &self,
+        request: Request<pb::SetPageStateRequest>,
+    ) -> Result<Response<pb::SetPageStateResponse>, Status> {
+        let r = request.into_inner();
+        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let (action, summary_rows) = convert::action(r.action)?;
+        if !r.pages.is_empty() && (r.first_page != 0 || r.page_count != 0) {
+            return Err(invalid("pages", "give either pages or first_page/page_count, not both"));
+        }
+        let outcome = self
+            .call(move |s| {
+                s.set_page_state(
+                    &key,
+                    SetPageState {
+                        layer_start: r.layer_start,
+                        layer_count: r.layer_count,
+                        heads: heads(r.kv_head_start, r.kv_head_count),
+                        pages: if r.pages.is_empty() {
+                            PageSelection::Range {
+                                first: r.first_page,
+                                count: r.page_count,
+                            }
+                        } else {
+                            PageSelection::List(&r.pages)
+                        },
+                        action,
+                        summary_rows,
+                        reason: Reason::Explicit,
+                    },
+                )
+            })
+            .await?;
+        Ok(Response::new(pb::SetPageStateResponse { pages: outcome.pages }))
+    }
+
+    async fn get_stats(&self, _request: Request<pb::GetStatsRequest>) -> Result<Response<pb::Stats>, Status> {
+        let stats = self.call(|s| Ok(s.stats())).await?;
+        Ok(Response::new(convert::stats_to_pb(&stats)))
+    }
+}

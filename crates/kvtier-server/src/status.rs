@@ -1,0 +1,29 @@
+//! The one mapping from store errors to gRPC status codes.
+
+use kvtier_core::FieldError;
+use kvtier_store::StoreError;
+use tonic::{Code, Status};
+
+pub(crate) fn to_status(e: StoreError) -> Status {
+    let code = match &e {
+        StoreError::InvalidArgument(_) => Code::InvalidArgument,
+        StoreError::NotFound { .. } => Code::NotFound,
+        StoreError::AlreadyExists { .. } => Code::AlreadyExists,
+        StoreError::FailedPrecondition(_) => Code::FailedPrecondition,
+        StoreError::ResourceExhausted(_) => Code::ResourceExhausted,
+        StoreError::Internal(_) => Code::Internal,
+    };
+    if code == Code::Internal {
+        tracing::error!(error = %e, "internal error");
+    }
+    Status::new(code, e.to_string())
+}
+
+/// A malformed request field, found while converting from protobuf.
+pub(crate) fn field_status(e: FieldError) -> Status {
+    to_status(StoreError::InvalidArgument(e))
+}
+
+pub(crate) fn invalid(field: impl Into<String>, message: impl Into<String>) -> Status {
+    field_status(FieldError::new(field, message))
+}
