@@ -58,6 +58,7 @@ fn page_to_pb(p: FetchedPage) -> pb::Page {
         state: state as i32,
         cold_tier: cold_tier as i32,
         tokens: p.rows,
+        digest: p.digest.map(Into::into).unwrap_or_default(),
         ..Default::default()
     };
     match p.content {
@@ -182,6 +183,7 @@ impl KvTier for KvTierService {
                 layer: r.layer,
                 heads: heads(r.kv_head_start, r.kv_head_count),
                 pages: (!r.pages.is_empty()).then_some(&r.pages[..]),
+                with_digests: r.include_digests,
             };
             store.fetch_chunk(key, req, from, max_bytes)
         };

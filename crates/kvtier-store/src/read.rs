@@ -17,6 +17,8 @@ pub struct FetchPages<'a> {
     /// Page indices, each read for every head in `heads`; `None` reads every
     /// page of every head.
     pub pages: Option<&'a [u32]>,
+    /// Also return each page's digest.
+    pub with_digests: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -27,6 +29,8 @@ pub struct FetchedPage {
     /// Valid token rows of the page (the last page may be partial).
     pub rows: u32,
     pub content: PageContent,
+    /// The page's key digest (min row, then max row), when asked for.
+    pub digest: Option<Vec<u8>>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -127,6 +131,7 @@ impl Store {
                         state,
                         rows,
                         content,
+                        digest: req.with_digests.then(|| lane.digests().entry(p as usize).to_vec()),
                     });
                     cursor.index += 1;
                 }

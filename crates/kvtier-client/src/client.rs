@@ -1,0 +1,267 @@
+//! Typed calls over a tonic channel.
+
+use std::ops::Range;
+
+use bytes::Bytes;
+use tokio_stream::StreamExt;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::pb;
+use crate::pb::kv_tier_client::KvTierClient;
+use crate::pb::set_page_state_request::Action;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("connecting: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("{}: {}", .0.code(), .0.message())]
+    Status(#[from] tonic::Status),
+    #[error(transparent)]
+    Pack(#[from] crate::PackError),
+}
+
+pub(crate) type Result<T> = std::result::Result<T, ClientError>;
+
+/// Largest message the client sends or accepts.
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// A layout message.
+pub fn layout(
+    num_layers: u32,
+    num_kv_heads: u32,
+    num_query_heads: u32,
+    head_dim: u32,
+    dtype: pb::DType,
+    page_size: u32,
+) -> pb::Layout {
+    pb::Layout {
+        num_layers,
+        num_kv_heads,
+        num_query_heads,
+        head_dim,
+        dtype: dtype as i32,
+        page_size,
+        layer_groups: vec![],
+    }
+}
+
+/// A kvtier client bound to one tenant (the default tenant unless set).
+#[derive(Debug, Clone)]
+pub struct Client {
+    inner: KvTierClient<Channel>,
+    tenant: String,
+}
+
+impl Client {
+    /// Connects to `addr` (`http://host:port`) with HTTP/2 windows sized for
+    /// megabyte pages.
+    pub async fn connect(addr: impl Into<String>) -> Result<Self> {
+        let channel = Endpoint::from_shared(addr.into())?
+            .initial_stream_window_size(Some(16 << 20))
+            .initial_connection_window_size(Some(32 << 20))
+            .tcp_nodelay(true)
+            .connect()
+            .await?;
+        Ok(Self::from_channel(channel))
+    }
+
+    pub fn from_channel(channel: Channel) -> Self {
+        Self {
+            inner: KvTierClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            tenant: String::new(),
+        }
+    }
+
+    /// Uses `tenant` for every later call.
+    pub fn with_tenant(mut self, tenant: impl Into<String>) -> Self {
+        self.tenant = tenant.into();
+        self
+    }
+
+    /// The generated stub, for anything the typed calls do not cover.
+    pub fn raw(&mut self) -> &mut KvTierClient<Channel> {
+        &mut self.inner
+    }
+
+    pub async fn create_sequence(
+        &mut self,
+        sequence_id: &str,
+        layout: pb::Layout,
+        prefix_hashes: Vec<Bytes>,
+    ) -> Result<pb::CreateSequenceResponse> {
+        let req = pb::CreateSequenceRequest {
+            tenant: self.tenant.clone(),
+            sequence_id: sequence_id.to_owned(),
+            layout: Some(layout),
+            prefix_hashes,
+        };
+        Ok(self.inner.create_sequence(req).await?.into_inner())
+    }
+
+    pub async fn get_sequence(&mut self, sequence_id: &str) -> Result<pb::SequenceInfo> {
+        let req = pb::GetSequenceRequest {
+            tenant: self.tenant.clone(),
+            sequence_id: sequence_id.to_owned(),
+        };
+        Ok(self.inner.get_sequence(req).await?.into_inner())
+    }
+
+    pub async fn drop_sequence(&mut self, sequence_id: &str) -> Result<()> {
+        let req = pb::DropSequenceRequest {
+            tenant: self.tenant.clone(),
+            sequence_id: sequence_id.to_owned(),
+        };
+        self.inner.drop_sequence(req).await?;
+        Ok(())
+    }
+
+    /// Writes whole pages of one layer for `kv_heads`, starting at page
+    /// `first_page` (which must be where those heads end).
+    pub async fn put_pages(
+        &mut self,
+        sequence_id: &str,
+        layer: u32,
+        kv_heads: Range<u32>,
+        first_page: u32,
+        num_tokens: u32,
+        kv: Bytes,
+    ) -> Result<pb::PutPagesResponse> {
+        let write = self.page_write(sequence_id, layer, kv_heads, first_page, num_tokens, kv);
+        self.put_page_stream(vec![write]).await
+    }
+
+    /// A `PutPages` message for [`Self::put_page_stream`].
+    pub fn page_write(
+        &self,
+        sequence_id: &str,
+        layer: u32,
+        kv_heads: Range<u32>,
+        first_page: u32,
+        num_tokens: u32,
+        kv: Bytes,
+    ) -> pb::PutPagesRequest {
+        pb::PutPagesRequest {
+            tenant: self.tenant.clone(),
+            sequence_id: sequence_id.to_owned(),
+            layer,
+            kv_head_start: kv_heads.start,
+            kv_head_count: kv_heads.len() as u32,
+            first_page,
+            num_tokens,
+            kv,
+        }
+    }
+
+    /// Streams many writes in one call (a whole prefill, layer by layer).
+    pub async fn put_page_stream(&mut self, writes: Vec<pb::PutPagesRequest>) -> Result<pb::PutPagesResponse> {
+        Ok(self.inner.put_pages(tokio_stream::iter(writes)).await?.into_inner())
+    }
+
+    /// Appends `num_tokens` decode tokens of one layer for `kv_heads`. With
+    /// `position`, refuses unless the heads hold exactly that many tokens.
+    pub async fn append_tokens(
+        &mut self,
+        sequence_id: &str,
+        layer: u32,
+        kv_heads: Range<u32>,
+        num_tokens: u32,
+        kv: Bytes,
+        position: Option<u64>,
+    ) -> Result<pb::AppendTokensResponse> {
+        let req = pb::AppendTokensRequest {
+            tenant: self.tenant.clone(),
+            sequence_id: sequence_id.to_owned(),
+            layer,
+            kv_head_start: kv_heads.start,
+            kv_head_count: kv_heads.len() as u32,
+            num_tokens,
+            kv,
+            position,
+        };
+        Ok(self.inner.append_tokens(req).await?.into_inner())
+    }
+
+    /// Reads pages (every page when `pages` is empty) of one layer for
+    /// `kv_heads`, collecting the stream.
+    pub async fn fetch_pages(
+        &mut self,
+        sequence_id: &str,
+        layer: u32,
+        kv_heads: Range<u32>,
+        pages: Vec<u32>,
+    ) -> Result<Vec<pb::Page>> {
+        let req = pb::FetchPagesRequest {
+            tenant: self.tenant.clone(),
+            sequence_id: sequence_id.to_owned(),
+            layer,
+            kv_head_start: kv_heads.start,
+            kv_head_count: kv_heads.len() as u32,
+            pages,
+            ..Default::default()
+        };
+        self.fetch(req).await
+    }
+
+    /// Runs a `FetchPages` request and collects its stream.
+    pub async fn fetch(&mut self, mut req: pb::FetchPagesRequest) -> Result<Vec<pb::Page>> {
+        if req.tenant.is_empty() {
+            req.tenant = self.tenant.clone();
+        }
+        let mut stream = self.inner.fetch_pages(req).await?.into_inner();
+        let mut pages = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            pages.extend(chunk?.pages);
+        }
+        Ok(pages)
+    }
+
+    /// Applies `action` to pages `pages` of `layers` × `kv_heads`; an empty
+    /// page range means every page.
+    pub async fn set_page_state(
+        &mut self,
+        sequence_id: &str,
+        layers: Range<u32>,
+        kv_heads: Range<u32>,
+        pages: Range<u32>,
+        action: Action,
+    ) -> Result<u64> {
+        let req = pb::SetPageStateRequest {
+            tenant: self.tenant.clone(),
+            sequence_id: sequence_id.to_owned(),
+            layer_start: layers.start,
+            layer_count: layers.len() as u32,
+            kv_head_start: kv_heads.start,
+            kv_head_count: kv_heads.len() as u32,
+            first_page: pages.start,
+            page_count: pages.len() as u32,
+            pages: vec![],
+            action: Some(action),
+        };
+        Ok(self.inner.set_page_state(req).await?.into_inner().pages)
+    }
+
+    pub async fn stats(&mut self) -> Result<pb::Stats> {
+        Ok(self.inner.get_stats(pb::GetStatsRequest {}).await?.into_inner())
+    }
+}
+
+/// Actions for [`Client::set_page_state`].
+pub mod actions {
+    use crate::pb;
+    use crate::pb::set_page_state_request::Action;
+
+    pub fn offload_to_host() -> Action {
+        Action::Offload(pb::Offload { tier: pb::Tier::Host as i32 })
+    }
+    pub fn swap_in() -> Action {
+        Action::SwapIn(pb::SwapIn {})
+    }
+    pub fn summarize(rows: u32) -> Action {
+        Action::Summarize(pb::Summarize { rows })
+    }
+    pub fn evict() -> Action {
+        Action::Evict(pb::Evict {})
+    }
+}

@@ -1,0 +1,125 @@
+//! Server configuration: embedded defaults, then a TOML file, then flags.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use anyhow::Context;
+use serde::Deserialize;
+
+/// A byte count written as `4GiB`, `512MiB`, `64KiB`, `1G`, `1000` (binary
+/// units for `*iB`, decimal for `K`/`M`/`G`/`T`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ByteSize(pub(crate) u64);
+
+impl FromStr for ByteSize {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        let (digits, unit) = s.split_at(split);
+        let n: u64 = digits.parse().map_err(|_| format!("{s:?} is not a byte size like 4GiB, 512MiB or 1000"))?;
+        let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "k" | "kb" => 1_000,
+            "m" | "mb" => 1_000_000,
+            "g" | "gb" => 1_000_000_000,
+            "t" | "tb" => 1_000_000_000_000,
+            "kib" => 1 << 10,
+            "mib" => 1 << 20,
+            "gib" => 1 << 30,
+            "tib" => 1 << 40,
+            other => return Err(format!("unknown unit {other:?} in {s:?} (use B, KiB, MiB, GiB, TiB, K, M, G, T)")),
+        };
+        n.checked_mul(scale).map(ByteSize).ok_or_else(|| format!("{s:?} overflows 64 bits"))
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Number(n) => Ok(ByteSize(n)),
+            Raw::Text(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// The file format; every key is optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct FileConfig {
+    pub(crate) listen: Option<SocketAddr>,
+    /// `"off"` disables metrics.
+    pub(crate) metrics_listen: Option<String>,
+    pub(crate) data_dir: Option<PathBuf>,
+    pub(crate) max_message_bytes: Option<ByteSize>,
+    #[serde(default)]
+    pub(crate) tiers: TierFileConfig,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct TierFileConfig {
+    pub(crate) device_bytes: Option<ByteSize>,
+    pub(crate) host_bytes: Option<ByteSize>,
+    pub(crate) cache_writes_on_device: Option<bool>,
+}
+
+impl FileConfig {
+    pub(crate) fn load(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))
+    }
+}
+
+/// Bytes of memory the kernel says are available, if it says.
+pub(crate) fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Default tier sizes for this machine: a quarter of available memory for the
+/// host tier (at most 8 GiB), a sixteenth for the emulated device (at most
+/// 1 GiB), so a default server never starves its host.
+pub(crate) fn default_tier_bytes() -> (u64, u64) {
+    let available = available_memory().unwrap_or(4 << 30);
+    ((available / 16).min(1 << 30), (available / 4).min(8 << 30))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_sizes_parse_with_units() {
+        for (text, bytes) in [
+            ("1000", 1000),
+            ("4GiB", 4 << 30),
+            ("512 MiB", 512 << 20),
+            ("64kib", 64 << 10),
+            ("1G", 1_000_000_000),
+        ] {
+            assert_eq!(text.parse::<ByteSize>(), Ok(ByteSize(bytes)), "{text}");
+        }
+        assert!("4 parsecs".parse::<ByteSize>().is_err());
+        assert!("GiB".parse::<ByteSize>().is_err());
+        assert!("99999999999TiB".parse::<ByteSize>().is_err());
+    }
+
+    #[test]
+    fn config_files_reject_unknown_keys() {
+        let ok: FileConfig = toml::from_str("listen = \"127.0.0.1:1\"\n[tiers]\nhost_bytes = \"1GiB\"\ndevice_bytes = 4096\n").unwrap();
+        assert_eq!(ok.tiers.host_bytes, Some(ByteSize(1 << 30)));
+        assert_eq!(ok.tiers.device_bytes, Some(ByteSize(4096)));
+        assert!(toml::from_str::<FileConfig>("lisen = \"127.0.0.1:1\"").is_err());
+    }
+}

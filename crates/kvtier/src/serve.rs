@@ -1,0 +1,143 @@
+//! `kvtier serve`.
+
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use kvtier_server::{BoundServer, ServerConfig};
+use kvtier_store::{Store, StoreConfig};
+
+use crate::config::{ByteSize, FileConfig, default_tier_bytes};
+
+#[derive(Debug, Args)]
+pub(crate) struct ServeArgs {
+    /// TOML configuration file; flags override its values.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// gRPC listen address [default: 127.0.0.1:50051].
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+    /// Prometheus metrics listen address, or `off` [default: 127.0.0.1:9464].
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
+    /// Directory for durable data [default: ./kvtier-data].
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Device tier capacity, e.g. 1GiB [default: 1/16 of available memory, at most 1GiB].
+    #[arg(long, value_name = "SIZE")]
+    device_bytes: Option<ByteSize>,
+    /// Host tier capacity, e.g. 8GiB [default: 1/4 of available memory, at most 8GiB].
+    #[arg(long, value_name = "SIZE")]
+    host_bytes: Option<ByteSize>,
+    /// Largest gRPC message accepted or sent [default: 64MiB].
+    #[arg(long, value_name = "SIZE")]
+    max_message_bytes: Option<ByteSize>,
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVTIER_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn parse_metrics(value: &str) -> anyhow::Result<Option<SocketAddr>> {
+    if value == "off" {
+        return Ok(None);
+    }
+    value
+        .parse()
+        .map(Some)
+        .with_context(|| format!("metrics_listen: {value:?} is neither an address nor \"off\""))
+}
+
+pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
+    init_logging(args.log_format);
+    let file = match &args.config {
+        Some(path) => FileConfig::load(path)?,
+        None => FileConfig::default(),
+    };
+    let defaults = ServerConfig::default();
+    let (default_device, default_host) = default_tier_bytes();
+    let server = ServerConfig {
+        listen: args.listen.or(file.listen).unwrap_or(defaults.listen),
+        metrics_listen: match args.metrics_listen.or(file.metrics_listen) {
+            Some(value) => parse_metrics(&value)?,
+            None => defaults.metrics_listen,
+        },
+        max_message_bytes: args
+            .max_message_bytes
+            .or(file.max_message_bytes)
+            .map_or(defaults.max_message_bytes, |b| b.0 as usize),
+    };
+    let store = StoreConfig {
+        device_bytes: args.device_bytes.or(file.tiers.device_bytes).map_or(default_device, |b| b.0),
+        host_bytes: args.host_bytes.or(file.tiers.host_bytes).map_or(default_host, |b| b.0),
+        cache_writes_on_device: file
+            .tiers
+            .cache_writes_on_device
+            .unwrap_or(StoreConfig::default().cache_writes_on_device),
+    };
+    let data_dir = args.data_dir.or(file.data_dir).unwrap_or_else(|| PathBuf::from("kvtier-data"));
+    std::fs::create_dir_all(&data_dir).with_context(|| format!("creating data directory {}", data_dir.display()))?;
+    tracing::info!(
+        data_dir = %data_dir.display(),
+        device_bytes = store.device_bytes,
+        host_bytes = store.host_bytes,
+        "starting kvtier"
+    );
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let store = Arc::new(Store::new(store).context("creating the store")?);
+        let bound = BoundServer::bind(store, server).await?;
+        bound.serve(shutdown_signal()).await?;
+        Ok(())
+    })
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for SIGINT");
+            std::future::pending::<()>().await;
+        }
+    };
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                term.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        () = interrupt => tracing::info!("SIGINT: shutting down"),
+        () = terminate => tracing::info!("SIGTERM: shutting down"),
+    }
+}
