@@ -183,7 +183,7 @@ impl Store {
                 }
             }
         }
-        if let Err(e) = self.reserve_new_pages(&layout, &mut planned) {
+        if let Err(e) = self.reserve_new_pages(&layout, &mut planned, pages) {
             self.release_planned(planned);
             return Err(e);
         }
@@ -312,7 +312,7 @@ impl Store {
         let mut planned: Vec<Planned> = (0..lanes.len() * plan.new_pages.len())
             .map(|_| Planned::Unreserved(None))
             .collect();
-        self.reserve_new_pages(&layout, &mut planned)?;
+        self.reserve_new_pages(&layout, &mut planned, plan.new_pages.len())?;
         let opened = planned.len() as u64;
 
         // Fill the partial last pages in place, then the new pages.
@@ -378,8 +378,10 @@ impl Store {
     }
 
     /// Allocates host (and, when caching writes, device) slots for every
-    /// planned new page. Host room is required; device room is best effort.
-    fn reserve_new_pages(&self, layout: &Layout, planned: &mut [Planned]) -> StoreResult<()> {
+    /// planned new page; `planned` is lane-major with `per_lane` pages each.
+    /// Host room is required. Device room is best effort and goes to the
+    /// newest pages first, since they are the likeliest to be read next.
+    fn reserve_new_pages(&self, layout: &Layout, planned: &mut [Planned], per_lane: usize) -> StoreResult<()> {
         let len = layout.page_bytes() as u64;
         for plan in planned.iter_mut() {
             if let Planned::Unreserved(key) = plan {
@@ -390,12 +392,16 @@ impl Store {
                 *plan = Planned::New { page, key: key.take() };
             }
         }
-        if self.config.cache_writes_on_device {
-            for plan in planned.iter_mut() {
-                if let Planned::New { page, .. } = plan {
+        if !self.config.cache_writes_on_device || per_lane == 0 {
+            return Ok(());
+        }
+        let lanes = planned.len() / per_lane;
+        'newest_first: for i in (0..per_lane).rev() {
+            for h in 0..lanes {
+                if let Planned::New { page, .. } = &mut planned[h * per_lane + i] {
                     match self.allocate_device(len) {
                         Ok(slot) => page.device = Some(slot),
-                        Err(_) => break,
+                        Err(_) => break 'newest_first,
                     }
                 }
             }
