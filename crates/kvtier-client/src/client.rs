@@ -253,7 +253,9 @@ pub mod actions {
     use crate::pb::set_page_state_request::Action;
 
     pub fn offload_to_host() -> Action {
-        Action::Offload(pb::Offload { tier: pb::Tier::Host as i32 })
+        Action::Offload(pb::Offload {
+            tier: pb::Tier::Host as i32,
+        })
     }
     pub fn swap_in() -> Action {
         Action::SwapIn(pb::SwapIn {})

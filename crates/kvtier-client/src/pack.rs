@@ -59,7 +59,11 @@ pub enum PackError {
         head_dim: usize,
     },
     #[error("{actual} bytes are not a whole number of {head_dim}-wide K and V rows of {size}-byte elements")]
-    Bytes { actual: usize, head_dim: usize, size: usize },
+    Bytes {
+        actual: usize,
+        head_dim: usize,
+        size: usize,
+    },
 }
 
 /// Packs `k` and `v`, each `[heads][tokens][head_dim]` (the usual layout of
@@ -94,7 +98,7 @@ pub fn pack_kv<T: Element>(k: &[T], v: &[T], heads: usize, tokens: usize, head_d
 /// and V, each `[rows][head_dim]`.
 pub fn unpack_rows<T: Element>(kv: &[u8], head_dim: usize) -> Result<(Vec<T>, Vec<T>), PackError> {
     let row = head_dim * T::SIZE;
-    if row == 0 || kv.len() % (2 * row) != 0 {
+    if row == 0 || !kv.len().is_multiple_of(2 * row) {
         return Err(PackError::Bytes {
             actual: kv.len(),
             head_dim,
@@ -125,7 +129,15 @@ mod tests {
     #[test]
     fn shapes_are_checked() {
         let e = pack_kv(&[f16::ZERO; 3], &[f16::ZERO; 4], 1, 2, 2).unwrap_err();
-        assert!(matches!(e, PackError::Shape { what: "k", actual: 3, expected: 4, .. }));
+        assert!(matches!(
+            e,
+            PackError::Shape {
+                what: "k",
+                actual: 3,
+                expected: 4,
+                ..
+            }
+        ));
         assert!(unpack_rows::<bf16>(&[0u8; 6], 2).is_err());
     }
 }

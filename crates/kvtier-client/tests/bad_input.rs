@@ -50,7 +50,11 @@ fn expect(result: Result<impl std::fmt::Debug, ClientError>, code: Code, field: 
     match result {
         Err(ClientError::Status(s)) => {
             assert_eq!(s.code(), code, "{}", s.message());
-            assert!(s.message().starts_with(field), "message {:?} should start with {field:?}", s.message());
+            assert!(
+                s.message().starts_with(field),
+                "message {:?} should start with {field:?}",
+                s.message()
+            );
         }
         other => panic!("expected {code:?} naming {field}, got {other:?}"),
     }
@@ -80,34 +84,101 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
     };
     let cases: Vec<(pb::CreateSequenceRequest, Code, &str)> = vec![
         (create(None, "n", vec![]), Code::InvalidArgument, "layout:"),
-        (create(with(|l| l.dtype = 0), "n", vec![]), Code::InvalidArgument, "layout.dtype:"),
-        (create(with(|l| l.dtype = 99), "n", vec![]), Code::InvalidArgument, "layout.dtype:"),
-        (create(with(|l| l.page_size = 0), "n", vec![]), Code::InvalidArgument, "layout.page_size:"),
-        (create(with(|l| l.page_size = 2048), "n", vec![]), Code::InvalidArgument, "layout.page_size:"),
-        (create(with(|l| l.num_query_heads = 3), "n", vec![]), Code::InvalidArgument, "layout.num_query_heads:"),
-        (create(with(|l| l.head_dim = 0), "n", vec![]), Code::InvalidArgument, "layout.head_dim:"),
-        (create(with(|l| l.num_layers = 0), "n", vec![]), Code::InvalidArgument, "layout.num_layers:"),
+        (
+            create(with(|l| l.dtype = 0), "n", vec![]),
+            Code::InvalidArgument,
+            "layout.dtype:",
+        ),
+        (
+            create(with(|l| l.dtype = 99), "n", vec![]),
+            Code::InvalidArgument,
+            "layout.dtype:",
+        ),
+        (
+            create(with(|l| l.page_size = 0), "n", vec![]),
+            Code::InvalidArgument,
+            "layout.page_size:",
+        ),
+        (
+            create(with(|l| l.page_size = 2048), "n", vec![]),
+            Code::InvalidArgument,
+            "layout.page_size:",
+        ),
+        (
+            create(with(|l| l.num_query_heads = 3), "n", vec![]),
+            Code::InvalidArgument,
+            "layout.num_query_heads:",
+        ),
+        (
+            create(with(|l| l.head_dim = 0), "n", vec![]),
+            Code::InvalidArgument,
+            "layout.head_dim:",
+        ),
+        (
+            create(with(|l| l.num_layers = 0), "n", vec![]),
+            Code::InvalidArgument,
+            "layout.num_layers:",
+        ),
         (
             create(
-                with(|l| l.layer_groups = vec![pb::LayerGroup { first_layer: 1, num_layers: 2 }]),
+                with(|l| {
+                    l.layer_groups = vec![pb::LayerGroup {
+                        first_layer: 1,
+                        num_layers: 2,
+                    }]
+                }),
                 "n",
                 vec![],
             ),
             Code::InvalidArgument,
             "layout.layer_groups[0]:",
         ),
-        (create(Some(layout()), "", vec![]), Code::InvalidArgument, "sequence_id:"),
-        (create(Some(layout()), "n", vec![Bytes::from(vec![1u8; 65])]), Code::InvalidArgument, "prefix_hashes[0]:"),
-        (create(Some(layout()), "n", vec![Bytes::new()]), Code::InvalidArgument, "prefix_hashes[0]:"),
-        (create(Some(layout()), "s", vec![]), Code::AlreadyExists, "sequence default/s"),
+        (
+            create(Some(layout()), "", vec![]),
+            Code::InvalidArgument,
+            "sequence_id:",
+        ),
+        (
+            create(Some(layout()), "n", vec![Bytes::from(vec![1u8; 65])]),
+            Code::InvalidArgument,
+            "prefix_hashes[0]:",
+        ),
+        (
+            create(Some(layout()), "n", vec![Bytes::new()]),
+            Code::InvalidArgument,
+            "prefix_hashes[0]:",
+        ),
+        (
+            create(Some(layout()), "s", vec![]),
+            Code::AlreadyExists,
+            "sequence default/s",
+        ),
     ];
     for (req, code, field) in cases {
-        expect(c.raw().create_sequence(req).await.map_err(ClientError::from), code, field);
+        expect(
+            c.raw().create_sequence(req).await.map_err(ClientError::from),
+            code,
+            field,
+        );
     }
-    let mut bad_tenant = pb::CreateSequenceRequest { tenant: "a/b".into(), ..create(Some(layout()), "n", vec![]) };
-    expect(c.raw().create_sequence(bad_tenant.clone()).await.map_err(ClientError::from), Code::InvalidArgument, "tenant:");
+    let mut bad_tenant = pb::CreateSequenceRequest {
+        tenant: "a/b".into(),
+        ..create(Some(layout()), "n", vec![])
+    };
+    expect(
+        c.raw()
+            .create_sequence(bad_tenant.clone())
+            .await
+            .map_err(ClientError::from),
+        Code::InvalidArgument,
+        "tenant:",
+    );
     bad_tenant.tenant = "x".repeat(65);
-    expect(c.raw().create_sequence(bad_tenant).await.map_err(ClientError::from), Code::InvalidArgument, "tenant:");
+    expect(
+        c.raw().create_sequence(bad_tenant).await.map_err(ClientError::from),
+        Code::InvalidArgument,
+        "tenant:",
+    );
 
     // PutPages (the message names the write within the stream).
     let mut nan = kv(2, 4).to_vec();
@@ -117,19 +188,69 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
     inf_value_ok[v_start..v_start + 2].copy_from_slice(&half::f16::INFINITY.to_le_bytes());
     let puts: Vec<(pb::PutPagesRequest, Code, &str)> = vec![
         (put(1, (0, 2), 0, 4, kv(2, 3)), Code::InvalidArgument, "write 0: kv:"),
-        (put(1, (0, 2), 0, 4, Bytes::new()), Code::InvalidArgument, "write 0: kv:"),
+        (
+            put(1, (0, 2), 0, 4, Bytes::new()),
+            Code::InvalidArgument,
+            "write 0: kv:",
+        ),
         (put(2, (0, 2), 0, 4, kv(2, 4)), Code::InvalidArgument, "write 0: layer:"),
-        (put(1, (0, 0), 0, 4, Bytes::new()), Code::InvalidArgument, "write 0: kv_head_count:"),
-        (put(1, (1, 2), 0, 4, kv(2, 4)), Code::InvalidArgument, "write 0: kv_head_count:"),
-        (put(1, (2, 1), 0, 4, kv(1, 4)), Code::InvalidArgument, "write 0: kv_head_start:"),
-        (put(1, (u32::MAX, 2), 0, 4, kv(2, 4)), Code::InvalidArgument, "write 0: kv_head_start:"),
-        (put(1, (0, 2), 0, 0, Bytes::new()), Code::InvalidArgument, "write 0: num_tokens:"),
+        (
+            put(1, (0, 0), 0, 4, Bytes::new()),
+            Code::InvalidArgument,
+            "write 0: kv_head_count:",
+        ),
+        (
+            put(1, (1, 2), 0, 4, kv(2, 4)),
+            Code::InvalidArgument,
+            "write 0: kv_head_count:",
+        ),
+        (
+            put(1, (2, 1), 0, 4, kv(1, 4)),
+            Code::InvalidArgument,
+            "write 0: kv_head_start:",
+        ),
+        (
+            put(1, (u32::MAX, 2), 0, 4, kv(2, 4)),
+            Code::InvalidArgument,
+            "write 0: kv_head_start:",
+        ),
+        (
+            put(1, (0, 2), 0, 0, Bytes::new()),
+            Code::InvalidArgument,
+            "write 0: num_tokens:",
+        ),
         (put(1, (0, 2), 0, 4, nan.into()), Code::InvalidArgument, "write 0: kv:"),
-        (put(1, (0, 2), 1, 4, kv(2, 4)), Code::FailedPrecondition, "write 0: first_page:"),
-        (put(0, (0, 2), 2, 4, kv(2, 4)), Code::FailedPrecondition, "write 0: first_page:"),
-        (put(0, (0, 2), 1, 4, kv(2, 4)), Code::FailedPrecondition, "write 0: first_page:"),
-        (pb::PutPagesRequest { sequence_id: "nope".into(), ..put(1, (0, 2), 0, 4, kv(2, 4)) }, Code::NotFound, "write 0: sequence default/nope"),
-        (pb::PutPagesRequest { sequence_id: String::new(), ..put(1, (0, 2), 0, 4, kv(2, 4)) }, Code::InvalidArgument, "write 0: sequence_id:"),
+        (
+            put(1, (0, 2), 1, 4, kv(2, 4)),
+            Code::FailedPrecondition,
+            "write 0: first_page:",
+        ),
+        (
+            put(0, (0, 2), 2, 4, kv(2, 4)),
+            Code::FailedPrecondition,
+            "write 0: first_page:",
+        ),
+        (
+            put(0, (0, 2), 1, 4, kv(2, 4)),
+            Code::FailedPrecondition,
+            "write 0: first_page:",
+        ),
+        (
+            pb::PutPagesRequest {
+                sequence_id: "nope".into(),
+                ..put(1, (0, 2), 0, 4, kv(2, 4))
+            },
+            Code::NotFound,
+            "write 0: sequence default/nope",
+        ),
+        (
+            pb::PutPagesRequest {
+                sequence_id: String::new(),
+                ..put(1, (0, 2), 0, 4, kv(2, 4))
+            },
+            Code::InvalidArgument,
+            "write 0: sequence_id:",
+        ),
     ];
     for (req, code, field) in puts {
         expect(c.put_page_stream(vec![req]).await, code, field);
@@ -147,10 +268,29 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
     };
     let appends: Vec<(pb::AppendTokensRequest, Code, &str)> = vec![
         (append((0, 2), 2, kv(2, 1), None), Code::InvalidArgument, "kv:"),
-        (append((0, 2), 0, Bytes::new(), None), Code::InvalidArgument, "num_tokens:"),
-        (append((0, 3), 1, kv(3, 1), None), Code::InvalidArgument, "kv_head_count:"),
-        (append((0, 2), 1, kv(2, 1), Some(5)), Code::FailedPrecondition, "position:"),
-        (pb::AppendTokensRequest { layer: 9, ..append((0, 2), 1, kv(2, 1), None) }, Code::InvalidArgument, "layer:"),
+        (
+            append((0, 2), 0, Bytes::new(), None),
+            Code::InvalidArgument,
+            "num_tokens:",
+        ),
+        (
+            append((0, 3), 1, kv(3, 1), None),
+            Code::InvalidArgument,
+            "kv_head_count:",
+        ),
+        (
+            append((0, 2), 1, kv(2, 1), Some(5)),
+            Code::FailedPrecondition,
+            "position:",
+        ),
+        (
+            pb::AppendTokensRequest {
+                layer: 9,
+                ..append((0, 2), 1, kv(2, 1), None)
+            },
+            Code::InvalidArgument,
+            "layer:",
+        ),
     ];
     for (req, code, field) in appends {
         expect(c.raw().append_tokens(req).await.map_err(ClientError::from), code, field);
@@ -164,9 +304,33 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
         ..Default::default()
     };
     expect(c.fetch(fetch(vec![0, 2])).await, Code::InvalidArgument, "pages[1]:");
-    expect(c.fetch(pb::FetchPagesRequest { layer: 2, ..fetch(vec![]) }).await, Code::InvalidArgument, "layer:");
-    expect(c.fetch(pb::FetchPagesRequest { max_chunk_bytes: 64 << 20, ..fetch(vec![]) }).await, Code::InvalidArgument, "max_chunk_bytes:");
-    expect(c.fetch(pb::FetchPagesRequest { sequence_id: "nope".into(), ..fetch(vec![]) }).await, Code::NotFound, "sequence default/nope");
+    expect(
+        c.fetch(pb::FetchPagesRequest {
+            layer: 2,
+            ..fetch(vec![])
+        })
+        .await,
+        Code::InvalidArgument,
+        "layer:",
+    );
+    expect(
+        c.fetch(pb::FetchPagesRequest {
+            max_chunk_bytes: 64 << 20,
+            ..fetch(vec![])
+        })
+        .await,
+        Code::InvalidArgument,
+        "max_chunk_bytes:",
+    );
+    expect(
+        c.fetch(pb::FetchPagesRequest {
+            sequence_id: "nope".into(),
+            ..fetch(vec![])
+        })
+        .await,
+        Code::NotFound,
+        "sequence default/nope",
+    );
 
     // SetPageState.
     let set = |action: Option<Action>| pb::SetPageStateRequest {
@@ -184,35 +348,137 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
     let tier = |t: pb::Tier| Some(Action::Offload(pb::Offload { tier: t as i32 }));
     let sets: Vec<(pb::SetPageStateRequest, Code, &str)> = vec![
         (set(None), Code::InvalidArgument, "action:"),
-        (set(tier(pb::Tier::Unspecified)), Code::InvalidArgument, "action.offload.tier:"),
-        (set(tier(pb::Tier::Device)), Code::InvalidArgument, "action.offload.tier:"),
-        (set(Some(Action::Offload(pb::Offload { tier: 17 }))), Code::InvalidArgument, "action.offload.tier:"),
-        (set(Some(actions::summarize(0))), Code::InvalidArgument, "action.summarize.rows:"),
-        (pb::SetPageStateRequest { layer_count: 0, ..set(Some(actions::evict())) }, Code::InvalidArgument, "layer_count:"),
-        (pb::SetPageStateRequest { layer_count: 3, ..set(Some(actions::evict())) }, Code::InvalidArgument, "layer_count:"),
-        (pb::SetPageStateRequest { kv_head_start: 2, kv_head_count: 1, ..set(Some(actions::evict())) }, Code::InvalidArgument, "kv_head_start:"),
-        (pb::SetPageStateRequest { page_count: 3, ..set(Some(actions::evict())) }, Code::InvalidArgument, "page_count:"),
-        (pb::SetPageStateRequest { layer_start: 1, ..set(Some(actions::evict())) }, Code::InvalidArgument, "page_count:"),
-        (pb::SetPageStateRequest { first_page: 5, page_count: 0, ..set(Some(actions::evict())) }, Code::InvalidArgument, "first_page:"),
-        (pb::SetPageStateRequest { page_count: 0, pages: vec![1, 0, 1], ..set(Some(actions::evict())) }, Code::InvalidArgument, "pages[2]:"),
-        (pb::SetPageStateRequest { page_count: 0, pages: vec![0, 7], ..set(Some(actions::evict())) }, Code::InvalidArgument, "pages[1]:"),
-        (pb::SetPageStateRequest { pages: vec![0], ..set(Some(actions::evict())) }, Code::InvalidArgument, "pages:"),
-        (pb::SetPageStateRequest { sequence_id: "nope".into(), ..set(Some(actions::evict())) }, Code::NotFound, "sequence default/nope"),
+        (
+            set(tier(pb::Tier::Unspecified)),
+            Code::InvalidArgument,
+            "action.offload.tier:",
+        ),
+        (
+            set(tier(pb::Tier::Device)),
+            Code::InvalidArgument,
+            "action.offload.tier:",
+        ),
+        (
+            set(Some(Action::Offload(pb::Offload { tier: 17 }))),
+            Code::InvalidArgument,
+            "action.offload.tier:",
+        ),
+        (
+            set(Some(actions::summarize(0))),
+            Code::InvalidArgument,
+            "action.summarize.rows:",
+        ),
+        (
+            pb::SetPageStateRequest {
+                layer_count: 0,
+                ..set(Some(actions::evict()))
+            },
+            Code::InvalidArgument,
+            "layer_count:",
+        ),
+        (
+            pb::SetPageStateRequest {
+                layer_count: 3,
+                ..set(Some(actions::evict()))
+            },
+            Code::InvalidArgument,
+            "layer_count:",
+        ),
+        (
+            pb::SetPageStateRequest {
+                kv_head_start: 2,
+                kv_head_count: 1,
+                ..set(Some(actions::evict()))
+            },
+            Code::InvalidArgument,
+            "kv_head_start:",
+        ),
+        (
+            pb::SetPageStateRequest {
+                page_count: 3,
+                ..set(Some(actions::evict()))
+            },
+            Code::InvalidArgument,
+            "page_count:",
+        ),
+        (
+            pb::SetPageStateRequest {
+                layer_start: 1,
+                ..set(Some(actions::evict()))
+            },
+            Code::InvalidArgument,
+            "page_count:",
+        ),
+        (
+            pb::SetPageStateRequest {
+                first_page: 5,
+                page_count: 0,
+                ..set(Some(actions::evict()))
+            },
+            Code::InvalidArgument,
+            "first_page:",
+        ),
+        (
+            pb::SetPageStateRequest {
+                page_count: 0,
+                pages: vec![1, 0, 1],
+                ..set(Some(actions::evict()))
+            },
+            Code::InvalidArgument,
+            "pages[2]:",
+        ),
+        (
+            pb::SetPageStateRequest {
+                page_count: 0,
+                pages: vec![0, 7],
+                ..set(Some(actions::evict()))
+            },
+            Code::InvalidArgument,
+            "pages[1]:",
+        ),
+        (
+            pb::SetPageStateRequest {
+                pages: vec![0],
+                ..set(Some(actions::evict()))
+            },
+            Code::InvalidArgument,
+            "pages:",
+        ),
+        (
+            pb::SetPageStateRequest {
+                sequence_id: "nope".into(),
+                ..set(Some(actions::evict()))
+            },
+            Code::NotFound,
+            "sequence default/nope",
+        ),
     ];
     for (req, code, field) in sets {
-        expect(c.raw().set_page_state(req).await.map_err(ClientError::from), code, field);
+        expect(
+            c.raw().set_page_state(req).await.map_err(ClientError::from),
+            code,
+            field,
+        );
     }
 
     // GetSequence / DropSequence of what does not exist.
     expect(c.get_sequence("nope").await, Code::NotFound, "sequence default/nope");
     expect(c.drop_sequence("nope").await, Code::NotFound, "sequence default/nope");
 
-    assert_eq!(observe(&mut client).await, before, "a refused request changed something");
+    assert_eq!(
+        observe(&mut client).await,
+        before,
+        "a refused request changed something"
+    );
 
     // A bad write after a good one in one stream: the error names write 1,
     // and write 0 stays applied (values may be infinite; keys may not).
     expect(
-        c.put_page_stream(vec![put(1, (0, 1), 0, 4, inf_value_ok.into()), put(1, (0, 2), 0, 4, kv(1, 4))]).await,
+        c.put_page_stream(vec![
+            put(1, (0, 1), 0, 4, inf_value_ok.into()),
+            put(1, (0, 2), 0, 4, kv(1, 4)),
+        ])
+        .await,
         Code::InvalidArgument,
         "write 1: kv:",
     );

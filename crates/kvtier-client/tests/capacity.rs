@@ -25,7 +25,14 @@ fn tiers(stats: &pb::Stats) -> (u64, u64) {
     (used(pb::Tier::Device), used(pb::Tier::Host))
 }
 
-async fn write(client: &mut Client, seq: &str, first_page: u32, tokens: u32, data: &mut LaneData, seed: u64) -> Result<pb::PutPagesResponse, ClientError> {
+async fn write(
+    client: &mut Client,
+    seq: &str,
+    first_page: u32,
+    tokens: u32,
+    data: &mut LaneData,
+    seed: u64,
+) -> Result<pb::PutPagesResponse, ClientError> {
     let mut scratch = data.clone();
     let kv = random_kv(DTYPE, HEAD_DIM, &mut [&mut scratch], tokens as usize, seed);
     let result = client.put_pages(seq, 0, 0..1, first_page, tokens, kv).await;
@@ -45,7 +52,11 @@ fn exhausted(result: Result<impl std::fmt::Debug, ClientError>) -> String {
 async fn check_all(client: &mut Client, seq: &str, data: &LaneData) {
     let row = HEAD_DIM * 2;
     for p in client.fetch_pages(seq, 0, 0..1, vec![]).await.unwrap() {
-        assert!(p.kv[..] == data.page(p.page as usize, PAGE as usize, row)[..], "page {} lost or changed", p.page);
+        assert!(
+            p.kv[..] == data.page(p.page as usize, PAGE as usize, row)[..],
+            "page {} lost or changed",
+            p.page
+        );
     }
 }
 
@@ -64,12 +75,21 @@ async fn the_host_budget_is_never_exceeded_and_nothing_is_dropped() {
 
     // A write larger than the device: the newest pages get the device copies.
     write(&mut client, "a", 0, 6 * PAGE, &mut a, 1).await.unwrap();
-    let states: Vec<_> = client.fetch_pages("a", 0, 0..1, vec![]).await.unwrap().iter().map(|p| p.state()).collect();
+    let states: Vec<_> = client
+        .fetch_pages("a", 0, 0..1, vec![])
+        .await
+        .unwrap()
+        .iter()
+        .map(|p| p.state())
+        .collect();
     assert_eq!(states[..2], [pb::PageState::Cold; 2]);
     assert_eq!(states[2..], [pb::PageState::Hot; 4]);
     // Promoting the two cold ones demotes the two least recently used hot
     // pages (capacity pressure), and drops nothing.
-    client.set_page_state("a", 0..1, 0..1, 0..2, actions::swap_in()).await.unwrap();
+    client
+        .set_page_state("a", 0..1, 0..1, 0..2, actions::swap_in())
+        .await
+        .unwrap();
     let stats = client.stats().await.unwrap();
     assert_eq!(tiers(&stats), (4 * PAGE_BYTES, 6 * PAGE_BYTES));
     let pages = client.get_sequence("a").await.unwrap().pages.unwrap();
@@ -100,12 +120,20 @@ async fn the_host_budget_is_never_exceeded_and_nothing_is_dropped() {
     exhausted(client.append_tokens("b", 0, 0..1, 1, kv, None).await);
     exhausted(write(&mut client, "a", 6, PAGE, &mut a, 6).await);
     // A summary needs a slot too: refused whole when the host is full.
-    exhausted(client.set_page_state("a", 0..1, 0..1, 0..2, actions::summarize(1)).await);
+    exhausted(
+        client
+            .set_page_state("a", 0..1, 0..1, 0..2, actions::summarize(1))
+            .await,
+    );
 
     let stats = client.stats().await.unwrap();
     let (device, host) = tiers(&stats);
     assert!(device <= 4 * PAGE_BYTES && host <= 10 * PAGE_BYTES);
-    assert_eq!(stats.pages.as_ref().unwrap().gone, 0, "nothing was dropped to make room");
+    assert_eq!(
+        stats.pages.as_ref().unwrap().gone,
+        0,
+        "nothing was dropped to make room"
+    );
     check_all(&mut client, "a", &a).await;
     check_all(&mut client, "b", &b).await;
 
@@ -115,7 +143,11 @@ async fn the_host_budget_is_never_exceeded_and_nothing_is_dropped() {
         let mut client = client.clone();
         async move {
             let pages = client.fetch_pages("a", 0, 0..1, vec![]).await.unwrap();
-            pages.iter().filter(|p| p.state() == state).map(|p| p.page).collect::<Vec<u32>>()
+            pages
+                .iter()
+                .filter(|p| p.state() == state)
+                .map(|p| p.page)
+                .collect::<Vec<u32>>()
         }
     };
     let list = |pages: Vec<u32>, action| pb::SetPageStateRequest {
@@ -128,20 +160,31 @@ async fn the_host_budget_is_never_exceeded_and_nothing_is_dropped() {
     };
     let mut cold = pages_in(&mut client, pb::PageState::Cold).await;
     cold.truncate(4);
-    client.raw().set_page_state(list(cold.clone(), actions::swap_in())).await.unwrap();
+    client
+        .raw()
+        .set_page_state(list(cold.clone(), actions::swap_in()))
+        .await
+        .unwrap();
     assert_eq!(pages_in(&mut client, pb::PageState::Hot).await, cold);
     assert_eq!(client.get_sequence("b").await.unwrap().pages.unwrap().hot, 0);
     assert_eq!(tiers(&client.stats().await.unwrap()).0, 4 * PAGE_BYTES);
     check_all(&mut client, "a", &a).await;
     check_all(&mut client, "b", &b).await;
     // Five pages cannot be hot at once on a four-page device: refused whole.
-    client.raw().set_page_state(list(cold, actions::offload_to_host())).await.unwrap();
+    client
+        .raw()
+        .set_page_state(list(cold, actions::offload_to_host()))
+        .await
+        .unwrap();
     let message = exhausted(client.set_page_state("a", 0..1, 0..1, 0..5, actions::swap_in()).await);
     assert!(message.contains("device tier is full"), "{message}");
     assert!(pages_in(&mut client, pb::PageState::Hot).await.is_empty());
 
     // Evicting frees room for new writes.
-    client.set_page_state("a", 0..1, 0..1, 0..2, actions::evict()).await.unwrap();
+    client
+        .set_page_state("a", 0..1, 0..1, 0..2, actions::evict())
+        .await
+        .unwrap();
     write(&mut client, "a", 6, 2 * PAGE, &mut a, 7).await.unwrap();
     assert_eq!(tiers(&client.stats().await.unwrap()).1, 10 * PAGE_BYTES);
 }

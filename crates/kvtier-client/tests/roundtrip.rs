@@ -22,11 +22,35 @@ struct Case {
 fn cases() -> Vec<Case> {
     vec![
         // SmolLM2-like GQA, partial last page.
-        Case { layers: 2, kv_heads: 3, query_heads: 9, head_dim: 64, page_size: 16, tokens: 70, groups: vec![] },
+        Case {
+            layers: 2,
+            kv_heads: 3,
+            query_heads: 9,
+            head_dim: 64,
+            page_size: 16,
+            tokens: 70,
+            groups: vec![],
+        },
         // Token-level pages.
-        Case { layers: 1, kv_heads: 2, query_heads: 2, head_dim: 8, page_size: 1, tokens: 9, groups: vec![] },
+        Case {
+            layers: 1,
+            kv_heads: 2,
+            query_heads: 2,
+            head_dim: 8,
+            page_size: 1,
+            tokens: 9,
+            groups: vec![],
+        },
         // Odd sizes everywhere.
-        Case { layers: 3, kv_heads: 1, query_heads: 5, head_dim: 3, page_size: 7, tokens: 15, groups: vec![] },
+        Case {
+            layers: 3,
+            kv_heads: 1,
+            query_heads: 5,
+            head_dim: 3,
+            page_size: 7,
+            tokens: 15,
+            groups: vec![],
+        },
         // Llama-3-8B head shape, shared-KV layer pair (layers 1 and 2).
         Case {
             layers: 3,
@@ -35,7 +59,10 @@ fn cases() -> Vec<Case> {
             head_dim: 128,
             page_size: 32,
             tokens: 64,
-            groups: vec![pb::LayerGroup { first_layer: 1, num_layers: 2 }],
+            groups: vec![pb::LayerGroup {
+                first_layer: 1,
+                num_layers: 2,
+            }],
         },
     ]
 }
@@ -62,7 +89,11 @@ async fn check_pages(client: &mut Client, seq: &str, case: &Case, dtype: pb::DTy
                 assert_eq!(p.state(), pb::PageState::Hot);
                 let want = data.page(p.page as usize, case.page_size as usize, row);
                 assert_eq!(p.tokens as usize * 2 * row, want.len());
-                assert!(p.kv[..] == want[..], "{dtype:?} layer {layer} head {h} page {} differs", p.page);
+                assert!(
+                    p.kv[..] == want[..],
+                    "{dtype:?} layer {layer} head {h} page {} differs",
+                    p.page
+                );
             }
         }
     }
@@ -85,7 +116,8 @@ async fn pages_round_trip_bit_exact_in_every_dtype_and_layout() {
             );
             layout.layer_groups = case.groups.clone();
             client.create_sequence(&seq, layout, vec![]).await.unwrap();
-            let mut lanes: Vec<Vec<LaneData>> = vec![vec![LaneData::default(); case.kv_heads as usize]; case.layers as usize];
+            let mut lanes: Vec<Vec<LaneData>> =
+                vec![vec![LaneData::default(); case.kv_heads as usize]; case.layers as usize];
             // Writer: first head alone, then the rest (a TP-2 writer), for
             // every stored layer.
             let mut writes = Vec::new();
@@ -94,11 +126,23 @@ async fn pages_round_trip_bit_exact_in_every_dtype_and_layout() {
                     continue;
                 }
                 let (first, rest) = lanes[layer as usize].split_at_mut(1);
-                let kv = random_kv(dtype, case.head_dim as usize, &mut [&mut first[0]], case.tokens as usize, u64::from(layer) * 7 + c as u64);
+                let kv = random_kv(
+                    dtype,
+                    case.head_dim as usize,
+                    &mut [&mut first[0]],
+                    case.tokens as usize,
+                    u64::from(layer) * 7 + c as u64,
+                );
                 writes.push(client.page_write(&seq, layer, 0..1, 0, case.tokens, kv));
                 if !rest.is_empty() {
                     let mut refs: Vec<&mut LaneData> = rest.iter_mut().collect();
-                    let kv = random_kv(dtype, case.head_dim as usize, &mut refs, case.tokens as usize, u64::from(layer) * 7 + 100);
+                    let kv = random_kv(
+                        dtype,
+                        case.head_dim as usize,
+                        &mut refs,
+                        case.tokens as usize,
+                        u64::from(layer) * 7 + 100,
+                    );
                     writes.push(client.page_write(&seq, layer, 1..case.kv_heads, 0, case.tokens, kv));
                 }
             }
@@ -106,7 +150,10 @@ async fn pages_round_trip_bit_exact_in_every_dtype_and_layout() {
             assert_eq!(put.pages_shared, 0);
             check_pages(&mut client, &seq, case, dtype, &lanes).await;
             let info = client.get_sequence(&seq).await.unwrap();
-            assert_eq!((info.tokens, info.max_tokens), (u64::from(case.tokens), u64::from(case.tokens)));
+            assert_eq!(
+                (info.tokens, info.max_tokens),
+                (u64::from(case.tokens), u64::from(case.tokens))
+            );
             client.drop_sequence(&seq).await.unwrap();
         }
     }
@@ -116,7 +163,15 @@ async fn pages_round_trip_bit_exact_in_every_dtype_and_layout() {
 }
 
 /// Checks every page's digest against min/max of the keys the test wrote.
-async fn check_digests(client: &mut Client, seq: &str, layer: u32, dtype: pb::DType, head_dim: usize, page_size: usize, lanes: &[LaneData]) {
+async fn check_digests(
+    client: &mut Client,
+    seq: &str,
+    layer: u32,
+    dtype: pb::DType,
+    head_dim: usize,
+    page_size: usize,
+    lanes: &[LaneData],
+) {
     let req = pb::FetchPagesRequest {
         sequence_id: seq.into(),
         layer,
@@ -135,7 +190,12 @@ async fn check_digests(client: &mut Client, seq: &str, layer: u32, dtype: pb::DT
             let column = (first..first + rows).map(|t| value(dtype, keys, t * head_dim + i));
             let (min, max) = column.fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
             assert_eq!(value(dtype, &p.digest, i), min, "page {} dim {i} min", p.page);
-            assert_eq!(value(dtype, &p.digest, head_dim + i), max, "page {} dim {i} max", p.page);
+            assert_eq!(
+                value(dtype, &p.digest, head_dim + i),
+                max,
+                "page {} dim {i} max",
+                p.page
+            );
         }
     }
 }
@@ -148,7 +208,11 @@ async fn appends_across_page_boundaries_keep_bytes_and_digests_exact() {
     for dtype in DTYPES {
         let seq = format!("append-{dtype:?}");
         client
-            .create_sequence(&seq, kvtier_client::layout(1, heads, 4, head_dim as u32, dtype, page_size as u32), vec![])
+            .create_sequence(
+                &seq,
+                kvtier_client::layout(1, heads, 4, head_dim as u32, dtype, page_size as u32),
+                vec![],
+            )
             .await
             .unwrap();
         let mut lanes = vec![LaneData::default(); heads as usize];
@@ -161,7 +225,10 @@ async fn appends_across_page_boundaries_keep_bytes_and_digests_exact() {
         for (step, n) in [1u32, 2, 8, 1, 17, 3, 5, 9].into_iter().enumerate() {
             let mut refs: Vec<&mut LaneData> = lanes.iter_mut().collect();
             let kv = random_kv(dtype, head_dim, &mut refs, n as usize, 10 + step as u64);
-            let out = client.append_tokens(&seq, 0, 0..heads, n, kv, Some(position)).await.unwrap();
+            let out = client
+                .append_tokens(&seq, 0, 0..heads, n, kv, Some(position))
+                .await
+                .unwrap();
             position += u64::from(n);
             assert_eq!(out.tokens, position);
             check_digests(&mut client, &seq, 0, dtype, head_dim, page_size, &lanes).await;
@@ -176,7 +243,10 @@ async fn appends_across_page_boundaries_keep_bytes_and_digests_exact() {
         let mut scratch = vec![LaneData::default(); heads as usize];
         let mut refs: Vec<&mut LaneData> = scratch.iter_mut().collect();
         let kv = random_kv(dtype, head_dim, &mut refs, 1, 99);
-        let err = client.append_tokens(&seq, 0, 0..heads, 1, kv, Some(position - 1)).await.unwrap_err();
+        let err = client
+            .append_tokens(&seq, 0, 0..heads, 1, kv, Some(position - 1))
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains("position"), "{err}");
         assert_eq!(client.get_sequence(&seq).await.unwrap().tokens, position);
     }

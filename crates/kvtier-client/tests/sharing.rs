@@ -18,11 +18,19 @@ fn layout() -> pb::Layout {
 }
 
 fn chain(tag: &str, pages: usize) -> Vec<Bytes> {
-    (0..pages).map(|p| Bytes::from(format!("{tag}-prefix-through-page-{p}"))).collect()
+    (0..pages)
+        .map(|p| Bytes::from(format!("{tag}-prefix-through-page-{p}")))
+        .collect()
 }
 
 /// Writes `tokens` tokens to every layer, returning what was written.
-async fn prefill(client: &mut Client, seq: &str, first_page: u32, tokens: u32, seed: u64) -> (pb::PutPagesResponse, Vec<Vec<LaneData>>) {
+async fn prefill(
+    client: &mut Client,
+    seq: &str,
+    first_page: u32,
+    tokens: u32,
+    seed: u64,
+) -> (pb::PutPagesResponse, Vec<Vec<LaneData>>) {
     let mut lanes = vec![vec![LaneData::default(); HEADS as usize]; LAYERS as usize];
     let mut writes = Vec::new();
     for layer in 0..LAYERS {
@@ -34,7 +42,12 @@ async fn prefill(client: &mut Client, seq: &str, first_page: u32, tokens: u32, s
 }
 
 fn host_used(stats: &pb::Stats) -> u64 {
-    stats.tiers.iter().find(|t| t.tier() == pb::Tier::Host).unwrap().used_bytes
+    stats
+        .tiers
+        .iter()
+        .find(|t| t.tier() == pb::Tier::Host)
+        .unwrap()
+        .used_bytes
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,7 +108,10 @@ async fn prefix_pages_are_shared_and_freed_at_the_last_drop() {
     client.drop_sequence("d").await.unwrap();
 
     // Evicting a shared page in B leaves C's copy alone.
-    client.set_page_state("b", 0..1, 0..1, 0..1, actions::evict()).await.unwrap();
+    client
+        .set_page_state("b", 0..1, 0..1, 0..1, actions::evict())
+        .await
+        .unwrap();
     let c0 = client.fetch_pages("c", 0, 0..1, vec![0]).await.unwrap();
     assert_eq!(c0[0].state(), pb::PageState::Hot);
     assert!(c0[0].kv[..] == a_data[0][0].page(0, PAGE as usize, row)[..]);
@@ -114,10 +130,24 @@ async fn sharing_never_crosses_tenants_or_layouts() {
     client.create_sequence("a", layout(), chain("doc", 2)).await.unwrap();
     prefill(&mut client, "a", 0, 2 * PAGE, 1).await;
     let mut other_tenant = server.client().await.with_tenant("team-b");
-    assert_eq!(other_tenant.create_sequence("a", layout(), chain("doc", 2)).await.unwrap().attached_pages, 0);
+    assert_eq!(
+        other_tenant
+            .create_sequence("a", layout(), chain("doc", 2))
+            .await
+            .unwrap()
+            .attached_pages,
+        0
+    );
     let mut f32_layout = layout();
     f32_layout.dtype = pb::DType::DtypeF32 as i32;
-    assert_eq!(client.create_sequence("x", f32_layout, chain("doc", 2)).await.unwrap().attached_pages, 0);
+    assert_eq!(
+        client
+            .create_sequence("x", f32_layout, chain("doc", 2))
+            .await
+            .unwrap()
+            .attached_pages,
+        0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -127,7 +157,9 @@ async fn a_repeated_hash_in_a_chain_is_refused() {
     let mut hashes = chain("doc", 3);
     hashes.push(hashes[1].clone());
     let err = client.create_sequence("a", layout(), hashes).await.unwrap_err();
-    let kvtier_client::ClientError::Status(status) = err else { panic!("{err}") };
+    let kvtier_client::ClientError::Status(status) = err else {
+        panic!("{err}")
+    };
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert!(status.message().starts_with("prefix_hashes[3]"), "{}", status.message());
 }

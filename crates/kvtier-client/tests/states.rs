@@ -15,7 +15,11 @@ const PAGE: usize = 4;
 
 async fn setup(client: &mut Client, seq: &str, tokens: u32) -> Vec<LaneData> {
     client
-        .create_sequence(seq, kvtier_client::layout(2, 2, 2, HEAD_DIM as u32, DTYPE, PAGE as u32), vec![])
+        .create_sequence(
+            seq,
+            kvtier_client::layout(2, 2, 2, HEAD_DIM as u32, DTYPE, PAGE as u32),
+            vec![],
+        )
         .await
         .unwrap();
     let mut lanes = vec![LaneData::default(); 4];
@@ -57,26 +61,45 @@ async fn legal_transitions_move_pages_and_lose_nothing_they_should_keep() {
     let page = |layer: usize, head: usize, p: usize| lanes[layer * 2 + head].page(p, PAGE, row());
 
     // hot → cold(host): bytes unchanged, state and tier reported.
-    assert_eq!(client.set_page_state("s", 0..2, 0..2, 0..2, actions::offload_to_host()).await.unwrap(), 8);
+    assert_eq!(
+        client
+            .set_page_state("s", 0..2, 0..2, 0..2, actions::offload_to_host())
+            .await
+            .unwrap(),
+        8
+    );
     let info = client.get_sequence("s").await.unwrap();
     let counts = info.pages.unwrap();
     assert_eq!((counts.hot, counts.cold_host), (8, 8));
     for p in client.fetch_pages("s", 1, 0..2, vec![0, 1, 2]).await.unwrap() {
-        let (state, tier) = if p.page < 2 { (pb::PageState::Cold, pb::Tier::Host) } else { (pb::PageState::Hot, pb::Tier::Unspecified) };
+        let (state, tier) = if p.page < 2 {
+            (pb::PageState::Cold, pb::Tier::Host)
+        } else {
+            (pb::PageState::Hot, pb::Tier::Unspecified)
+        };
         assert_eq!((p.state(), p.cold_tier()), (state, tier));
         assert!(p.kv[..] == page(1, p.kv_head as usize, p.page as usize)[..]);
     }
 
     // cold → hot.
-    client.set_page_state("s", 1..2, 1..2, 0..1, actions::swap_in()).await.unwrap();
+    client
+        .set_page_state("s", 1..2, 1..2, 0..1, actions::swap_in())
+        .await
+        .unwrap();
     let p = &client.fetch_pages("s", 1, 1..2, vec![0]).await.unwrap()[0];
     assert_eq!(p.state(), pb::PageState::Hot);
     assert!(p.kv[..] == page(1, 1, 0)[..]);
 
     // hot|cold → summary: counts cover the page; a 1-row-per-token summary
     // is the page itself.
-    client.set_page_state("s", 0..1, 0..1, 0..2, actions::summarize(2)).await.unwrap();
-    client.set_page_state("s", 0..1, 0..1, 2..3, actions::summarize(PAGE as u32)).await.unwrap();
+    client
+        .set_page_state("s", 0..1, 0..1, 0..2, actions::summarize(2))
+        .await
+        .unwrap();
+    client
+        .set_page_state("s", 0..1, 0..1, 2..3, actions::summarize(PAGE as u32))
+        .await
+        .unwrap();
     let pages = client.fetch_pages("s", 0, 0..1, vec![0, 1, 2]).await.unwrap();
     for p in &pages {
         assert_eq!(p.state(), pb::PageState::Summary);
@@ -84,18 +107,31 @@ async fn legal_transitions_move_pages_and_lose_nothing_they_should_keep() {
     }
     assert_eq!(pages[0].summary_counts, [2, 2]);
     assert_eq!(pages[0].kv.len(), 2 * 2 * row());
-    assert!(pages[2].kv[..] == page(0, 0, 2)[..], "one row per token reproduces the page");
+    assert!(
+        pages[2].kv[..] == page(0, 0, 2)[..],
+        "one row per token reproduces the page"
+    );
 
     // hot|cold|summary → gone, reported per page without failing the read.
-    client.set_page_state("s", 0..1, 0..1, 1..4, actions::evict()).await.unwrap();
+    client
+        .set_page_state("s", 0..1, 0..1, 1..4, actions::evict())
+        .await
+        .unwrap();
     let pages = client.fetch_pages("s", 0, 0..1, vec![]).await.unwrap();
-    assert_eq!(pages.iter().map(|p| p.state()).collect::<Vec<_>>(), [
-        pb::PageState::Summary,
-        pb::PageState::Gone,
-        pb::PageState::Gone,
-        pb::PageState::Gone
-    ]);
-    assert!(pages[1..].iter().all(|p| p.kv.is_empty() && p.gone_reason() == pb::Reason::Explicit));
+    assert_eq!(
+        pages.iter().map(|p| p.state()).collect::<Vec<_>>(),
+        [
+            pb::PageState::Summary,
+            pb::PageState::Gone,
+            pb::PageState::Gone,
+            pb::PageState::Gone
+        ]
+    );
+    assert!(
+        pages[1..]
+            .iter()
+            .all(|p| p.kv.is_empty() && p.gone_reason() == pb::Reason::Explicit)
+    );
     // Gone pages keep their positions and digests.
     let info = client.get_sequence("s").await.unwrap();
     assert_eq!(info.tokens, 4 * PAGE as u64);
@@ -136,10 +172,22 @@ async fn summaries_of_identical_keys_are_exact() {
         .create_sequence("s", kvtier_client::layout(1, 1, 1, 4, pb::DType::DtypeF16, 8), vec![])
         .await
         .unwrap();
-    let k: Vec<half::f16> = (0..8).flat_map(|_| [0.1f32, -2.5, 3.75, 1e-3]).map(half::f16::from_f32).collect();
-    let v: Vec<half::f16> = (0..8).flat_map(|_| [7.0f32, 0.0, -1.0, 2.0]).map(half::f16::from_f32).collect();
-    client.put_pages("s", 0, 0..1, 0, 8, kvtier_client::pack_kv(&k, &v, 1, 8, 4).unwrap()).await.unwrap();
-    client.set_page_state("s", 0..1, 0..1, 0..1, actions::summarize(1)).await.unwrap();
+    let k: Vec<half::f16> = (0..8)
+        .flat_map(|_| [0.1f32, -2.5, 3.75, 1e-3])
+        .map(half::f16::from_f32)
+        .collect();
+    let v: Vec<half::f16> = (0..8)
+        .flat_map(|_| [7.0f32, 0.0, -1.0, 2.0])
+        .map(half::f16::from_f32)
+        .collect();
+    client
+        .put_pages("s", 0, 0..1, 0, 8, kvtier_client::pack_kv(&k, &v, 1, 8, 4).unwrap())
+        .await
+        .unwrap();
+    client
+        .set_page_state("s", 0..1, 0..1, 0..1, actions::summarize(1))
+        .await
+        .unwrap();
     let p = &client.fetch_pages("s", 0, 0..1, vec![]).await.unwrap()[0];
     let (sk, sv) = kvtier_client::unpack_rows::<half::f16>(&p.kv, 4).unwrap();
     assert_eq!((sk.as_slice(), sv.as_slice()), (&k[..4], &v[..4]));
@@ -152,12 +200,23 @@ async fn illegal_transitions_are_refused_and_change_nothing() {
     let mut client = server.client().await;
     setup(&mut client, "s", 4 * PAGE as u32).await;
     // Layer 0 head 0: page 0 hot, 1 cold, 2 summary, 3 gone.
-    client.set_page_state("s", 0..1, 0..1, 1..2, actions::offload_to_host()).await.unwrap();
-    client.set_page_state("s", 0..1, 0..1, 2..3, actions::summarize(1)).await.unwrap();
-    client.set_page_state("s", 0..1, 0..1, 3..4, actions::evict()).await.unwrap();
+    client
+        .set_page_state("s", 0..1, 0..1, 1..2, actions::offload_to_host())
+        .await
+        .unwrap();
+    client
+        .set_page_state("s", 0..1, 0..1, 2..3, actions::summarize(1))
+        .await
+        .unwrap();
+    client
+        .set_page_state("s", 0..1, 0..1, 3..4, actions::evict())
+        .await
+        .unwrap();
 
     let migrate = |tier: pb::Tier| Action::Migrate(pb::Migrate { tier: tier as i32 });
-    let offload_nvme = Action::Offload(pb::Offload { tier: pb::Tier::Nvme as i32 });
+    let offload_nvme = Action::Offload(pb::Offload {
+        tier: pb::Tier::Nvme as i32,
+    });
     let illegal: Vec<(u32, Action)> = vec![
         (0, actions::swap_in()),
         (0, migrate(pb::Tier::Host)),
@@ -176,7 +235,10 @@ async fn illegal_transitions_are_refused_and_change_nothing() {
     let before = snapshot(&mut client, "s").await;
     let stats_before = client.stats().await.unwrap();
     for (page, action) in illegal {
-        let err = client.set_page_state("s", 0..1, 0..1, page..page + 1, action.clone()).await.unwrap_err();
+        let err = client
+            .set_page_state("s", 0..1, 0..1, page..page + 1, action)
+            .await
+            .unwrap_err();
         let (code, message) = status_of(err);
         assert_eq!(code, Code::FailedPrecondition, "page {page} {action:?}: {message}");
         assert!(message.starts_with("action: layer 0 KV head 0 page"), "{message}");
@@ -184,18 +246,34 @@ async fn illegal_transitions_are_refused_and_change_nothing() {
     }
     // All or nothing: a range whose first pages could be offloaded but whose
     // third cannot leaves the first ones hot.
-    let (code, message) = status_of(client.set_page_state("s", 0..2, 0..2, 0..4, actions::offload_to_host()).await.unwrap_err());
+    let (code, message) = status_of(
+        client
+            .set_page_state("s", 0..2, 0..2, 0..4, actions::offload_to_host())
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(code, Code::FailedPrecondition);
     assert!(message.contains("page 1"), "{message}");
     // No nvme tier: refused as a precondition.
-    let (code, message) = status_of(client.set_page_state("s", 1..2, 0..1, 0..1, offload_nvme).await.unwrap_err());
-    assert_eq!((code, message.as_str()), (Code::FailedPrecondition, "action: the nvme tier is not configured"));
+    let (code, message) = status_of(
+        client
+            .set_page_state("s", 1..2, 0..1, 0..1, offload_nvme)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(
+        (code, message.as_str()),
+        (Code::FailedPrecondition, "action: the nvme tier is not configured")
+    );
     assert_eq!(snapshot(&mut client, "s").await, before);
     assert_eq!(client.stats().await.unwrap().transitions, stats_before.transitions);
 
     // Appending into a last page that lost its bytes is refused too.
     setup(&mut client, "t", 3).await;
-    client.set_page_state("t", 0..1, 0..2, 0..1, actions::evict()).await.unwrap();
+    client
+        .set_page_state("t", 0..1, 0..2, 0..1, actions::evict())
+        .await
+        .unwrap();
     let mut scratch = vec![LaneData::default(); 2];
     let mut refs: Vec<&mut LaneData> = scratch.iter_mut().collect();
     let kv = random_kv(DTYPE, HEAD_DIM, &mut refs, 1, 3);

@@ -67,7 +67,10 @@ impl DigestColumn {
     /// (`[rows][head_dim]`, at least one row).
     pub fn open_page(&mut self, keys: &[u8]) {
         let row = self.row_bytes();
-        assert!(keys.len() >= row && keys.len() % row == 0, "open_page needs whole key rows");
+        assert!(
+            keys.len() >= row && keys.len().is_multiple_of(row),
+            "open_page needs whole key rows"
+        );
         self.bytes.extend_from_slice(&keys[..row]);
         self.bytes.extend_from_slice(&keys[..row]);
         let page = self.pages() - 1;

@@ -44,17 +44,13 @@ impl DType {
         match self {
             DType::F32 => bytes[4 * i..4 * i + 4].copy_from_slice(&value.to_le_bytes()),
             DType::F16 => bytes[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(value).to_le_bytes()),
-            DType::Bf16 => {
-                bytes[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(value).to_le_bytes())
-            }
+            DType::Bf16 => bytes[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(value).to_le_bytes()),
         }
     }
 
     /// Widens a whole little-endian buffer to f32.
     pub fn to_f32_vec(self, bytes: &[u8]) -> Vec<f32> {
-        (0..bytes.len() / self.size())
-            .map(|i| self.get_f32(bytes, i))
-            .collect()
+        (0..bytes.len() / self.size()).map(|i| self.get_f32(bytes, i)).collect()
     }
 
     /// Index of the first element that is NaN or infinite, if any.

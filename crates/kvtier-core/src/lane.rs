@@ -105,7 +105,10 @@ impl<P, S> Lane<P, S> {
 
     fn check_push(&self, rows: usize) {
         assert!(self.room_in_last() == 0, "a new page needs a full last page");
-        assert!(rows >= 1 && rows <= self.page_size as usize, "a page holds 1..=page_size rows");
+        assert!(
+            rows >= 1 && rows <= self.page_size as usize,
+            "a page holds 1..=page_size rows"
+        );
     }
 
     /// Adds key rows to the partial last page, whose storage the caller has
@@ -143,10 +146,22 @@ mod tests {
     #[test]
     fn appends_fill_the_partial_page_first() {
         let mut lane = TestLane::new(DType::F32, 2, 4);
-        assert_eq!(lane.plan_append(9), AppendPlan { fill: 0, new_pages: vec![4, 4, 1] });
+        assert_eq!(
+            lane.plan_append(9),
+            AppendPlan {
+                fill: 0,
+                new_pages: vec![4, 4, 1]
+            }
+        );
         lane.push_page(LogicalPage::Physical(0), &rows(3));
         assert_eq!((lane.tokens(), lane.room_in_last()), (3, 1));
-        assert_eq!(lane.plan_append(6), AppendPlan { fill: 1, new_pages: vec![4, 1] });
+        assert_eq!(
+            lane.plan_append(6),
+            AppendPlan {
+                fill: 1,
+                new_pages: vec![4, 1]
+            }
+        );
         lane.extend_last(&rows(1));
         assert_eq!((lane.tokens(), lane.room_in_last()), (4, 0));
         lane.push_page(LogicalPage::Physical(1), &rows(2));

@@ -54,7 +54,7 @@ impl Layout {
         within("num_query_heads", spec.num_query_heads, LayoutSpec::MAX_QUERY_HEADS)?;
         within("head_dim", spec.head_dim, LayoutSpec::MAX_HEAD_DIM)?;
         within("page_size", spec.page_size, LayoutSpec::MAX_PAGE_SIZE)?;
-        if spec.num_query_heads % spec.num_kv_heads != 0 {
+        if !spec.num_query_heads.is_multiple_of(spec.num_kv_heads) {
             return Err(FieldError::new(
                 "layout.num_query_heads",
                 format!(
@@ -214,7 +214,8 @@ mod tests {
 
     #[test]
     fn each_bad_field_is_named() {
-        let cases: Vec<(Box<dyn Fn(&mut LayoutSpec)>, &str)> = vec![
+        type Mutation = Box<dyn Fn(&mut LayoutSpec)>;
+        let cases: Vec<(Mutation, &str)> = vec![
             (Box::new(|s| s.num_layers = 0), "layout.num_layers"),
             (Box::new(|s| s.num_kv_heads = 0), "layout.num_kv_heads"),
             (Box::new(|s| s.num_query_heads = 7), "layout.num_query_heads"),
@@ -222,20 +223,36 @@ mod tests {
             (Box::new(|s| s.page_size = 0), "layout.page_size"),
             (Box::new(|s| s.page_size = 1025), "layout.page_size"),
             (
-                Box::new(|s| s.layer_groups = vec![LayerGroup { first_layer: 3, num_layers: 2 }]),
+                Box::new(|s| {
+                    s.layer_groups = vec![LayerGroup {
+                        first_layer: 3,
+                        num_layers: 2,
+                    }]
+                }),
                 "layout.layer_groups[0]",
             ),
             (
                 Box::new(|s| {
                     s.layer_groups = vec![
-                        LayerGroup { first_layer: 0, num_layers: 2 },
-                        LayerGroup { first_layer: 1, num_layers: 2 },
+                        LayerGroup {
+                            first_layer: 0,
+                            num_layers: 2,
+                        },
+                        LayerGroup {
+                            first_layer: 1,
+                            num_layers: 2,
+                        },
                     ]
                 }),
                 "layout.layer_groups[1]",
             ),
             (
-                Box::new(|s| s.layer_groups = vec![LayerGroup { first_layer: 0, num_layers: 1 }]),
+                Box::new(|s| {
+                    s.layer_groups = vec![LayerGroup {
+                        first_layer: 0,
+                        num_layers: 1,
+                    }]
+                }),
                 "layout.layer_groups[0]",
             ),
         ];
@@ -245,14 +262,23 @@ mod tests {
             assert_eq!(Layout::new(s).unwrap_err().field, field);
         }
         assert!(Layout::new(LayoutSpec { page_size: 1, ..spec() }).is_ok());
-        assert!(Layout::new(LayoutSpec { page_size: 1024, ..spec() }).is_ok());
+        assert!(
+            Layout::new(LayoutSpec {
+                page_size: 1024,
+                ..spec()
+            })
+            .is_ok()
+        );
     }
 
     #[test]
     fn layer_groups_share_one_stored_layer() {
         // YOCO-like: layers 2 and 3 read one KV.
         let l = Layout::new(LayoutSpec {
-            layer_groups: vec![LayerGroup { first_layer: 2, num_layers: 2 }],
+            layer_groups: vec![LayerGroup {
+                first_layer: 2,
+                num_layers: 2,
+            }],
             ..spec()
         })
         .unwrap();
@@ -263,8 +289,14 @@ mod tests {
         // CLA-like: pairs.
         let l = Layout::new(LayoutSpec {
             layer_groups: vec![
-                LayerGroup { first_layer: 0, num_layers: 2 },
-                LayerGroup { first_layer: 2, num_layers: 2 },
+                LayerGroup {
+                    first_layer: 0,
+                    num_layers: 2,
+                },
+                LayerGroup {
+                    first_layer: 2,
+                    num_layers: 2,
+                },
             ],
             ..spec()
         })

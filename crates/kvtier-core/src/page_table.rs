@@ -29,8 +29,15 @@ pub enum PageTableError {
 
 #[derive(Debug)]
 enum Entry<T, K> {
-    Vacant { generation: u32 },
-    Live { generation: u32, refs: u32, key: Option<K>, payload: T },
+    Vacant {
+        generation: u32,
+    },
+    Live {
+        generation: u32,
+        refs: u32,
+        key: Option<K>,
+        payload: T,
+    },
 }
 
 /// The refcounted set of physical pages; `K` is the share key (tenant,
@@ -105,16 +112,21 @@ impl<T, K: Hash + Eq + Clone> PhysicalPages<T, K> {
 
     fn live_mut(&mut self, id: PhysId) -> Result<(&mut u32, &mut Option<K>, &mut T), PageTableError> {
         match self.entries.get_mut(id.index as usize) {
-            Some(Entry::Live { generation, refs, key, payload }) if *generation == id.generation => {
-                Ok((refs, key, payload))
-            }
+            Some(Entry::Live {
+                generation,
+                refs,
+                key,
+                payload,
+            }) if *generation == id.generation => Ok((refs, key, payload)),
             _ => Err(PageTableError::Unknown(id)),
         }
     }
 
     pub fn get(&self, id: PhysId) -> Option<&T> {
         match self.entries.get(id.index as usize) {
-            Some(Entry::Live { generation, payload, .. }) if *generation == id.generation => Some(payload),
+            Some(Entry::Live {
+                generation, payload, ..
+            }) if *generation == id.generation => Some(payload),
             _ => None,
         }
     }
@@ -144,8 +156,7 @@ impl<T, K: Hash + Eq + Clone> PhysicalPages<T, K> {
         let next = Entry::Vacant {
             generation: id.generation.wrapping_add(1),
         };
-        let Entry::Live { key, payload, .. } = std::mem::replace(&mut self.entries[id.index as usize], next)
-        else {
+        let Entry::Live { key, payload, .. } = std::mem::replace(&mut self.entries[id.index as usize], next) else {
             unreachable!("live_mut checked the entry")
         };
         if let Some(k) = key {

@@ -230,10 +230,7 @@ mod tests {
     fn every_allowed_edge_is_reachable_by_exactly_one_action() {
         for from in PageState::ALL {
             for to in PageState::ALL {
-                let ways = ACTIONS
-                    .iter()
-                    .filter(|a| from.apply(**a) == Ok(to))
-                    .count();
+                let ways = ACTIONS.iter().filter(|a| from.apply(**a) == Ok(to)).count();
                 assert_eq!(ways, usize::from(allowed(from, to)), "{from} -> {to}");
             }
         }

@@ -21,7 +21,10 @@ impl Summary {
     pub fn chunk_means(dtype: DType, head_dim: usize, keys: &[u8], values: &[u8], m: u32) -> Self {
         let row = head_dim * dtype.size();
         let n = keys.len() / row;
-        assert!(n >= 1 && values.len() == keys.len(), "summary needs matching K and V rows");
+        assert!(
+            n >= 1 && values.len() == keys.len(),
+            "summary needs matching K and V rows"
+        );
         let m = (m as usize).clamp(1, n);
         let counts: Vec<u32> = (0..m).map(|i| ((n * (i + 1)) / m - (n * i) / m) as u32).collect();
         let mut kv = vec![0u8; 2 * m * row];
@@ -78,7 +81,10 @@ mod tests {
     #[test]
     fn chunks_average_their_rows_and_count_them() {
         let d = DType::F32;
-        let keys: Vec<u8> = [1.0f32, 3.0, 5.0, 10.0, 20.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let keys: Vec<u8> = [1.0f32, 3.0, 5.0, 10.0, 20.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         let s = Summary::chunk_means(d, 1, &keys, &keys, 2);
         assert_eq!(s.counts, [2, 3]);
         assert_eq!(d.to_f32_vec(&s.kv), [2.0, 35.0 / 3.0, 2.0, 35.0 / 3.0]);

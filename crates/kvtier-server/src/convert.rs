@@ -113,7 +113,10 @@ fn cold_tier(field: &str, tier: i32) -> Result<ColdTier, Status> {
 pub(crate) fn action(action: Option<pb::set_page_state_request::Action>) -> Result<(Action, u32), Status> {
     use pb::set_page_state_request::Action as A;
     match action {
-        None => Err(invalid("action", "is required (offload, swap_in, migrate, summarize or evict)")),
+        None => Err(invalid(
+            "action",
+            "is required (offload, swap_in, migrate, summarize or evict)",
+        )),
         Some(A::Offload(o)) => Ok((Action::Offload(cold_tier("action.offload.tier", o.tier)?), 0)),
         Some(A::SwapIn(_)) => Ok((Action::SwapIn, 0)),
         Some(A::Migrate(m)) => Ok((Action::Migrate(cold_tier("action.migrate.tier", m.tier)?), 0)),

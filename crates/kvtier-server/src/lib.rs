@@ -60,7 +60,9 @@ pub struct BoundServer {
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
-    TcpListener::bind(addr).await.map_err(|source| ServerError::Bind { addr, source })
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServerError::Bind { addr, source })
 }
 
 impl BoundServer {
@@ -83,7 +85,9 @@ impl BoundServer {
     }
 
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
-        self.metrics.as_ref().map(|m| m.local_addr().expect("bound socket has an address"))
+        self.metrics
+            .as_ref()
+            .map(|m| m.local_addr().expect("bound socket has an address"))
     }
 
     /// Serves until `shutdown` completes, then drains in-flight calls.

@@ -14,10 +14,7 @@ pub(crate) fn router(store: Arc<Store>) -> axum::Router {
             async move {
                 let stats = tokio::task::spawn_blocking(move || store.stats()).await;
                 match stats {
-                    Ok(stats) => (
-                        [("content-type", "text/plain; version=0.0.4")],
-                        render(&stats),
-                    ),
+                    Ok(stats) => ([("content-type", "text/plain; version=0.0.4")], render(&stats)),
                     Err(e) => ([("content-type", "text/plain")], format!("stats failed: {e}\n")),
                 }
             }
@@ -58,15 +55,40 @@ pub(crate) fn render(s: &StatsSnapshot) -> String {
             })
             .collect()
     };
-    family("kvtier_tier_capacity_bytes", "gauge", "Configured capacity of a tier.", &tier(|t| t.capacity_bytes));
-    family("kvtier_tier_used_bytes", "gauge", "Bytes reserved by live slots of a tier.", &tier(|t| t.used_bytes));
-    family("kvtier_tier_slots", "gauge", "Live slots (pages and summaries) of a tier.", &tier(|t| t.slots));
+    family(
+        "kvtier_tier_capacity_bytes",
+        "gauge",
+        "Configured capacity of a tier.",
+        &tier(|t| t.capacity_bytes),
+    );
+    family(
+        "kvtier_tier_used_bytes",
+        "gauge",
+        "Bytes reserved by live slots of a tier.",
+        &tier(|t| t.used_bytes),
+    );
+    family(
+        "kvtier_tier_slots",
+        "gauge",
+        "Live slots (pages and summaries) of a tier.",
+        &tier(|t| t.slots),
+    );
     let pages: Vec<_> = PageState::ALL
         .iter()
         .map(|st| (format!("{{state=\"{}\"}}", state_label(*st)), s.pages.get(*st)))
         .collect();
-    family("kvtier_pages", "gauge", "Logical pages of live sequences by state.", &pages);
-    family("kvtier_sequences", "gauge", "Live sequences.", &[(String::new(), s.sequences)]);
+    family(
+        "kvtier_pages",
+        "gauge",
+        "Logical pages of live sequences by state.",
+        &pages,
+    );
+    family(
+        "kvtier_sequences",
+        "gauge",
+        "Live sequences.",
+        &[(String::new(), s.sequences)],
+    );
     family(
         "kvtier_physical_pages",
         "gauge",
@@ -86,13 +108,30 @@ pub(crate) fn render(s: &StatsSnapshot) -> String {
             (labels, t.count)
         })
         .collect();
-    family("kvtier_page_transitions_total", "counter", "Page state transitions by reason.", &transitions);
+    family(
+        "kvtier_page_transitions_total",
+        "counter",
+        "Page state transitions by reason.",
+        &transitions,
+    );
     for (name, help, value) in [
         ("kvtier_pages_written_total", "Pages stored by writes.", s.pages_written),
-        ("kvtier_pages_shared_total", "Page writes served by an already stored prefix page.", s.pages_shared),
-        ("kvtier_bytes_written_total", "K/V bytes received by writes.", s.bytes_written),
+        (
+            "kvtier_pages_shared_total",
+            "Page writes served by an already stored prefix page.",
+            s.pages_shared,
+        ),
+        (
+            "kvtier_bytes_written_total",
+            "K/V bytes received by writes.",
+            s.bytes_written,
+        ),
         ("kvtier_bytes_read_total", "K/V bytes served by reads.", s.bytes_read),
-        ("kvtier_tokens_appended_total", "Tokens appended, per (layer, KV head).", s.tokens_appended),
+        (
+            "kvtier_tokens_appended_total",
+            "Tokens appended, per (layer, KV head).",
+            s.tokens_appended,
+        ),
     ] {
         family(name, "counter", help, &[(String::new(), value)]);
     }

@@ -91,7 +91,10 @@ impl KvTier for KvTierService {
         }))
     }
 
-    async fn get_sequence(&self, request: Request<pb::GetSequenceRequest>) -> Result<Response<pb::SequenceInfo>, Status> {
+    async fn get_sequence(
+        &self,
+        request: Request<pb::GetSequenceRequest>,
+    ) -> Result<Response<pb::SequenceInfo>, Status> {
         let r = request.into_inner();
         let key = convert::key(&r.tenant, &r.sequence_id)?;
         let info = self.call(move |s| s.sequence_info(&key)).await?;
@@ -174,7 +177,10 @@ impl KvTier for KvTierService {
         let max_bytes = match r.max_chunk_bytes as usize {
             0 => DEFAULT_CHUNK_BYTES,
             n if n > MAX_CHUNK_BYTES => {
-                return Err(invalid("max_chunk_bytes", format!("is {n}, at most {MAX_CHUNK_BYTES} allowed")));
+                return Err(invalid(
+                    "max_chunk_bytes",
+                    format!("is {n}, at most {MAX_CHUNK_BYTES} allowed"),
+                ));
             }
             n => n,
         };

@@ -35,7 +35,8 @@ impl Store {
             if place.device.take().is_some() {
                 let to = PageState::Cold(place.backing.tier());
                 drop(place);
-                self.counters.transition(PageState::Hot, to, Reason::CapacityPressure, 1);
+                self.counters
+                    .transition(PageState::Hot, to, Reason::CapacityPressure, 1);
                 return true;
             }
         }

@@ -56,7 +56,8 @@ impl Store {
     /// Reads pages bit-exact as written. Summaries come back as summaries and
     /// gone pages as a per-page status; neither fails the call.
     pub fn fetch_pages(&self, key: &SequenceKey, req: FetchPages<'_>) -> StoreResult<Vec<FetchedPage>> {
-        self.fetch_chunk(key, req, FetchCursor::default(), usize::MAX).map(|(pages, _)| pages)
+        self.fetch_chunk(key, req, FetchCursor::default(), usize::MAX)
+            .map(|(pages, _)| pages)
     }
 
     /// Like [`Self::fetch_pages`], but stops before the page bytes would
@@ -76,7 +77,10 @@ impl Store {
             let lanes: Vec<(u32, usize)> = seq.lanes_of(req.layer, heads).collect();
             if let Some(pages) = req.pages {
                 for (i, &p) in pages.iter().enumerate() {
-                    if let Some((h, lane)) = lanes.iter().find(|(_, lane)| p as usize >= seq.lanes[*lane].num_pages()) {
+                    if let Some((h, lane)) = lanes
+                        .iter()
+                        .find(|(_, lane)| p as usize >= seq.lanes[*lane].num_pages())
+                    {
                         return Err(StoreError::invalid(
                             format!("pages[{i}]"),
                             format!(

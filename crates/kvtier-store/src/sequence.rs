@@ -61,7 +61,14 @@ impl Sequence {
     }
 
     pub(crate) fn check_layers(&self, start: u32, count: u32) -> StoreResult<Range<u32>> {
-        check_range("layer_start", "layer_count", start, count, self.layout.num_layers(), "layers")
+        check_range(
+            "layer_start",
+            "layer_count",
+            start,
+            count,
+            self.layout.num_layers(),
+            "layers",
+        )
     }
 
     pub(crate) fn check_heads(&self, heads: HeadRange) -> StoreResult<Range<u32>> {
@@ -96,7 +103,10 @@ fn check_range(
         Some(end) if end <= limit => Ok(start..end),
         _ => Err(StoreError::invalid(
             if start >= limit { start_field } else { count_field },
-            format!("{what} {start}..{} exceed the layout's {limit}", u64::from(start) + u64::from(count)),
+            format!(
+                "{what} {start}..{} exceed the layout's {limit}",
+                u64::from(start) + u64::from(count)
+            ),
         )),
     }
 }

@@ -35,7 +35,12 @@ impl Counters {
                 for reason in Reason::ALL {
                     let count = self.transitions[from.index()][to.index()][reason.index()].load(Relaxed);
                     if count > 0 {
-                        out.push(TransitionCount { from, to, reason, count });
+                        out.push(TransitionCount {
+                            from,
+                            to,
+                            reason,
+                            count,
+                        });
                     }
                 }
             }

@@ -91,14 +91,15 @@ impl Store {
 
     /// The cell of sequence `key`.
     pub(crate) fn sequence(&self, key: &SequenceKey) -> StoreResult<Arc<RwLock<Sequence>>> {
-        read(&self.sequences)
-            .get(key)
-            .cloned()
-            .ok_or_else(|| not_found(key))
+        read(&self.sequences).get(key).cloned().ok_or_else(|| not_found(key))
     }
 
     /// Runs `f` on the sequence with its lock held for reading.
-    pub(crate) fn with_sequence<T>(&self, key: &SequenceKey, f: impl FnOnce(&Sequence) -> StoreResult<T>) -> StoreResult<T> {
+    pub(crate) fn with_sequence<T>(
+        &self,
+        key: &SequenceKey,
+        f: impl FnOnce(&Sequence) -> StoreResult<T>,
+    ) -> StoreResult<T> {
         let cell = self.sequence(key)?;
         let seq = read(&cell);
         if seq.dropped {
@@ -125,7 +126,12 @@ impl Store {
     /// the longest run of leading pages already stored for every lane under
     /// the same tenant, layout and hashes is attached at once: those pages are
     /// shared, not copied, and need not be sent again.
-    pub fn create_sequence(&self, key: SequenceKey, layout: Layout, prefix_hashes: Vec<Vec<u8>>) -> StoreResult<Created> {
+    pub fn create_sequence(
+        &self,
+        key: SequenceKey,
+        layout: Layout,
+        prefix_hashes: Vec<Vec<u8>>,
+    ) -> StoreResult<Created> {
         let hashes = check_hashes(prefix_hashes)?;
         if read(&self.sequences).contains_key(&key) {
             return Err(already_exists(&key));
@@ -156,7 +162,13 @@ impl Store {
                 let page = Arc::clone(pages.get(id).expect("registered pages are live"));
                 pages.acquire(id).expect("registered pages are live");
                 let digest = page.digest.as_deref().expect("shared pages keep their digest");
-                seq.lanes[lane].push_full_page(LogicalPage::Physical(PageRef { id, page: Arc::clone(&page) }), digest);
+                seq.lanes[lane].push_full_page(
+                    LogicalPage::Physical(PageRef {
+                        id,
+                        page: Arc::clone(&page),
+                    }),
+                    digest,
+                );
             }
             attached = p as u64 + 1;
         }
@@ -231,7 +243,10 @@ impl Store {
         }
         let shared_pages = {
             let pages = lock(&self.pages);
-            shared_ids.iter().filter(|id| pages.refs(**id).is_some_and(|r| r > 1)).count() as u64
+            shared_ids
+                .iter()
+                .filter(|id| pages.refs(**id).is_some_and(|r| r > 1))
+                .count() as u64
         };
         let tokens = seq.lanes.iter().map(|l| l.tokens());
         SequenceInfo {

@@ -105,7 +105,10 @@ impl Store {
             let mut seen = BTreeMap::new();
             for (i, p) in pages.iter().enumerate() {
                 if let Some(first) = seen.insert(*p, i) {
-                    return Err(StoreError::invalid(format!("pages[{i}]"), format!("repeats pages[{first}]")));
+                    return Err(StoreError::invalid(
+                        format!("pages[{i}]"),
+                        format!("repeats pages[{first}]"),
+                    ));
                 }
             }
         }
@@ -120,11 +123,16 @@ impl Store {
         for (lane, (layer, head)) in lanes {
             let held = seq.lanes[lane].num_pages();
             let out_of_range = |field: String, p: usize| {
-                StoreError::invalid(field, format!("page {p} is beyond layer {layer} KV head {head}, which holds {held} pages"))
+                StoreError::invalid(
+                    field,
+                    format!("page {p} is beyond layer {layer} KV head {head}, which holds {held} pages"),
+                )
             };
             let pages: Vec<usize> = match req.pages {
                 PageSelection::Range { first, count: 0 } if first as usize <= held => (first as usize..held).collect(),
-                PageSelection::Range { first, count: 0 } => return Err(out_of_range("first_page".into(), first as usize)),
+                PageSelection::Range { first, count: 0 } => {
+                    return Err(out_of_range("first_page".into(), first as usize));
+                }
                 PageSelection::Range { first, count } => {
                     let end = first as usize + count as usize;
                     if end > held {
@@ -145,7 +153,13 @@ impl Store {
                     LogicalPage::Summary(_) => PageState::Summary,
                     LogicalPage::Gone(_) => PageState::Gone,
                 };
-                targets.push(Target { layer, head, lane, page, from });
+                targets.push(Target {
+                    layer,
+                    head,
+                    lane,
+                    page,
+                    from,
+                });
             }
         }
         if targets.is_empty() {

@@ -143,14 +143,17 @@ impl Store {
         for (h, lane) in seq.lanes_of(req.layer, heads.clone()) {
             let tokens = seq.lanes[lane].tokens();
             if tokens != start {
-                let hint = if tokens % page_size as u64 == 0 {
+                let hint = if tokens.is_multiple_of(page_size as u64) {
                     format!("PutPages continues at page {}", tokens / page_size as u64)
                 } else {
                     "its last page is partial; continue with AppendTokens".to_owned()
                 };
                 return Err(StoreError::precondition(
                     "first_page",
-                    format!("is {}, but layer {} KV head {h} holds {tokens} tokens; {hint}", req.first_page, req.layer),
+                    format!(
+                        "is {}, but layer {} KV head {h} holds {tokens} tokens; {hint}",
+                        req.first_page, req.layer
+                    ),
                 ));
             }
         }
@@ -192,7 +195,12 @@ impl Store {
         let copied = planned.iter_mut().enumerate().try_for_each(|(j, plan)| match plan {
             Planned::New { page, .. } => {
                 let t = token_range(j % pages);
-                self.fill(page, &layout, rows.keys(j / pages, t.clone()), rows.values(j / pages, t))
+                self.fill(
+                    page,
+                    &layout,
+                    rows.keys(j / pages, t.clone()),
+                    rows.values(j / pages, t),
+                )
             }
             Planned::Shared(_) | Planned::Unreserved(_) => Ok(()),
         });
@@ -288,7 +296,10 @@ impl Store {
         if let Some(expected) = req.expected_position.filter(|p| *p != tokens) {
             return Err(StoreError::precondition(
                 "position",
-                format!("is {expected}, but layer {} holds {tokens} tokens in these KV heads", req.layer),
+                format!(
+                    "is {expected}, but layer {} holds {tokens} tokens in these KV heads",
+                    req.layer
+                ),
             ));
         }
         let plan = seq.lanes[lanes[0].1].plan_append(req.num_tokens);
@@ -340,9 +351,16 @@ impl Store {
             start..start + plan.new_pages[i] as usize
         };
         for (j, p) in planned.iter_mut().enumerate() {
-            let Planned::New { page, .. } = p else { unreachable!("appends plan new pages only") };
+            let Planned::New { page, .. } = p else {
+                unreachable!("appends plan new pages only")
+            };
             let t = page_tokens(j % per_lane);
-            self.fill(page, &layout, rows.keys(j / per_lane, t.clone()), rows.values(j / per_lane, t))?;
+            self.fill(
+                page,
+                &layout,
+                rows.keys(j / per_lane, t.clone()),
+                rows.values(j / per_lane, t),
+            )?;
         }
 
         // Publish.
@@ -363,13 +381,19 @@ impl Store {
                 if read_device(&page) {
                     hot.push(Arc::clone(&page));
                 }
-                lane.push_page(LogicalPage::Physical(PageRef { id, page }), rows.keys(h, page_tokens(i)));
+                lane.push_page(
+                    LogicalPage::Physical(PageRef { id, page }),
+                    rows.keys(h, page_tokens(i)),
+                );
             }
         }
         drop(table);
         self.touch_device(hot);
         Counters::add(&self.counters.pages_written, opened);
-        Counters::add(&self.counters.tokens_appended, u64::from(req.num_tokens) * lanes.len() as u64);
+        Counters::add(
+            &self.counters.tokens_appended,
+            u64::from(req.num_tokens) * lanes.len() as u64,
+        );
         Counters::add(&self.counters.bytes_written, req.kv.len() as u64);
         Ok(AppendOutcome {
             tokens: tokens + u64::from(req.num_tokens),

@@ -147,9 +147,15 @@ mod tests {
     #[test]
     fn labels_say_what_the_tier_is() {
         let device = ArenaTier::emulated_device(4096).unwrap();
-        assert_eq!((device.kind(), device.backend(), device.emulated()), (TierKind::Device, "emulated", true));
+        assert_eq!(
+            (device.kind(), device.backend(), device.emulated()),
+            (TierKind::Device, "emulated", true)
+        );
         let host = ArenaTier::host(0).unwrap();
-        assert_eq!((host.kind(), host.backend(), host.emulated()), (TierKind::Host, "host-arena", false));
+        assert_eq!(
+            (host.kind(), host.backend(), host.emulated()),
+            (TierKind::Host, "host-arena", false)
+        );
         assert!(matches!(host.allocate(1), Err(TierError::Full { capacity: 0, .. })));
     }
 }

@@ -66,7 +66,12 @@ pub fn full_tier<T: Tier>(make: impl Fn(u64) -> T) {
                 slots.push((slot, data));
                 assert!(tier.used_bytes() <= capacity);
             }
-            Err(TierError::Full { requested, free, capacity: c, .. }) => {
+            Err(TierError::Full {
+                requested,
+                free,
+                capacity: c,
+                ..
+            }) => {
                 assert_eq!((requested, c), (4000, capacity));
                 assert_eq!(free, capacity - tier.used_bytes());
                 break;

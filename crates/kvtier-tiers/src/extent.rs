@@ -106,13 +106,13 @@ impl ExtentAllocator {
         let mut s = self.lock();
         s.used -= len;
         s.live -= 1;
-        if let Some((&prev, &prev_len)) = s.by_offset.range(..offset).next_back() {
-            if prev + prev_len == offset {
-                s.by_offset.remove(&prev);
-                s.by_size.remove(&(prev_len, prev));
-                offset = prev;
-                len += prev_len;
-            }
+        if let Some((&prev, &prev_len)) = s.by_offset.range(..offset).next_back()
+            && prev + prev_len == offset
+        {
+            s.by_offset.remove(&prev);
+            s.by_size.remove(&(prev_len, prev));
+            offset = prev;
+            len += prev_len;
         }
         if let Some(next_len) = s.by_offset.remove(&(offset + len)) {
             s.by_size.remove(&(next_len, offset + len));
@@ -193,7 +193,11 @@ mod tests {
         drop(odd);
         assert!(matches!(
             a.allocate(128),
-            Err(TierError::Full { free: 448, largest_free: 64, .. })
+            Err(TierError::Full {
+                free: 448,
+                largest_free: 64,
+                ..
+            })
         ));
         drop(even);
         assert_eq!((a.used(), a.live()), (0, 0));

@@ -19,7 +19,9 @@ impl FromStr for ByteSize {
         let s = s.trim();
         let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
         let (digits, unit) = s.split_at(split);
-        let n: u64 = digits.parse().map_err(|_| format!("{s:?} is not a byte size like 4GiB, 512MiB or 1000"))?;
+        let n: u64 = digits
+            .parse()
+            .map_err(|_| format!("{s:?} is not a byte size like 4GiB, 512MiB or 1000"))?;
         let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
             "" | "b" => 1,
             "k" | "kb" => 1_000,
@@ -30,9 +32,15 @@ impl FromStr for ByteSize {
             "mib" => 1 << 20,
             "gib" => 1 << 30,
             "tib" => 1 << 40,
-            other => return Err(format!("unknown unit {other:?} in {s:?} (use B, KiB, MiB, GiB, TiB, K, M, G, T)")),
+            other => {
+                return Err(format!(
+                    "unknown unit {other:?} in {s:?} (use B, KiB, MiB, GiB, TiB, K, M, G, T)"
+                ));
+            }
         };
-        n.checked_mul(scale).map(ByteSize).ok_or_else(|| format!("{s:?} overflows 64 bits"))
+        n.checked_mul(scale)
+            .map(ByteSize)
+            .ok_or_else(|| format!("{s:?} overflows 64 bits"))
     }
 }
 
@@ -117,7 +125,8 @@ mod tests {
 
     #[test]
     fn config_files_reject_unknown_keys() {
-        let ok: FileConfig = toml::from_str("listen = \"127.0.0.1:1\"\n[tiers]\nhost_bytes = \"1GiB\"\ndevice_bytes = 4096\n").unwrap();
+        let ok: FileConfig =
+            toml::from_str("listen = \"127.0.0.1:1\"\n[tiers]\nhost_bytes = \"1GiB\"\ndevice_bytes = 4096\n").unwrap();
         assert_eq!(ok.tiers.host_bytes, Some(ByteSize(1 << 30)));
         assert_eq!(ok.tiers.device_bytes, Some(ByteSize(4096)));
         assert!(toml::from_str::<FileConfig>("lisen = \"127.0.0.1:1\"").is_err());

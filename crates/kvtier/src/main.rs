@@ -6,7 +6,11 @@ mod serve;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "kvtier", version, about = "A tiered KV-cache store for LLM inference, served over gRPC")]
+#[command(
+    name = "kvtier",
+    version,
+    about = "A tiered KV-cache store for LLM inference, served over gRPC"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -89,14 +89,20 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             .map_or(defaults.max_message_bytes, |b| b.0 as usize),
     };
     let store = StoreConfig {
-        device_bytes: args.device_bytes.or(file.tiers.device_bytes).map_or(default_device, |b| b.0),
+        device_bytes: args
+            .device_bytes
+            .or(file.tiers.device_bytes)
+            .map_or(default_device, |b| b.0),
         host_bytes: args.host_bytes.or(file.tiers.host_bytes).map_or(default_host, |b| b.0),
         cache_writes_on_device: file
             .tiers
             .cache_writes_on_device
             .unwrap_or(StoreConfig::default().cache_writes_on_device),
     };
-    let data_dir = args.data_dir.or(file.data_dir).unwrap_or_else(|| PathBuf::from("kvtier-data"));
+    let data_dir = args
+        .data_dir
+        .or(file.data_dir)
+        .unwrap_or_else(|| PathBuf::from("kvtier-data"));
     std::fs::create_dir_all(&data_dir).with_context(|| format!("creating data directory {}", data_dir.display()))?;
     tracing::info!(
         data_dir = %data_dir.display(),

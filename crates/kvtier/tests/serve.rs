@@ -7,13 +7,13 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::HealthCheckRequest;
+use tonic_reflection::pb::v1::ServerReflectionRequest;
 use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
 use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
 use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-use tonic_reflection::pb::v1::ServerReflectionRequest;
 
 const GRPC: &str = "127.0.0.1:50051";
 const METRICS: &str = "127.0.0.1:9464";
@@ -27,19 +27,26 @@ impl Drop for Server {
 }
 
 async fn channel() -> Result<tonic::transport::Channel, tonic::transport::Error> {
-    tonic::transport::Endpoint::from_static("http://127.0.0.1:50051").connect().await
+    tonic::transport::Endpoint::from_static("http://127.0.0.1:50051")
+        .connect()
+        .await
 }
 
 async fn wait_for_health(deadline: Instant) -> ServingStatus {
     loop {
         if let Ok(channel) = channel().await {
             let mut health = HealthClient::new(channel);
-            let req = HealthCheckRequest { service: "kvtier.v1.KvTier".into() };
+            let req = HealthCheckRequest {
+                service: "kvtier.v1.KvTier".into(),
+            };
             if let Ok(resp) = health.check(req).await {
                 return resp.into_inner().status();
             }
         }
-        assert!(Instant::now() < deadline, "kvtier serve did not answer the health check in time");
+        assert!(
+            Instant::now() < deadline,
+            "kvtier serve did not answer the health check in time"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -47,7 +54,10 @@ async fn wait_for_health(deadline: Instant) -> ServingStatus {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_with_defaults_answers_health_reflection_and_metrics() {
     for addr in [GRPC, METRICS] {
-        assert!(TcpListener::bind(addr).is_ok(), "{addr} is in use; this test runs the server's default ports");
+        assert!(
+            TcpListener::bind(addr).is_ok(),
+            "{addr} is in use; this test runs the server's default ports"
+        );
     }
     let dir = tempfile::tempdir().unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
@@ -61,15 +71,23 @@ async fn serve_with_defaults_answers_health_reflection_and_metrics() {
 
     let status = wait_for_health(Instant::now() + Duration::from_secs(30)).await;
     assert_eq!(status, ServingStatus::Serving);
-    assert!(dir.path().join("kvtier-data").is_dir(), "data directory under the working directory");
+    assert!(
+        dir.path().join("kvtier-data").is_dir(),
+        "data directory under the working directory"
+    );
 
     let mut reflection = ServerReflectionClient::new(channel().await.unwrap());
     let req = ServerReflectionRequest {
         host: String::new(),
         message_request: Some(MessageRequest::ListServices(String::new())),
     };
-    let mut responses = reflection.server_reflection_info(tokio_stream::iter([req])).await.unwrap().into_inner();
-    let Some(MessageResponse::ListServicesResponse(list)) = responses.message().await.unwrap().unwrap().message_response
+    let mut responses = reflection
+        .server_reflection_info(tokio_stream::iter([req]))
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(MessageResponse::ListServicesResponse(list)) =
+        responses.message().await.unwrap().unwrap().message_response
     else {
         panic!("reflection did not list services");
     };
@@ -78,11 +96,18 @@ async fn serve_with_defaults_answers_health_reflection_and_metrics() {
     assert!(names.contains(&"grpc.health.v1.Health"), "{names:?}");
 
     let mut http = TcpStream::connect(METRICS).unwrap();
-    http.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    http.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .unwrap();
     let mut body = String::new();
     http.read_to_string(&mut body).unwrap();
-    assert!(body.starts_with("HTTP/1.0 200") || body.starts_with("HTTP/1.1 200"), "{body}");
-    assert!(body.contains("kvtier_tier_capacity_bytes{tier=\"device\",backend=\"emulated\",emulated=\"true\"}"), "{body}");
+    assert!(
+        body.starts_with("HTTP/1.0 200") || body.starts_with("HTTP/1.1 200"),
+        "{body}"
+    );
+    assert!(
+        body.contains("kvtier_tier_capacity_bytes{tier=\"device\",backend=\"emulated\",emulated=\"true\"}"),
+        "{body}"
+    );
 
     // SIGTERM: a graceful stop with exit status 0.
     let pid = server.0.id().to_string();
@@ -98,6 +123,9 @@ async fn serve_with_defaults_answers_health_reflection_and_metrics() {
     let mut log = String::new();
     server.0.stderr.take().unwrap().read_to_string(&mut log).unwrap();
     assert!(exit.success(), "exit {exit:?}; log:\n{log}");
-    assert!(log.contains("the device tier is emulated"), "the emulated device is announced:\n{log}");
+    assert!(
+        log.contains("the device tier is emulated"),
+        "the emulated device is announced:\n{log}"
+    );
     assert!(log.contains("SIGTERM"), "{log}");
 }

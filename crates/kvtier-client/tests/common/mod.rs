@@ -134,7 +134,13 @@ impl LaneData {
 
 /// Builds one `kv` message for `heads` heads and `tokens` tokens from random
 /// data, recording each head's K/V into `lanes[head]`.
-pub fn random_kv(dtype: pb::DType, head_dim: usize, heads: &mut [&mut LaneData], tokens: usize, seed: u64) -> bytes::Bytes {
+pub fn random_kv(
+    dtype: pb::DType,
+    head_dim: usize,
+    heads: &mut [&mut LaneData],
+    tokens: usize,
+    seed: u64,
+) -> bytes::Bytes {
     let row = head_dim * size_of(dtype);
     let mut kv = Vec::with_capacity(heads.len() * 2 * tokens * row);
     for (h, lane) in heads.iter_mut().enumerate() {
