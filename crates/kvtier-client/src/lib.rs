@@ -20,3 +20,8 @@ mod pack;
 pub use client::{Client, ClientError, actions, layout};
 pub use kvtier_proto::v1 as pb;
 pub use pack::{Element, PackError, pack_kv, unpack_rows};
+
+/// The README's client example, compiled as a doctest so it stays true.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeExample;

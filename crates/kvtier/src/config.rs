@@ -131,4 +131,11 @@ mod tests {
         assert_eq!(ok.tiers.device_bytes, Some(ByteSize(4096)));
         assert!(toml::from_str::<FileConfig>("lisen = \"127.0.0.1:1\"").is_err());
     }
+
+    #[test]
+    fn the_example_config_parses() {
+        let example: FileConfig = toml::from_str(include_str!("../../../kvtier.example.toml")).unwrap();
+        assert_eq!(example.tiers.host_bytes, Some(ByteSize(8 << 30)));
+        assert_eq!(example.metrics_listen.as_deref(), Some("127.0.0.1:9464"));
+    }
 }
