@@ -40,22 +40,70 @@ fn key(seq: usize) -> SequenceKey {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Create { seq: usize, chain: Option<u8>, len: usize },
-    Put { seq: usize, layer: u32, tokens: usize, seed: u32 },
-    Append { seq: usize, layer: u32, head: u32, tokens: usize, seed: u32 },
-    Set { seq: usize, layer: u32, first: u32, count: u32, action: u8, rows: u32 },
-    Drop { seq: usize },
+    Create {
+        seq: usize,
+        chain: Option<u8>,
+        len: usize,
+    },
+    Put {
+        seq: usize,
+        layer: u32,
+        tokens: usize,
+        seed: u32,
+    },
+    Append {
+        seq: usize,
+        layer: u32,
+        head: u32,
+        tokens: usize,
+        seed: u32,
+    },
+    Set {
+        seq: usize,
+        layer: u32,
+        first: u32,
+        count: u32,
+        action: u8,
+        rows: u32,
+    },
+    Drop {
+        seq: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
     let seq = 0..SEQS;
     prop_oneof![
-        (seq.clone(), proptest::option::of(0u8..2), 1usize..5).prop_map(|(seq, chain, len)| Op::Create { seq, chain, len }),
-        (seq.clone(), 0..LAYERS, 1usize..11, any::<u32>()).prop_map(|(seq, layer, tokens, seed)| Op::Put { seq, layer, tokens, seed }),
-        (seq.clone(), 0..LAYERS, 0..HEADS, 1usize..7, any::<u32>())
-            .prop_map(|(seq, layer, head, tokens, seed)| Op::Append { seq, layer, head, tokens, seed }),
-        (seq.clone(), 0..LAYERS, 0u32..4, 0u32..3, 0u8..4, 1u32..5)
-            .prop_map(|(seq, layer, first, count, action, rows)| Op::Set { seq, layer, first, count, action, rows }),
+        (seq.clone(), proptest::option::of(0u8..2), 1usize..5).prop_map(|(seq, chain, len)| Op::Create {
+            seq,
+            chain,
+            len
+        }),
+        (seq.clone(), 0..LAYERS, 1usize..11, any::<u32>()).prop_map(|(seq, layer, tokens, seed)| Op::Put {
+            seq,
+            layer,
+            tokens,
+            seed
+        }),
+        (seq.clone(), 0..LAYERS, 0..HEADS, 1usize..7, any::<u32>()).prop_map(|(seq, layer, head, tokens, seed)| {
+            Op::Append {
+                seq,
+                layer,
+                head,
+                tokens,
+                seed,
+            }
+        }),
+        (seq.clone(), 0..LAYERS, 0u32..4, 0u32..3, 0u8..4, 1u32..5).prop_map(
+            |(seq, layer, first, count, action, rows)| Op::Set {
+                seq,
+                layer,
+                first,
+                count,
+                action,
+                rows
+            }
+        ),
         seq.prop_map(|seq| Op::Drop { seq }),
     ]
 }
@@ -66,8 +114,14 @@ type Bytes = Vec<u8>;
 #[derive(Debug, Clone, PartialEq)]
 enum ModelPage {
     /// Original bytes; `shared` names the registry entry it uses.
-    Original { kv: Bytes, shared: Option<(u8, usize, usize)> },
-    Summary { rows: usize, tokens: usize },
+    Original {
+        kv: Bytes,
+        shared: Option<(u8, usize, usize)>,
+    },
+    Summary {
+        rows: usize,
+        tokens: usize,
+    },
     Gone,
 }
 
@@ -127,7 +181,15 @@ impl Model {
 
 fn states(store: &Store, seq: usize, layer: u32) -> Vec<Vec<PageState>> {
     let pages = store
-        .fetch_pages(&key(seq), FetchPages { layer, heads: HeadRange { start: 0, count: HEADS }, pages: None, with_digests: false })
+        .fetch_pages(
+            &key(seq),
+            FetchPages {
+                layer,
+                heads: HeadRange { start: 0, count: HEADS },
+                pages: None,
+                with_digests: false,
+            },
+        )
         .unwrap();
     let mut out = vec![Vec::new(); HEADS as usize];
     for p in pages {
@@ -144,11 +206,22 @@ fn check(store: &Store, model: &Model) -> Result<(), TestCaseError> {
     prop_assert_eq!(host.used_bytes, model.host_bytes());
     prop_assert!(device.used_bytes <= DEVICE_PAGES * PAGE_BYTES);
     prop_assert_eq!(device.used_bytes, device.slots * PAGE_BYTES);
-    prop_assert!(device.slots <= stats.pages.get(PageState::Hot), "a device slot without a hot page");
+    prop_assert!(
+        device.slots <= stats.pages.get(PageState::Hot),
+        "a device slot without a hot page"
+    );
     for (&seq, (_, _, lanes)) in &model.seqs {
         for layer in 0..LAYERS {
             let fetched = store
-                .fetch_pages(&key(seq), FetchPages { layer, heads: HeadRange { start: 0, count: HEADS }, pages: None, with_digests: false })
+                .fetch_pages(
+                    &key(seq),
+                    FetchPages {
+                        layer,
+                        heads: HeadRange { start: 0, count: HEADS },
+                        pages: None,
+                        with_digests: false,
+                    },
+                )
                 .unwrap();
             let mut i = 0;
             for head in 0..HEADS as usize {
@@ -159,7 +232,14 @@ fn check(store: &Store, model: &Model) -> Result<(), TestCaseError> {
                     prop_assert_eq!((got.kv_head as usize, got.page as usize), (head, p));
                     match (want, &got.content) {
                         (ModelPage::Original { kv, .. }, PageContent::Original(bytes)) => {
-                            prop_assert!(kv == bytes, "seq {} layer {} head {} page {} bytes differ", seq, layer, head, p);
+                            prop_assert!(
+                                kv == bytes,
+                                "seq {} layer {} head {} page {} bytes differ",
+                                seq,
+                                layer,
+                                head,
+                                p
+                            );
                         }
                         (ModelPage::Summary { rows, tokens }, PageContent::Summary { counts, .. }) => {
                             prop_assert_eq!(counts.len(), *rows);
@@ -179,14 +259,21 @@ fn check(store: &Store, model: &Model) -> Result<(), TestCaseError> {
 fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> {
     let page_kv = |k: &[u8], v: &[u8], p: usize, n: usize| -> Bytes {
         let row = DIM * 4;
-        [&k[p * PAGE * row..(p * PAGE + n) * row], &v[p * PAGE * row..(p * PAGE + n) * row]].concat()
+        [
+            &k[p * PAGE * row..(p * PAGE + n) * row],
+            &v[p * PAGE * row..(p * PAGE + n) * row],
+        ]
+        .concat()
     };
     match op {
         Op::Create { seq, chain, len } => {
             let hashes = chain.map_or(vec![], |c| (0..len).map(|p| format!("{c}-{p}").into_bytes()).collect());
             let result = store.create_sequence(key(seq), layout(), hashes);
             if model.seqs.contains_key(&seq) {
-                prop_assert!(matches!(result, Err(StoreError::AlreadyExists { .. })), "expected ALREADY_EXISTS");
+                prop_assert!(
+                    matches!(result, Err(StoreError::AlreadyExists { .. })),
+                    "expected ALREADY_EXISTS"
+                );
                 return Ok(());
             }
             let created = result.unwrap();
@@ -198,7 +285,10 @@ fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> 
                     for (l, lane) in lanes.iter_mut().enumerate() {
                         let entry = model.registry.get_mut(&(c, attached, l)).unwrap();
                         entry.1 += 1;
-                        lane.pages.push(ModelPage::Original { kv: entry.0.clone(), shared: Some((c, attached, l)) });
+                        lane.pages.push(ModelPage::Original {
+                            kv: entry.0.clone(),
+                            shared: Some((c, attached, l)),
+                        });
                         lane.tokens += PAGE;
                     }
                     attached += 1;
@@ -207,10 +297,26 @@ fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> 
             prop_assert_eq!(created.attached_pages, attached as u64);
             model.seqs.insert(seq, (chain, len, lanes));
         }
-        Op::Put { seq, layer, tokens, seed } => {
-            let k: Vec<u8> = (0..HEADS).flat_map(|h| [rows(seed + h, tokens), rows(seed + h + 77, tokens)].concat()).collect();
+        Op::Put {
+            seq,
+            layer,
+            tokens,
+            seed,
+        } => {
+            let k: Vec<u8> = (0..HEADS)
+                .flat_map(|h| [rows(seed + h, tokens), rows(seed + h + 77, tokens)].concat())
+                .collect();
             let Some((chain, len, lanes)) = model.seqs.get_mut(&seq) else {
-                let r = store.put_pages(&key(seq), PutPages { layer, heads: HeadRange { start: 0, count: HEADS }, first_page: 0, num_tokens: tokens as u32, kv: &k });
+                let r = store.put_pages(
+                    &key(seq),
+                    PutPages {
+                        layer,
+                        heads: HeadRange { start: 0, count: HEADS },
+                        first_page: 0,
+                        num_tokens: tokens as u32,
+                        kv: &k,
+                    },
+                );
                 prop_assert!(matches!(r, Err(StoreError::NotFound { .. })), "expected NOT_FOUND");
                 return Ok(());
             };
@@ -218,7 +324,16 @@ fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> 
             let start = lanes[base].tokens;
             let aligned = start % PAGE == 0 && lanes[base + 1].tokens == start;
             let first_page = (start / PAGE) as u32;
-            let r = store.put_pages(&key(seq), PutPages { layer, heads: HeadRange { start: 0, count: HEADS }, first_page, num_tokens: tokens as u32, kv: &k });
+            let r = store.put_pages(
+                &key(seq),
+                PutPages {
+                    layer,
+                    heads: HeadRange { start: 0, count: HEADS },
+                    first_page,
+                    num_tokens: tokens as u32,
+                    kv: &k,
+                },
+            );
             if !aligned {
                 prop_assert!(matches!(r, Err(StoreError::FailedPrecondition(_))), "{:?}", r);
                 return Ok(());
@@ -239,7 +354,10 @@ fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> 
                         Some(c) => {
                             let entry = model.registry.entry((c, p, lane_index)).or_insert((kv, 0));
                             entry.1 += 1;
-                            ModelPage::Original { kv: entry.0.clone(), shared: Some((c, p, lane_index)) }
+                            ModelPage::Original {
+                                kv: entry.0.clone(),
+                                shared: Some((c, p, lane_index)),
+                            }
                         }
                         None => ModelPage::Original { kv, shared: None },
                     };
@@ -247,9 +365,21 @@ fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> 
                 }
             }
         }
-        Op::Append { seq, layer, head, tokens, seed } => {
+        Op::Append {
+            seq,
+            layer,
+            head,
+            tokens,
+            seed,
+        } => {
             let kv = [rows(seed, tokens), rows(seed + 5, tokens)].concat();
-            let req = AppendTokens { layer, heads: HeadRange { start: head, count: 1 }, num_tokens: tokens as u32, kv: &kv, expected_position: None };
+            let req = AppendTokens {
+                layer,
+                heads: HeadRange { start: head, count: 1 },
+                num_tokens: tokens as u32,
+                kv: &kv,
+                expected_position: None,
+            };
             let r = store.append_tokens(&key(seq), req);
             let Some((_, _, lanes)) = model.seqs.get_mut(&seq) else {
                 prop_assert!(matches!(r, Err(StoreError::NotFound { .. })), "expected NOT_FOUND");
@@ -267,7 +397,9 @@ fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> 
             let mut t = 0;
             if room > 0 {
                 let fill = room.min(tokens);
-                let Some(ModelPage::Original { kv: page, .. }) = lane.pages.last_mut() else { unreachable!() };
+                let Some(ModelPage::Original { kv: page, .. }) = lane.pages.last_mut() else {
+                    unreachable!()
+                };
                 let have = page.len() / (2 * row);
                 let (pk, pv) = page.split_at(have * row);
                 *page = [pk, &kk[..fill * row], pv, &vv[..fill * row]].concat();
@@ -275,13 +407,28 @@ fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> 
             }
             while t < tokens {
                 let n = (tokens - t).min(PAGE);
-                lane.pages.push(ModelPage::Original { kv: [&kk[t * row..(t + n) * row], &vv[t * row..(t + n) * row]].concat(), shared: None });
+                lane.pages.push(ModelPage::Original {
+                    kv: [&kk[t * row..(t + n) * row], &vv[t * row..(t + n) * row]].concat(),
+                    shared: None,
+                });
                 t += n;
             }
             lane.tokens += tokens;
         }
-        Op::Set { seq, layer, first, count, action, rows } => {
-            let action = [Action::Offload(ColdTier::Host), Action::SwapIn, Action::Summarize, Action::Evict][action as usize];
+        Op::Set {
+            seq,
+            layer,
+            first,
+            count,
+            action,
+            rows,
+        } => {
+            let action = [
+                Action::Offload(ColdTier::Host),
+                Action::SwapIn,
+                Action::Summarize,
+                Action::Evict,
+            ][action as usize];
             let req = SetPageState {
                 layer_start: layer,
                 layer_count: 1,
@@ -292,7 +439,10 @@ fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> 
                 reason: Reason::Explicit,
             };
             if !model.seqs.contains_key(&seq) {
-                prop_assert!(matches!(store.set_page_state(&key(seq), req), Err(StoreError::NotFound { .. })), "expected NOT_FOUND");
+                prop_assert!(
+                    matches!(store.set_page_state(&key(seq), req), Err(StoreError::NotFound { .. })),
+                    "expected NOT_FOUND"
+                );
                 return Ok(());
             }
             let now = states(store, seq, layer);
@@ -327,7 +477,10 @@ fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> 
                 let lane_tokens = model.seqs[&seq].2[base + h].tokens;
                 let valid = (lane_tokens - p * PAGE).min(PAGE);
                 let new = match action {
-                    Action::Summarize => ModelPage::Summary { rows: (rows as usize).min(valid), tokens: valid },
+                    Action::Summarize => ModelPage::Summary {
+                        rows: (rows as usize).min(valid),
+                        tokens: valid,
+                    },
                     Action::Evict => ModelPage::Gone,
                     _ => continue,
                 };
