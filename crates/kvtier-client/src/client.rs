@@ -242,9 +242,85 @@ impl Client {
         Ok(self.inner.set_page_state(req).await?.into_inner().pages)
     }
 
+    /// Chooses the pages `req` needs (Quest) and, with `include_data`,
+    /// returns their bytes too.
+    pub async fn select_pages(&mut self, sequence_id: &str, req: &SelectRequest) -> Result<SelectResult> {
+        let msg = pb::SelectPagesRequest {
+            tenant: self.tenant.clone(),
+            sequence_id: sequence_id.to_owned(),
+            layer: req.layer,
+            kv_head_start: req.kv_heads.start,
+            kv_head_count: req.kv_heads.len() as u32,
+            queries: req
+                .queries
+                .iter()
+                .flat_map(|q| q.to_le_bytes())
+                .collect::<Vec<u8>>()
+                .into(),
+            budget_pages: req.budget_pages,
+            sink_pages: req.sink_pages,
+            window_pages: req.window_pages,
+            aggregation: req.aggregation as i32,
+            shard: req.shard,
+            include_data: req.include_data,
+            max_chunk_bytes: 0,
+        };
+        let mut stream = self.inner.select_pages(msg).await?.into_inner();
+        let mut out = SelectResult::default();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk?;
+            out.heads.extend(chunk.heads);
+            out.pages_scored += chunk.pages_scored;
+            out.digest_bytes += chunk.digest_bytes;
+            out.pages.extend(chunk.pages);
+        }
+        Ok(out)
+    }
+
     pub async fn stats(&mut self) -> Result<pb::Stats> {
         Ok(self.inner.get_stats(pb::GetStatsRequest {}).await?.into_inner())
     }
+}
+
+/// What to select: one layer, a range of KV heads, their query heads'
+/// queries (`[query head][head_dim]`, GQA group after group).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SelectRequest {
+    pub layer: u32,
+    pub kv_heads: Range<u32>,
+    pub queries: Vec<f32>,
+    pub budget_pages: u32,
+    pub sink_pages: u32,
+    pub window_pages: u32,
+    pub aggregation: pb::Aggregation,
+    pub shard: Option<pb::ContextShard>,
+    pub include_data: bool,
+}
+
+impl SelectRequest {
+    /// Budget `budget_pages` with no sinks, no window, max aggregation.
+    pub fn new(layer: u32, kv_heads: Range<u32>, queries: Vec<f32>, budget_pages: u32) -> Self {
+        Self {
+            layer,
+            kv_heads,
+            queries,
+            budget_pages,
+            sink_pages: 0,
+            window_pages: 0,
+            aggregation: pb::Aggregation::Max,
+            shard: None,
+            include_data: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SelectResult {
+    pub heads: Vec<pb::HeadSelection>,
+    /// With `include_data`: the chosen pages that are not gone.
+    pub pages: Vec<pb::Page>,
+    pub pages_scored: u64,
+    pub digest_bytes: u64,
 }
 
 /// Actions for [`Client::set_page_state`].

@@ -15,10 +15,12 @@
 //! ```
 
 mod client;
+mod merge;
 mod pack;
 
-pub use client::{Client, ClientError, actions, layout};
+pub use client::{Client, ClientError, SelectRequest, SelectResult, actions, layout};
 pub use kvtier_proto::v1 as pb;
+pub use merge::{Part, Partitioned};
 pub use pack::{Element, PackError, pack_kv, unpack_rows};
 
 /// The README's client example, compiled as a doctest so it stays true.

@@ -11,6 +11,8 @@ pub mod ids;
 pub mod lane;
 pub mod layout;
 pub mod page_table;
+pub mod score;
+pub mod select;
 pub mod state;
 pub mod summary;
 

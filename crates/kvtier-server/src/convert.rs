@@ -1,9 +1,10 @@
 //! Conversions between `kvtier.v1` messages and store types. Every refusal
 //! names the protobuf field.
 
+use kvtier_core::select::{Aggregation, Ownership, Scope, Shard};
 use kvtier_core::{Action, ColdTier, DType, LayerGroup, Layout, LayoutSpec, PageState, Reason, SequenceKey};
 use kvtier_proto::v1 as pb;
-use kvtier_store::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierKind, TransitionCount};
+use kvtier_store::{HeadSelection, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierKind, TransitionCount};
 use tonic::Status;
 
 use crate::status::{field_status, invalid};
@@ -201,5 +202,76 @@ pub(crate) fn stats_to_pb(s: &StatsSnapshot) -> pb::Stats {
         bytes_written: s.bytes_written,
         bytes_read: s.bytes_read,
         tokens_appended: s.tokens_appended,
+    }
+}
+
+/// Little-endian f32 values from a `bytes` field.
+pub(crate) fn f32s(field: &str, bytes: &[u8]) -> Result<Vec<f32>, Status> {
+    if !bytes.len().is_multiple_of(4) {
+        return Err(invalid(
+            field,
+            format!("is {} bytes, not a whole number of f32 values", bytes.len()),
+        ));
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+pub(crate) fn aggregation(value: i32) -> Result<Aggregation, Status> {
+    match pb::Aggregation::try_from(value) {
+        Ok(pb::Aggregation::Unspecified | pb::Aggregation::Max) => Ok(Aggregation::Max),
+        Ok(pb::Aggregation::Mean) => Ok(Aggregation::Mean),
+        Ok(pb::Aggregation::PerQueryHead) => Ok(Aggregation::PerQueryHead),
+        Err(_) => Err(invalid(
+            "aggregation",
+            format!("{value} is not one of AGGREGATION_MAX, AGGREGATION_MEAN, AGGREGATION_PER_QUERY_HEAD"),
+        )),
+    }
+}
+
+pub(crate) fn shard(shard: Option<pb::ContextShard>) -> Result<Option<Shard>, Status> {
+    let Some(s) = shard else { return Ok(None) };
+    let ownership = match enum_field(
+        "shard.ownership",
+        s.ownership,
+        "OWNERSHIP_CONTIGUOUS, OWNERSHIP_STRIDED",
+    )? {
+        pb::Ownership::Contiguous => Ownership::Contiguous,
+        pb::Ownership::Strided => Ownership::Strided,
+        pb::Ownership::Unspecified => unreachable!("refused by enum_field"),
+    };
+    let scope = match enum_field("shard.scope", s.scope, "SCOPE_GLOBAL, SCOPE_LOCAL")? {
+        pb::Scope::Global => Scope::Global,
+        pb::Scope::Local => Scope::Local,
+        pb::Scope::Unspecified => unreachable!("refused by enum_field"),
+    };
+    Ok(Some(Shard {
+        rank: s.rank,
+        world: s.world,
+        ownership,
+        scope,
+    }))
+}
+
+pub(crate) fn head_selection_to_pb(h: &HeadSelection) -> pb::HeadSelection {
+    pb::HeadSelection {
+        kv_head: h.kv_head,
+        query_head: h.query_head,
+        pages: h
+            .pages
+            .iter()
+            .map(|p| {
+                let (state, cold_tier) = state_to_pb(p.state);
+                pb::SelectedPage {
+                    page: p.page,
+                    bound: p.bound,
+                    state: state as i32,
+                    cold_tier: cold_tier as i32,
+                }
+            })
+            .collect(),
+        selected_but_gone: h.selected_but_gone,
     }
 }

@@ -3,12 +3,13 @@
 
 use std::sync::Arc;
 
+use kvtier_core::select::Budget;
 use kvtier_core::{Reason, SequenceKey};
 use kvtier_proto::v1 as pb;
 use kvtier_proto::v1::kv_tier_server::KvTier;
 use kvtier_store::{
-    AppendTokens, FetchCursor, FetchPages, FetchedPage, HeadRange, PageContent, PageSelection, PutPages, SetPageState,
-    Store, StoreResult,
+    AppendTokens, FetchCursor, FetchPages, FetchedPage, HeadRange, PageContent, PageSelection, PutPages, SelectPages,
+    SetPageState, Store, StoreResult,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -73,6 +74,38 @@ fn page_to_pb(p: FetchedPage) -> pb::Page {
 }
 
 type FetchStream = ReceiverStream<Result<pb::FetchPagesResponse, Status>>;
+type SelectStream = tokio_stream::Iter<std::vec::IntoIter<Result<pb::SelectPagesResponse, Status>>>;
+
+fn chunk_limit(max_chunk_bytes: u32) -> Result<usize, Status> {
+    match max_chunk_bytes as usize {
+        0 => Ok(DEFAULT_CHUNK_BYTES),
+        n if n > MAX_CHUNK_BYTES => Err(invalid(
+            "max_chunk_bytes",
+            format!("is {n}, at most {MAX_CHUNK_BYTES} allowed"),
+        )),
+        n => Ok(n),
+    }
+}
+
+/// Splits pages into messages of at most `limit` page bytes (at least one
+/// page each).
+fn chunks(pages: Vec<pb::Page>, limit: usize) -> Vec<Vec<pb::Page>> {
+    let mut out: Vec<Vec<pb::Page>> = Vec::new();
+    let mut bytes = 0;
+    for page in pages {
+        match out.last_mut() {
+            Some(last) if !last.is_empty() && bytes + page.kv.len() <= limit => {
+                bytes += page.kv.len();
+                last.push(page);
+            }
+            _ => {
+                bytes = page.kv.len();
+                out.push(vec![page]);
+            }
+        }
+    }
+    out
+}
 
 #[tonic::async_trait]
 impl KvTier for KvTierService {
@@ -227,6 +260,52 @@ impl KvTier for KvTierService {
             }
         });
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    type SelectPagesStream = SelectStream;
+
+    async fn select_pages(&self, request: Request<pb::SelectPagesRequest>) -> Result<Response<SelectStream>, Status> {
+        let r = request.into_inner();
+        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let queries = convert::f32s("queries", &r.queries)?;
+        let aggregation = convert::aggregation(r.aggregation)?;
+        let shard = convert::shard(r.shard)?;
+        let limit = chunk_limit(r.max_chunk_bytes)?;
+        let selection = self
+            .call(move |s| {
+                s.select_pages(
+                    &key,
+                    SelectPages {
+                        layer: r.layer,
+                        heads: heads(r.kv_head_start, r.kv_head_count),
+                        queries: &queries,
+                        budget: Budget {
+                            pages: r.budget_pages as usize,
+                            sinks: r.sink_pages as usize,
+                            window: r.window_pages as usize,
+                        },
+                        aggregation,
+                        shard,
+                        with_data: r.include_data,
+                    },
+                )
+            })
+            .await?;
+        let first = pb::SelectPagesResponse {
+            heads: selection.heads.iter().map(convert::head_selection_to_pb).collect(),
+            pages_scored: selection.pages_scored,
+            digest_bytes: selection.digest_bytes,
+            pages: vec![],
+        };
+        let data = chunks(selection.data.into_iter().map(page_to_pb).collect(), limit);
+        let messages = std::iter::once(first)
+            .chain(data.into_iter().map(|pages| pb::SelectPagesResponse {
+                pages,
+                ..Default::default()
+            }))
+            .map(Ok)
+            .collect::<Vec<_>>();
+        Ok(Response::new(tokio_stream::iter(messages)))
     }
 
     async fn set_page_state(

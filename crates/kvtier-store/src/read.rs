@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
-use kvtier_core::{LogicalPage, PageState, Reason, SequenceKey};
+use kvtier_core::{Layout, LogicalPage, PageState, Reason, SequenceKey};
 
-use crate::page::read_rows;
+use crate::page::{PhysPage, StoreLane, read_rows};
 use crate::sequence::HeadRange;
 use crate::stats::Counters;
 use crate::sync::read;
@@ -53,6 +53,40 @@ pub struct FetchCursor {
 }
 
 impl Store {
+    /// Reads one logical page: its state and its bytes (the original, the
+    /// summary, or why it is gone). Hot pages are collected in `hot` so the
+    /// caller can mark them used in one go.
+    pub(crate) fn read_page(
+        &self,
+        layout: &Layout,
+        lane: &StoreLane,
+        page: usize,
+        hot: &mut Vec<Arc<PhysPage>>,
+    ) -> StoreResult<(PageState, PageContent)> {
+        Ok(match lane.page(page).expect("page index checked by the caller") {
+            LogicalPage::Physical(r) => {
+                let place = read(&r.page.place);
+                let data = read_rows(&*self.host, place.backing.slot(), layout, lane.rows_in(page))?;
+                if place.device.is_some() {
+                    hot.push(Arc::clone(&r.page));
+                }
+                (place.state(), PageContent::Original(data))
+            }
+            LogicalPage::Summary(s) => {
+                let mut kv = vec![0u8; s.slot.len() as usize];
+                self.host.read(&s.slot, 0, &mut kv)?;
+                (
+                    PageState::Summary,
+                    PageContent::Summary {
+                        counts: s.counts.clone(),
+                        kv,
+                    },
+                )
+            }
+            LogicalPage::Gone(reason) => (PageState::Gone, PageContent::Gone(*reason)),
+        })
+    }
+
     /// Reads pages bit-exact as written. Summaries come back as summaries and
     /// gone pages as a per-page status; neither fails the call.
     pub fn fetch_pages(&self, key: &SequenceKey, req: FetchPages<'_>) -> StoreResult<Vec<FetchedPage>> {
@@ -112,23 +146,7 @@ impl Store {
                         break 'heads;
                     }
                     bytes += size;
-                    let (state, content) = match page {
-                        LogicalPage::Physical(r) => {
-                            let place = read(&r.page.place);
-                            let data = read_rows(&*self.host, place.backing.slot(), layout, rows)?;
-                            if place.device.is_some() {
-                                hot.push(Arc::clone(&r.page));
-                            }
-                            (place.state(), PageContent::Original(data))
-                        }
-                        LogicalPage::Summary(s) => {
-                            let mut kv = vec![0u8; s.slot.len() as usize];
-                            self.host.read(&s.slot, 0, &mut kv)?;
-                            let counts = s.counts.clone();
-                            (PageState::Summary, PageContent::Summary { counts, kv })
-                        }
-                        LogicalPage::Gone(reason) => (PageState::Gone, PageContent::Gone(*reason)),
-                    };
+                    let (state, content) = self.read_page(layout, lane, p as usize, &mut hot)?;
                     out.push(FetchedPage {
                         kv_head: h,
                         page: p,

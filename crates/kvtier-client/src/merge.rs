@@ -1,0 +1,133 @@
+//! Selection over a sequence whose pages are split by position across
+//! several servers. Each server ranks its own pages; the client merges their
+//! answers into exactly the selection one server holding everything would
+//! make (the global top-k is contained in the union of the local top-k).
+
+use std::collections::BTreeMap;
+
+use crate::client::Result;
+use crate::{Client, ClientError, SelectRequest, pb};
+
+/// One server's contiguous part of a sequence: global pages
+/// `first_page..first_page + pages`, stored there as local pages `0..pages`.
+#[derive(Debug, Clone)]
+pub struct Part {
+    pub client: Client,
+    pub sequence_id: String,
+    pub first_page: u32,
+    pub pages: u32,
+}
+
+/// A sequence split by position over servers, parts in position order with
+/// no gaps.
+#[derive(Debug, Clone)]
+pub struct Partitioned {
+    parts: Vec<Part>,
+}
+
+/// A candidate from one server, in global page numbers.
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    page: u32,
+    bound: f32,
+    state: i32,
+    cold_tier: i32,
+}
+
+impl Partitioned {
+    /// Parts must be contiguous from page 0 in order.
+    pub fn new(parts: Vec<Part>) -> std::result::Result<Self, String> {
+        let mut next = 0u32;
+        for (i, p) in parts.iter().enumerate() {
+            if p.first_page != next {
+                return Err(format!("part {i} starts at page {}, expected {next}", p.first_page));
+            }
+            next += p.pages;
+        }
+        Ok(Self { parts })
+    }
+
+    pub fn pages(&self) -> u32 {
+        self.parts.iter().map(|p| p.pages).sum()
+    }
+
+    /// The exact global selection for `req` (no shard), with global page
+    /// numbers, per (KV head, query head). Pages' data is not fetched.
+    pub async fn select(&mut self, req: &SelectRequest) -> Result<Vec<pb::HeadSelection>> {
+        let n = self.pages();
+        let (k, s, w) = (req.budget_pages, req.sink_pages, req.window_pages);
+        let forced = |p: u32| p < s || p + w >= n;
+        let forced_total = (0..n).filter(|&p| forced(p)).count() as u32;
+        let room = k.saturating_sub(forced_total);
+        // (kv head, query head) → candidates from every part.
+        let mut merged: BTreeMap<(u32, Option<u32>), Vec<Candidate>> = BTreeMap::new();
+        for part in &mut self.parts {
+            if part.pages == 0 {
+                continue;
+            }
+            let (a, b) = (part.first_page, part.first_page + part.pages);
+            let local_forced = (a..b).filter(|&p| forced(p)).count() as u32;
+            // Global sinks and window fall on a prefix and a suffix of the part.
+            let prefix = s.saturating_sub(a).min(part.pages);
+            let suffix = b.saturating_sub(n.saturating_sub(w)).min(part.pages);
+            let (sinks, window) = if prefix + suffix > part.pages {
+                (part.pages, 0)
+            } else {
+                (prefix, suffix)
+            };
+            let local = SelectRequest {
+                budget_pages: local_forced + room,
+                sink_pages: sinks,
+                window_pages: window,
+                shard: None,
+                include_data: false,
+                ..req.clone()
+            };
+            if local.budget_pages == 0 {
+                continue;
+            }
+            let answer = part.client.select_pages(&part.sequence_id, &local).await?;
+            for head in answer.heads {
+                let out = merged.entry((head.kv_head, head.query_head)).or_default();
+                for p in head.pages {
+                    if p.page >= part.pages {
+                        return Err(ClientError::Status(tonic::Status::out_of_range(format!(
+                            "server for pages {a}..{b} returned local page {}",
+                            p.page
+                        ))));
+                    }
+                    out.push(Candidate {
+                        page: a + p.page,
+                        bound: p.bound,
+                        state: p.state,
+                        cold_tier: p.cold_tier,
+                    });
+                }
+            }
+        }
+        Ok(merged
+            .into_iter()
+            .map(|((kv_head, query_head), candidates)| {
+                let (mut chosen, mut rest): (Vec<_>, Vec<_>) = candidates.into_iter().partition(|c| forced(c.page));
+                rest.sort_by(|x, y| y.bound.total_cmp(&x.bound).then(x.page.cmp(&y.page)));
+                chosen.extend(rest.into_iter().take(room as usize));
+                chosen.sort_by_key(|c| c.page);
+                let gone = chosen.iter().filter(|c| c.state == pb::PageState::Gone as i32).count() as u32;
+                pb::HeadSelection {
+                    kv_head,
+                    query_head,
+                    pages: chosen
+                        .into_iter()
+                        .map(|c| pb::SelectedPage {
+                            page: c.page,
+                            bound: c.bound,
+                            state: c.state,
+                            cold_tier: c.cold_tier,
+                        })
+                        .collect(),
+                    selected_but_gone: gone,
+                }
+            })
+            .collect())
+    }
+}

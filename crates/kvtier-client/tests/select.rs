@@ -1,0 +1,458 @@
+//! SelectPages over real gRPC against a brute-force reference computed from
+//! the raw keys; partial pages, gone pages, data, tensor- and
+//! context-parallel callers, and the multi-server merge.
+
+mod common;
+
+use common::{LaneData, TestServer, size_of, value};
+use kvtier_client::{Client, Part, Partitioned, SelectRequest, actions, pb};
+
+const D: usize = 8;
+const PAGE: usize = 4;
+const KV_HEADS: u32 = 3;
+const GROUP: usize = 3;
+
+fn layout(dtype: pb::DType) -> pb::Layout {
+    kvtier_client::layout(1, KV_HEADS, KV_HEADS * GROUP as u32, D as u32, dtype, PAGE as u32)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Small integers as floats: exact products and sums, frequent ties.
+    fn small(&mut self) -> f32 {
+        (self.next() % 7) as f32 - 3.0
+    }
+}
+
+/// Writes `tokens` tokens of small-integer keys; returns each head's data.
+async fn write(client: &mut Client, seq: &str, dtype: pb::DType, tokens: usize, rng: &mut Rng) -> Vec<LaneData> {
+    client.create_sequence(seq, layout(dtype), vec![]).await.unwrap();
+    let mut kv = Vec::new();
+    let mut lanes = vec![LaneData::default(); KV_HEADS as usize];
+    for lane in &mut lanes {
+        let mut k = vec![0u8; tokens * D * size_of(dtype)];
+        for i in 0..tokens * D {
+            put(dtype, &mut k, i, rng.small());
+        }
+        let v = common::finite_elements(dtype, tokens * D, rng.next());
+        kv.extend_from_slice(&k);
+        kv.extend_from_slice(&v);
+        lane.keys = k;
+        lane.values = v;
+    }
+    client
+        .put_pages(seq, 0, 0..KV_HEADS, 0, tokens as u32, kv.into())
+        .await
+        .unwrap();
+    lanes
+}
+
+fn put(dtype: pb::DType, bytes: &mut [u8], i: usize, v: f32) {
+    match dtype {
+        pb::DType::DtypeF32 => bytes[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
+        pb::DType::DtypeF16 => bytes[2 * i..2 * i + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+        _ => bytes[2 * i..2 * i + 2].copy_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+    }
+}
+
+/// The reference: bounds from the raw keys (not the server's digests), the
+/// rule of DESIGN.md §3 by full sort.
+fn reference(dtype: pb::DType, lane: &LaneData, queries: &[f32], k: usize, s: usize, w: usize) -> Vec<(u32, f32)> {
+    let tokens = lane.keys.len() / (D * size_of(dtype));
+    let n = tokens.div_ceil(PAGE);
+    let bound = |p: usize, q: &[f32]| -> f32 {
+        (0..D)
+            .map(|i| {
+                let column = (p * PAGE..((p + 1) * PAGE).min(tokens)).map(|t| value(dtype, &lane.keys, t * D + i));
+                let (lo, hi) = column.fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
+                (q[i] * hi).max(q[i] * lo)
+            })
+            .sum()
+    };
+    let scores: Vec<f32> = (0..n)
+        .map(|p| {
+            queries
+                .chunks_exact(D)
+                .map(|q| bound(p, q))
+                .fold(f32::NEG_INFINITY, f32::max)
+        })
+        .collect();
+    if n <= k {
+        return (0..n).map(|p| (p as u32, scores[p])).collect();
+    }
+    let forced = |p: usize| p < s || p + w >= n;
+    let mut rest: Vec<usize> = (0..n).filter(|&p| !forced(p)).collect();
+    rest.sort_by(|&a, &b| scores[b].partial_cmp(&scores[a]).unwrap().then(a.cmp(&b)));
+    let mut chosen: Vec<usize> = (0..n).filter(|&p| forced(p)).collect();
+    let room = k - chosen.len();
+    chosen.extend(rest.into_iter().take(room));
+    chosen.sort();
+    chosen.into_iter().map(|p| (p as u32, scores[p])).collect()
+}
+
+fn queries(rng: &mut Rng, heads: usize) -> Vec<f32> {
+    (0..heads * GROUP * D).map(|_| rng.small()).collect()
+}
+
+fn pages_of(h: &pb::HeadSelection) -> Vec<(u32, f32)> {
+    h.pages.iter().map(|p| (p.page, p.bound)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn selection_matches_a_brute_force_reference() {
+    let server = TestServer::default().await;
+    let mut client = server.client().await;
+    let mut rng = Rng(7);
+    let mut case = 0;
+    for dtype in [pb::DType::DtypeF32, pb::DType::DtypeF16, pb::DType::DtypeBf16] {
+        for tokens in [1usize, 3, 4, 17, 40, 61] {
+            let seq = format!("s{case}");
+            case += 1;
+            let lanes = write(&mut client, &seq, dtype, tokens, &mut rng).await;
+            for (k, s, w) in [(1, 0, 0), (3, 1, 1), (5, 0, 2), (6, 2, 0), (20, 1, 1)] {
+                let q = queries(&mut rng, KV_HEADS as usize);
+                let req = SelectRequest {
+                    sink_pages: s,
+                    window_pages: w,
+                    ..SelectRequest::new(0, 0..KV_HEADS, q.clone(), k)
+                };
+                let got = client.select_pages(&seq, &req).await.unwrap();
+                assert_eq!(got.heads.len(), KV_HEADS as usize);
+                for (h, head) in got.heads.iter().enumerate() {
+                    let group_q = &q[h * GROUP * D..(h + 1) * GROUP * D];
+                    let want = reference(dtype, &lanes[h], group_q, k as usize, s as usize, w as usize);
+                    assert_eq!(
+                        pages_of(head),
+                        want,
+                        "{dtype:?} tokens {tokens} k {k} s {s} w {w} head {h}"
+                    );
+                    assert_eq!(head.selected_but_gone, 0);
+                }
+                // A tensor-parallel reader of heads 1..3 gets the same answer.
+                let tp = SelectRequest {
+                    kv_heads: 1..3,
+                    queries: q[GROUP * D..].to_vec(),
+                    ..req.clone()
+                };
+                let part = client.select_pages(&seq, &tp).await.unwrap();
+                assert_eq!(part.heads, got.heads[1..]);
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partial_pages_gone_pages_data_and_aggregations() {
+    let server = TestServer::default().await;
+    let mut client = server.client().await;
+    let dtype = pb::DType::DtypeF32;
+    client.create_sequence("p", layout(dtype), vec![]).await.unwrap();
+    // Every key is -1: with a positive query every bound is negative unless
+    // padding zeros leak into the partial last page's digest.
+    let tokens = 2 * PAGE + 1;
+    let keys: Vec<f32> = vec![-1.0; KV_HEADS as usize * tokens * D];
+    let values: Vec<f32> = (0..KV_HEADS as usize * tokens * D).map(|i| i as f32).collect();
+    let kv = kvtier_client::pack_kv(&keys, &values, KV_HEADS as usize, tokens, D).unwrap();
+    client
+        .put_pages("p", 0, 0..KV_HEADS, 0, tokens as u32, kv)
+        .await
+        .unwrap();
+    let q = vec![1.0f32; KV_HEADS as usize * GROUP * D];
+    let got = client
+        .select_pages("p", &SelectRequest::new(0, 0..KV_HEADS, q.clone(), 3))
+        .await
+        .unwrap();
+    for head in &got.heads {
+        assert_eq!(
+            pages_of(head),
+            [(0, -8.0), (1, -8.0), (2, -8.0)],
+            "no padding slot in the partial page"
+        );
+    }
+
+    // Evict page 1 of head 0: still chosen, listed as gone and counted, and
+    // never served.
+    client
+        .set_page_state("p", 0..1, 0..1, 1..2, actions::evict())
+        .await
+        .unwrap();
+    let req = SelectRequest {
+        include_data: true,
+        ..SelectRequest::new(0, 0..KV_HEADS, q.clone(), 3)
+    };
+    let got = client.select_pages("p", &req).await.unwrap();
+    assert_eq!(got.heads[0].selected_but_gone, 1);
+    assert_eq!(got.heads[0].pages[1].state(), pb::PageState::Gone);
+    assert_eq!(got.heads[1].selected_but_gone, 0);
+    assert_eq!(got.pages.len(), 3 * 3 - 1);
+    assert!(!got.pages.iter().any(|p| p.kv_head == 0 && p.page == 1));
+    let fetched = client.fetch_pages("p", 0, 0..KV_HEADS, vec![]).await.unwrap();
+    for page in &got.pages {
+        let same = fetched
+            .iter()
+            .find(|f| f.kv_head == page.kv_head && f.page == page.page)
+            .unwrap();
+        assert_eq!(page, same, "selected data equals fetched data");
+    }
+
+    // Per query head: one selection per query head, numbered globally.
+    let req = SelectRequest {
+        aggregation: pb::Aggregation::PerQueryHead,
+        ..SelectRequest::new(0, 1..2, vec![1.0; GROUP * D], 2)
+    };
+    let got = client.select_pages("p", &req).await.unwrap();
+    let heads: Vec<(u32, Option<u32>)> = got.heads.iter().map(|h| (h.kv_head, h.query_head)).collect();
+    assert_eq!(heads, [(1, Some(3)), (1, Some(4)), (1, Some(5))]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn context_parallel_shares_union_to_the_unsharded_selection() {
+    let server = TestServer::default().await;
+    let mut client = server.client().await;
+    let mut rng = Rng(99);
+    write(&mut client, "cp", pb::DType::DtypeBf16, 77, &mut rng).await; // 20 pages
+    for world in 1..=8u32 {
+        for ownership in [pb::Ownership::Contiguous, pb::Ownership::Strided] {
+            let q = queries(&mut rng, KV_HEADS as usize);
+            let req = SelectRequest {
+                sink_pages: 1,
+                window_pages: 2,
+                ..SelectRequest::new(0, 0..KV_HEADS, q, 7)
+            };
+            let whole = client.select_pages("cp", &req).await.unwrap();
+            let mut union: Vec<Vec<(u32, f32)>> = vec![Vec::new(); KV_HEADS as usize];
+            for rank in 0..world {
+                let shard = pb::ContextShard {
+                    rank,
+                    world,
+                    ownership: ownership as i32,
+                    scope: pb::Scope::Global as i32,
+                };
+                let share = client
+                    .select_pages(
+                        "cp",
+                        &SelectRequest {
+                            shard: Some(shard),
+                            ..req.clone()
+                        },
+                    )
+                    .await
+                    .unwrap();
+                for (h, head) in share.heads.iter().enumerate() {
+                    union[h].extend(pages_of(head));
+                }
+                // Local scope stays within the rank's pages and fills its budget there.
+                let local = pb::ContextShard {
+                    scope: pb::Scope::Local as i32,
+                    ..shard
+                };
+                let mine = client
+                    .select_pages(
+                        "cp",
+                        &SelectRequest {
+                            shard: Some(local),
+                            ..req.clone()
+                        },
+                    )
+                    .await
+                    .unwrap();
+                for head in &mine.heads {
+                    for p in &head.pages {
+                        let owned = match ownership {
+                            pb::Ownership::Strided => p.page % world == rank,
+                            _ => {
+                                let (base, extra) = (20 / world, 20 % world);
+                                let start = rank * base + rank.min(extra);
+                                (start..start + base + u32::from(rank < extra)).contains(&p.page)
+                            }
+                        };
+                        assert!(owned, "rank {rank}/{world} {ownership:?} got page {}", p.page);
+                    }
+                }
+            }
+            for (h, head) in whole.heads.iter().enumerate() {
+                union[h].sort_by_key(|x| x.0);
+                assert_eq!(union[h], pages_of(head), "world {world} {ownership:?} head {h}");
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_server_merge_equals_single_server_selection() {
+    let single = TestServer::default().await;
+    let servers = [
+        TestServer::default().await,
+        TestServer::default().await,
+        TestServer::default().await,
+    ];
+    let mut one = single.client().await;
+    let dtype = pb::DType::DtypeF16;
+    let mut rng = Rng(5);
+    let tokens = 93; // 24 pages, the last partial
+    let lanes = write(&mut one, "whole", dtype, tokens, &mut rng).await;
+    // Split by position: pages 0..5, 5..17, 17..24 on three servers.
+    let bounds = [(0usize, 5usize), (5, 17), (17, 24)];
+    let mut parts = Vec::new();
+    let row = D * size_of(dtype);
+    for (server, &(a, b)) in servers.iter().zip(&bounds) {
+        let mut client = server.client().await;
+        client.create_sequence("part", layout(dtype), vec![]).await.unwrap();
+        let (t0, t1) = (a * PAGE, (b * PAGE).min(tokens));
+        let mut kv = Vec::new();
+        for lane in &lanes {
+            kv.extend_from_slice(&lane.keys[t0 * row..t1 * row]);
+            kv.extend_from_slice(&lane.values[t0 * row..t1 * row]);
+        }
+        client
+            .put_pages("part", 0, 0..KV_HEADS, 0, (t1 - t0) as u32, kv.into())
+            .await
+            .unwrap();
+        parts.push(Part {
+            client,
+            sequence_id: "part".into(),
+            first_page: a as u32,
+            pages: (b - a) as u32,
+        });
+    }
+    let mut split = Partitioned::new(parts).unwrap();
+    assert_eq!(split.pages(), 24);
+    for (k, s, w) in [
+        (1, 0, 0),
+        (4, 1, 1),
+        (6, 0, 3),
+        (9, 6, 2),
+        (24, 2, 2),
+        (30, 0, 0),
+        (8, 0, 8),
+    ] {
+        for aggregation in [
+            pb::Aggregation::Max,
+            pb::Aggregation::Mean,
+            pb::Aggregation::PerQueryHead,
+        ] {
+            let q = queries(&mut rng, KV_HEADS as usize);
+            let req = SelectRequest {
+                sink_pages: s,
+                window_pages: w,
+                aggregation,
+                ..SelectRequest::new(0, 0..KV_HEADS, q, k)
+            };
+            let want = one.select_pages("whole", &req).await.unwrap().heads;
+            let got = split.select(&req).await.unwrap();
+            assert_eq!(got, want, "k {k} s {s} w {w} {aggregation:?}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_selection_requests_name_their_field() {
+    let server = TestServer::default().await;
+    let mut client = server.client().await;
+    let mut rng = Rng(3);
+    write(&mut client, "b", pb::DType::DtypeF32, 10, &mut rng).await;
+    let ok = SelectRequest::new(0, 0..KV_HEADS, vec![0.5; KV_HEADS as usize * GROUP * D], 2);
+    let mut nan = ok.clone();
+    nan.queries[7] = f32::NAN;
+    let cases = [
+        (
+            SelectRequest {
+                queries: vec![0.5; 3],
+                ..ok.clone()
+            },
+            "queries:",
+        ),
+        (nan, "queries:"),
+        (
+            SelectRequest {
+                budget_pages: 0,
+                ..ok.clone()
+            },
+            "budget_pages:",
+        ),
+        (
+            SelectRequest {
+                sink_pages: 2,
+                window_pages: 1,
+                ..ok.clone()
+            },
+            "sink_pages:",
+        ),
+        (
+            SelectRequest {
+                kv_heads: 2..4,
+                ..ok.clone()
+            },
+            "kv_head_count:",
+        ),
+        (SelectRequest { layer: 1, ..ok.clone() }, "layer:"),
+        (
+            SelectRequest {
+                shard: Some(pb::ContextShard {
+                    rank: 2,
+                    world: 2,
+                    ownership: 1,
+                    scope: 1,
+                }),
+                ..ok.clone()
+            },
+            "shard.rank:",
+        ),
+        (
+            SelectRequest {
+                shard: Some(pb::ContextShard {
+                    rank: 0,
+                    world: 2,
+                    ownership: 0,
+                    scope: 1,
+                }),
+                ..ok.clone()
+            },
+            "shard.ownership:",
+        ),
+        (
+            SelectRequest {
+                shard: Some(pb::ContextShard {
+                    rank: 0,
+                    world: 0,
+                    ownership: 1,
+                    scope: 2,
+                }),
+                ..ok.clone()
+            },
+            "shard.world:",
+        ),
+    ];
+    for (req, field) in cases {
+        match client.select_pages("b", &req).await {
+            Err(kvtier_client::ClientError::Status(s)) => {
+                assert_eq!(s.code(), tonic::Code::InvalidArgument, "{}", s.message());
+                assert!(
+                    s.message().starts_with(field),
+                    "{} should start with {field}",
+                    s.message()
+                );
+            }
+            other => panic!("expected INVALID_ARGUMENT for {field}, got {other:?}"),
+        }
+    }
+    let mut raw = pb::SelectPagesRequest {
+        sequence_id: "b".into(),
+        kv_head_count: 1,
+        queries: vec![0u8; 5].into(),
+        budget_pages: 1,
+        ..Default::default()
+    };
+    let status = client.raw().select_pages(raw.clone()).await.unwrap_err();
+    assert!(status.message().starts_with("queries:"), "{}", status.message());
+    raw.queries = vec![0u8; GROUP * D * 4].into();
+    raw.aggregation = 42;
+    let status = client.raw().select_pages(raw).await.unwrap_err();
+    assert!(status.message().starts_with("aggregation:"), "{}", status.message());
+}

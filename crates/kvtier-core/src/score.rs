@@ -1,0 +1,368 @@
+//! The Quest upper bound of a query's score over a page, for every page of a
+//! lane at once:
+//!
+//! `U(q, P) = Σ_r max(q_r·max_r, q_r·min_r)`  (= `q_r·max_r` when `q_r ≥ 0`,
+//! `q_r·min_r` otherwise), an upper bound of `max_{k∈P} q·k`.
+//!
+//! Computed in f32 straight from the digest bytes in their key dtype: one
+//! sequential pass over the column, each page's digest read once for all
+//! query heads of the group. On x86-64 with AVX2 and F16C an explicit SIMD
+//! kernel runs (8 lanes, dtype conversion in registers); elsewhere a scalar
+//! kernel computes the same sums. The two differ only in summation order.
+
+use crate::DType;
+
+/// Which kernel [`score_column`] uses on this machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    Scalar,
+    Avx2,
+}
+
+impl Kernel {
+    /// The fastest kernel this CPU supports.
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+            return Kernel::Avx2;
+        }
+        Kernel::Scalar
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Scalar => "scalar",
+            Kernel::Avx2 => "avx2",
+        }
+    }
+}
+
+/// Scores every page of a digest column (`[page][min row | max row]` in
+/// `dtype`) against `queries` (`[g][head_dim]` f32): `out[page · g + j]` is
+/// `U(queries[j], page)`.
+pub fn score_column(dtype: DType, head_dim: usize, digests: &[u8], queries: &[f32], out: &mut [f32]) {
+    score_column_with(Kernel::detect(), dtype, head_dim, digests, queries, out);
+}
+
+/// [`score_column`] with an explicit kernel (for tests and benchmarks). A
+/// kernel the CPU lacks falls back to scalar.
+pub fn score_column_with(
+    kernel: Kernel,
+    dtype: DType,
+    head_dim: usize,
+    digests: &[u8],
+    queries: &[f32],
+    out: &mut [f32],
+) {
+    let entry = 2 * head_dim * dtype.size();
+    assert!(
+        head_dim > 0 && digests.len().is_multiple_of(entry),
+        "digest column of whole entries"
+    );
+    assert!(queries.len().is_multiple_of(head_dim), "queries of whole rows");
+    let (pages, group) = (digests.len() / entry, queries.len() / head_dim);
+    assert_eq!(out.len(), pages * group, "one output per (page, query)");
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 if Kernel::detect() == Kernel::Avx2 => {
+            // SAFETY: the CPU supports AVX2 and F16C (checked just above), and
+            // the lengths were checked against each other, as `avx2::score`
+            // requires.
+            unsafe { avx2::score(dtype, head_dim, digests, queries, out) }
+        }
+        _ => scalar(dtype, head_dim, digests, queries, out),
+    }
+}
+
+fn scalar(dtype: DType, head_dim: usize, digests: &[u8], queries: &[f32], out: &mut [f32]) {
+    let group = queries.len() / head_dim;
+    let row = head_dim * dtype.size();
+    let (mut min, mut max) = (vec![0f32; head_dim], vec![0f32; head_dim]);
+    for (page, entry) in digests.chunks_exact(2 * row).enumerate() {
+        for i in 0..head_dim {
+            min[i] = dtype.get_f32(&entry[..row], i);
+            max[i] = dtype.get_f32(&entry[row..], i);
+        }
+        for (j, q) in queries.chunks_exact(head_dim).enumerate() {
+            out[page * group + j] = q
+                .iter()
+                .zip(min.iter().zip(&max))
+                .map(|(q, (lo, hi))| (q * hi).max(q * lo))
+                .sum();
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use crate::DType;
+
+    /// Eight elements of one dtype, widened to f32 lanes.
+    trait Lanes {
+        const SIZE: usize;
+        /// # Safety
+        /// `ptr` must be valid for reading `8 · SIZE` bytes, and the CPU must
+        /// support AVX2 and F16C.
+        unsafe fn load(ptr: *const u8) -> __m256;
+        fn get(bytes: &[u8], i: usize) -> f32;
+    }
+
+    struct F32;
+    struct F16;
+    struct Bf16;
+
+    impl Lanes for F32 {
+        const SIZE: usize = 4;
+        #[inline(always)]
+        unsafe fn load(ptr: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 32 readable bytes; unaligned load.
+            unsafe { _mm256_loadu_ps(ptr.cast()) }
+        }
+        fn get(bytes: &[u8], i: usize) -> f32 {
+            DType::F32.get_f32(bytes, i)
+        }
+    }
+
+    impl Lanes for F16 {
+        const SIZE: usize = 2;
+        #[inline(always)]
+        unsafe fn load(ptr: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 16 readable bytes and F16C.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(ptr.cast())) }
+        }
+        fn get(bytes: &[u8], i: usize) -> f32 {
+            DType::F16.get_f32(bytes, i)
+        }
+    }
+
+    impl Lanes for Bf16 {
+        const SIZE: usize = 2;
+        #[inline(always)]
+        unsafe fn load(ptr: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 16 readable bytes and AVX2. A
+            // bf16 is the top half of the f32 with the same bits.
+            unsafe {
+                let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(ptr.cast()));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
+            }
+        }
+        fn get(bytes: &[u8], i: usize) -> f32 {
+            DType::Bf16.get_f32(bytes, i)
+        }
+    }
+
+    /// # Safety
+    /// The CPU supports AVX2 and F16C; `digests` holds whole entries of
+    /// `2 · head_dim` elements, `queries` whole rows of `head_dim`, and
+    /// `out` one slot per (page, query).
+    pub(super) unsafe fn score(dtype: DType, head_dim: usize, digests: &[u8], queries: &[f32], out: &mut [f32]) {
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            match dtype {
+                DType::F32 => kernel::<F32>(head_dim, digests, queries, out),
+                DType::F16 => kernel::<F16>(head_dim, digests, queries, out),
+                DType::Bf16 => kernel::<Bf16>(head_dim, digests, queries, out),
+            }
+        }
+    }
+
+    /// Query heads scored per pass over a page's digest: their accumulators
+    /// stay in registers.
+    const BLOCK: usize = 4;
+
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn kernel<L: Lanes>(head_dim: usize, digests: &[u8], queries: &[f32], out: &mut [f32]) {
+        let group = queries.len() / head_dim;
+        let row = head_dim * L::SIZE;
+        let chunks = head_dim / 8;
+        for (page, entry) in digests.chunks_exact(2 * row).enumerate() {
+            let (min, max) = entry.split_at(row);
+            for first in (0..group).step_by(BLOCK) {
+                let n = BLOCK.min(group - first);
+                let mut acc = [_mm256_setzero_ps(); BLOCK];
+                for c in 0..chunks {
+                    // SAFETY: element `8c + 7 < head_dim`, so 8 elements from
+                    // `8c` lie inside the min and max rows of this entry.
+                    let (lo, hi) = unsafe {
+                        (
+                            L::load(min.as_ptr().add(8 * c * L::SIZE)),
+                            L::load(max.as_ptr().add(8 * c * L::SIZE)),
+                        )
+                    };
+                    for (j, acc) in acc.iter_mut().enumerate().take(n) {
+                        // SAFETY: query `first + j < group` has `head_dim`
+                        // elements, of which `8c..8c + 8` are in range.
+                        let q = unsafe { _mm256_loadu_ps(queries.as_ptr().add((first + j) * head_dim + 8 * c)) };
+                        let term = _mm256_max_ps(_mm256_mul_ps(q, hi), _mm256_mul_ps(q, lo));
+                        *acc = _mm256_add_ps(*acc, term);
+                    }
+                }
+                for (j, acc) in acc.iter().enumerate().take(n) {
+                    let q = &queries[(first + j) * head_dim..(first + j + 1) * head_dim];
+                    let tail: f32 = (8 * chunks..head_dim)
+                        .map(|i| (q[i] * L::get(max, i)).max(q[i] * L::get(min, i)))
+                        .sum();
+                    out[page * group + first + j] = horizontal_sum(*acc) + tail;
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn horizontal_sum(v: __m256) -> f32 {
+        // SAFETY: only reached from `kernel`, which requires AVX2.
+        unsafe {
+            let pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
+            _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps::<0b01>(quad, quad)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DigestColumn;
+    use proptest::prelude::*;
+
+    fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
+        let mut out = vec![0u8; values.len() * dtype.size()];
+        for (i, v) in values.iter().enumerate() {
+            dtype.put_f32(&mut out, i, *v);
+        }
+        out
+    }
+
+    fn kernels() -> Vec<Kernel> {
+        let mut k = vec![Kernel::Scalar];
+        if Kernel::detect() == Kernel::Avx2 {
+            k.push(Kernel::Avx2);
+        } else {
+            println!("AVX2/F16C not available here: only the scalar kernel is tested");
+        }
+        k
+    }
+
+    #[test]
+    fn the_worked_example_from_the_issue() {
+        // Page minima [[0,-5],[2,-1]], maxima [[4,1],[3,6]], q = [2,-3].
+        for dtype in DType::ALL {
+            let digests = encode(dtype, &[0.0, -5.0, 4.0, 1.0, 2.0, -1.0, 3.0, 6.0]);
+            for kernel in kernels() {
+                let mut out = [0f32; 2];
+                score_column_with(kernel, dtype, 2, &digests, &[2.0, -3.0], &mut out);
+                assert_eq!(out, [23.0, 9.0], "{dtype} {kernel:?}");
+            }
+        }
+    }
+
+    /// Keys in a page, the digest built by `DigestColumn`, and the check that
+    /// the computed bound is at least the best exact score minus the f32
+    /// summation error bound γ_{d+1} · Σ|terms|.
+    fn check_bound(dtype: DType, d: usize, pages: &[Vec<f32>], queries: &[f32]) -> Result<(), TestCaseError> {
+        let mut column = DigestColumn::new(dtype, d);
+        let mut stored: Vec<Vec<f32>> = Vec::new();
+        for keys in pages {
+            let bytes = encode(dtype, keys);
+            column.open_page(&bytes);
+            stored.push(dtype.to_f32_vec(&bytes)); // the keys as stored (rounded to dtype)
+        }
+        let group = queries.len() / d;
+        for kernel in kernels() {
+            let mut out = vec![0f32; pages.len() * group];
+            score_column_with(kernel, dtype, d, column.as_bytes(), queries, &mut out);
+            for (p, keys) in stored.iter().enumerate() {
+                for (j, q) in queries.chunks_exact(d).enumerate() {
+                    let best = keys
+                        .chunks_exact(d)
+                        .map(|k| k.iter().zip(q).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum::<f64>())
+                        .fold(f64::NEG_INFINITY, f64::max);
+                    let lo = dtype.to_f32_vec(column.min_row(p));
+                    let hi = dtype.to_f32_vec(column.max_row(p));
+                    let magnitude: f64 = (0..d)
+                        .map(|i| f64::from((q[i] * hi[i]).abs().max((q[i] * lo[i]).abs())))
+                        .sum();
+                    let gamma = (d as f64 + 1.0) * f64::from(f32::EPSILON);
+                    let bound = f64::from(out[p * group + j]);
+                    prop_assert!(
+                        bound >= best - gamma * magnitude,
+                        "{kernel:?} {dtype} page {p} query {j}: bound {bound} < best {best}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn dtype() -> impl Strategy<Value = DType> {
+        prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::Bf16)]
+    }
+
+    /// A value with occasional outlier channels, exact zeros and extremes
+    /// that f16 and bf16 can still represent.
+    fn element() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            6 => -4.0f32..4.0,
+            1 => Just(0.0f32),
+            1 => prop_oneof![Just(-60000.0f32), Just(60000.0f32), Just(6.1e-5f32), Just(-6.1e-5f32)],
+            1 => -300.0f32..300.0,
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn the_bound_is_never_below_the_best_key(
+            dtype in dtype(),
+            d in prop_oneof![1usize..20, Just(64usize), Just(128usize)],
+            rows in proptest::collection::vec(1usize..17, 1..6),
+            group in 1usize..7,
+            seed in proptest::collection::vec(element(), 4096),
+        ) {
+            let mut it = seed.iter().cycle().copied();
+            let pages: Vec<Vec<f32>> = rows.iter().map(|r| (0..r * d).map(|_| it.next().unwrap()).collect()).collect();
+            let queries: Vec<f32> = (0..group * d).map(|_| it.next().unwrap()).collect();
+            check_bound(dtype, d, &pages, &queries)?;
+        }
+
+        #[test]
+        fn simd_and_scalar_agree(
+            dtype in dtype(),
+            d in prop_oneof![1usize..40, Just(64usize), Just(128usize)],
+            pages in 1usize..9,
+            group in 1usize..10,
+            seed in proptest::collection::vec(-2.0f32..2.0, 2048),
+        ) {
+            let mut it = seed.iter().cycle().copied();
+            let digests = encode(dtype, &(0..pages * 2 * d).map(|_| it.next().unwrap()).collect::<Vec<_>>());
+            let queries: Vec<f32> = (0..group * d).map(|_| it.next().unwrap()).collect();
+            let mut scalar = vec![0f32; pages * group];
+            let mut simd = scalar.clone();
+            score_column_with(Kernel::Scalar, dtype, d, &digests, &queries, &mut scalar);
+            score_column_with(Kernel::detect(), dtype, d, &digests, &queries, &mut simd);
+            for (a, b) in scalar.iter().zip(&simd) {
+                prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn adversarial_pages_keep_the_bound() {
+        // Outlier channel, a query with zero components, extremes of f16.
+        let d = 8;
+        let mut keys = vec![0.01f32; 3 * d];
+        keys[5] = 900.0; // outlier channel in the first key
+        keys[d + 5] = -900.0;
+        keys[2 * d] = -65504.0;
+        let mut q = vec![0.0f32; d];
+        q[5] = -1.0;
+        q[0] = 1e-3;
+        for dtype in [DType::F16, DType::F32] {
+            check_bound(dtype, d, &[keys.clone()], &q).unwrap();
+        }
+        // bf16 extremes.
+        let keys = [3.0e38f32, -3.0e38, 1.0, -1.0];
+        check_bound(DType::Bf16, 2, &[keys.to_vec()], &[1e-30, -1e-30]).unwrap();
+    }
+}

@@ -1,0 +1,261 @@
+//! Top-k page selection from per-page scores (DESIGN.md §3, §6): sinks and
+//! a recent window always in, the rest by highest score, ties to the lower
+//! page index, result in position order. Partial selection, not a sort.
+
+use std::cmp::Ordering;
+
+/// How the scores of a GQA group's query heads make one score per page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Aggregation {
+    /// `max_h U(q_h, P)`: sound — a page any query head needs ranks by it.
+    Max,
+    /// Mean over the group: cheaper to satisfy, may miss a page one head needs.
+    Mean,
+    /// No aggregation: each query head selects its own pages.
+    PerQueryHead,
+}
+
+/// Which pages a context-parallel rank owns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ownership {
+    /// `world` nearly equal contiguous blocks; lower ranks take the remainder.
+    Contiguous,
+    /// Page `p` belongs to rank `p mod world`.
+    Strided,
+}
+
+/// A context-parallel rank and what it selects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: u32,
+    pub world: u32,
+    pub ownership: Ownership,
+    pub scope: Scope,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// The caller's share of the global top-k: the union over ranks is the
+    /// unsharded selection, exactly.
+    Global,
+    /// The top-k among the caller's pages only (sinks and window by global
+    /// position, where the caller owns them).
+    Local,
+}
+
+impl Shard {
+    /// The pages `start..end` of `pages` owned by this rank when contiguous.
+    fn block(&self, pages: usize) -> (usize, usize) {
+        let (world, rank) = (self.world as usize, self.rank as usize);
+        let (base, extra) = (pages / world, pages % world);
+        let start = rank * base + rank.min(extra);
+        (start, start + base + usize::from(rank < extra))
+    }
+
+    pub fn owns(&self, page: usize, pages: usize) -> bool {
+        match self.ownership {
+            Ownership::Contiguous => {
+                let (start, end) = self.block(pages);
+                (start..end).contains(&page)
+            }
+            Ownership::Strided => page % self.world as usize == self.rank as usize,
+        }
+    }
+}
+
+/// Budget, in pages, and the pages always included.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    pub pages: usize,
+    pub sinks: usize,
+    pub window: usize,
+}
+
+/// Orders (score, page) best first: higher score, then lower page.
+fn rank(a: &(f32, usize), b: &(f32, usize)) -> Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
+/// Selects pages of a lane of `scores.len()` pages, in position order.
+/// With a shard, `Global` selects over every page and keeps the caller's,
+/// `Local` selects among the caller's pages only.
+pub fn select(scores: &[f32], budget: Budget, shard: Option<Shard>) -> Vec<usize> {
+    let n = scores.len();
+    let owned = |p: usize| shard.is_none_or(|s| s.owns(p, n));
+    let candidates: Vec<usize> = match shard {
+        Some(s) if s.scope == Scope::Local => (0..n).filter(|&p| owned(p)).collect(),
+        _ => (0..n).collect(),
+    };
+    let mut chosen = top(scores, &candidates, budget, n);
+    if let Some(s) = shard
+        && s.scope == Scope::Global
+    {
+        chosen.retain(|&p| owned(p));
+    }
+    chosen
+}
+
+/// The selection among `candidates` (ascending page indices of a lane of
+/// `n` pages).
+fn top(scores: &[f32], candidates: &[usize], budget: Budget, n: usize) -> Vec<usize> {
+    if candidates.len() <= budget.pages {
+        return candidates.to_vec();
+    }
+    let forced = |p: usize| p < budget.sinks || p + budget.window >= n;
+    let mut chosen: Vec<usize> = candidates.iter().copied().filter(|&p| forced(p)).collect();
+    let room = budget.pages.saturating_sub(chosen.len());
+    let mut rest: Vec<(f32, usize)> = candidates
+        .iter()
+        .filter(|&&p| !forced(p))
+        .map(|&p| (scores[p], p))
+        .collect();
+    if room < rest.len() {
+        if room > 0 {
+            rest.select_nth_unstable_by(room - 1, rank);
+        }
+        rest.truncate(room);
+    }
+    chosen.extend(rest.iter().map(|&(_, p)| p));
+    chosen.sort_unstable();
+    chosen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The rule written the slow, obvious way: sort everything.
+    fn reference(scores: &[f32], budget: Budget) -> Vec<usize> {
+        let n = scores.len();
+        if n <= budget.pages {
+            return (0..n).collect();
+        }
+        let forced: Vec<usize> = (0..n).filter(|&p| p < budget.sinks || p + budget.window >= n).collect();
+        let mut others: Vec<usize> = (0..n).filter(|p| !forced.contains(p)).collect();
+        others.sort_by(|&a, &b| scores[b].partial_cmp(&scores[a]).unwrap().then(a.cmp(&b)));
+        let mut out = forced.clone();
+        out.extend(others.into_iter().take(budget.pages.saturating_sub(forced.len())));
+        out.sort();
+        out
+    }
+
+    /// A valid budget: sinks and window fit in it.
+    fn budget_for(k: usize, s: usize, w: usize) -> Budget {
+        Budget {
+            pages: k.max(s + w),
+            sinks: s,
+            window: w,
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn selection_equals_a_brute_force_reference(
+            // Few distinct values, so ties are common.
+            scores in proptest::collection::vec((0i8..6).prop_map(f32::from), 0..60),
+            k in 0usize..20, s in 0usize..4, w in 0usize..4,
+        ) {
+            let b = budget_for(k, s, w);
+            let got = select(&scores, b, None);
+            prop_assert_eq!(&got, &reference(&scores, b));
+            prop_assert!(got.len() == b.pages.min(scores.len()));
+        }
+
+        #[test]
+        fn global_shares_union_to_the_unsharded_selection(
+            scores in proptest::collection::vec((0i8..8).prop_map(f32::from), 0..80),
+            k in 0usize..24, s in 0usize..3, w in 0usize..3,
+            world in 1u32..=8, strided in any::<bool>(),
+        ) {
+            let b = budget_for(k, s, w);
+            let ownership = if strided { Ownership::Strided } else { Ownership::Contiguous };
+            let whole = select(&scores, b, None);
+            let mut union = Vec::new();
+            for rank in 0..world {
+                let shard = Shard { rank, world, ownership, scope: Scope::Global };
+                let share = select(&scores, b, Some(shard));
+                prop_assert!(share.iter().all(|&p| shard.owns(p, scores.len())));
+                union.extend(share);
+            }
+            union.sort();
+            prop_assert_eq!(union, whole);
+        }
+
+        #[test]
+        fn every_page_has_exactly_one_owner(pages in 0usize..100, world in 1u32..=8, strided in any::<bool>()) {
+            let ownership = if strided { Ownership::Strided } else { Ownership::Contiguous };
+            for p in 0..pages {
+                let owners = (0..world)
+                    .filter(|&rank| Shard { rank, world, ownership, scope: Scope::Local }.owns(p, pages))
+                    .count();
+                prop_assert_eq!(owners, 1);
+            }
+        }
+
+        #[test]
+        fn local_scope_selects_within_the_share(
+            scores in proptest::collection::vec((0i8..8).prop_map(f32::from), 0..80),
+            k in 0usize..24, world in 1u32..=8, rank_seed in any::<u32>(), strided in any::<bool>(),
+        ) {
+            let b = budget_for(k, 1, 1);
+            let ownership = if strided { Ownership::Strided } else { Ownership::Contiguous };
+            let shard = Shard { rank: rank_seed % world, world, ownership, scope: Scope::Local };
+            let mine: Vec<usize> = (0..scores.len()).filter(|&p| shard.owns(p, scores.len())).collect();
+            let got = select(&scores, b, Some(shard));
+            prop_assert_eq!(got.len(), b.pages.min(mine.len()));
+            prop_assert!(got.iter().all(|p| mine.contains(p)));
+            // Nothing unchosen in the share beats a chosen non-forced page.
+            let n = scores.len();
+            let forced = |p: usize| p < b.sinks || p + b.window >= n;
+            if let Some(worst) = got.iter().filter(|&&p| !forced(p)).map(|&p| (scores[p], p)).max_by(rank) {
+                for &p in mine.iter().filter(|p| !got.contains(p) && !forced(**p)) {
+                    prop_assert!(rank(&(scores[p], p), &worst) == Ordering::Greater);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sinks_and_window_count_against_the_budget() {
+        let scores = [0.0, 9.0, 8.0, 7.0, 0.0, 0.0];
+        let b = Budget {
+            pages: 4,
+            sinks: 1,
+            window: 2,
+        };
+        assert_eq!(select(&scores, b, None), [0, 1, 4, 5]);
+        // Ties go to the lower page.
+        let flat = [1.0; 6];
+        assert_eq!(
+            select(
+                &flat,
+                Budget {
+                    pages: 3,
+                    sinks: 0,
+                    window: 0
+                },
+                None
+            ),
+            [0, 1, 2]
+        );
+        // Few pages: everything.
+        assert_eq!(select(&[1.0, 2.0], b, None), [0, 1]);
+    }
+
+    #[test]
+    fn contiguous_blocks_spread_the_remainder_over_low_ranks() {
+        let blocks: Vec<(usize, usize)> = (0..3)
+            .map(|rank| {
+                Shard {
+                    rank,
+                    world: 3,
+                    ownership: Ownership::Contiguous,
+                    scope: Scope::Global,
+                }
+                .block(10)
+            })
+            .collect();
+        assert_eq!(blocks, [(0, 4), (4, 7), (7, 10)]);
+    }
+}
