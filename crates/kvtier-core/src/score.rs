@@ -79,16 +79,35 @@ fn scalar(dtype: DType, head_dim: usize, digests: &[u8], queries: &[f32], out: &
     let row = head_dim * dtype.size();
     let (mut min, mut max) = (vec![0f32; head_dim], vec![0f32; head_dim]);
     for (page, entry) in digests.chunks_exact(2 * row).enumerate() {
-        for i in 0..head_dim {
-            min[i] = dtype.get_f32(&entry[..row], i);
-            max[i] = dtype.get_f32(&entry[row..], i);
-        }
+        decode(dtype, &entry[..row], &mut min);
+        decode(dtype, &entry[row..], &mut max);
         for (j, q) in queries.chunks_exact(head_dim).enumerate() {
             out[page * group + j] = q
                 .iter()
                 .zip(min.iter().zip(&max))
                 .map(|(q, (lo, hi))| (q * hi).max(q * lo))
                 .sum();
+        }
+    }
+}
+
+/// Widens a row of `dtype` elements into `out`.
+fn decode(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        DType::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        DType::Bf16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+            }
         }
     }
 }
@@ -168,46 +187,72 @@ mod avx2 {
         }
     }
 
-    /// Query heads scored per pass over a page's digest: their accumulators
-    /// stay in registers.
-    const BLOCK: usize = 4;
-
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn kernel<L: Lanes>(head_dim: usize, digests: &[u8], queries: &[f32], out: &mut [f32]) {
         let group = queries.len() / head_dim;
-        let row = head_dim * L::SIZE;
-        let chunks = head_dim / 8;
-        for (page, entry) in digests.chunks_exact(2 * row).enumerate() {
-            let (min, max) = entry.split_at(row);
-            for first in (0..group).step_by(BLOCK) {
-                let n = BLOCK.min(group - first);
-                let mut acc = [_mm256_setzero_ps(); BLOCK];
-                for c in 0..chunks {
-                    // SAFETY: element `8c + 7 < head_dim`, so 8 elements from
-                    // `8c` lie inside the min and max rows of this entry.
-                    let (lo, hi) = unsafe {
-                        (
-                            L::load(min.as_ptr().add(8 * c * L::SIZE)),
-                            L::load(max.as_ptr().add(8 * c * L::SIZE)),
-                        )
-                    };
-                    for (j, acc) in acc.iter_mut().enumerate().take(n) {
-                        // SAFETY: query `first + j < group` has `head_dim`
-                        // elements, of which `8c..8c + 8` are in range.
-                        let q = unsafe { _mm256_loadu_ps(queries.as_ptr().add((first + j) * head_dim + 8 * c)) };
-                        let term = _mm256_max_ps(_mm256_mul_ps(q, hi), _mm256_mul_ps(q, lo));
-                        *acc = _mm256_add_ps(*acc, term);
-                    }
-                }
-                for (j, acc) in acc.iter().enumerate().take(n) {
-                    let q = &queries[(first + j) * head_dim..(first + j + 1) * head_dim];
-                    let tail: f32 = (8 * chunks..head_dim)
-                        .map(|i| (q[i] * L::get(max, i)).max(q[i] * L::get(min, i)))
-                        .sum();
-                    out[page * group + first + j] = horizontal_sum(*acc) + tail;
-                }
+        let mut first = 0;
+        // Query heads in blocks of a fixed size, so that their accumulators
+        // are plain registers.
+        while first < group {
+            // SAFETY: forwarded from `score`'s contract; `first + N <= group`.
+            unsafe {
+                first += match group - first {
+                    1 => block::<L, 1>(head_dim, digests, queries, first, out),
+                    2 => block::<L, 2>(head_dim, digests, queries, first, out),
+                    3 => block::<L, 3>(head_dim, digests, queries, first, out),
+                    _ => block::<L, 4>(head_dim, digests, queries, first, out),
+                };
             }
         }
+    }
+
+    /// Scores query heads `first..first + N` against every page; returns `N`.
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn block<L: Lanes, const N: usize>(
+        head_dim: usize,
+        digests: &[u8],
+        queries: &[f32],
+        first: usize,
+        out: &mut [f32],
+    ) -> usize {
+        let group = queries.len() / head_dim;
+        let row = head_dim * L::SIZE;
+        let pairs = head_dim / 16;
+        let q: [&[f32]; N] = std::array::from_fn(|j| &queries[(first + j) * head_dim..(first + j + 1) * head_dim]);
+        for (page, entry) in digests.chunks_exact(2 * row).enumerate() {
+            let (min, max) = (entry.as_ptr(), entry[row..].as_ptr());
+            // Two accumulators per query (even and odd chunks of 8) halve the
+            // chain of dependent additions.
+            let mut even = [_mm256_setzero_ps(); N];
+            let mut odd = [_mm256_setzero_ps(); N];
+            for c in 0..pairs {
+                let at = 16 * c;
+                // SAFETY: elements `at..at + 16` lie within `head_dim`, so
+                // the loads stay inside this entry's min and max rows and
+                // inside each query row.
+                unsafe {
+                    let (lo0, hi0) = (L::load(min.add(at * L::SIZE)), L::load(max.add(at * L::SIZE)));
+                    let (lo1, hi1) = (
+                        L::load(min.add((at + 8) * L::SIZE)),
+                        L::load(max.add((at + 8) * L::SIZE)),
+                    );
+                    for j in 0..N {
+                        let q0 = _mm256_loadu_ps(q[j].as_ptr().add(at));
+                        let q1 = _mm256_loadu_ps(q[j].as_ptr().add(at + 8));
+                        even[j] = _mm256_add_ps(even[j], _mm256_max_ps(_mm256_mul_ps(q0, hi0), _mm256_mul_ps(q0, lo0)));
+                        odd[j] = _mm256_add_ps(odd[j], _mm256_max_ps(_mm256_mul_ps(q1, hi1), _mm256_mul_ps(q1, lo1)));
+                    }
+                }
+            }
+            let (min, max) = entry.split_at(row);
+            for j in 0..N {
+                let tail: f32 = (16 * pairs..head_dim)
+                    .map(|i| (q[j][i] * L::get(max, i)).max(q[j][i] * L::get(min, i)))
+                    .sum();
+                out[page * group + first + j] = horizontal_sum(_mm256_add_ps(even[j], odd[j])) + tail;
+            }
+        }
+        N
     }
 
     #[inline(always)]

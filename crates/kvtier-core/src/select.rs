@@ -72,7 +72,7 @@ pub struct Budget {
 }
 
 /// Orders (score, page) best first: higher score, then lower page.
-fn rank(a: &(f32, usize), b: &(f32, usize)) -> Ordering {
+fn rank(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
     b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
@@ -82,40 +82,36 @@ fn rank(a: &(f32, usize), b: &(f32, usize)) -> Ordering {
 pub fn select(scores: &[f32], budget: Budget, shard: Option<Shard>) -> Vec<usize> {
     let n = scores.len();
     let owned = |p: usize| shard.is_none_or(|s| s.owns(p, n));
-    let candidates: Vec<usize> = match shard {
-        Some(s) if s.scope == Scope::Local => (0..n).filter(|&p| owned(p)).collect(),
-        _ => (0..n).collect(),
-    };
-    let mut chosen = top(scores, &candidates, budget, n);
-    if let Some(s) = shard
-        && s.scope == Scope::Global
-    {
+    let local = shard.is_some_and(|s| s.scope == Scope::Local);
+    let candidate = |p: usize| !local || owned(p);
+    let mut chosen = top(scores, candidate, budget);
+    if shard.is_some_and(|s| s.scope == Scope::Global) {
         chosen.retain(|&p| owned(p));
     }
     chosen
 }
 
-/// The selection among `candidates` (ascending page indices of a lane of
-/// `n` pages).
-fn top(scores: &[f32], candidates: &[usize], budget: Budget, n: usize) -> Vec<usize> {
-    if candidates.len() <= budget.pages {
-        return candidates.to_vec();
-    }
+/// The selection among the pages for which `candidate` holds.
+fn top(scores: &[f32], candidate: impl Fn(usize) -> bool, budget: Budget) -> Vec<usize> {
+    let n = scores.len();
     let forced = |p: usize| p < budget.sinks || p + budget.window >= n;
-    let mut chosen: Vec<usize> = candidates.iter().copied().filter(|&p| forced(p)).collect();
+    let mut chosen = Vec::with_capacity(budget.pages);
+    let mut rest: Vec<(f32, u32)> = Vec::with_capacity(n);
+    for p in (0..n).filter(|&p| candidate(p)) {
+        if forced(p) {
+            chosen.push(p);
+        } else {
+            rest.push((scores[p], p as u32));
+        }
+    }
     let room = budget.pages.saturating_sub(chosen.len());
-    let mut rest: Vec<(f32, usize)> = candidates
-        .iter()
-        .filter(|&&p| !forced(p))
-        .map(|&p| (scores[p], p))
-        .collect();
     if room < rest.len() {
         if room > 0 {
             rest.select_nth_unstable_by(room - 1, rank);
         }
         rest.truncate(room);
     }
-    chosen.extend(rest.iter().map(|&(_, p)| p));
+    chosen.extend(rest.iter().map(|&(_, p)| p as usize));
     chosen.sort_unstable();
     chosen
 }
@@ -208,9 +204,9 @@ mod tests {
             // Nothing unchosen in the share beats a chosen non-forced page.
             let n = scores.len();
             let forced = |p: usize| p < b.sinks || p + b.window >= n;
-            if let Some(worst) = got.iter().filter(|&&p| !forced(p)).map(|&p| (scores[p], p)).max_by(rank) {
+            if let Some(worst) = got.iter().filter(|&&p| !forced(p)).map(|&p| (scores[p], p as u32)).max_by(rank) {
                 for &p in mine.iter().filter(|p| !got.contains(p) && !forced(**p)) {
-                    prop_assert!(rank(&(scores[p], p), &worst) == Ordering::Greater);
+                    prop_assert!(rank(&(scores[p], p as u32), &worst) == Ordering::Greater);
                 }
             }
         }

@@ -1,6 +1,8 @@
 //! `kvtier`: the tiered KV-cache store for LLM inference.
 
+mod bench;
 mod config;
+mod eval;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -20,11 +22,18 @@ struct Cli {
 enum Command {
     /// Run the gRPC service (embedded defaults: loopback, tiers sized for this machine).
     Serve(serve::ServeArgs),
+    /// Selection quality on a realkv dataset: recall, attention mass, output error, read sparsity.
+    Eval(eval::EvalArgs),
+    /// Benchmarks (`kvtier bench select`).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => serve::run(args),
+        Command::Eval(args) => eval::run(args),
+        Command::Bench(command) => bench::run(command),
     }
 }

@@ -1,0 +1,35 @@
+//! `kvtier bench`: measurements whose results go under `bench/results/`.
+//! Compare ratios measured in the same run; these machines are noisy.
+
+mod select;
+
+use std::time::{Duration, Instant};
+
+use clap::Subcommand;
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum BenchCommand {
+    /// Scoring and top-k over a digest column, against memcpy of the same bytes.
+    Select(select::SelectBenchArgs),
+}
+
+pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
+    match command {
+        BenchCommand::Select(args) => select::run(args),
+    }
+}
+
+/// Median wall time of `f` over at least `min_runs` runs and about
+/// `min_total` of measuring, after one warm-up run.
+pub(crate) fn median_time(min_runs: usize, min_total: Duration, mut f: impl FnMut()) -> (Duration, usize) {
+    f();
+    let mut times = Vec::new();
+    let start = Instant::now();
+    while times.len() < min_runs || (start.elapsed() < min_total && times.len() < 10_000) {
+        let t = Instant::now();
+        f();
+        times.push(t.elapsed());
+    }
+    times.sort_unstable();
+    (times[times.len() / 2], times.len())
+}

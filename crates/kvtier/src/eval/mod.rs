@@ -1,0 +1,635 @@
+//! `kvtier eval`: selection quality on real KV. Each decode position's keys
+//! are appended to a real store, the position's real queries go through the
+//! store's own `select_pages`, and the chosen pages are compared with dense
+//! causal attention computed here in f64.
+
+mod npz;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail, ensure};
+use clap::{Args, ValueEnum};
+use kvtier_core::select::{Aggregation, Budget};
+use kvtier_core::{DType, Layout, LayoutSpec, SequenceKey};
+use kvtier_store::{AppendTokens, HeadRange, PutPages, SelectPages, Store, StoreConfig};
+use serde::Serialize;
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct EvalArgs {
+    /// A realkv dataset directory (meta.json and layerNN.npz files).
+    dataset: PathBuf,
+    /// Tokens per page.
+    #[arg(long, default_value_t = 16)]
+    page_size: u32,
+    /// Token budget per KV head (a multiple of the page size), or `all` for dense.
+    #[arg(long, default_value = "256")]
+    budget_tokens: String,
+    /// Sink pages always selected (count against the budget).
+    #[arg(long, default_value_t = 1)]
+    sinks: u32,
+    /// Most recent pages always selected (count against the budget).
+    #[arg(long, default_value_t = 1)]
+    window: u32,
+    #[arg(long, value_enum, default_value_t = AggregationArg::Max)]
+    aggregation: AggregationArg,
+    /// Decode positions: the last N positions of the dataset.
+    #[arg(long, default_value_t = 64)]
+    last: usize,
+    /// Only these layers (comma-separated); default all in the dataset.
+    #[arg(long, value_delimiter = ',')]
+    layers: Vec<u32>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum AggregationArg {
+    Max,
+    Mean,
+    PerQueryHead,
+}
+
+impl From<AggregationArg> for Aggregation {
+    fn from(a: AggregationArg) -> Self {
+        match a {
+            AggregationArg::Max => Aggregation::Max,
+            AggregationArg::Mean => Aggregation::Mean,
+            AggregationArg::PerQueryHead => Aggregation::PerQueryHead,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct EvalConfig {
+    dataset: String,
+    page_size: u32,
+    /// `None`: dense (every page).
+    budget_tokens: Option<u32>,
+    budget_pages: Option<u32>,
+    sink_pages: u32,
+    window_pages: u32,
+    aggregation: AggregationArg,
+    positions: Vec<usize>,
+    layers: Vec<u32>,
+    kernel: &'static str,
+}
+
+/// Quality of one (layer, KV head), averaged over positions and the query
+/// heads of its group.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(crate) struct Row {
+    layer: u32,
+    kv_head: u32,
+    /// Share of the dense top-k tokens (k = the token budget) selected.
+    recall: f64,
+    /// Dense attention mass on the selected tokens.
+    mass: f64,
+    /// Mass of the best possible choice of as many pages (pages ranked by
+    /// their true mass): `oracle_mass - mass` is what the bound's looseness
+    /// costs.
+    oracle_mass: f64,
+    /// ‖o_sparse − o_dense‖ / ‖o_dense‖, o_sparse renormalised over the selection.
+    rel_err: f64,
+    /// Bytes read / bytes resident (K and V of the selected pages).
+    read_fraction: f64,
+    /// Resident digest bytes of the lane at the last position.
+    digest_bytes: u64,
+    /// Largest ‖(o_full − o_S) − (1 − p)(o_dropped − o_S)‖ / ‖o_full‖ seen; ~1e-16.
+    identity_residual: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Report {
+    config: EvalConfig,
+    rows: Vec<Row>,
+    overall: Row,
+}
+
+#[derive(Debug)]
+struct Meta {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f64,
+    tokens: usize,
+    layers: Vec<u32>,
+}
+
+fn read_meta(dir: &Path) -> anyhow::Result<Meta> {
+    let path = dir.join("meta.json");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?)?;
+    let num = |key: &str| -> anyhow::Result<u64> { meta[key].as_u64().with_context(|| format!("meta.json: {key}")) };
+    Ok(Meta {
+        heads: num("n_heads")? as usize,
+        kv_heads: num("n_kv_heads")? as usize,
+        head_dim: num("head_dim")? as usize,
+        scale: meta["softmax_scale"].as_f64().context("meta.json: softmax_scale")?,
+        tokens: num("T")? as usize,
+        layers: meta["layers"]
+            .as_array()
+            .context("meta.json: layers")?
+            .iter()
+            .map(|l| l.as_u64().map(|l| l as u32).context("meta.json: layers[]"))
+            .collect::<anyhow::Result<_>>()?,
+    })
+}
+
+pub(crate) fn run(args: EvalArgs) -> anyhow::Result<()> {
+    let report = evaluate(&args)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+pub(crate) fn evaluate(args: &EvalArgs) -> anyhow::Result<Report> {
+    let meta = read_meta(&args.dataset)?;
+    let p = args.page_size as usize;
+    ensure!(p > 0, "--page-size must be at least 1");
+    let budget_tokens = match args.budget_tokens.as_str() {
+        "all" | "dense" => None,
+        n => Some(
+            n.parse::<u32>()
+                .with_context(|| format!("--budget-tokens {n:?}: a number or `all`"))?,
+        ),
+    };
+    if let Some(b) = budget_tokens {
+        ensure!(
+            b > 0 && b % args.page_size == 0,
+            "--budget-tokens must be a positive multiple of --page-size"
+        );
+    }
+    ensure!(
+        args.last >= 1 && args.last <= meta.tokens,
+        "--last must be in 1..={}",
+        meta.tokens
+    );
+    let layers = if args.layers.is_empty() {
+        meta.layers.clone()
+    } else {
+        args.layers.clone()
+    };
+    for l in &layers {
+        ensure!(
+            meta.layers.contains(l),
+            "layer {l} is not in the dataset (it has {:?})",
+            meta.layers
+        );
+    }
+    let config = EvalConfig {
+        dataset: args.dataset.display().to_string(),
+        page_size: args.page_size,
+        budget_tokens,
+        budget_pages: budget_tokens.map(|b| b / args.page_size),
+        sink_pages: args.sinks,
+        window_pages: args.window,
+        aggregation: args.aggregation,
+        positions: (meta.tokens - args.last..meta.tokens).collect(),
+        layers: layers.clone(),
+        kernel: kvtier_core::score::Kernel::detect().name(),
+    };
+    let mut rows = Vec::new();
+    for &layer in &layers {
+        rows.extend(evaluate_layer(&args.dataset, &meta, layer, &config)?);
+    }
+    let overall = average(&rows);
+    Ok(Report { config, rows, overall })
+}
+
+fn average(rows: &[Row]) -> Row {
+    let n = rows.len().max(1) as f64;
+    let mean = |f: fn(&Row) -> f64| rows.iter().map(f).sum::<f64>() / n;
+    Row {
+        layer: 0,
+        kv_head: 0,
+        recall: mean(|r| r.recall),
+        mass: mean(|r| r.mass),
+        oracle_mass: mean(|r| r.oracle_mass),
+        rel_err: mean(|r| r.rel_err),
+        read_fraction: mean(|r| r.read_fraction),
+        digest_bytes: (rows.iter().map(|r| r.digest_bytes).sum::<u64>() as f64 / n) as u64,
+        identity_residual: rows.iter().map(|r| r.identity_residual).fold(0.0, f64::max),
+    }
+}
+
+/// K then V rows of every KV head for tokens `range`, head-major, from the
+/// dataset's `[kv_head][token][dim]` f16 arrays.
+fn kv_message(
+    k: &npz::Array,
+    v: &npz::Array,
+    kv_heads: usize,
+    tokens: usize,
+    row: usize,
+    range: std::ops::Range<usize>,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(kv_heads * 2 * range.len() * row);
+    for h in 0..kv_heads {
+        for a in [k, v] {
+            let base = h * tokens * row;
+            out.extend_from_slice(&a.data[base + range.start * row..base + range.end * row]);
+        }
+    }
+    out
+}
+
+fn evaluate_layer(dir: &Path, meta: &Meta, layer: u32, config: &EvalConfig) -> anyhow::Result<Vec<Row>> {
+    let arrays = npz::read_npz(&dir.join(format!("layer{layer:02}.npz")))?;
+    let get = |name: &str| {
+        arrays
+            .get(name)
+            .with_context(|| format!("layer {layer}: no array {name:?}"))
+    };
+    let (q, k, v) = (get("q")?, get("k")?, get("v")?);
+    let (h, kvh, d, t_all) = (meta.heads, meta.kv_heads, meta.head_dim, meta.tokens);
+    ensure!(
+        q.shape == [h, t_all, d] && k.shape == [kvh, t_all, d] && v.shape == [kvh, t_all, d],
+        "layer {layer}: shapes"
+    );
+    if k.descr != "<f2" || v.descr != "<f2" {
+        bail!("layer {layer}: keys and values must be float16");
+    }
+    let (qf, kf, vf) = (q.to_f32()?, k.to_f32()?, v.to_f32()?);
+    let group = h / kvh;
+    let page = config.page_size as usize;
+    let layout = Layout::new(LayoutSpec {
+        num_layers: 1,
+        num_kv_heads: kvh as u32,
+        num_query_heads: h as u32,
+        head_dim: d as u32,
+        dtype: DType::F16,
+        page_size: config.page_size,
+        layer_groups: vec![],
+    })?;
+    let row = layout.row_bytes();
+    let store = Store::new(StoreConfig {
+        device_bytes: 0,
+        host_bytes: (2 * kvh * t_all * row) as u64 * 2 + (64 << 20),
+        cache_writes_on_device: false,
+    })?;
+    let key = SequenceKey::parse("eval", &format!("layer{layer}"))?;
+    store.create_sequence(key.clone(), layout, vec![])?;
+    let heads = HeadRange {
+        start: 0,
+        count: kvh as u32,
+    };
+    let first = config.positions[0];
+    if first > 0 {
+        let kv = kv_message(k, v, kvh, t_all, row, 0..first);
+        store.put_pages(
+            &key,
+            PutPages {
+                layer: 0,
+                heads,
+                first_page: 0,
+                num_tokens: first as u32,
+                kv: &kv,
+            },
+        )?;
+    }
+    let mut sums = vec![Row::default(); kvh];
+    let mut samples = vec![0usize; kvh];
+    let mut held = first;
+    for &t in &config.positions {
+        // Causal visibility: the store holds exactly keys 0..=t.
+        let kv = kv_message(k, v, kvh, t_all, row, held..t + 1);
+        let append = AppendTokens {
+            layer: 0,
+            heads,
+            num_tokens: (t + 1 - held) as u32,
+            kv: &kv,
+            expected_position: Some(held as u64),
+        };
+        store.append_tokens(&key, append)?;
+        held = t + 1;
+        let queries: Vec<f32> = (0..h)
+            .flat_map(|qh| qf[(qh * t_all + t) * d..(qh * t_all + t + 1) * d].iter().copied())
+            .collect();
+        let pages = (t + 1).div_ceil(page);
+        let budget = Budget {
+            pages: config.budget_pages.map_or(pages, |b| b as usize),
+            sinks: config.sink_pages as usize,
+            window: config.window_pages as usize,
+        };
+        let selection = store.select_pages(
+            &key,
+            SelectPages {
+                layer: 0,
+                heads,
+                queries: &queries,
+                budget,
+                aggregation: config.aggregation.into(),
+                shard: None,
+                with_data: false,
+            },
+        )?;
+        for kv_head in 0..kvh {
+            let chosen_for = |g: usize| -> Vec<bool> {
+                let sel = match config.aggregation {
+                    AggregationArg::PerQueryHead => &selection.heads[kv_head * group + g],
+                    _ => &selection.heads[kv_head],
+                };
+                let mut mask = vec![false; t + 1];
+                for sp in &sel.pages {
+                    let start = sp.page as usize * page;
+                    mask[start..(start + page).min(t + 1)]
+                        .iter_mut()
+                        .for_each(|m| *m = true);
+                }
+                mask
+            };
+            let keys = &kf[kv_head * t_all * d..(kv_head * t_all + t + 1) * d];
+            let values = &vf[kv_head * t_all * d..(kv_head * t_all + t + 1) * d];
+            let mut read = vec![false; t + 1];
+            for g in 0..group {
+                let qh = kv_head * group + g;
+                let qv = &qf[(qh * t_all + t) * d..(qh * t_all + t + 1) * d];
+                let mask = chosen_for(g);
+                read.iter_mut().zip(&mask).for_each(|(r, m)| *r |= m);
+                let attention = Attention {
+                    q: qv,
+                    keys,
+                    values,
+                    d,
+                    scale: meta.scale,
+                };
+                let m = attention.metrics(&mask, page, config.budget_tokens);
+                let s = &mut sums[kv_head];
+                s.recall += m.recall;
+                s.mass += m.mass;
+                s.oracle_mass += m.oracle_mass;
+                s.rel_err += m.rel_err;
+                s.identity_residual = s.identity_residual.max(m.identity_residual);
+                samples[kv_head] += 1;
+            }
+            sums[kv_head].read_fraction += read.iter().filter(|r| **r).count() as f64 / (t + 1) as f64;
+        }
+        for s in &mut sums {
+            s.digest_bytes = selection.digest_bytes / kvh as u64;
+        }
+    }
+    Ok(sums
+        .into_iter()
+        .zip(samples)
+        .enumerate()
+        .map(|(kv_head, (s, n))| {
+            let n = n as f64;
+            let positions = config.positions.len() as f64;
+            Row {
+                layer,
+                kv_head: kv_head as u32,
+                recall: s.recall / n,
+                mass: s.mass / n,
+                oracle_mass: s.oracle_mass / n,
+                rel_err: s.rel_err / n,
+                read_fraction: s.read_fraction / positions,
+                digest_bytes: s.digest_bytes,
+                identity_residual: s.identity_residual,
+            }
+        })
+        .collect())
+}
+
+/// Metrics of one query against one selection mask over keys `0..=t`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Metrics {
+    pub(crate) recall: f64,
+    pub(crate) mass: f64,
+    pub(crate) oracle_mass: f64,
+    pub(crate) rel_err: f64,
+    pub(crate) identity_residual: f64,
+}
+
+/// One query over keys and values `[t+1][d]`.
+pub(crate) struct Attention<'a> {
+    pub(crate) q: &'a [f32],
+    pub(crate) keys: &'a [f32],
+    pub(crate) values: &'a [f32],
+    pub(crate) d: usize,
+    pub(crate) scale: f64,
+}
+
+impl Attention<'_> {
+    /// Dense causal attention in f64, and how the selection `mask` (one flag
+    /// per key) compares with it.
+    pub(crate) fn metrics(&self, mask: &[bool], page: usize, budget_tokens: Option<u32>) -> Metrics {
+        let Attention {
+            q,
+            keys,
+            values,
+            d,
+            scale,
+        } = *self;
+        let n = mask.len();
+        let logits: Vec<f64> = keys
+            .chunks_exact(d)
+            .map(|k| k.iter().zip(q).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum::<f64>() * scale)
+            .collect();
+        let top = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = logits.iter().map(|l| (l - top).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let p: Vec<f64> = weights.iter().map(|w| w / total).collect();
+        let weighted = |select: &dyn Fn(usize) -> bool| -> (f64, Vec<f64>) {
+            let mut o = vec![0f64; d];
+            let mut mass = 0.0;
+            for j in (0..n).filter(|&j| select(j)) {
+                mass += p[j];
+                for (o, v) in o.iter_mut().zip(&values[j * d..(j + 1) * d]) {
+                    *o += p[j] * f64::from(*v);
+                }
+            }
+            (mass, o)
+        };
+        let (_, o_full) = weighted(&|_| true);
+        let (mass, o_sel_raw) = weighted(&|j| mask[j]);
+        let (dropped, o_drop_raw) = weighted(&|j| !mask[j]);
+        let norm = |x: &[f64]| x.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let o_sel: Vec<f64> = o_sel_raw
+            .iter()
+            .map(|v| if mass > 0.0 { v / mass } else { 0.0 })
+            .collect();
+        let diff: Vec<f64> = o_full.iter().zip(&o_sel).map(|(a, b)| a - b).collect();
+        let rel_err = norm(&diff) / norm(&o_full).max(f64::MIN_POSITIVE);
+        // o_full − o_S = (1 − p)(o_dropped − o_S), with o_dropped renormalised.
+        let identity_residual = if dropped > 0.0 && mass > 0.0 {
+            let rhs: Vec<f64> = o_drop_raw
+                .iter()
+                .zip(&o_sel)
+                .map(|(od, os)| dropped * (od / dropped - os))
+                .collect();
+            let r: Vec<f64> = diff.iter().zip(&rhs).map(|(a, b)| a - b).collect();
+            norm(&r) / norm(&o_full).max(f64::MIN_POSITIVE)
+        } else {
+            0.0
+        };
+        let k = budget_tokens.map_or(n, |b| (b as usize).min(n));
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+        let recall = order[..k].iter().filter(|&&j| mask[j]).count() as f64 / k as f64;
+        let chosen_pages = (0..n.div_ceil(page)).filter(|&pg| mask[pg * page]).count();
+        let mut page_mass: Vec<f64> = p.chunks(page).map(|c| c.iter().sum()).collect();
+        page_mass.sort_by(|a, b| b.total_cmp(a));
+        let oracle_mass = page_mass[..chosen_pages].iter().sum();
+        Metrics {
+            recall,
+            mass,
+            oracle_mass,
+            rel_err,
+            identity_residual,
+        }
+    }
+}
+
+fn print_table(report: &Report) {
+    let c = &report.config;
+    let budget = c.budget_tokens.map_or("all (dense)".to_owned(), |b| {
+        format!("{b} tokens ({} pages)", b / c.page_size)
+    });
+    println!(
+        "kvtier eval  {}  page {}  budget {budget}  sinks {}  window {}  {:?}  positions {}..={}  kernel {}",
+        c.dataset,
+        c.page_size,
+        c.sink_pages,
+        c.window_pages,
+        c.aggregation,
+        c.positions[0],
+        c.positions[c.positions.len() - 1],
+        c.kernel
+    );
+    println!(
+        "{:>5} {:>7} {:>7} {:>7} {:>7} {:>8} {:>7} {:>8}",
+        "layer", "kv_head", "recall", "mass", "oracle", "rel_err", "read", "digestB"
+    );
+    let mut by_layer: BTreeMap<u32, Vec<&Row>> = BTreeMap::new();
+    for r in &report.rows {
+        by_layer.entry(r.layer).or_default().push(r);
+    }
+    let line = |label: String, r: &Row| {
+        println!(
+            "{label} {:>7.4} {:>7.4} {:>7.4} {:>8.4} {:>7.4} {:>8}",
+            r.recall, r.mass, r.oracle_mass, r.rel_err, r.read_fraction, r.digest_bytes
+        )
+    };
+    for rows in by_layer.values() {
+        for r in rows {
+            line(format!("{:>5} {:>7}", r.layer, r.kv_head), r);
+        }
+    }
+    line(format!("{:>13}", "overall"), &report.overall);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dataset() -> Option<PathBuf> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/realkv/small");
+        if dir.join("meta.json").exists() {
+            Some(dir)
+        } else {
+            println!("skipped: the realkv dataset is not at {}", dir.display());
+            None
+        }
+    }
+
+    fn args(dir: PathBuf, budget: &str, sinks: u32, window: u32, aggregation: AggregationArg) -> EvalArgs {
+        EvalArgs {
+            dataset: dir,
+            page_size: 16,
+            budget_tokens: budget.into(),
+            sinks,
+            window,
+            aggregation,
+            last: 64,
+            layers: vec![4, 13],
+            json: false,
+        }
+    }
+
+    /// The realkv dataset's own numpy check computed the oracle page mass
+    /// (best 16 pages by true attention mass, per query head, last 64
+    /// positions): an independent check of our dense attention and paging.
+    #[test]
+    fn oracle_mass_matches_the_datasets_numpy_reference() {
+        let Some(dir) = dataset() else { return };
+        let check: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("check.json")).unwrap()).unwrap();
+        let report = evaluate(&args(dir, "256", 0, 0, AggregationArg::PerQueryHead)).unwrap();
+        for layer in [4u32, 13] {
+            let rows: Vec<&Row> = report.rows.iter().filter(|r| r.layer == layer).collect();
+            let ours = rows.iter().map(|r| r.oracle_mass).sum::<f64>() / rows.len() as f64;
+            let reference = check[layer.to_string()]["quest"]["16"]["oracle_mass"].as_f64().unwrap();
+            assert!(
+                (ours - reference).abs() < 1e-3,
+                "layer {layer}: oracle mass {ours} vs numpy {reference}"
+            );
+            for r in rows {
+                assert!(r.mass <= r.oracle_mass + 1e-9 && r.mass > 0.5, "{r:?}");
+                assert!(r.identity_residual < 1e-9, "{r:?}");
+                assert!(
+                    (r.read_fraction - 16.0 * 16.0 / 2016.0).abs() < 0.1,
+                    "about 16 pages of ~126: {r:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn dense_is_exact_and_a_window_helps() {
+        let Some(dir) = dataset() else { return };
+        let dense = evaluate(&args(dir.clone(), "all", 0, 0, AggregationArg::Max)).unwrap();
+        let o = &dense.overall;
+        assert_eq!((o.recall, o.read_fraction), (1.0, 1.0));
+        assert!((o.mass - 1.0).abs() < 1e-9 && o.rel_err < 1e-9, "{o:?}");
+        let bare = evaluate(&args(dir.clone(), "128", 0, 0, AggregationArg::Max)).unwrap();
+        let windowed = evaluate(&args(dir, "128", 1, 1, AggregationArg::Max)).unwrap();
+        assert!(
+            windowed.overall.mass > bare.overall.mass,
+            "{:?} vs {:?}",
+            windowed.overall,
+            bare.overall
+        );
+    }
+
+    #[test]
+    fn the_dropped_mass_identity_holds() {
+        // Random small attention problem, random mask.
+        let (n, d) = (37, 5);
+        let mut x = 0x1234_5678_u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 2000) as f32 / 500.0 - 2.0
+        };
+        let q: Vec<f32> = (0..d).map(|_| next()).collect();
+        let keys: Vec<f32> = (0..n * d).map(|_| next()).collect();
+        let values: Vec<f32> = (0..n * d).map(|_| next()).collect();
+        let attention = Attention {
+            q: &q,
+            keys: &keys,
+            values: &values,
+            d,
+            scale: 0.4,
+        };
+        // Pages of 4 keys; every third page left out.
+        let mask: Vec<bool> = (0..n).map(|j| (j / 4) % 3 != 1).collect();
+        let m = attention.metrics(&mask, 4, Some(8));
+        assert!(m.identity_residual < 1e-12, "{m:?}");
+        assert!(m.mass > 0.0 && m.mass < 1.0 && m.rel_err > 0.0);
+        assert!(
+            m.oracle_mass >= m.mass - 1e-12,
+            "the best pages hold at least as much mass"
+        );
+        // Everything selected: no error, full mass and recall.
+        let all = vec![true; n];
+        let m = attention.metrics(&all, 4, Some(8));
+        assert_eq!((m.recall, m.identity_residual), (1.0, 0.0));
+        assert!((m.mass - 1.0).abs() < 1e-12 && m.rel_err < 1e-12);
+    }
+}
