@@ -139,10 +139,9 @@ impl Tier for ArenaTier {
 mod tests {
     use super::*;
 
-    crate::tier_conformance_tests!(host, |capacity| super::ArenaTier::host(capacity).unwrap());
-    crate::tier_conformance_tests!(emulated_device, |capacity| {
-        super::ArenaTier::emulated_device(capacity).unwrap()
-    });
+    crate::tier_conformance_tests!(host, |capacity| ArenaTier::host(capacity).unwrap());
+    crate::tier_conformance_tests!(emulated_device, |capacity| ArenaTier::emulated_device(capacity)
+        .unwrap());
 
     #[test]
     fn labels_say_what_the_tier_is() {

@@ -102,6 +102,45 @@ impl ExtentAllocator {
         })
     }
 
+    /// Reserves exactly `[offset, offset + len)` (rounded to the granule),
+    /// for extents named by a manifest at recovery.
+    pub fn allocate_at(self: &Arc<Self>, offset: u64, len: u64) -> Result<Slot, TierError> {
+        if len == 0 {
+            return Err(TierError::ZeroLength);
+        }
+        let reserved = len.div_ceil(self.granule).saturating_mul(self.granule);
+        let in_use = TierError::InUse { offset, len: reserved };
+        if !offset.is_multiple_of(self.granule) {
+            return Err(in_use);
+        }
+        let mut s = self.lock();
+        let Some((&start, &size)) = s.by_offset.range(..=offset).next_back() else {
+            return Err(in_use);
+        };
+        if start + size < offset + reserved {
+            return Err(in_use);
+        }
+        s.by_offset.remove(&start);
+        s.by_size.remove(&(size, start));
+        if offset > start {
+            s.by_offset.insert(start, offset - start);
+            s.by_size.insert((offset - start, start));
+        }
+        let end = start + size;
+        if end > offset + reserved {
+            s.by_offset.insert(offset + reserved, end - offset - reserved);
+            s.by_size.insert((end - offset - reserved, offset + reserved));
+        }
+        s.used += reserved;
+        s.live += 1;
+        Ok(Slot {
+            offset,
+            len,
+            reserved,
+            allocator: Arc::clone(self),
+        })
+    }
+
     fn free(&self, mut offset: u64, mut len: u64) {
         let mut s = self.lock();
         s.used -= len;
@@ -202,6 +241,19 @@ mod tests {
         drop(even);
         assert_eq!((a.used(), a.live()), (0, 0));
         assert_eq!(a.allocate(960).unwrap().offset(), 0);
+    }
+
+    #[test]
+    fn claimed_extents_are_reserved_exactly() {
+        let a = ExtentAllocator::new(TierKind::Nvme, 4096 * 8, 4096);
+        let x = a.allocate_at(4096 * 3, 5000).unwrap();
+        assert_eq!((x.offset(), x.reserved()), (4096 * 3, 8192));
+        assert!(matches!(a.allocate_at(4096 * 4, 1), Err(TierError::InUse { .. })));
+        assert!(matches!(a.allocate_at(100, 1), Err(TierError::InUse { .. })));
+        let rest: Vec<Slot> = (0..6).map(|_| a.allocate(4096).unwrap()).collect();
+        assert!(rest.iter().all(|s| s.offset() < 4096 * 3 || s.offset() >= 4096 * 5));
+        drop((x, rest));
+        assert_eq!(a.allocate(4096 * 8).unwrap().offset(), 0);
     }
 
     #[test]

@@ -1,16 +1,24 @@
 //! Storage tiers. Every tier hands out [`Slot`]s (byte extents under an exact
 //! capacity) and moves bytes in and out of them; the store decides what goes
-//! where. Backends: [`ArenaTier`] (host memory; also the emulated device).
+//! where. Backends: [`ArenaTier`] (host memory; also the emulated device) and
+//! [`NvmeTier`] (a file or block device through io_uring or pread/pwrite).
 
+mod aligned;
 mod arena;
+mod completion;
 #[cfg(feature = "testing")]
 pub mod conformance;
 mod extent;
+mod nvme;
 
 use std::fmt;
+use std::sync::Arc;
 
+pub use aligned::{AlignedBuf, IO_ALIGN};
 pub use arena::ArenaTier;
+pub use completion::{Abandoned, Completion};
 pub use extent::{ExtentAllocator, Slot};
+pub use nvme::{EngineChoice, NvmeConfig, NvmeTier};
 
 /// Which level of the hierarchy a tier serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -60,8 +68,41 @@ pub enum TierError {
     ForeignSlot,
     #[error("bytes {offset}..{end} are outside the {slot_len}-byte slot", end = offset + len)]
     OutOfBounds { offset: u64, len: u64, slot_len: u64 },
-    #[error("cannot reserve {bytes} bytes of memory for the {tier} tier: {reason}")]
+    #[error("cannot reserve {bytes} bytes for the {tier} tier: {reason}")]
     Reserve { tier: TierKind, bytes: u64, reason: String },
+    #[error("{op} at byte {offset} failed: {message}")]
+    Io {
+        op: &'static str,
+        offset: u64,
+        /// The OS error number (ENOSPC, EIO, ...), when there is one.
+        errno: Option<i32>,
+        message: String,
+    },
+    #[error("bytes {offset}..{end} are already in use", end = offset + len)]
+    InUse { offset: u64, len: u64 },
+}
+
+impl TierError {
+    /// The device or filesystem has no space left.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, TierError::Io { errno: Some(e), .. } if *e == libc::ENOSPC)
+    }
+}
+
+/// An owned-buffer read, finished: the buffer (holding the slot's bytes,
+/// `len()` = the slot's length) and whether it worked.
+#[derive(Debug)]
+pub struct ReadDone {
+    pub buf: AlignedBuf,
+    pub result: Result<(), TierError>,
+}
+
+/// An owned-buffer write, finished: the slot and buffer back.
+#[derive(Debug)]
+pub struct WriteDone {
+    pub slot: Slot,
+    pub buf: AlignedBuf,
+    pub result: Result<(), TierError>,
 }
 
 /// A storage tier: an exact byte budget carved into slots.
@@ -89,4 +130,43 @@ pub trait Tier: Send + Sync + fmt::Debug {
     fn write(&self, slot: &mut Slot, offset: u64, src: &[u8]) -> Result<(), TierError>;
     /// Copies slot bytes at `offset` into `dst`.
     fn read(&self, slot: &Slot, offset: u64, dst: &mut [u8]) -> Result<(), TierError>;
+
+    /// Reads whole slots into owned buffers (capacity at least the slot's
+    /// reserved length), submitted together. Dropping a completion before it
+    /// finishes is safe: the operation keeps its slot and buffer until done.
+    fn read_many(&self, reads: Vec<(Arc<Slot>, AlignedBuf)>) -> Vec<Completion<ReadDone>> {
+        reads
+            .into_iter()
+            .map(|(slot, mut buf)| {
+                let result = if buf.capacity() < slot.len() as usize {
+                    Err(TierError::OutOfBounds {
+                        offset: 0,
+                        len: buf.capacity() as u64,
+                        slot_len: slot.len(),
+                    })
+                } else {
+                    buf.set_len(slot.len() as usize);
+                    self.read(&slot, 0, &mut buf)
+                };
+                Completion::ready(ReadDone { buf, result })
+            })
+            .collect()
+    }
+
+    /// Writes owned buffers (at most a slot long) to the start of slots,
+    /// submitted together; each slot comes back with its completion.
+    fn write_many(&self, writes: Vec<(Slot, AlignedBuf)>) -> Vec<Completion<WriteDone>> {
+        writes
+            .into_iter()
+            .map(|(mut slot, buf)| {
+                let result = self.write(&mut slot, 0, &buf);
+                Completion::ready(WriteDone { slot, buf, result })
+            })
+            .collect()
+    }
+
+    /// Makes completed writes durable (nothing to do for memory tiers).
+    fn sync(&self) -> Result<(), TierError> {
+        Ok(())
+    }
 }
