@@ -20,6 +20,10 @@ pub enum StoreError {
     /// No tier has room and nothing may be dropped to make it. Nothing changed.
     #[error("{0}")]
     ResourceExhausted(TierError),
+    /// A tier's device failed the operation (EIO and the like). Nothing
+    /// changed; a retry may succeed.
+    #[error("{0}")]
+    Unavailable(TierError),
     /// A broken invariant inside the store; a bug, reported rather than
     /// served.
     #[error("internal error: {0}")]
@@ -46,10 +50,13 @@ impl From<TierError> for StoreError {
     fn from(e: TierError) -> Self {
         match e {
             TierError::Full { .. } => Self::ResourceExhausted(e),
+            TierError::Io { .. } if e.is_no_space() => Self::ResourceExhausted(e),
+            TierError::Io { .. } => Self::Unavailable(e),
             TierError::ZeroLength
             | TierError::ForeignSlot
             | TierError::OutOfBounds { .. }
-            | TierError::Reserve { .. } => Self::Internal(e.to_string()),
+            | TierError::Reserve { .. }
+            | TierError::InUse { .. } => Self::Internal(e.to_string()),
         }
     }
 }
