@@ -66,6 +66,7 @@ async fn the_host_budget_is_never_exceeded_and_nothing_is_dropped() {
         device_bytes: 4 * PAGE_BYTES,
         host_bytes: 10 * PAGE_BYTES,
         cache_writes_on_device: true,
+        ..StoreConfig::default()
     })
     .await;
     let mut client = server.client().await;

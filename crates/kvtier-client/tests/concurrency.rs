@@ -125,6 +125,7 @@ async fn concurrent_clients_share_move_and_free_without_losing_a_byte() {
         device_bytes: 24 * (2 * PAGE * ROW) as u64,
         host_bytes: 64 << 20,
         cache_writes_on_device: true,
+        ..StoreConfig::default()
     })
     .await;
     let mut tasks = Vec::new();

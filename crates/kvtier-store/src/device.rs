@@ -32,8 +32,10 @@ impl Store {
             // A page freed since it was cached has already released its slot.
             let Some(page) = weak.upgrade() else { continue };
             let mut place = write(&page.place);
-            if place.device.take().is_some() {
-                let to = PageState::Cold(place.backing.tier());
+            // Demotion may not drop the only copy: a device copy without a
+            // backing copy stays.
+            if place.backing_tier().is_some() && place.device.take().is_some() {
+                let to = place.state();
                 drop(place);
                 self.counters
                     .transition(PageState::Hot, to, Reason::CapacityPressure, 1);

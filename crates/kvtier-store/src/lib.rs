@@ -8,6 +8,7 @@
 
 mod device;
 mod error;
+mod movement;
 mod page;
 mod read;
 mod select;
@@ -19,7 +20,7 @@ mod transition;
 mod write;
 
 pub use error::{StoreError, StoreResult};
-pub use kvtier_tiers::{TierError, TierKind};
+pub use kvtier_tiers::{EngineChoice, NvmeConfig, TierError, TierKind};
 pub use read::{FetchCursor, FetchPages, FetchedPage, PageContent};
 pub use select::{HeadSelection, SelectPages, SelectedPage, Selection};
 pub use sequence::HeadRange;

@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, RwLock};
 
-use kvtier_core::{ColdTier, Lane, Layout, LogicalPage, PageState, PhysId, TenantId};
+use kvtier_core::{ColdTier, Lane, Layout, LogicalPage, PageState, PhysId, Reason, TenantId};
 use kvtier_tiers::{Slot, Tier, TierError};
 
 /// The bytes of one page of one lane: K rows `[page_size][head_dim]` at
@@ -18,45 +18,63 @@ pub(crate) struct PhysPage {
     pub(crate) place: RwLock<Placement>,
 }
 
-/// Where a physical page's bytes are. The backing copy always exists; the
-/// device copy is an inclusive cache of it (dropping it loses nothing).
+/// Where a physical page's bytes are. At least one of the host and NVMe
+/// copies exists unless the page is lost; the device copy is an inclusive
+/// cache (dropping it loses nothing), and so is a host copy next to an NVMe
+/// copy.
 #[derive(Debug)]
 pub(crate) struct Placement {
     pub(crate) device: Option<Slot>,
-    pub(crate) backing: Backing,
+    pub(crate) host: Option<Slot>,
+    pub(crate) nvme: Option<NvmeCopy>,
+    /// Bumped by every change of the page's bytes, so that a copy taken
+    /// without the lock can tell whether it is still current.
+    pub(crate) version: u64,
+    /// The bytes are gone for every sequence sharing the page (a failed
+    /// checksum or read); the page is never served again.
+    pub(crate) lost: Option<Reason>,
 }
 
-#[derive(Debug)]
-pub(crate) enum Backing {
-    Host(Slot),
+/// A page's copy on NVMe, with the CRC32C of the slot's page bytes.
+#[derive(Debug, Clone)]
+pub(crate) struct NvmeCopy {
+    pub(crate) slot: Arc<Slot>,
+    pub(crate) crc: u32,
 }
 
 impl Placement {
+    pub(crate) fn new(device: Option<Slot>, host: Slot) -> Self {
+        Self {
+            device,
+            host: Some(host),
+            nvme: None,
+            version: 0,
+            lost: None,
+        }
+    }
+
     pub(crate) fn state(&self) -> PageState {
-        match self.device {
-            Some(_) => PageState::Hot,
-            None => PageState::Cold(self.backing.tier()),
-        }
-    }
-}
-
-impl Backing {
-    pub(crate) fn tier(&self) -> ColdTier {
-        match self {
-            Backing::Host(_) => ColdTier::Host,
+        match (self.lost, &self.device, &self.host, &self.nvme) {
+            (Some(_), ..) => PageState::Gone,
+            (None, Some(_), ..) => PageState::Hot,
+            (None, None, Some(_), _) => PageState::Cold(ColdTier::Host),
+            (None, None, None, Some(_)) => PageState::Cold(ColdTier::Nvme),
+            (None, None, None, None) => unreachable!("a page that is not lost has a host or an nvme copy"),
         }
     }
 
-    pub(crate) fn slot(&self) -> &Slot {
-        match self {
-            Backing::Host(slot) => slot,
+    /// The cold tier holding the page's backing copy (host preferred).
+    pub(crate) fn backing_tier(&self) -> Option<ColdTier> {
+        match (&self.host, &self.nvme) {
+            (Some(_), _) => Some(ColdTier::Host),
+            (None, Some(_)) => Some(ColdTier::Nvme),
+            (None, None) => None,
         }
     }
 
-    pub(crate) fn slot_mut(&mut self) -> &mut Slot {
-        match self {
-            Backing::Host(slot) => slot,
-        }
+    /// The page's bytes changed: copies elsewhere are stale.
+    pub(crate) fn touch_bytes(&mut self) {
+        self.version += 1;
     }
 }
 
@@ -101,6 +119,13 @@ pub(crate) fn write_rows(
     let v_base = u64::from(layout.page_size()) * row;
     tier.write(slot, u64::from(first_row) * row, keys)?;
     tier.write(slot, v_base + u64::from(first_row) * row, values)
+}
+
+/// The first `rows` K rows then V rows of a whole page's bytes.
+pub(crate) fn rows_of(page: &[u8], layout: &Layout, rows: u32) -> Vec<u8> {
+    let n = rows as usize * layout.row_bytes();
+    let v = layout.page_size() as usize * layout.row_bytes();
+    [&page[..n], &page[v..v + n]].concat()
 }
 
 /// Reads the first `rows` rows of K then of V into one buffer.

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use kvtier_core::{Layout, LogicalPage, PageState, Reason, SequenceKey};
 
-use crate::page::{PhysPage, StoreLane, read_rows};
+use crate::page::{PhysPage, StoreLane};
 use crate::sequence::HeadRange;
 use crate::stats::Counters;
 use crate::sync::read;
@@ -53,38 +53,53 @@ pub struct FetchCursor {
 }
 
 impl Store {
-    /// Reads one logical page: its state and its bytes (the original, the
-    /// summary, or why it is gone). Hot pages are collected in `hot` so the
-    /// caller can mark them used in one go.
-    pub(crate) fn read_page(
+    /// Reads logical pages: each one's state and bytes (the original, the
+    /// summary, or why it is gone). Originals on NVMe are read in one batch.
+    /// Hot pages are collected in `hot` so the caller can mark them used.
+    pub(crate) fn read_pages(
         &self,
         layout: &Layout,
-        lane: &StoreLane,
-        page: usize,
+        pages: &[(&StoreLane, usize)],
         hot: &mut Vec<Arc<PhysPage>>,
-    ) -> StoreResult<(PageState, PageContent)> {
-        Ok(match lane.page(page).expect("page index checked by the caller") {
-            LogicalPage::Physical(r) => {
-                let place = read(&r.page.place);
-                let data = read_rows(&*self.host, place.backing.slot(), layout, lane.rows_in(page))?;
-                if place.device.is_some() {
-                    hot.push(Arc::clone(&r.page));
+    ) -> StoreResult<Vec<(PageState, PageContent)>> {
+        let mut out = Vec::with_capacity(pages.len());
+        let mut originals = Vec::new();
+        for (i, &(lane, p)) in pages.iter().enumerate() {
+            out.push(match lane.page(p).expect("page index checked by the caller") {
+                LogicalPage::Physical(r) => {
+                    let state = read(&r.page.place).state();
+                    if state == PageState::Hot {
+                        hot.push(Arc::clone(&r.page));
+                    }
+                    originals.push((i, (Arc::clone(&r.page), lane.rows_in(p))));
+                    (state, PageContent::Gone(Reason::Integrity))
                 }
-                (place.state(), PageContent::Original(data))
-            }
-            LogicalPage::Summary(s) => {
-                let mut kv = vec![0u8; s.slot.len() as usize];
-                self.host.read(&s.slot, 0, &mut kv)?;
-                (
-                    PageState::Summary,
-                    PageContent::Summary {
-                        counts: s.counts.clone(),
-                        kv,
-                    },
-                )
-            }
-            LogicalPage::Gone(reason) => (PageState::Gone, PageContent::Gone(*reason)),
-        })
+                LogicalPage::Summary(s) => {
+                    let mut kv = vec![0u8; s.slot.len() as usize];
+                    self.host.read(&s.slot, 0, &mut kv)?;
+                    (
+                        PageState::Summary,
+                        PageContent::Summary {
+                            counts: s.counts.clone(),
+                            kv,
+                        },
+                    )
+                }
+                LogicalPage::Gone(reason) => (PageState::Gone, PageContent::Gone(*reason)),
+            });
+        }
+        let (index, requests): (Vec<usize>, Vec<_>) = originals.into_iter().unzip();
+        let bytes = self.read_originals(layout, &requests)?;
+        for ((i, bytes), (page, _)) in index.into_iter().zip(bytes).zip(&requests) {
+            out[i] = match bytes {
+                Some(b) => (out[i].0, PageContent::Original(b)),
+                None => {
+                    let reason = read(&page.place).lost.unwrap_or(Reason::Integrity);
+                    (PageState::Gone, PageContent::Gone(reason))
+                }
+            };
+        }
+        Ok(out)
     }
 
     /// Reads pages bit-exact as written. Summaries come back as summaries and
@@ -126,35 +141,24 @@ impl Store {
                     }
                 }
             }
-            let mut out = Vec::new();
-            let mut hot = Vec::new();
+            let mut chosen: Vec<(u32, usize, usize)> = Vec::new(); // (kv head, lane, page)
             let mut bytes = 0usize;
             let mut cursor = from;
             'heads: while let Some(&(h, lane_index)) = lanes.get(cursor.head) {
                 let lane = &seq.lanes[lane_index];
                 let count = req.pages.map_or(lane.num_pages(), <[u32]>::len);
                 while cursor.index < count {
-                    let p = req.pages.map_or(cursor.index as u32, |pages| pages[cursor.index]);
-                    let rows = lane.rows_in(p as usize);
-                    let page = lane.page(p as usize).expect("checked above");
-                    let size = match page {
-                        LogicalPage::Physical(_) => 2 * rows as usize * layout.row_bytes(),
+                    let p = req.pages.map_or(cursor.index as u32, |pages| pages[cursor.index]) as usize;
+                    let size = match lane.page(p).expect("checked above") {
+                        LogicalPage::Physical(_) => 2 * lane.rows_in(p) as usize * layout.row_bytes(),
                         LogicalPage::Summary(s) => s.slot.len() as usize,
                         LogicalPage::Gone(_) => 0,
                     };
-                    if !out.is_empty() && bytes + size > max_bytes {
+                    if !chosen.is_empty() && bytes + size > max_bytes {
                         break 'heads;
                     }
                     bytes += size;
-                    let (state, content) = self.read_page(layout, lane, p as usize, &mut hot)?;
-                    out.push(FetchedPage {
-                        kv_head: h,
-                        page: p,
-                        state,
-                        rows,
-                        content,
-                        digest: req.with_digests.then(|| lane.digests().entry(p as usize).to_vec()),
-                    });
+                    chosen.push((h, lane_index, p));
                     cursor.index += 1;
                 }
                 cursor = FetchCursor {
@@ -162,6 +166,21 @@ impl Store {
                     index: 0,
                 };
             }
+            let mut hot = Vec::new();
+            let items: Vec<(&StoreLane, usize)> = chosen.iter().map(|&(_, l, p)| (&seq.lanes[l], p)).collect();
+            let read_back = self.read_pages(layout, &items, &mut hot)?;
+            let out: Vec<FetchedPage> = chosen
+                .iter()
+                .zip(read_back)
+                .map(|(&(h, l, p), (state, content))| FetchedPage {
+                    kv_head: h,
+                    page: p as u32,
+                    state,
+                    rows: seq.lanes[l].rows_in(p),
+                    content,
+                    digest: req.with_digests.then(|| seq.lanes[l].digests().entry(p).to_vec()),
+                })
+                .collect();
             self.touch_device(hot);
             Counters::add(&self.counters.bytes_read, bytes as u64);
             let more = cursor.head < lanes.len();

@@ -124,8 +124,9 @@ impl Store {
                 });
             }
             if req.with_data {
-                for p in (0..n).filter(|&p| chosen_any[p]) {
-                    let (state, content) = self.read_page(layout, lane, p, &mut hot)?;
+                let wanted: Vec<usize> = (0..n).filter(|&p| chosen_any[p]).collect();
+                let items: Vec<_> = wanted.iter().map(|&p| (lane, p)).collect();
+                for (&p, (state, content)) in wanted.iter().zip(self.read_pages(layout, &items, &mut hot)?) {
                     if let PageContent::Original(d) | PageContent::Summary { kv: d, .. } = &content {
                         bytes_read += d.len() as u64;
                     }

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use kvtier_core::{ColdTier, Layout, PageState, Reason};
+use kvtier_core::{Layout, PageState, Reason};
 use kvtier_tiers::{Tier, TierKind};
 
 /// Event counters, updated without locks.
@@ -126,22 +126,14 @@ impl StatsSnapshot {
     }
 }
 
-/// Bytes one sequence holds per tier. A page shared with other sequences is
-/// counted in full here (this is the sequence's view), and once in the tier.
+/// Bytes one sequence holds per tier, each copy counted (a hot page also has
+/// a backing copy). A page shared with other sequences is counted in full
+/// here (this is the sequence's view), and once in the tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TierBytes {
     pub device: u64,
     pub host: u64,
     pub nvme: u64,
-}
-
-impl TierBytes {
-    pub(crate) fn add_cold(&mut self, tier: ColdTier, bytes: u64) {
-        match tier {
-            ColdTier::Host => self.host += bytes,
-            ColdTier::Nvme => self.nvme += bytes,
-        }
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -158,4 +150,6 @@ pub struct SequenceInfo {
     pub shared_pages: u64,
     pub digest_bytes: u64,
     pub prefix_hashes: u64,
+    /// Gone pages by the reason they went (lost on restart, integrity, ...).
+    pub gone_by_reason: Vec<(Reason, u64)>,
 }

@@ -4,10 +4,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, RwLock};
 
-use kvtier_core::{Layout, LogicalPage, PageState, PhysicalPages, SequenceKey};
-use kvtier_tiers::{ArenaTier, Tier, TierKind};
+use kvtier_core::{Layout, LogicalPage, PageState, PhysicalPages, Reason, SequenceKey};
+use kvtier_tiers::{ArenaTier, NvmeConfig, NvmeTier, Tier, TierKind};
 
 use crate::device::DeviceLru;
+use crate::movement::HostLru;
 use crate::page::{PageRef, PhysPage, ShareKey, StorePage};
 use crate::sequence::Sequence;
 use crate::stats::{Counters, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats};
@@ -15,7 +16,7 @@ use crate::sync::{lock, read, write};
 use crate::{StoreError, StoreResult};
 
 /// Sizes and placement choices.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StoreConfig {
     /// Device tier capacity. Emulated in host memory when no GPU is present.
     pub device_bytes: u64,
@@ -23,6 +24,15 @@ pub struct StoreConfig {
     /// New pages also get a device copy (demoting LRU hot pages for room);
     /// off, they start cold and become hot only on demand.
     pub cache_writes_on_device: bool,
+    /// The NVMe tier; `None` keeps everything in memory.
+    pub nvme: Option<NvmeConfig>,
+    /// Above this share of host capacity, least recently used host pages
+    /// migrate to NVMe in the background ...
+    pub host_high_watermark: f64,
+    /// ... until host use is down to this share.
+    pub host_low_watermark: f64,
+    /// Reading an NVMe-only page gives it a host copy again.
+    pub promote_on_read: bool,
 }
 
 impl Default for StoreConfig {
@@ -31,6 +41,10 @@ impl Default for StoreConfig {
             device_bytes: 256 << 20,
             host_bytes: 1 << 30,
             cache_writes_on_device: true,
+            nvme: None,
+            host_high_watermark: 0.9,
+            host_low_watermark: 0.8,
+            promote_on_read: true,
         }
     }
 }
@@ -39,12 +53,14 @@ impl Default for StoreConfig {
 pub struct Store {
     pub(crate) device: Arc<dyn Tier>,
     pub(crate) host: Arc<dyn Tier>,
+    pub(crate) nvme: Option<Arc<dyn Tier>>,
     pub(crate) config: StoreConfig,
     sequences: RwLock<HashMap<SequenceKey, Arc<RwLock<Sequence>>>>,
     /// Lock order: a sequence, then `pages`, then a page's placement, then
     /// `device_lru`. Nothing takes them the other way round.
     pub(crate) pages: Mutex<PhysicalPages<Arc<PhysPage>, ShareKey>>,
     pub(crate) device_lru: Mutex<DeviceLru>,
+    pub(crate) host_lru: Mutex<HostLru>,
     next_page_id: AtomicU64,
     pub(crate) counters: Counters,
 }
@@ -57,8 +73,9 @@ pub struct Created {
 }
 
 impl Store {
-    /// A store over host memory, with the device tier emulated in host memory.
-    pub fn new(config: StoreConfig) -> StoreResult<Self> {
+    /// A store over host memory, with the device tier emulated in host
+    /// memory and, if configured, an NVMe tier.
+    pub fn new(config: StoreConfig) -> StoreResult<Arc<Self>> {
         let device = ArenaTier::emulated_device(config.device_bytes)?;
         let host = ArenaTier::host(config.host_bytes)?;
         tracing::info!(
@@ -66,23 +83,61 @@ impl Store {
             host_bytes = config.host_bytes,
             "no CUDA support in this build: the device tier is emulated in host memory"
         );
-        Ok(Self::with_tiers(Arc::new(device), Arc::new(host), config))
+        let nvme = match &config.nvme {
+            Some(c) => {
+                let tier = NvmeTier::open(c.clone())?;
+                tracing::info!(path = %c.path.display(), capacity = c.capacity, engine = tier.backend(), "nvme tier ready");
+                Some(Arc::new(tier) as Arc<dyn Tier>)
+            }
+            None => None,
+        };
+        Ok(Self::with_tiers(Arc::new(device), Arc::new(host), nvme, config))
     }
 
     /// A store over the given tiers (their capacities override the config's).
-    pub fn with_tiers(device: Arc<dyn Tier>, host: Arc<dyn Tier>, config: StoreConfig) -> Self {
+    /// With an NVMe tier, a background thread keeps host memory between the
+    /// watermarks for as long as the store lives.
+    pub fn with_tiers(
+        device: Arc<dyn Tier>,
+        host: Arc<dyn Tier>,
+        nvme: Option<Arc<dyn Tier>>,
+        config: StoreConfig,
+    ) -> Arc<Self> {
         assert_eq!(device.kind(), TierKind::Device, "device tier kind");
         assert_eq!(host.kind(), TierKind::Host, "host tier kind");
-        Self {
+        assert!(
+            nvme.as_ref().is_none_or(|t| t.kind() == TierKind::Nvme),
+            "nvme tier kind"
+        );
+        let background = nvme.is_some();
+        let store = Arc::new(Self {
             device,
             host,
+            nvme,
             config,
             sequences: RwLock::default(),
             pages: Mutex::default(),
             device_lru: Mutex::new(DeviceLru::unbounded()),
+            host_lru: Mutex::new(HostLru::unbounded()),
             next_page_id: AtomicU64::new(0),
             counters: Counters::default(),
+        });
+        if background {
+            let weak = Arc::downgrade(&store);
+            let spawned = std::thread::Builder::new()
+                .name("kvtier-rebalance".into())
+                .spawn(move || {
+                    while let Some(store) = weak.upgrade() {
+                        store.rebalance_host();
+                        drop(store);
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::error!(error = %e, "cannot start the host rebalancing thread; migration happens only under pressure");
+            }
         }
+        store
     }
 
     pub(crate) fn next_page_id(&self) -> u64 {
@@ -207,6 +262,10 @@ impl Store {
             }
         }
         self.forget_device(freed.iter().map(|p| p.id));
+        let mut host_lru = lock(&self.host_lru);
+        for page in &freed {
+            host_lru.pop(&page.id);
+        }
         // Slots return to their tiers as the last `Arc`s drop here (or when a
         // reader still copying from one finishes).
     }
@@ -221,23 +280,29 @@ impl Store {
         let mut states = StateCounts::default();
         let mut bytes = TierBytes::default();
         let mut shared_ids = Vec::new();
+        let mut gone: HashMap<Reason, u64> = HashMap::new();
         for lane in &seq.lanes {
             for page in lane.pages() {
                 match page {
                     LogicalPage::Physical(r) => {
                         let place = read(&r.page.place);
                         states.add(place.state());
-                        if place.device.is_some() {
-                            bytes.device += page_bytes;
+                        if let Some(reason) = place.lost {
+                            *gone.entry(reason).or_default() += 1;
                         }
-                        bytes.add_cold(place.backing.tier(), page_bytes);
+                        bytes.device += page_bytes * u64::from(place.device.is_some());
+                        bytes.host += page_bytes * u64::from(place.host.is_some());
+                        bytes.nvme += page_bytes * u64::from(place.nvme.is_some());
                         shared_ids.push(r.id);
                     }
                     LogicalPage::Summary(s) => {
                         states.add(PageState::Summary);
                         bytes.host += s.slot.len();
                     }
-                    LogicalPage::Gone(_) => states.add(PageState::Gone),
+                    LogicalPage::Gone(reason) => {
+                        states.add(PageState::Gone);
+                        *gone.entry(*reason).or_default() += 1;
+                    }
                 }
             }
         }
@@ -258,6 +323,10 @@ impl Store {
             shared_pages,
             digest_bytes: seq.lanes.iter().map(|l| l.digests().as_bytes().len() as u64).sum(),
             prefix_hashes: seq.hashes.len() as u64,
+            gone_by_reason: Reason::ALL
+                .iter()
+                .filter_map(|r| gone.get(r).map(|n| (*r, *n)))
+                .collect(),
         }
     }
 
@@ -275,7 +344,11 @@ impl Store {
             }
         }
         let mut snapshot = StatsSnapshot {
-            tiers: vec![TierStats::of(&*self.device), TierStats::of(&*self.host)],
+            tiers: [Some(&self.device), Some(&self.host), self.nvme.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(|t| TierStats::of(&**t))
+                .collect(),
             pages,
             sequences: cells.len() as u64,
             physical_pages: lock(&self.pages).len() as u64,

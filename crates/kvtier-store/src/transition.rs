@@ -8,7 +8,7 @@ use std::sync::Arc;
 use kvtier_core::{Action, ColdTier, LogicalPage, PageState, Reason, SequenceKey, Summary};
 use kvtier_tiers::{Slot, TierError, TierKind};
 
-use crate::page::{SummaryPage, read_rows};
+use crate::page::{PhysPage, SummaryPage};
 use crate::sequence::{HeadRange, Sequence};
 use crate::sync::{read, write};
 use crate::{Store, StoreError, StoreResult};
@@ -64,13 +64,11 @@ impl Store {
                 to(t)?;
             }
             match req.action {
-                Action::Offload(ColdTier::Host) => self.offload(seq, &targets),
+                Action::Offload(tier) => self.offload(seq, &targets, tier, req.reason)?,
+                Action::Migrate(tier) => self.migrate(seq, &targets, tier, req.reason)?,
                 Action::SwapIn => self.swap_in(seq, &targets)?,
                 Action::Summarize => self.summarize(seq, &targets, req.summary_rows, req.reason)?,
                 Action::Evict => self.evict(seq, &targets, req.reason),
-                Action::Offload(ColdTier::Nvme) | Action::Migrate(_) => {
-                    unreachable!("refused by `targets` while there is no nvme tier")
-                }
             }
             let mut by_from = [0u64; PageState::COUNT];
             for t in &targets {
@@ -93,7 +91,7 @@ impl Store {
         let layers = seq.check_layers(req.layer_start, req.layer_count)?;
         let heads = seq.check_heads(req.heads)?;
         match req.action {
-            Action::Offload(ColdTier::Nvme) | Action::Migrate(ColdTier::Nvme) => {
+            Action::Offload(ColdTier::Nvme) | Action::Migrate(ColdTier::Nvme) if self.nvme.is_none() => {
                 return Err(StoreError::precondition("action", "the nvme tier is not configured"));
             }
             Action::Summarize if req.summary_rows == 0 => {
@@ -175,22 +173,44 @@ impl Store {
         }
     }
 
-    /// hot → cold(host): the backing copy is already there; drop the device
-    /// copy.
-    fn offload(&self, seq: &Sequence, targets: &[Target]) {
-        let mut ids = Vec::with_capacity(targets.len());
-        for t in targets {
-            let r = Self::physical(seq, t);
-            write(&r.page.place).device = None;
-            ids.push(r.page.id);
+    fn pages_of(seq: &Sequence, targets: &[Target]) -> Vec<Arc<PhysPage>> {
+        targets
+            .iter()
+            .map(|t| Arc::clone(&Self::physical(seq, t).page))
+            .collect()
+    }
+
+    /// hot → cold(tier): make sure the backing copy exists in `tier`, then
+    /// drop the device copy.
+    fn offload(&self, seq: &Sequence, targets: &[Target], tier: ColdTier, reason: Reason) -> StoreResult<()> {
+        let pages = Self::pages_of(seq, targets);
+        for page in &pages {
+            self.ensure_host(page, &seq.layout, reason)?;
         }
-        self.forget_device(ids);
+        if tier == ColdTier::Nvme {
+            self.migrate_to_nvme(&pages, reason)?;
+        }
+        for page in &pages {
+            write(&page.place).device = None;
+        }
+        self.forget_device(pages.iter().map(|p| p.id));
+        Ok(())
+    }
+
+    /// cold(a) → cold(b).
+    fn migrate(&self, seq: &Sequence, targets: &[Target], tier: ColdTier, reason: Reason) -> StoreResult<()> {
+        let pages = Self::pages_of(seq, targets);
+        match tier {
+            ColdTier::Nvme => self.migrate_to_nvme(&pages, reason).map(drop),
+            ColdTier::Host => pages.iter().try_for_each(|p| self.ensure_host(p, &seq.layout, reason)),
+        }
     }
 
     /// cold → hot: reserve device room for every page first (demoting LRU hot
-    /// pages), then copy.
+    /// pages), then copy from wherever the original is.
     fn swap_in(&self, seq: &Sequence, targets: &[Target]) -> StoreResult<()> {
-        let len = seq.layout.page_bytes() as u64;
+        let layout = &seq.layout;
+        let len = layout.page_bytes() as u64;
         let needed = len * targets.len() as u64;
         if needed > self.device.capacity_bytes() {
             return Err(StoreError::ResourceExhausted(TierError::Full {
@@ -205,19 +225,23 @@ impl Store {
             .iter()
             .map(|_| self.allocate_device(len))
             .collect::<Result<_, _>>()?;
-        let mut buf = vec![0u8; len as usize];
+        let pages: Vec<(Arc<PhysPage>, u32)> = Self::pages_of(seq, targets)
+            .into_iter()
+            .map(|p| (p, layout.page_size()))
+            .collect();
+        let originals = self.read_originals(layout, &pages)?;
         let mut hot = Vec::with_capacity(targets.len());
-        for (t, mut slot) in targets.iter().zip(slots) {
-            let r = Self::physical(seq, t);
-            let mut place = write(&r.page.place);
-            // A page shared with another sequence may have been promoted
-            // through it meanwhile; it is hot either way.
-            if place.device.is_none() {
-                self.host.read(place.backing.slot(), 0, &mut buf)?;
-                self.device.write(&mut slot, 0, &buf)?;
+        for (((page, _), bytes), mut slot) in pages.into_iter().zip(originals).zip(slots) {
+            // A lost page stays gone; a page shared with another sequence
+            // may have been promoted through it meanwhile.
+            let Some(bytes) = bytes else { continue };
+            let mut place = write(&page.place);
+            if place.device.is_none() && place.lost.is_none() {
+                self.device.write(&mut slot, 0, &bytes)?;
                 place.device = Some(slot);
             }
-            hot.push(Arc::clone(&r.page));
+            drop(place);
+            hot.push(page);
         }
         self.touch_device(hot);
         Ok(())
@@ -227,16 +251,23 @@ impl Store {
     /// in and release the originals.
     fn summarize(&self, seq: &mut Sequence, targets: &[Target], rows: u32, reason: Reason) -> StoreResult<()> {
         let layout = Arc::clone(&seq.layout);
+        let pages: Vec<(Arc<PhysPage>, u32)> = Self::pages_of(seq, targets)
+            .into_iter()
+            .zip(targets)
+            .map(|(p, t)| (p, seq.lanes[t.lane].rows_in(t.page)))
+            .collect();
+        let originals = self.read_originals(&layout, &pages)?;
         let mut summaries = Vec::with_capacity(targets.len());
-        for t in targets {
-            let valid = seq.lanes[t.lane].rows_in(t.page);
-            let original = {
-                let place = read(&Self::physical(seq, t).page.place);
-                read_rows(&*self.host, place.backing.slot(), &layout, valid)?
+        for original in originals {
+            let Some(original) = original else {
+                return Err(StoreError::precondition(
+                    "pages",
+                    "a page lost its bytes while being summarized",
+                ));
             };
             let (keys, values) = original.split_at(original.len() / 2);
             let summary = Summary::chunk_means(layout.dtype(), layout.head_dim() as usize, keys, values, rows);
-            let mut slot = self.host.allocate(summary.kv.len() as u64)?;
+            let mut slot = self.allocate_host(summary.kv.len() as u64)?;
             self.host.write(&mut slot, 0, &summary.kv)?;
             summaries.push(SummaryPage {
                 counts: summary.counts,

@@ -8,14 +8,14 @@
 use std::ops::Range;
 use std::sync::{Arc, RwLock};
 
-use kvtier_core::{DigestColumn, Layout, LogicalPage, PageTableError};
+use kvtier_core::{DigestColumn, Layout, LogicalPage, PageTableError, Reason};
 use kvtier_tiers::Slot;
 
-use crate::page::{Backing, PageRef, PhysPage, Placement, ShareKey, StorePage, write_rows};
+use crate::page::{PageRef, PhysPage, Placement, ShareKey, StorePage, write_rows};
 use crate::sequence::{HeadRange, Sequence};
 use crate::stats::Counters;
 use crate::store::share_key;
-use crate::sync::{lock, write};
+use crate::sync::{lock, read, write};
 use crate::{Store, StoreError, StoreResult};
 
 /// Whole pages for one layer and a range of KV heads, starting at the end
@@ -307,7 +307,11 @@ impl Store {
             for &(h, lane) in &lanes {
                 let lane = &seq.lanes[lane];
                 let last = lane.num_pages() - 1;
-                if let Some(LogicalPage::Summary(_) | LogicalPage::Gone(_)) = lane.page(last) {
+                let lost = match lane.page(last) {
+                    Some(LogicalPage::Physical(r)) => read(&r.page.place).lost.is_some(),
+                    _ => true,
+                };
+                if lost {
                     return Err(StoreError::precondition(
                         "position",
                         format!(
@@ -320,6 +324,15 @@ impl Store {
             }
         }
 
+        // The partial pages are written in place: in host memory.
+        if plan.fill > 0 {
+            for &(_, lane) in &lanes {
+                let lane = &seq.lanes[lane];
+                if let Some(LogicalPage::Physical(r)) = lane.page(lane.num_pages() - 1) {
+                    self.ensure_host(&r.page, &layout, Reason::Demand)?;
+                }
+            }
+        }
         let mut planned: Vec<Planned> = (0..lanes.len() * plan.new_pages.len())
             .map(|_| Planned::Unreserved(None))
             .collect();
@@ -340,10 +353,14 @@ impl Store {
             let mut place = write(&r.page.place);
             let place = &mut *place;
             let (k, v) = (rows.keys(h, 0..fill), rows.values(h, 0..fill));
-            write_rows(&*self.host, place.backing.slot_mut(), &layout, first_row, k, v)?;
+            let host = place.host.as_mut().expect("ensured above");
+            write_rows(&*self.host, host, &layout, first_row, k, v)?;
             if let Some(device) = place.device.as_mut() {
                 write_rows(&*self.device, device, &layout, first_row, k, v)?;
             }
+            // An NVMe copy of the page is stale now.
+            place.nvme = None;
+            place.touch_bytes();
         }
         let per_lane = plan.new_pages.len();
         let page_tokens = |i: usize| {
@@ -410,7 +427,7 @@ impl Store {
         for plan in planned.iter_mut() {
             if let Planned::Unreserved(key) = plan {
                 let page = NewPage {
-                    host: self.host.allocate(len)?,
+                    host: self.allocate_host(len)?,
                     device: None,
                 };
                 *plan = Planned::New { page, key: key.take() };
@@ -442,14 +459,13 @@ impl Store {
     }
 
     fn phys_page(&self, page: NewPage, digest: Option<Box<[u8]>>) -> Arc<PhysPage> {
-        Arc::new(PhysPage {
+        let page = Arc::new(PhysPage {
             id: self.next_page_id(),
             digest,
-            place: RwLock::new(Placement {
-                device: page.device,
-                backing: Backing::Host(page.host),
-            }),
-        })
+            place: RwLock::new(Placement::new(page.device, page.host)),
+        });
+        self.touch_host([&page]);
+        page
     }
 
     fn release_planned(&self, planned: Vec<Planned>) {

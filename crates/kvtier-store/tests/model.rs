@@ -512,6 +512,7 @@ proptest! {
             device_bytes: DEVICE_PAGES * PAGE_BYTES,
             host_bytes: 64 << 20,
             cache_writes_on_device: true,
+            ..StoreConfig::default()
         }).unwrap();
         let mut model = Model::default();
         for op in ops {

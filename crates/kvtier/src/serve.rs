@@ -3,7 +3,6 @@
 use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
@@ -98,6 +97,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             .tiers
             .cache_writes_on_device
             .unwrap_or(StoreConfig::default().cache_writes_on_device),
+        ..StoreConfig::default()
     };
     let data_dir = args
         .data_dir
@@ -116,7 +116,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
-        let store = Arc::new(Store::new(store).context("creating the store")?);
+        let store = Store::new(store).context("creating the store")?;
         let bound = BoundServer::bind(store, server).await?;
         bound.serve(shutdown_signal()).await?;
         Ok(())

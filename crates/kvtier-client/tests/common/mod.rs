@@ -2,7 +2,6 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use kvtier_client::{Client, pb};
 use kvtier_server::{BoundServer, ServerConfig};
@@ -16,7 +15,7 @@ pub struct TestServer {
 
 impl TestServer {
     pub async fn start(store: StoreConfig) -> Self {
-        let store = Arc::new(Store::new(store).unwrap());
+        let store = Store::new(store).unwrap();
         let config = ServerConfig {
             listen: ([127, 0, 0, 1], 0).into(),
             metrics_listen: None,
@@ -41,6 +40,7 @@ impl TestServer {
             device_bytes: 16 << 20,
             host_bytes: 64 << 20,
             cache_writes_on_device: true,
+            ..StoreConfig::default()
         })
         .await
     }

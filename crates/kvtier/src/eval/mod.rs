@@ -271,6 +271,7 @@ fn evaluate_layer(dir: &Path, meta: &Meta, layer: u32, config: &EvalConfig) -> a
         device_bytes: 0,
         host_bytes: (2 * kvh * t_all * row) as u64 * 2 + (64 << 20),
         cache_writes_on_device: false,
+        ..StoreConfig::default()
     })?;
     let key = SequenceKey::parse("eval", &format!("layer{layer}"))?;
     store.create_sequence(key.clone(), layout, vec![])?;
