@@ -155,6 +155,14 @@ pub(crate) fn info_to_pb(info: &SequenceInfo) -> pb::SequenceInfo {
         shared_pages: info.shared_pages,
         digest_bytes: info.digest_bytes,
         prefix_hashes: info.prefix_hashes,
+        gone: info
+            .gone_by_reason
+            .iter()
+            .map(|(reason, pages)| pb::ReasonCount {
+                reason: reason_to_pb(*reason) as i32,
+                pages: *pages,
+            })
+            .collect(),
     }
 }
 

@@ -28,3 +28,8 @@ pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, 
 pub use store::{Created, Store, StoreConfig};
 pub use transition::{PageSelection, SetPageState, TransitionOutcome};
 pub use write::{AppendOutcome, AppendTokens, PutOutcome, PutPages};
+
+/// Whether this process may use io_uring (for tests that pick an engine).
+pub fn uring_available() -> Result<(), String> {
+    kvtier_tiers::NvmeTier::uring_available()
+}

@@ -78,6 +78,15 @@ pub(crate) struct TierFileConfig {
     pub(crate) device_bytes: Option<ByteSize>,
     pub(crate) host_bytes: Option<ByteSize>,
     pub(crate) cache_writes_on_device: Option<bool>,
+    /// 0 disables the NVMe tier.
+    pub(crate) nvme_bytes: Option<ByteSize>,
+    /// Default: `<data_dir>/nvme.data`. A block device works too.
+    pub(crate) nvme_path: Option<PathBuf>,
+    pub(crate) nvme_engine: Option<String>,
+    pub(crate) nvme_queue_depth: Option<u32>,
+    pub(crate) host_high_watermark: Option<f64>,
+    pub(crate) host_low_watermark: Option<f64>,
+    pub(crate) promote_on_read: Option<bool>,
 }
 
 impl FileConfig {
@@ -101,6 +110,26 @@ pub(crate) fn available_memory() -> Option<u64> {
 pub(crate) fn default_tier_bytes() -> (u64, u64) {
     let available = available_memory().unwrap_or(4 << 30);
     ((available / 16).min(1 << 30), (available / 4).min(8 << 30))
+}
+
+/// Default NVMe tier size: a quarter of the free space where it will live,
+/// at most 16 GiB. The file is sparse: it takes disk space only as pages
+/// land on it.
+pub(crate) fn default_nvme_bytes(dir: &Path) -> u64 {
+    let free = free_space(dir).unwrap_or(4 << 30);
+    (free / 4).min(16 << 30)
+}
+
+fn free_space(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is a valid NUL-terminated string and `stat` points to
+    // writable memory of the right type; statvfs fills it on success.
+    let ok = unsafe { libc::statvfs(path.as_ptr(), stat.as_mut_ptr()) } == 0;
+    // SAFETY: statvfs returned 0, so it initialised `stat`.
+    ok.then(|| unsafe { stat.assume_init() })
+        .map(|s| s.f_bavail as u64 * s.f_frsize as u64)
 }
 
 #[cfg(test)]

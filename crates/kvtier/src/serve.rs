@@ -4,12 +4,12 @@ use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use kvtier_server::{BoundServer, ServerConfig};
-use kvtier_store::{Store, StoreConfig};
+use kvtier_store::{EngineChoice, NvmeConfig, Store, StoreConfig};
 
-use crate::config::{ByteSize, FileConfig, default_tier_bytes};
+use crate::config::{ByteSize, FileConfig, default_nvme_bytes, default_tier_bytes};
 
 #[derive(Debug, Args)]
 pub(crate) struct ServeArgs {
@@ -31,6 +31,15 @@ pub(crate) struct ServeArgs {
     /// Host tier capacity, e.g. 8GiB [default: 1/4 of available memory, at most 8GiB].
     #[arg(long, value_name = "SIZE")]
     host_bytes: Option<ByteSize>,
+    /// NVMe tier capacity; 0 disables it [default: 1/4 of the free space, at most 16GiB].
+    #[arg(long, value_name = "SIZE")]
+    nvme_bytes: Option<ByteSize>,
+    /// NVMe tier file or block device [default: DATA_DIR/nvme.data].
+    #[arg(long, value_name = "PATH")]
+    nvme_path: Option<PathBuf>,
+    /// NVMe I/O engine: auto (io_uring if allowed), uring or psync [default: auto].
+    #[arg(long, value_name = "ENGINE")]
+    nvme_engine: Option<String>,
     /// Largest gRPC message accepted or sent [default: 64MiB].
     #[arg(long, value_name = "SIZE")]
     max_message_bytes: Option<ByteSize>,
@@ -87,6 +96,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             .or(file.max_message_bytes)
             .map_or(defaults.max_message_bytes, |b| b.0 as usize),
     };
+    let defaults_store = StoreConfig::default();
     let store = StoreConfig {
         device_bytes: args
             .device_bytes
@@ -96,18 +106,49 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         cache_writes_on_device: file
             .tiers
             .cache_writes_on_device
-            .unwrap_or(StoreConfig::default().cache_writes_on_device),
-        ..StoreConfig::default()
+            .unwrap_or(defaults_store.cache_writes_on_device),
+        nvme: None,
+        host_high_watermark: file
+            .tiers
+            .host_high_watermark
+            .unwrap_or(defaults_store.host_high_watermark),
+        host_low_watermark: file
+            .tiers
+            .host_low_watermark
+            .unwrap_or(defaults_store.host_low_watermark),
+        promote_on_read: file.tiers.promote_on_read.unwrap_or(defaults_store.promote_on_read),
     };
     let data_dir = args
         .data_dir
         .or(file.data_dir)
         .unwrap_or_else(|| PathBuf::from("kvtier-data"));
     std::fs::create_dir_all(&data_dir).with_context(|| format!("creating data directory {}", data_dir.display()))?;
+    let nvme_bytes = args
+        .nvme_bytes
+        .or(file.tiers.nvme_bytes)
+        .map_or_else(|| default_nvme_bytes(&data_dir), |b| b.0);
+    let engine = match args.nvme_engine.or(file.tiers.nvme_engine).as_deref() {
+        None | Some("auto") => EngineChoice::Auto,
+        Some("uring") => EngineChoice::Uring,
+        Some("psync") => EngineChoice::Psync,
+        Some(other) => bail!("nvme_engine: {other:?} is not one of auto, uring, psync"),
+    };
+    let nvme = (nvme_bytes > 0).then(|| NvmeConfig {
+        path: args
+            .nvme_path
+            .or(file.tiers.nvme_path)
+            .unwrap_or_else(|| data_dir.join("nvme.data")),
+        capacity: nvme_bytes,
+        engine,
+        queue_depth: file.tiers.nvme_queue_depth.unwrap_or(32),
+        direct: true,
+    });
+    let store = StoreConfig { nvme, ..store };
     tracing::info!(
         data_dir = %data_dir.display(),
         device_bytes = store.device_bytes,
         host_bytes = store.host_bytes,
+        nvme_bytes,
         "starting kvtier"
     );
 
