@@ -129,7 +129,7 @@ fn free_space(dir: &Path) -> Option<u64> {
     let ok = unsafe { libc::statvfs(path.as_ptr(), stat.as_mut_ptr()) } == 0;
     // SAFETY: statvfs returned 0, so it initialised `stat`.
     ok.then(|| unsafe { stat.assume_init() })
-        .map(|s| s.f_bavail as u64 * s.f_frsize as u64)
+        .map(|s| s.f_bavail.saturating_mul(s.f_frsize))
 }
 
 #[cfg(test)]
