@@ -50,6 +50,7 @@ pub fn layout(
 pub struct Client {
     inner: KvTierClient<Channel>,
     tenant: String,
+    persist: bool,
 }
 
 impl Client {
@@ -71,7 +72,15 @@ impl Client {
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
             tenant: String::new(),
+            persist: false,
         }
+    }
+
+    /// With `true`, every later write is acknowledged only once it is on
+    /// NVMe and in the manifest (see the response's `durability`).
+    pub fn with_persist(mut self, persist: bool) -> Self {
+        self.persist = persist;
+        self
     }
 
     /// Uses `tenant` for every later call.
@@ -151,6 +160,7 @@ impl Client {
             first_page,
             num_tokens,
             kv,
+            persist: self.persist,
         }
     }
 
@@ -179,6 +189,7 @@ impl Client {
             num_tokens,
             kv,
             position,
+            persist: self.persist,
         };
         Ok(self.inner.append_tokens(req).await?.into_inner())
     }

@@ -43,6 +43,7 @@ fn put(layer: u32, heads: (u32, u32), first_page: u32, num_tokens: u32, kv: Byte
         first_page,
         num_tokens,
         kv,
+        persist: false,
     }
 }
 
@@ -221,6 +222,14 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
         ),
         (put(1, (0, 2), 0, 4, nan.into()), Code::InvalidArgument, "write 0: kv:"),
         (
+            pb::PutPagesRequest {
+                persist: true,
+                ..put(1, (0, 2), 0, 4, kv(2, 4))
+            },
+            Code::FailedPrecondition,
+            "write 0: persist:",
+        ),
+        (
             put(1, (0, 2), 1, 4, kv(2, 4)),
             Code::FailedPrecondition,
             "write 0: first_page:",
@@ -265,6 +274,7 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
         num_tokens: n,
         kv,
         position,
+        persist: false,
     };
     let appends: Vec<(pb::AppendTokensRequest, Code, &str)> = vec![
         (append((0, 2), 2, kv(2, 1), None), Code::InvalidArgument, "kv:"),

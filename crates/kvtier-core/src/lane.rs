@@ -97,10 +97,16 @@ impl<P, S> Lane<P, S> {
 
     /// Opens a new full page whose digest is already known (a shared page).
     pub fn push_full_page(&mut self, page: LogicalPage<P, S>, digest_entry: &[u8]) {
-        self.check_push(self.page_size as usize);
+        self.push_known(page, self.page_size, digest_entry);
+    }
+
+    /// Opens a new page of `rows` tokens whose digest is already known (a
+    /// shared page, a page recovered from a manifest).
+    pub fn push_known(&mut self, page: LogicalPage<P, S>, rows: u32, digest_entry: &[u8]) {
+        self.check_push(rows as usize);
         self.digests.push_entry(digest_entry);
         self.pages.push(page);
-        self.tokens += u64::from(self.page_size);
+        self.tokens += u64::from(rows);
     }
 
     fn check_push(&self, rows: usize) {

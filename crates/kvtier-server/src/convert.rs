@@ -283,3 +283,11 @@ pub(crate) fn head_selection_to_pb(h: &HeadSelection) -> pb::HeadSelection {
         selected_but_gone: h.selected_but_gone,
     }
 }
+
+pub(crate) fn durability_to_pb(a: kvtier_store::Acknowledged) -> pb::Durability {
+    match a {
+        kvtier_store::Acknowledged::Memory => pb::Durability::Memory,
+        kvtier_store::Acknowledged::Relaxed => pb::Durability::Relaxed,
+        kvtier_store::Acknowledged::Fsync => pb::Durability::Fsync,
+    }
+}

@@ -150,6 +150,7 @@ impl KvTier for KvTierService {
     ) -> Result<Response<pb::PutPagesResponse>, Status> {
         let mut stream = request.into_inner();
         let mut total = pb::PutPagesResponse::default();
+        let mut weakest: Option<pb::Durability> = None;
         while let Some(r) = stream.message().await? {
             let write = total.writes;
             let numbered = |e: Status| Status::new(e.code(), format!("write {write}: {}", e.message()));
@@ -164,15 +165,19 @@ impl KvTier for KvTierService {
                             first_page: r.first_page,
                             num_tokens: r.num_tokens,
                             kv: &r.kv,
+                            persist: r.persist,
                         },
                     )
                 })
                 .await
                 .map_err(numbered)?;
+            let d = convert::durability_to_pb(outcome.durability);
+            weakest = Some(weakest.map_or(d, |w| w.min(d)));
             total.pages_written += outcome.pages_written;
             total.pages_shared += outcome.pages_shared;
             total.writes += 1;
         }
+        total.durability = weakest.unwrap_or(pb::Durability::Memory) as i32;
         Ok(Response::new(total))
     }
 
@@ -192,6 +197,7 @@ impl KvTier for KvTierService {
                         num_tokens: r.num_tokens,
                         kv: &r.kv,
                         expected_position: r.position,
+                        persist: r.persist,
                     },
                 )
             })
@@ -199,6 +205,7 @@ impl KvTier for KvTierService {
         Ok(Response::new(pb::AppendTokensResponse {
             tokens: outcome.tokens,
             pages_opened: outcome.pages_opened,
+            durability: convert::durability_to_pb(outcome.durability) as i32,
         }))
     }
 

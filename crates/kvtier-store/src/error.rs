@@ -40,6 +40,26 @@ impl StoreError {
     }
 }
 
+impl StoreError {
+    /// Names the file an I/O error happened on.
+    pub(crate) fn context(self, path: &std::path::Path) -> Self {
+        match self {
+            Self::Unavailable(kvtier_tiers::TierError::Io {
+                op,
+                offset,
+                errno,
+                message,
+            }) => Self::Unavailable(kvtier_tiers::TierError::Io {
+                op,
+                offset,
+                errno,
+                message: format!("{}: {message}", path.display()),
+            }),
+            other => other,
+        }
+    }
+}
+
 impl From<FieldError> for StoreError {
     fn from(e: FieldError) -> Self {
         Self::InvalidArgument(e)

@@ -8,9 +8,12 @@
 
 mod device;
 mod error;
+mod manifest;
 mod movement;
 mod page;
+mod persist;
 mod read;
+mod recovery;
 mod select;
 mod sequence;
 mod stats;
@@ -21,7 +24,10 @@ mod write;
 
 pub use error::{StoreError, StoreResult};
 pub use kvtier_tiers::{EngineChoice, NvmeConfig, TierError, TierKind};
+pub use manifest::Durability;
+pub use persist::Acknowledged;
 pub use read::{FetchCursor, FetchPages, FetchedPage, PageContent};
+pub use recovery::Recovered;
 pub use select::{HeadSelection, SelectPages, SelectedPage, Selection};
 pub use sequence::HeadRange;
 pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};

@@ -17,6 +17,15 @@ const MIGRATION_BATCH: usize = 64;
 
 pub(crate) type HostLru = lru::LruCache<u64, Weak<PhysPage>>;
 
+/// What happens to a page's host copy once its NVMe copy is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Keep {
+    /// Keep it (persisting: the page stays fast and becomes durable).
+    Host,
+    /// Drop it (migrating: host memory is freed).
+    Nothing,
+}
+
 /// A whole page's bytes read from one of its copies.
 enum Source {
     Now(Vec<u8>),
@@ -125,6 +134,7 @@ impl Store {
         place.nvme = None;
         place.lost = Some(Reason::Integrity);
         drop(place);
+        self.log(vec![crate::manifest::Record::Unpersist { phys: page.id }]);
         self.counters
             .transition(PageState::Cold(ColdTier::Nvme), PageState::Gone, Reason::Integrity, 1);
         true
@@ -212,7 +222,7 @@ impl Store {
                 }
             }
         }
-        match self.migrate_to_nvme(&victims, Reason::CapacityPressure) {
+        match self.copy_to_nvme(&victims, Keep::Nothing, Reason::CapacityPressure) {
             Ok(moved) => {
                 // Pages that could not move keep their place in line.
                 self.touch_host(victims.iter().filter(|p| read(&p.place).host.is_some()));
@@ -226,11 +236,12 @@ impl Store {
         }
     }
 
-    /// Moves each page's host bytes to NVMe: writes an NVMe copy (unless it
-    /// has one), then drops the host copy. A page modified meanwhile keeps
-    /// its host copy. All slots are reserved first: if NVMe is full, nothing
-    /// moves.
-    pub(crate) fn migrate_to_nvme(&self, pages: &[Arc<PhysPage>], reason: Reason) -> StoreResult<usize> {
+    /// Gives each page a current NVMe copy made from its host copy (writing
+    /// one unless it has one), then keeps or drops the host copy. A page
+    /// modified meanwhile keeps its host copy and gets no NVMe copy. All
+    /// slots are reserved first: if NVMe is full, nothing moves. Returns the
+    /// pages that moved or were copied.
+    pub(crate) fn copy_to_nvme(&self, pages: &[Arc<PhysPage>], keep: Keep, reason: Reason) -> StoreResult<usize> {
         let Some(nvme) = self.nvme.as_ref() else {
             return Err(StoreError::precondition("action", "the nvme tier is not configured"));
         };
@@ -243,19 +254,21 @@ impl Store {
                 continue;
             }
             if place.nvme.is_some() {
-                // Already on NVMe: dropping the host copy is free.
-                let from = place.state();
-                place.host = None;
-                let to = place.state();
-                drop(place);
-                self.counted(from, to, reason);
+                // Already current on NVMe: no I/O needed.
+                if keep == Keep::Nothing {
+                    let from = place.state();
+                    place.host = None;
+                    let to = place.state();
+                    drop(place);
+                    self.counted(from, to, reason);
+                }
                 moved += 1;
                 continue;
             }
             let host = place.host.as_ref().expect("checked above");
             let mut buf = AlignedBuf::zeroed(host.len() as usize);
             self.host.read(host, 0, &mut buf)?;
-            pending.push((Arc::clone(page), place.version, crc32c::crc32c(&buf)));
+            pending.push((Arc::clone(page), place.version, place.rows, crc32c::crc32c(&buf)));
             bufs.push(buf);
         }
         let slots: Vec<Slot> = bufs
@@ -273,24 +286,29 @@ impl Store {
                 })
             })?;
             d.result?;
-            written.push(d.slot);
+            written.push((d.slot, d.buf));
         }
-        for ((page, version, crc), slot) in pending.into_iter().zip(written) {
+        let mut records = Vec::new();
+        for ((page, version, rows, crc), (slot, buf)) in pending.into_iter().zip(written) {
             let mut place = write(&page.place);
             if place.version != version || place.host.is_none() || place.lost.is_some() || place.nvme.is_some() {
                 continue; // changed meanwhile; the new NVMe slot is freed here
             }
+            records.push(Self::persist_record(&page, slot.offset(), slot.len(), crc, rows, &buf));
             let from = place.state();
             place.nvme = Some(NvmeCopy {
                 slot: Arc::new(slot),
                 crc,
             });
-            place.host = None;
+            if keep == Keep::Nothing {
+                place.host = None;
+            }
             let to = place.state();
             drop(place);
             self.counted(from, to, reason);
             moved += 1;
         }
+        self.log(records);
         Ok(moved)
     }
 

@@ -10,8 +10,10 @@ use kvtier_tiers::{Slot, Tier, TierError};
 /// slot size so that appends fill them in place.
 #[derive(Debug)]
 pub(crate) struct PhysPage {
-    /// Unique for the store's lifetime; keys the device LRU.
+    /// Unique for the store's lifetime, and kept across restarts by the
+    /// manifest; keys the LRUs.
     pub(crate) id: u64,
+    pub(crate) layout: Arc<Layout>,
     /// Kept for shared pages, so a sequence that attaches the page gets its
     /// digest without reading the page.
     pub(crate) digest: Option<Box<[u8]>>,
@@ -27,6 +29,8 @@ pub(crate) struct Placement {
     pub(crate) device: Option<Slot>,
     pub(crate) host: Option<Slot>,
     pub(crate) nvme: Option<NvmeCopy>,
+    /// Valid token rows in the page.
+    pub(crate) rows: u32,
     /// Bumped by every change of the page's bytes, so that a copy taken
     /// without the lock can tell whether it is still current.
     pub(crate) version: u64,
@@ -43,11 +47,12 @@ pub(crate) struct NvmeCopy {
 }
 
 impl Placement {
-    pub(crate) fn new(device: Option<Slot>, host: Slot) -> Self {
+    pub(crate) fn new(device: Option<Slot>, host: Slot, rows: u32) -> Self {
         Self {
             device,
             host: Some(host),
             nvme: None,
+            rows,
             version: 0,
             lost: None,
         }

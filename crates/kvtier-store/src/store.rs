@@ -1,6 +1,7 @@
 //! The store: sequences, the shared page table and the tiers.
 
 use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -8,6 +9,7 @@ use kvtier_core::{Layout, LogicalPage, PageState, PhysicalPages, Reason, Sequenc
 use kvtier_tiers::{ArenaTier, NvmeConfig, NvmeTier, Tier, TierKind};
 
 use crate::device::DeviceLru;
+use crate::manifest::{self, Durability, Journal, Record};
 use crate::movement::HostLru;
 use crate::page::{PageRef, PhysPage, ShareKey, StorePage};
 use crate::sequence::Sequence;
@@ -33,6 +35,11 @@ pub struct StoreConfig {
     pub host_low_watermark: f64,
     /// Reading an NVMe-only page gives it a host copy again.
     pub promote_on_read: bool,
+    /// What a persisting write waits for.
+    pub durability: Durability,
+    /// The manifest; default: the NVMe file's path with extension
+    /// `.manifest`. Needed to recover pages after a restart.
+    pub manifest_path: Option<PathBuf>,
 }
 
 impl Default for StoreConfig {
@@ -45,6 +52,8 @@ impl Default for StoreConfig {
             host_high_watermark: 0.9,
             host_low_watermark: 0.8,
             promote_on_read: true,
+            durability: Durability::Relaxed,
+            manifest_path: None,
         }
     }
 }
@@ -54,6 +63,7 @@ pub struct Store {
     pub(crate) device: Arc<dyn Tier>,
     pub(crate) host: Arc<dyn Tier>,
     pub(crate) nvme: Option<Arc<dyn Tier>>,
+    pub(crate) journal: Option<Journal>,
     pub(crate) config: StoreConfig,
     sequences: RwLock<HashMap<SequenceKey, Arc<RwLock<Sequence>>>>,
     /// Lock order: a sequence, then `pages`, then a page's placement, then
@@ -91,29 +101,44 @@ impl Store {
             }
             None => None,
         };
-        Ok(Self::with_tiers(Arc::new(device), Arc::new(host), nvme, config))
+        Self::with_tiers(Arc::new(device), Arc::new(host), nvme, config)
     }
 
     /// A store over the given tiers (their capacities override the config's).
-    /// With an NVMe tier, a background thread keeps host memory between the
-    /// watermarks for as long as the store lives.
+    /// With an NVMe tier and a manifest, pages recorded there are recovered
+    /// first, and a background thread keeps host memory between the
+    /// watermarks and the manifest flushed for as long as the store lives.
     pub fn with_tiers(
         device: Arc<dyn Tier>,
         host: Arc<dyn Tier>,
         nvme: Option<Arc<dyn Tier>>,
         config: StoreConfig,
-    ) -> Arc<Self> {
+    ) -> StoreResult<Arc<Self>> {
         assert_eq!(device.kind(), TierKind::Device, "device tier kind");
         assert_eq!(host.kind(), TierKind::Host, "host tier kind");
         assert!(
             nvme.as_ref().is_none_or(|t| t.kind() == TierKind::Nvme),
             "nvme tier kind"
         );
+        let manifest = match (&nvme, &config.manifest_path, &config.nvme) {
+            (Some(_), Some(path), _) => Some(path.clone()),
+            (Some(_), None, Some(c)) => Some(c.path.with_extension("manifest")),
+            _ => None,
+        };
+        let (records, journal) = match &manifest {
+            Some(path) => {
+                let (records, valid) = manifest::replay(path).map_err(|e| manifest_error(path, &e))?;
+                let journal = Journal::open(path, valid, config.durability).map_err(|e| manifest_error(path, &e))?;
+                (records, Some(journal))
+            }
+            None => (Vec::new(), None),
+        };
         let background = nvme.is_some();
         let store = Arc::new(Self {
             device,
             host,
             nvme,
+            journal,
             config,
             sequences: RwLock::default(),
             pages: Mutex::default(),
@@ -122,22 +147,59 @@ impl Store {
             next_page_id: AtomicU64::new(0),
             counters: Counters::default(),
         });
+        if let Some(path) = &manifest {
+            let recovered = store.recover(records)?;
+            tracing::info!(
+                manifest = %path.display(),
+                sequences = recovered.sequences,
+                pages = recovered.pages,
+                lost_on_restart = recovered.lost_on_restart,
+                "recovered from the manifest"
+            );
+            store.checkpoint();
+        }
         if background {
             let weak = Arc::downgrade(&store);
             let spawned = std::thread::Builder::new()
-                .name("kvtier-rebalance".into())
+                .name("kvtier-background".into())
                 .spawn(move || {
                     while let Some(store) = weak.upgrade() {
-                        store.rebalance_host();
+                        store.background_tick();
                         drop(store);
                         std::thread::sleep(std::time::Duration::from_millis(20));
                     }
                 });
             if let Err(e) = spawned {
-                tracing::error!(error = %e, "cannot start the host rebalancing thread; migration happens only under pressure");
+                tracing::error!(error = %e, "cannot start the background thread; migration happens only under pressure");
             }
         }
-        store
+        Ok(store)
+    }
+
+    /// One round of background work: host watermarks, manifest flush, and a
+    /// checkpoint when the manifest has grown large.
+    fn background_tick(&self) {
+        self.rebalance_host();
+        if let Some(journal) = &self.journal {
+            if let Err(e) = journal.flush(false) {
+                tracing::error!(error = %e, "manifest flush failed");
+            }
+            if journal.len() > CHECKPOINT_BYTES {
+                self.checkpoint();
+            }
+        }
+    }
+
+    pub(crate) fn set_next_page_id(&self, next: u64) {
+        self.next_page_id.fetch_max(next, Relaxed);
+    }
+
+    pub(crate) fn sequence_cells(&self) -> Vec<Arc<RwLock<Sequence>>> {
+        read(&self.sequences).values().cloned().collect()
+    }
+
+    pub(crate) fn insert_recovered(&self, seq: Sequence) {
+        write(&self.sequences).insert(seq.key.clone(), Arc::new(RwLock::new(seq)));
     }
 
     pub(crate) fn next_page_id(&self) -> u64 {
@@ -200,6 +262,27 @@ impl Store {
             return Err(already_exists(&key));
         }
         let info = self.info_of(&seq);
+        let mut records = vec![Record::Sequence {
+            key: key.clone(),
+            layout: (*seq.layout).clone(),
+            hashes: seq.hashes.iter().map(|h| h.to_vec()).collect(),
+        }];
+        for (lane_index, lane) in seq.lanes.iter().enumerate() {
+            for page in 0..attached_pages as usize {
+                let Some(LogicalPage::Physical(r)) = lane.page(page) else {
+                    continue;
+                };
+                records.push(Record::Map {
+                    key: key.clone(),
+                    lane: lane_index as u32,
+                    page: page as u32,
+                    phys: r.page.id,
+                    rows: seq.layout.page_size(),
+                    digest: lane.digests().entry(page).to_vec(),
+                });
+            }
+        }
+        self.log(records);
         sequences.insert(key.clone(), Arc::new(RwLock::new(seq)));
         tracing::info!(sequence = %key, attached_pages, "sequence created");
         Ok(Created { attached_pages, info })
@@ -236,6 +319,7 @@ impl Store {
         let mut seq = write(&cell);
         seq.dropped = true;
         self.release_sequence_pages(&mut seq);
+        self.log(vec![Record::Drop { key: key.clone() }]);
         tracing::info!(sequence = %key, "sequence dropped");
         Ok(())
     }
@@ -261,6 +345,7 @@ impl Store {
                 }
             }
         }
+        self.log_freed(&freed);
         self.forget_device(freed.iter().map(|p| p.id));
         let mut host_lru = lock(&self.host_lru);
         for page in &freed {
@@ -365,6 +450,23 @@ impl Store {
 
     pub fn config(&self) -> &StoreConfig {
         &self.config
+    }
+}
+
+/// Rewrite the manifest as a checkpoint beyond this size.
+const CHECKPOINT_BYTES: u64 = 64 << 20;
+
+fn manifest_error(path: &Path, e: &std::io::Error) -> StoreError {
+    StoreError::Unavailable(crate::persist::io_error("manifest", e)).context(path)
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if let Some(journal) = &self.journal
+            && let Err(e) = journal.flush(true)
+        {
+            tracing::error!(error = %e, "manifest flush at shutdown failed");
+        }
     }
 }
 

@@ -8,6 +8,8 @@ use std::sync::Arc;
 use kvtier_core::{Action, ColdTier, LogicalPage, PageState, Reason, SequenceKey, Summary};
 use kvtier_tiers::{Slot, TierError, TierKind};
 
+use crate::manifest::Record;
+use crate::movement::Keep;
 use crate::page::{PhysPage, SummaryPage};
 use crate::sequence::{HeadRange, Sequence};
 use crate::sync::{read, write};
@@ -188,7 +190,7 @@ impl Store {
             self.ensure_host(page, &seq.layout, reason)?;
         }
         if tier == ColdTier::Nvme {
-            self.migrate_to_nvme(&pages, reason)?;
+            self.copy_to_nvme(&pages, Keep::Nothing, reason)?;
         }
         for page in &pages {
             write(&page.place).device = None;
@@ -201,7 +203,7 @@ impl Store {
     fn migrate(&self, seq: &Sequence, targets: &[Target], tier: ColdTier, reason: Reason) -> StoreResult<()> {
         let pages = Self::pages_of(seq, targets);
         match tier {
-            ColdTier::Nvme => self.migrate_to_nvme(&pages, reason).map(drop),
+            ColdTier::Nvme => self.copy_to_nvme(&pages, Keep::Nothing, reason).map(drop),
             ColdTier::Host => pages.iter().try_for_each(|p| self.ensure_host(p, &seq.layout, reason)),
         }
     }
@@ -280,6 +282,8 @@ impl Store {
             .map(|(t, s)| seq.lanes[t.lane].replace(t.page, LogicalPage::Summary(s)))
             .collect();
         self.release(old);
+        // A summary lives in memory only: after a restart it is gone.
+        self.log_unmapped(seq, targets, Reason::LostOnRestart);
         tracing::debug!(sequence = %seq.key, pages = targets.len(), reason = reason.name(), "summarized");
         Ok(())
     }
@@ -291,5 +295,21 @@ impl Store {
             .map(|t| seq.lanes[t.lane].replace(t.page, LogicalPage::Gone(reason)))
             .collect();
         self.release(old);
+        self.log_unmapped(seq, targets, reason);
+    }
+
+    fn log_unmapped(&self, seq: &Sequence, targets: &[Target], reason: Reason) {
+        if self.journal.is_some() {
+            let records = targets
+                .iter()
+                .map(|t| Record::Unmap {
+                    key: seq.key.clone(),
+                    lane: t.lane as u32,
+                    page: t.page as u32,
+                    reason,
+                })
+                .collect();
+            self.log(records);
+        }
     }
 }

@@ -11,7 +11,9 @@ use std::sync::{Arc, RwLock};
 use kvtier_core::{DigestColumn, Layout, LogicalPage, PageTableError, Reason};
 use kvtier_tiers::Slot;
 
+use crate::manifest::Record;
 use crate::page::{PageRef, PhysPage, Placement, ShareKey, StorePage, write_rows};
+use crate::persist::Acknowledged;
 use crate::sequence::{HeadRange, Sequence};
 use crate::stats::Counters;
 use crate::store::share_key;
@@ -29,6 +31,9 @@ pub struct PutPages<'a> {
     pub num_tokens: u32,
     /// Per head (head-major): K rows `[num_tokens][head_dim]`, then V rows.
     pub kv: &'a [u8],
+    /// Also write the pages to NVMe and record them in the manifest before
+    /// acknowledging, so that they survive a restart.
+    pub persist: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +41,8 @@ pub struct PutOutcome {
     pub pages_written: u64,
     /// Pages found already stored under their prefix hash: shared, not written.
     pub pages_shared: u64,
+    /// What the acknowledgement guarantees.
+    pub durability: Acknowledged,
 }
 
 /// Decode tokens for one layer and a range of KV heads, at the end of every
@@ -49,6 +56,8 @@ pub struct AppendTokens<'a> {
     pub kv: &'a [u8],
     /// If set, the lanes must hold exactly this many tokens (guards retries).
     pub expected_position: Option<u64>,
+    /// As for [`PutPages::persist`].
+    pub persist: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,6 +65,8 @@ pub struct AppendOutcome {
     /// Tokens in each written lane afterwards.
     pub tokens: u64,
     pub pages_opened: u64,
+    /// What the acknowledgement guarantees.
+    pub durability: Acknowledged,
 }
 
 /// The K and V rows of one message, validated against the layout.
@@ -134,6 +145,7 @@ impl Store {
     }
 
     fn put_pages_locked(&self, seq: &mut Sequence, req: PutPages<'_>) -> StoreResult<PutOutcome> {
+        self.check_persist(req.persist)?;
         seq.check_layer("layer", req.layer)?;
         let heads = seq.check_heads(req.heads)?;
         let layout = Arc::clone(&seq.layout);
@@ -212,11 +224,13 @@ impl Store {
         // Publish.
         let (mut written, mut shared) = (0u64, 0u64);
         let mut hot = Vec::new();
+        let mut touched = Vec::new();
         let mut table = lock(&self.pages);
         for (j, plan) in planned.into_iter().enumerate() {
             let (h, i) = (j / pages, j % pages);
             let lane = &mut seq.lanes[lanes[h]];
             let keys = rows.keys(h, token_range(i));
+            let n = token_range(i).len();
             match plan {
                 Planned::Shared(r) => {
                     shared += 1;
@@ -226,7 +240,7 @@ impl Store {
                 }
                 Planned::New { page, key: None } => {
                     written += 1;
-                    let page = self.phys_page(page, None);
+                    let page = self.phys_page(page, &layout, n, None);
                     let id = table.insert(Arc::clone(&page), None).map_err(|(e, _)| internal(e))?;
                     if read_device(&page) {
                         hot.push(Arc::clone(&page));
@@ -236,7 +250,7 @@ impl Store {
                 Planned::New { page, key: Some(key) } => {
                     let mut digest = DigestColumn::new(layout.dtype(), layout.head_dim() as usize);
                     digest.open_page(keys);
-                    let page = self.phys_page(page, Some(digest.entry(0).into()));
+                    let page = self.phys_page(page, &layout, n, Some(digest.entry(0).into()));
                     let r = match table.insert(Arc::clone(&page), Some(key)) {
                         Ok(id) => {
                             written += 1;
@@ -259,15 +273,18 @@ impl Store {
                 }
                 Planned::Unreserved(_) => unreachable!("every new page was reserved"),
             }
+            touched.push(self.mapped(seq, lanes[h]));
         }
         drop(table);
         self.touch_device(hot);
+        let durability = self.finish_write(touched, req.persist)?;
         Counters::add(&self.counters.pages_written, written);
         Counters::add(&self.counters.pages_shared, shared);
         Counters::add(&self.counters.bytes_written, req.kv.len() as u64);
         Ok(PutOutcome {
             pages_written: written,
             pages_shared: shared,
+            durability,
         })
     }
 
@@ -276,6 +293,7 @@ impl Store {
     }
 
     fn append_locked(&self, seq: &mut Sequence, req: AppendTokens<'_>) -> StoreResult<AppendOutcome> {
+        self.check_persist(req.persist)?;
         seq.check_layer("layer", req.layer)?;
         let heads = seq.check_heads(req.heads)?;
         let layout = Arc::clone(&seq.layout);
@@ -359,7 +377,10 @@ impl Store {
                 write_rows(&*self.device, device, &layout, first_row, k, v)?;
             }
             // An NVMe copy of the page is stale now.
-            place.nvme = None;
+            if place.nvme.take().is_some() {
+                self.log(vec![Record::Unpersist { phys: r.page.id }]);
+            }
+            place.rows += fill as u32;
             place.touch_bytes();
         }
         let per_lane = plan.new_pages.len();
@@ -382,30 +403,37 @@ impl Store {
 
         // Publish.
         let mut hot = Vec::new();
+        let mut touched = Vec::new();
         let mut table = lock(&self.pages);
         let mut planned = planned.into_iter();
-        for (h, &(_, lane)) in lanes.iter().enumerate() {
-            let lane = &mut seq.lanes[lane];
+        for (h, &(_, lane_index)) in lanes.iter().enumerate() {
+            let lane = &mut seq.lanes[lane_index];
             if fill > 0 {
                 lane.extend_last(rows.keys(h, 0..fill));
+                if let Some(LogicalPage::Physical(r)) = lane.page(lane.num_pages() - 1) {
+                    touched.push((Arc::clone(&r.page), None));
+                }
             }
             for i in 0..per_lane {
                 let Some(Planned::New { page, .. }) = planned.next() else {
                     unreachable!("appends plan new pages only")
                 };
-                let page = self.phys_page(page, None);
+                let page = self.phys_page(page, &layout, page_tokens(i).len(), None);
                 let id = table.insert(Arc::clone(&page), None).map_err(|(e, _)| internal(e))?;
                 if read_device(&page) {
                     hot.push(Arc::clone(&page));
                 }
+                let lane = &mut seq.lanes[lane_index];
                 lane.push_page(
                     LogicalPage::Physical(PageRef { id, page }),
                     rows.keys(h, page_tokens(i)),
                 );
+                touched.push(self.mapped(seq, lane_index));
             }
         }
         drop(table);
         self.touch_device(hot);
+        let durability = self.finish_write(touched, req.persist)?;
         Counters::add(&self.counters.pages_written, opened);
         Counters::add(
             &self.counters.tokens_appended,
@@ -415,7 +443,18 @@ impl Store {
         Ok(AppendOutcome {
             tokens: tokens + u64::from(req.num_tokens),
             pages_opened: opened,
+            durability,
         })
+    }
+
+    fn check_persist(&self, persist: bool) -> StoreResult<()> {
+        if persist && self.journal.is_none() {
+            return Err(StoreError::precondition(
+                "persist",
+                "persisting needs the nvme tier and its manifest",
+            ));
+        }
+        Ok(())
     }
 
     /// Allocates host (and, when caching writes, device) slots for every
@@ -458,11 +497,12 @@ impl Store {
         Ok(())
     }
 
-    fn phys_page(&self, page: NewPage, digest: Option<Box<[u8]>>) -> Arc<PhysPage> {
+    fn phys_page(&self, page: NewPage, layout: &Arc<Layout>, rows: usize, digest: Option<Box<[u8]>>) -> Arc<PhysPage> {
         let page = Arc::new(PhysPage {
             id: self.next_page_id(),
+            layout: Arc::clone(layout),
             digest,
-            place: RwLock::new(Placement::new(page.device, page.host)),
+            place: RwLock::new(Placement::new(page.device, page.host, rows as u32)),
         });
         self.touch_host([&page]);
         page

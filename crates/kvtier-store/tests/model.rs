@@ -315,6 +315,7 @@ fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> 
                         first_page: 0,
                         num_tokens: tokens as u32,
                         kv: &k,
+                        persist: false,
                     },
                 );
                 prop_assert!(matches!(r, Err(StoreError::NotFound { .. })), "expected NOT_FOUND");
@@ -332,6 +333,7 @@ fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> 
                     first_page,
                     num_tokens: tokens as u32,
                     kv: &k,
+                    persist: false,
                 },
             );
             if !aligned {
@@ -379,6 +381,7 @@ fn apply(store: &Store, model: &mut Model, op: Op) -> Result<(), TestCaseError> 
                 num_tokens: tokens as u32,
                 kv: &kv,
                 expected_position: None,
+                persist: false,
             };
             let r = store.append_tokens(&key(seq), req);
             let Some((_, _, lanes)) = model.seqs.get_mut(&seq) else {

@@ -108,6 +108,10 @@ impl Tier for ArenaTier {
         self.allocator.allocate(len)
     }
 
+    fn claim(&self, offset: u64, len: u64) -> Result<Slot, TierError> {
+        self.allocator.allocate_at(offset, len)
+    }
+
     fn write(&self, slot: &mut Slot, offset: u64, src: &[u8]) -> Result<(), TierError> {
         self.check(slot, offset, src.len())?;
         // SAFETY: the slot was issued by this tier's allocator, so its extent

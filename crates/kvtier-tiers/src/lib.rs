@@ -126,6 +126,9 @@ pub trait Tier: Send + Sync + fmt::Debug {
     fn slots(&self) -> u64;
     /// Reserves a slot of `len` bytes, or says the tier is full.
     fn allocate(&self, len: u64) -> Result<Slot, TierError>;
+    /// Reserves exactly the slot at `offset` (one named by a manifest when
+    /// recovering), or says why not.
+    fn claim(&self, offset: u64, len: u64) -> Result<Slot, TierError>;
     /// Copies `src` into the slot at `offset`.
     fn write(&self, slot: &mut Slot, offset: u64, src: &[u8]) -> Result<(), TierError>;
     /// Copies slot bytes at `offset` into `dst`.

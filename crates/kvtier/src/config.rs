@@ -68,6 +68,8 @@ pub(crate) struct FileConfig {
     pub(crate) metrics_listen: Option<String>,
     pub(crate) data_dir: Option<PathBuf>,
     pub(crate) max_message_bytes: Option<ByteSize>,
+    /// `relaxed` or `fsync`.
+    pub(crate) durability: Option<String>,
     #[serde(default)]
     pub(crate) tiers: TierFileConfig,
 }

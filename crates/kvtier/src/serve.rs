@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use kvtier_server::{BoundServer, ServerConfig};
-use kvtier_store::{EngineChoice, NvmeConfig, Store, StoreConfig};
+use kvtier_store::{Durability, EngineChoice, NvmeConfig, Store, StoreConfig};
 
 use crate::config::{ByteSize, FileConfig, default_nvme_bytes, default_tier_bytes};
 
@@ -40,6 +40,10 @@ pub(crate) struct ServeArgs {
     /// NVMe I/O engine: auto (io_uring if allowed), uring or psync [default: auto].
     #[arg(long, value_name = "ENGINE")]
     nvme_engine: Option<String>,
+    /// What a persisting write waits for: relaxed (written to the OS) or
+    /// fsync (on disk) [default: relaxed].
+    #[arg(long, value_name = "MODE")]
+    durability: Option<String>,
     /// Largest gRPC message accepted or sent [default: 64MiB].
     #[arg(long, value_name = "SIZE")]
     max_message_bytes: Option<ByteSize>,
@@ -117,6 +121,12 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             .host_low_watermark
             .unwrap_or(defaults_store.host_low_watermark),
         promote_on_read: file.tiers.promote_on_read.unwrap_or(defaults_store.promote_on_read),
+        durability: match args.durability.or(file.durability).as_deref() {
+            None | Some("relaxed") => Durability::Relaxed,
+            Some("fsync") => Durability::Fsync,
+            Some(other) => bail!("durability: {other:?} is not one of relaxed, fsync"),
+        },
+        manifest_path: None,
     };
     let data_dir = args
         .data_dir
@@ -143,7 +153,11 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         queue_depth: file.tiers.nvme_queue_depth.unwrap_or(32),
         direct: true,
     });
-    let store = StoreConfig { nvme, ..store };
+    let store = StoreConfig {
+        manifest_path: nvme.as_ref().map(|_| data_dir.join("manifest")),
+        nvme,
+        ..store
+    };
     tracing::info!(
         data_dir = %data_dir.display(),
         device_bytes = store.device_bytes,

@@ -114,11 +114,6 @@ impl NvmeTier {
         &self.config
     }
 
-    /// Reserves the extent at `offset` for a slot found in a manifest.
-    pub fn claim(&self, offset: u64, len: u64) -> Result<Slot, TierError> {
-        self.allocator.allocate_at(offset, len)
-    }
-
     fn submit(&self, ops: Vec<IoOp>) {
         match &self.engine {
             Engine::Uring(u) => u.submit(ops),
@@ -190,6 +185,10 @@ impl Tier for NvmeTier {
 
     fn allocate(&self, len: u64) -> Result<Slot, TierError> {
         self.allocator.allocate(len)
+    }
+
+    fn claim(&self, offset: u64, len: u64) -> Result<Slot, TierError> {
+        self.allocator.allocate_at(offset, len)
     }
 
     fn write(&self, slot: &mut Slot, offset: u64, src: &[u8]) -> Result<(), TierError> {

@@ -290,6 +290,7 @@ fn evaluate_layer(dir: &Path, meta: &Meta, layer: u32, config: &EvalConfig) -> a
                 first_page: 0,
                 num_tokens: first as u32,
                 kv: &kv,
+                persist: false,
             },
         )?;
     }
@@ -305,6 +306,7 @@ fn evaluate_layer(dir: &Path, meta: &Meta, layer: u32, config: &EvalConfig) -> a
             num_tokens: (t + 1 - held) as u32,
             kv: &kv,
             expected_position: Some(held as u64),
+            persist: false,
         };
         store.append_tokens(&key, append)?;
         held = t + 1;
