@@ -1,0 +1,227 @@
+//! Restarting a store over the same NVMe file and manifest: persisted pages
+//! come back bit-exact (shared ones still shared), pages that were only in
+//! memory come back gone with reason `lost_on_restart`, evictions stay
+//! evictions, dropped sequences stay dropped, and writing continues.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use kvtier_core::{ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey};
+use kvtier_store::{
+    AppendTokens, EngineChoice, FetchPages, HeadRange, NvmeConfig, PageContent, PageSelection, PutPages, SetPageState,
+    Store, StoreConfig,
+};
+
+const PAGE: usize = 4;
+const DIM: usize = 8;
+const HEADS: u32 = 2;
+const ROW: usize = DIM * 2;
+
+fn layout() -> Layout {
+    Layout::new(LayoutSpec {
+        num_layers: 1,
+        num_kv_heads: HEADS,
+        num_query_heads: HEADS,
+        head_dim: DIM as u32,
+        dtype: DType::Bf16,
+        page_size: PAGE as u32,
+        layer_groups: vec![],
+    })
+    .unwrap()
+}
+
+fn open(dir: &Path) -> Arc<Store> {
+    Store::new(StoreConfig {
+        device_bytes: 1 << 20,
+        host_bytes: 8 << 20,
+        nvme: Some(NvmeConfig {
+            path: dir.join("nvme.data"),
+            capacity: 8 << 20,
+            engine: EngineChoice::Auto,
+            queue_depth: 8,
+            direct: true,
+        }),
+        ..StoreConfig::default()
+    })
+    .unwrap()
+}
+
+fn key(s: &str) -> SequenceKey {
+    SequenceKey::parse("t", s).unwrap()
+}
+
+/// Distinct finite bf16 bytes for (seed, token range), both heads.
+fn kv(seed: u32, tokens: std::ops::Range<usize>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for h in 0..HEADS {
+        for part in 0..2u32 {
+            for t in tokens.clone() {
+                for i in 0..DIM {
+                    let v = (seed * 7 + h * 3 + part) as f32 + t as f32 * 0.25 + i as f32 * 0.01;
+                    out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Expected K then V rows of one page of head `h` from `kv(seed, 0..n)`.
+fn expected(seed: u32, n: usize, h: usize, page: usize) -> Vec<u8> {
+    let all = kv(seed, 0..n);
+    let per_head = 2 * n * ROW;
+    let (k, v) = all[h * per_head..(h + 1) * per_head].split_at(n * ROW);
+    let (a, b) = (page * PAGE, ((page + 1) * PAGE).min(n));
+    [&k[a * ROW..b * ROW], &v[a * ROW..b * ROW]].concat()
+}
+
+fn heads() -> HeadRange {
+    HeadRange { start: 0, count: HEADS }
+}
+
+fn fetch(store: &Store, seq: &str) -> Vec<kvtier_store::FetchedPage> {
+    store
+        .fetch_pages(
+            &key(seq),
+            FetchPages {
+                layer: 0,
+                heads: heads(),
+                pages: None,
+                with_digests: false,
+            },
+        )
+        .unwrap()
+}
+
+fn put(store: &Store, seq: &str, first_page: u32, data: &[u8], tokens: usize, persist: bool) {
+    let req = PutPages {
+        layer: 0,
+        heads: heads(),
+        first_page,
+        num_tokens: tokens as u32,
+        kv: data,
+        persist,
+    };
+    store.put_pages(&key(seq), req).unwrap();
+}
+
+#[test]
+fn a_restart_recovers_what_was_persisted_and_reports_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let hashes: Vec<Vec<u8>> = (0..3).map(|p| format!("doc-{p}").into_bytes()).collect();
+    {
+        let store = open(dir.path());
+        // a: 12 tokens persisted (3 full pages, shareable), then 6 more in
+        // memory only.
+        store.create_sequence(key("a"), layout(), hashes.clone()).unwrap();
+        let all = kv(1, 0..18);
+        let split = |range: std::ops::Range<usize>| -> Vec<u8> {
+            // Re-slice the per-head K/V of `all` for a token range.
+            let per_head = 2 * 18 * ROW;
+            (0..HEADS as usize)
+                .flat_map(|h| {
+                    let (k, v) = all[h * per_head..(h + 1) * per_head].split_at(18 * ROW);
+                    [
+                        &k[range.start * ROW..range.end * ROW],
+                        &v[range.start * ROW..range.end * ROW],
+                    ]
+                    .concat()
+                })
+                .collect()
+        };
+        put(&store, "a", 0, &split(0..12), 12, true);
+        put(&store, "a", 3, &split(12..18), 6, false);
+        // b shares a's first 3 pages, then appends 2 persisted tokens.
+        let created = store.create_sequence(key("b"), layout(), hashes.clone()).unwrap();
+        assert_eq!(created.attached_pages, 3);
+        let append = AppendTokens {
+            layer: 0,
+            heads: heads(),
+            num_tokens: 2,
+            kv: &kv(2, 0..2),
+            expected_position: Some(12),
+            persist: true,
+        };
+        assert_eq!(
+            store.append_tokens(&key("b"), append).unwrap().durability,
+            kvtier_store::Acknowledged::Relaxed
+        );
+        // a: evict page 1 of head 0, summarize page 2 of head 1.
+        let set = |action, first, head| SetPageState {
+            layer_start: 0,
+            layer_count: 1,
+            heads: HeadRange { start: head, count: 1 },
+            pages: PageSelection::Range { first, count: 1 },
+            action,
+            summary_rows: 1,
+            reason: Reason::Explicit,
+        };
+        store
+            .set_page_state(&key("a"), set(kvtier_core::Action::Evict, 1, 0))
+            .unwrap();
+        store
+            .set_page_state(&key("a"), set(kvtier_core::Action::Summarize, 2, 1))
+            .unwrap();
+        // c: created and dropped.
+        store.create_sequence(key("c"), layout(), vec![]).unwrap();
+        put(&store, "c", 0, &kv(3, 0..4), 4, true);
+        store.drop_sequence(&key("c")).unwrap();
+    }
+
+    let store = open(dir.path());
+    assert!(store.sequence_info(&key("c")).is_err(), "dropped stays dropped");
+    let a = store.sequence_info(&key("a")).unwrap();
+    assert_eq!(a.tokens, 18);
+    let gone: std::collections::HashMap<Reason, u64> = a.gone_by_reason.iter().copied().collect();
+    // Pages 3 and 4 (both heads) were memory only; head 1 page 2 was a summary.
+    assert_eq!(gone.get(&Reason::LostOnRestart), Some(&5));
+    assert_eq!(gone.get(&Reason::Explicit), Some(&1));
+    for p in fetch(&store, "a") {
+        let (h, page) = (p.kv_head as usize, p.page as usize);
+        match (h, page) {
+            (0, 1) => assert_eq!(p.content, PageContent::Gone(Reason::Explicit)),
+            (1, 2) | (_, 3) | (_, 4) => assert_eq!(p.content, PageContent::Gone(Reason::LostOnRestart)),
+            _ => {
+                assert_eq!(p.state, PageState::Cold(ColdTier::Nvme));
+                assert_eq!(
+                    p.content,
+                    PageContent::Original(expected(1, 18, h, page)),
+                    "a head {h} page {page}"
+                );
+            }
+        }
+    }
+    // b's shared prefix is still one physical page per lane, and its own
+    // persisted tokens came back.
+    let b = store.sequence_info(&key("b")).unwrap();
+    assert_eq!(b.tokens, 14);
+    assert!(b.shared_pages >= 4, "shared pages after restart: {}", b.shared_pages);
+    let b_pages = fetch(&store, "b");
+    let tail = b_pages.iter().find(|p| p.kv_head == 1 && p.page == 3).unwrap();
+    assert_eq!(tail.content, PageContent::Original(expected(2, 2, 1, 0)));
+    // Sharing continues: a new sequence attaches the recovered prefix.
+    assert_eq!(
+        store
+            .create_sequence(key("d"), layout(), hashes)
+            .unwrap()
+            .attached_pages,
+        3
+    );
+    // Writing continues where b ended.
+    let append = AppendTokens {
+        layer: 0,
+        heads: heads(),
+        num_tokens: 3,
+        kv: &kv(4, 0..3),
+        expected_position: Some(14),
+        persist: true,
+    };
+    store.append_tokens(&key("b"), append).unwrap();
+    drop(store);
+
+    // A second restart (after the first one's checkpoint) sees it all.
+    let store = open(dir.path());
+    assert_eq!(store.sequence_info(&key("b")).unwrap().tokens, 17);
+    assert_eq!(store.sequence_info(&key("d")).unwrap().tokens, 12);
+    assert_eq!(fetch(&store, "a").len(), 2 * 5);
+}
