@@ -23,7 +23,7 @@ mod transition;
 mod write;
 
 pub use error::{StoreError, StoreResult};
-pub use kvtier_tiers::{EngineChoice, NvmeConfig, TierError, TierKind};
+pub use kvtier_tiers::{EngineChoice, NvmeConfig, Tier, TierError, TierKind};
 pub use manifest::Durability;
 pub use persist::Acknowledged;
 pub use read::{FetchCursor, FetchPages, FetchedPage, PageContent};

@@ -190,13 +190,20 @@ impl Store {
     }
 
     /// A host slot of `len` bytes; when the host is full, least recently used
-    /// host pages migrate to NVMe first. Full only when both tiers are.
+    /// host pages migrate to NVMe first. Full only when both tiers are; a
+    /// failed migration (ENOSPC, EIO) is reported as itself.
     pub(crate) fn allocate_host(&self, len: u64) -> Result<Slot, TierError> {
         loop {
             match self.host.allocate(len) {
                 Err(full @ TierError::Full { .. }) => {
-                    if self.nvme.is_none() || self.relieve_host(len) == 0 {
+                    if self.nvme.is_none() {
                         return Err(full);
+                    }
+                    match self.relieve_host(len) {
+                        Ok(0) => return Err(full),
+                        Ok(_) => {}
+                        Err(StoreError::ResourceExhausted(e) | StoreError::Unavailable(e)) => return Err(e),
+                        Err(_) => return Err(full),
                     }
                 }
                 other => return other,
@@ -206,7 +213,7 @@ impl Store {
 
     /// Migrates least recently used host pages to NVMe until about `bytes`
     /// (at least one batch) are free; returns the pages migrated.
-    pub(crate) fn relieve_host(&self, bytes: u64) -> usize {
+    pub(crate) fn relieve_host(&self, bytes: u64) -> StoreResult<usize> {
         let mut victims = Vec::new();
         let mut freed = 0u64;
         {
@@ -222,18 +229,13 @@ impl Store {
                 }
             }
         }
-        match self.copy_to_nvme(&victims, Keep::Nothing, Reason::CapacityPressure) {
-            Ok(moved) => {
-                // Pages that could not move keep their place in line.
-                self.touch_host(victims.iter().filter(|p| read(&p.place).host.is_some()));
-                moved
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "could not migrate host pages to nvme");
-                self.touch_host(&victims);
-                0
-            }
+        let moved = self.copy_to_nvme(&victims, Keep::Nothing, Reason::CapacityPressure);
+        // Pages that did not move keep their place in line.
+        self.touch_host(victims.iter().filter(|p| read(&p.place).host.is_some()));
+        if let Err(e) = &moved {
+            tracing::warn!(error = %e, "could not migrate host pages to nvme");
         }
+        moved
     }
 
     /// Gives each page a current NVMe copy made from its host copy (writing
@@ -332,7 +334,7 @@ impl Store {
         }
         while self.host.used_bytes() > low {
             let excess = self.host.used_bytes() - low;
-            if self.relieve_host(excess) == 0 {
+            if !matches!(self.relieve_host(excess), Ok(n) if n > 0) {
                 break;
             }
         }

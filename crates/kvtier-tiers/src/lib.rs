@@ -9,6 +9,8 @@ mod completion;
 #[cfg(feature = "testing")]
 pub mod conformance;
 mod extent;
+#[cfg(feature = "testing")]
+pub mod faults;
 mod nvme;
 
 use std::fmt;

@@ -1,0 +1,179 @@
+//! A tier wrapper that injects device faults (ENOSPC, EIO) on command, for
+//! testing that the layers above stay consistent when a disk misbehaves.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+
+use crate::{AlignedBuf, Completion, ReadDone, Slot, Tier, TierError, TierKind, WriteDone};
+
+/// What to break, switchable while the tier is in use.
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// Writes fail with ENOSPC once this many more bytes were written
+    /// (`u64::MAX`: never).
+    pub writes_left: AtomicU64,
+    /// Every write fails with EIO.
+    pub write_eio: AtomicBool,
+    /// Every read fails with EIO.
+    pub read_eio: AtomicBool,
+}
+
+impl Faults {
+    pub fn none() -> Arc<Self> {
+        Arc::new(Self {
+            writes_left: AtomicU64::new(u64::MAX),
+            ..Self::default()
+        })
+    }
+}
+
+#[derive(Debug)]
+pub struct FaultyTier<T> {
+    inner: T,
+    faults: Arc<Faults>,
+}
+
+impl<T: Tier> FaultyTier<T> {
+    pub fn new(inner: T, faults: Arc<Faults>) -> Self {
+        Self { inner, faults }
+    }
+
+    fn write_fault(&self, len: usize, offset: u64) -> Option<TierError> {
+        if self.faults.write_eio.load(Relaxed) {
+            return Some(fault("write", offset, libc::EIO));
+        }
+        let left = self.faults.writes_left.load(Relaxed);
+        if left != u64::MAX {
+            if left < len as u64 {
+                return Some(fault("write", offset, libc::ENOSPC));
+            }
+            self.faults.writes_left.fetch_sub(len as u64, Relaxed);
+        }
+        None
+    }
+
+    fn read_fault(&self, offset: u64) -> Option<TierError> {
+        self.faults
+            .read_eio
+            .load(Relaxed)
+            .then(|| fault("read", offset, libc::EIO))
+    }
+}
+
+fn fault(op: &'static str, offset: u64, errno: i32) -> TierError {
+    TierError::Io {
+        op,
+        offset,
+        errno: Some(errno),
+        message: std::io::Error::from_raw_os_error(errno).to_string(),
+    }
+}
+
+impl<T: Tier> Tier for FaultyTier<T> {
+    fn kind(&self) -> TierKind {
+        self.inner.kind()
+    }
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    fn emulated(&self) -> bool {
+        self.inner.emulated()
+    }
+    fn capacity_bytes(&self) -> u64 {
+        self.inner.capacity_bytes()
+    }
+    fn used_bytes(&self) -> u64 {
+        self.inner.used_bytes()
+    }
+    fn slots(&self) -> u64 {
+        self.inner.slots()
+    }
+    fn allocate(&self, len: u64) -> Result<Slot, TierError> {
+        self.inner.allocate(len)
+    }
+    fn claim(&self, offset: u64, len: u64) -> Result<Slot, TierError> {
+        self.inner.claim(offset, len)
+    }
+    fn write(&self, slot: &mut Slot, offset: u64, src: &[u8]) -> Result<(), TierError> {
+        match self.write_fault(src.len(), slot.offset() + offset) {
+            Some(e) => Err(e),
+            None => self.inner.write(slot, offset, src),
+        }
+    }
+    fn read(&self, slot: &Slot, offset: u64, dst: &mut [u8]) -> Result<(), TierError> {
+        match self.read_fault(slot.offset() + offset) {
+            Some(e) => Err(e),
+            None => self.inner.read(slot, offset, dst),
+        }
+    }
+    fn read_many(&self, reads: Vec<(Arc<Slot>, AlignedBuf)>) -> Vec<Completion<ReadDone>> {
+        if self.faults.read_eio.load(Relaxed) {
+            return reads
+                .into_iter()
+                .map(|(slot, buf)| {
+                    Completion::ready(ReadDone {
+                        buf,
+                        result: Err(fault("read", slot.offset(), libc::EIO)),
+                    })
+                })
+                .collect();
+        }
+        self.inner.read_many(reads)
+    }
+    fn write_many(&self, writes: Vec<(Slot, AlignedBuf)>) -> Vec<Completion<WriteDone>> {
+        let mut out = Vec::with_capacity(writes.len());
+        let mut pass = Vec::new();
+        let mut failed = Vec::new();
+        for (slot, buf) in writes {
+            match self.write_fault(buf.len(), slot.offset()) {
+                Some(e) => failed.push(Completion::ready(WriteDone {
+                    slot,
+                    buf,
+                    result: Err(e),
+                })),
+                None => pass.push((slot, buf)),
+            }
+        }
+        out.extend(self.inner.write_many(pass));
+        out.extend(failed);
+        out
+    }
+    fn sync(&self) -> Result<(), TierError> {
+        if self.faults.write_eio.load(Relaxed) {
+            return Err(fault("fdatasync", 0, libc::EIO));
+        }
+        self.inner.sync()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ArenaTier;
+
+    crate::tier_conformance_tests!(faulty_without_faults, |capacity| {
+        FaultyTier::new(ArenaTier::host(capacity).unwrap(), Faults::none())
+    });
+
+    #[test]
+    fn faults_fire_when_asked() {
+        let faults = Faults::none();
+        let tier = FaultyTier::new(ArenaTier::host(1 << 16).unwrap(), Arc::clone(&faults));
+        let mut slot = tier.allocate(100).unwrap();
+        faults.writes_left.store(150, Relaxed);
+        tier.write(&mut slot, 0, &[1; 100]).unwrap();
+        assert!(tier.write(&mut slot, 0, &[1; 100]).unwrap_err().is_no_space());
+        faults.read_eio.store(true, Relaxed);
+        let e = tier.read(&slot, 0, &mut [0; 10]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                TierError::Io {
+                    errno: Some(libc::EIO),
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+}
