@@ -229,6 +229,10 @@ impl Store {
                 }
             }
         }
+        // Pages created together (one write, one lane's run) have adjacent
+        // ids: allocating their NVMe slots in id order keeps them adjacent on
+        // disk too, so the reads of a later step can run sequentially.
+        victims.sort_by_key(|p| p.id);
         let moved = self.copy_to_nvme(&victims, Keep::Nothing, Reason::CapacityPressure);
         // Pages that did not move keep their place in line.
         self.touch_host(victims.iter().filter(|p| read(&p.place).host.is_some()));

@@ -101,6 +101,15 @@ impl<T> Completion<T> {
         rx
     }
 
+    /// The value if it is there, without blocking.
+    pub fn try_wait(&mut self) -> Option<Result<T, Abandoned>> {
+        let mut state = lock(&self.shared);
+        if let Some(v) = state.value.take() {
+            return Some(Ok(v));
+        }
+        state.abandoned.then_some(Err(Abandoned))
+    }
+
     /// Blocks the calling thread until the value is there.
     pub fn wait(self) -> Result<T, Abandoned> {
         let mut state = lock(&self.shared);

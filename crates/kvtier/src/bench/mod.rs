@@ -2,6 +2,7 @@
 //! Compare ratios measured in the same run; these machines are noisy.
 
 mod select;
+mod tier;
 
 use std::time::{Duration, Instant};
 
@@ -11,11 +12,14 @@ use clap::Subcommand;
 pub(crate) enum BenchCommand {
     /// Scoring and top-k over a digest column, against memcpy of the same bytes.
     Select(select::SelectBenchArgs),
+    /// Random page-slot reads and writes through the NVMe tier.
+    Tier(tier::TierBenchArgs),
 }
 
 pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Select(args) => select::run(args),
+        BenchCommand::Tier(args) => tier::run(args),
     }
 }
 
