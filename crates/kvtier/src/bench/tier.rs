@@ -77,7 +77,7 @@ pub(crate) fn run(args: TierBenchArgs) -> anyhow::Result<()> {
     );
     let block = args.block_size.0;
     ensure!(
-        block > 0 && block % 4096 == 0,
+        block > 0 && block.is_multiple_of(4096),
         "--block-size must be a positive multiple of 4 KiB"
     );
     ensure!(args.queue_depth > 0, "--queue-depth must be at least 1");
