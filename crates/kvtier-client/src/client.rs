@@ -253,10 +253,8 @@ impl Client {
         Ok(self.inner.set_page_state(req).await?.into_inner().pages)
     }
 
-    /// Chooses the pages `req` needs (Quest) and, with `include_data`,
-    /// returns their bytes too.
-    pub async fn select_pages(&mut self, sequence_id: &str, req: &SelectRequest) -> Result<SelectResult> {
-        let msg = pb::SelectPagesRequest {
+    fn select_message(&self, sequence_id: &str, req: &SelectRequest) -> pb::SelectPagesRequest {
+        pb::SelectPagesRequest {
             tenant: self.tenant.clone(),
             sequence_id: sequence_id.to_owned(),
             layer: req.layer,
@@ -275,7 +273,19 @@ impl Client {
             shard: req.shard,
             include_data: req.include_data,
             max_chunk_bytes: 0,
-        };
+            swap_in: req.swap_in,
+            deadline_us: req
+                .deadline
+                .map_or(0, |d| d.as_micros().clamp(1, u128::from(u32::MAX)) as u32),
+            prefetch_pages: req.prefetch_pages,
+            lease_ms: req.lease_ms,
+        }
+    }
+
+    /// Chooses the pages `req` needs (Quest) and, as asked, makes them hot,
+    /// prefetches what comes next, leases them and returns their bytes.
+    pub async fn select_pages(&mut self, sequence_id: &str, req: &SelectRequest) -> Result<SelectResult> {
+        let msg = self.select_message(sequence_id, req);
         let mut stream = self.inner.select_pages(msg).await?.into_inner();
         let mut out = SelectResult::default();
         while let Some(chunk) = stream.next().await {
@@ -284,8 +294,28 @@ impl Client {
             out.pages_scored += chunk.pages_scored;
             out.digest_bytes += chunk.digest_bytes;
             out.pages.extend(chunk.pages);
+            if let Some(swap) = chunk.swap {
+                out.swap = swap;
+            }
+            out.prefetch_queued += chunk.prefetch_queued;
+            if chunk.lease_id != 0 {
+                out.lease = Some((chunk.lease_id, chunk.lease_expires_in_ms));
+            }
         }
         Ok(out)
+    }
+
+    /// Schedules background promotion of what a speculative query (for a
+    /// layer ahead, say) would select; returns the pages queued.
+    pub async fn prefetch(&mut self, sequence_id: &str, req: &SelectRequest) -> Result<u32> {
+        let msg = self.select_message(sequence_id, req);
+        Ok(self.inner.prefetch(msg).await?.into_inner().pages_queued)
+    }
+
+    /// Ends a lease before it expires.
+    pub async fn release_lease(&mut self, lease_id: u64) -> Result<()> {
+        self.inner.release_lease(pb::ReleaseLeaseRequest { lease_id }).await?;
+        Ok(())
     }
 
     pub async fn stats(&mut self) -> Result<pb::Stats> {
@@ -306,6 +336,14 @@ pub struct SelectRequest {
     pub aggregation: pb::Aggregation,
     pub shard: Option<pb::ContextShard>,
     pub include_data: bool,
+    /// Make the chosen pages hot in one swap-in.
+    pub swap_in: bool,
+    /// With `swap_in`: answer by then; late pages come back cold.
+    pub deadline: Option<std::time::Duration>,
+    /// Promote the next-ranked pages in the background, up to this many per head.
+    pub prefetch_pages: u32,
+    /// Pin the chosen pages this long (0: no lease).
+    pub lease_ms: u32,
 }
 
 impl SelectRequest {
@@ -321,6 +359,10 @@ impl SelectRequest {
             aggregation: pb::Aggregation::Max,
             shard: None,
             include_data: false,
+            swap_in: false,
+            deadline: None,
+            prefetch_pages: 0,
+            lease_ms: 0,
         }
     }
 }
@@ -332,6 +374,10 @@ pub struct SelectResult {
     pub pages: Vec<pb::Page>,
     pub pages_scored: u64,
     pub digest_bytes: u64,
+    pub swap: pb::SwapReport,
+    pub prefetch_queued: u32,
+    /// (lease id, milliseconds until it expires).
+    pub lease: Option<(u64, u64)>,
 }
 
 /// Actions for [`Client::set_page_state`].

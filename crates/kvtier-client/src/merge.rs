@@ -32,6 +32,7 @@ struct Candidate {
     bound: f32,
     state: i32,
     cold_tier: i32,
+    miss: i32,
 }
 
 impl Partitioned {
@@ -81,6 +82,12 @@ impl Partitioned {
                 window_pages: window,
                 shard: None,
                 include_data: false,
+                // Swapping in or leasing local candidates that the merge may
+                // drop would waste device room.
+                swap_in: false,
+                deadline: None,
+                prefetch_pages: 0,
+                lease_ms: 0,
                 ..req.clone()
             };
             if local.budget_pages == 0 {
@@ -101,6 +108,7 @@ impl Partitioned {
                         bound: p.bound,
                         state: p.state,
                         cold_tier: p.cold_tier,
+                        miss: p.miss,
                     });
                 }
             }
@@ -123,6 +131,7 @@ impl Partitioned {
                             bound: c.bound,
                             state: c.state,
                             cold_tier: c.cold_tier,
+                            miss: c.miss,
                         })
                         .collect(),
                     selected_but_gone: gone,

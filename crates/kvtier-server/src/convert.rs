@@ -210,6 +210,12 @@ pub(crate) fn stats_to_pb(s: &StatsSnapshot) -> pb::Stats {
         bytes_written: s.bytes_written,
         bytes_read: s.bytes_read,
         tokens_appended: s.tokens_appended,
+        swapped_from_host: s.swapped_from_host,
+        swapped_from_nvme: s.swapped_from_nvme,
+        prefetch_issued: s.prefetch_issued,
+        prefetch_used: s.prefetch_used,
+        prefetch_wasted: s.prefetch_wasted,
+        leases: s.leases,
     }
 }
 
@@ -277,6 +283,11 @@ pub(crate) fn head_selection_to_pb(h: &HeadSelection) -> pb::HeadSelection {
                     bound: p.bound,
                     state: state as i32,
                     cold_tier: cold_tier as i32,
+                    miss: match p.miss {
+                        None => pb::Miss::None,
+                        Some(kvtier_store::Miss::Deadline) => pb::Miss::Deadline,
+                        Some(kvtier_store::Miss::NoRoom) => pb::Miss::NoRoom,
+                    } as i32,
                 }
             })
             .collect(),
@@ -289,5 +300,16 @@ pub(crate) fn durability_to_pb(a: kvtier_store::Acknowledged) -> pb::Durability 
         kvtier_store::Acknowledged::Memory => pb::Durability::Memory,
         kvtier_store::Acknowledged::Relaxed => pb::Durability::Relaxed,
         kvtier_store::Acknowledged::Fsync => pb::Durability::Fsync,
+    }
+}
+
+pub(crate) fn swap_to_pb(s: &kvtier_store::SwapReport) -> pb::SwapReport {
+    pb::SwapReport {
+        already_hot: s.already_hot,
+        from_host: s.from_host,
+        from_nvme: s.from_nvme,
+        not_hot: s.not_hot,
+        host_us: s.host_micros,
+        nvme_us: s.nvme_micros,
     }
 }

@@ -3,13 +3,13 @@
 
 use std::sync::Arc;
 
-use kvtier_core::select::Budget;
+use kvtier_core::select::{Aggregation, Budget, Shard};
 use kvtier_core::{Reason, SequenceKey};
 use kvtier_proto::v1 as pb;
 use kvtier_proto::v1::kv_tier_server::KvTier;
 use kvtier_store::{
     AppendTokens, FetchCursor, FetchPages, FetchedPage, HeadRange, PageContent, PageSelection, PutPages, SelectPages,
-    SetPageState, Store, StoreResult,
+    SetPageState, Store, StoreError, StoreResult,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -37,13 +37,61 @@ impl KvTierService {
     async fn call<T, F>(&self, f: F) -> Result<T, Status>
     where
         T: Send + 'static,
-        F: FnOnce(&Store) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Arc<Store>) -> StoreResult<T> + Send + 'static,
     {
         let store = Arc::clone(&self.store);
         tokio::task::spawn_blocking(move || f(&store))
             .await
             .map_err(|e| Status::internal(format!("store task failed: {e}")))?
             .map_err(to_status)
+    }
+}
+
+/// The parts of a selection request that need converting.
+fn selection_inputs(r: &pb::SelectPagesRequest) -> Result<(Vec<f32>, Aggregation, Option<Shard>), Status> {
+    if r.lease_ms as u128 > kvtier_store::MAX_LEASE.as_millis() {
+        return Err(invalid(
+            "lease_ms",
+            format!(
+                "is {}, at most {} allowed",
+                r.lease_ms,
+                kvtier_store::MAX_LEASE.as_millis()
+            ),
+        ));
+    }
+    if r.deadline_us > 0 && !r.swap_in {
+        return Err(invalid("deadline_us", "applies to a swap-in; set swap_in too"));
+    }
+    Ok((
+        convert::f32s("queries", &r.queries)?,
+        convert::aggregation(r.aggregation)?,
+        convert::shard(r.shard)?,
+    ))
+}
+
+fn select_request<'a>(
+    r: &pb::SelectPagesRequest,
+    queries: &'a [f32],
+    aggregation: Aggregation,
+    shard: Option<Shard>,
+) -> SelectPages<'a> {
+    let millis = |ms: u32| (ms > 0).then(|| std::time::Duration::from_millis(u64::from(ms)));
+    SelectPages {
+        layer: r.layer,
+        heads: heads(r.kv_head_start, r.kv_head_count),
+        queries,
+        budget: Budget {
+            pages: r.budget_pages as usize,
+            sinks: r.sink_pages as usize,
+            window: r.window_pages as usize,
+        },
+        aggregation,
+        shard,
+        with_data: r.include_data,
+        swap_in: r.swap_in,
+        deadline: (r.deadline_us > 0).then(|| std::time::Duration::from_micros(u64::from(r.deadline_us))),
+        prefetch_pages: r.prefetch_pages as usize,
+        lease: millis(r.lease_ms),
     }
 }
 
@@ -274,35 +322,22 @@ impl KvTier for KvTierService {
     async fn select_pages(&self, request: Request<pb::SelectPagesRequest>) -> Result<Response<SelectStream>, Status> {
         let r = request.into_inner();
         let key = convert::key(&r.tenant, &r.sequence_id)?;
-        let queries = convert::f32s("queries", &r.queries)?;
-        let aggregation = convert::aggregation(r.aggregation)?;
-        let shard = convert::shard(r.shard)?;
         let limit = chunk_limit(r.max_chunk_bytes)?;
+        let (queries, aggregation, shard) = selection_inputs(&r)?;
         let selection = self
-            .call(move |s| {
-                s.select_pages(
-                    &key,
-                    SelectPages {
-                        layer: r.layer,
-                        heads: heads(r.kv_head_start, r.kv_head_count),
-                        queries: &queries,
-                        budget: Budget {
-                            pages: r.budget_pages as usize,
-                            sinks: r.sink_pages as usize,
-                            window: r.window_pages as usize,
-                        },
-                        aggregation,
-                        shard,
-                        with_data: r.include_data,
-                    },
-                )
-            })
+            .call(move |s| s.select_pages(&key, select_request(&r, &queries, aggregation, shard)))
             .await?;
         let first = pb::SelectPagesResponse {
             heads: selection.heads.iter().map(convert::head_selection_to_pb).collect(),
             pages_scored: selection.pages_scored,
             digest_bytes: selection.digest_bytes,
             pages: vec![],
+            swap: Some(convert::swap_to_pb(&selection.swap)),
+            prefetch_queued: selection.prefetch_queued,
+            lease_id: selection.lease.map_or(0, |(id, _)| id),
+            lease_expires_in_ms: selection.lease.map_or(0, |(_, at)| {
+                at.saturating_duration_since(std::time::Instant::now()).as_millis() as u64
+            }),
         };
         let data = chunks(selection.data.into_iter().map(page_to_pb).collect(), limit);
         let messages = std::iter::once(first)
@@ -313,6 +348,46 @@ impl KvTier for KvTierService {
             .map(Ok)
             .collect::<Vec<_>>();
         Ok(Response::new(tokio_stream::iter(messages)))
+    }
+
+    async fn prefetch(
+        &self,
+        request: Request<pb::SelectPagesRequest>,
+    ) -> Result<Response<pb::PrefetchResponse>, Status> {
+        let r = request.into_inner();
+        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        for (set, field) in [
+            (r.include_data, "include_data"),
+            (r.swap_in, "swap_in"),
+            (r.deadline_us > 0, "deadline_us"),
+            (r.lease_ms > 0, "lease_ms"),
+        ] {
+            if set {
+                return Err(invalid(
+                    field,
+                    "must be unset for Prefetch, which only schedules promotions",
+                ));
+            }
+        }
+        let (queries, aggregation, shard) = selection_inputs(&r)?;
+        let pages_queued = self
+            .call(move |s| s.prefetch_query(&key, select_request(&r, &queries, aggregation, shard)))
+            .await?;
+        Ok(Response::new(pb::PrefetchResponse { pages_queued }))
+    }
+
+    async fn release_lease(
+        &self,
+        request: Request<pb::ReleaseLeaseRequest>,
+    ) -> Result<Response<pb::ReleaseLeaseResponse>, Status> {
+        let id = request.into_inner().lease_id;
+        if self.call(move |s| Ok(s.release_lease(id))).await? {
+            Ok(Response::new(pb::ReleaseLeaseResponse {}))
+        } else {
+            Err(to_status(StoreError::NotFound {
+                what: format!("lease {id}"),
+            }))
+        }
     }
 
     async fn set_page_state(

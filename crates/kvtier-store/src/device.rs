@@ -23,14 +23,20 @@ impl Store {
         }
     }
 
-    /// Demotes the least recently used hot page; false when none is left.
+    /// Demotes the least recently used hot page that is not pinned; false
+    /// when none is left.
     fn demote_lru(&self) -> bool {
-        loop {
-            let Some((_, weak)) = lock(&self.device_lru).pop_lru() else {
-                return false;
+        let mut pinned = Vec::new();
+        let demoted = loop {
+            let Some((id, weak)) = lock(&self.device_lru).pop_lru() else {
+                break false;
             };
             // A page freed since it was cached has already released its slot.
             let Some(page) = weak.upgrade() else { continue };
+            if page.pinned() {
+                pinned.push((id, weak));
+                continue;
+            }
             let mut place = write(&page.place);
             // Demotion may not drop the only copy: a device copy without a
             // backing copy stays.
@@ -39,9 +45,17 @@ impl Store {
                 drop(place);
                 self.counters
                     .transition(PageState::Hot, to, Reason::CapacityPressure, 1);
-                return true;
+                self.note_wasted(&page);
+                break true;
             }
+        };
+        // Pinned pages keep their place at the least recently used end.
+        let mut lru = lock(&self.device_lru);
+        for (id, weak) in pinned {
+            lru.put(id, weak);
+            lru.demote(&id);
         }
+        demoted
     }
 
     /// Marks pages as just used on the device.

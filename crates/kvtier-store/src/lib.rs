@@ -8,6 +8,7 @@
 
 mod device;
 mod error;
+mod lease;
 mod manifest;
 mod movement;
 mod page;
@@ -18,20 +19,23 @@ mod select;
 mod sequence;
 mod stats;
 mod store;
+mod swapin;
 mod sync;
 mod transition;
 mod write;
 
 pub use error::{StoreError, StoreResult};
 pub use kvtier_tiers::{EngineChoice, NvmeConfig, Tier, TierError, TierKind};
+pub use lease::MAX_LEASE;
 pub use manifest::Durability;
 pub use persist::Acknowledged;
 pub use read::{FetchCursor, FetchPages, FetchedPage, PageContent};
 pub use recovery::Recovered;
-pub use select::{HeadSelection, SelectPages, SelectedPage, Selection};
+pub use select::{HeadSelection, Miss, SelectPages, SelectedPage, Selection};
 pub use sequence::HeadRange;
 pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};
 pub use store::{Created, Store, StoreConfig};
+pub use swapin::SwapReport;
 pub use transition::{PageSelection, SetPageState, TransitionOutcome};
 pub use write::{AppendOutcome, AppendTokens, PutOutcome, PutPages};
 

@@ -215,12 +215,17 @@ impl Store {
     /// (at least one batch) are free; returns the pages migrated.
     pub(crate) fn relieve_host(&self, bytes: u64) -> StoreResult<usize> {
         let mut victims = Vec::new();
+        let mut skipped = Vec::new();
         let mut freed = 0u64;
         {
             let mut lru = lock(&self.host_lru);
             while (freed < bytes || victims.len() < MIGRATION_BATCH) && victims.len() < 4 * MIGRATION_BATCH {
                 let Some((_, weak)) = lru.pop_lru() else { break };
                 let Some(page) = weak.upgrade() else { continue };
+                if page.pinned() {
+                    skipped.push(page);
+                    continue;
+                }
                 let place = read(&page.place);
                 if let (Some(host), None) = (&place.host, place.lost) {
                     freed += host.reserved();
@@ -233,6 +238,7 @@ impl Store {
         // ids: allocating their NVMe slots in id order keeps them adjacent on
         // disk too, so the reads of a later step can run sequentially.
         victims.sort_by_key(|p| p.id);
+        self.touch_host(&skipped);
         let moved = self.copy_to_nvme(&victims, Keep::Nothing, Reason::CapacityPressure);
         // Pages that did not move keep their place in line.
         self.touch_host(victims.iter().filter(|p| read(&p.place).host.is_some()));

@@ -1,5 +1,6 @@
 //! Physical pages and their placement across tiers.
 
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 
 use kvtier_core::{ColdTier, Lane, Layout, LogicalPage, PageState, PhysId, Reason, TenantId};
@@ -18,6 +19,53 @@ pub(crate) struct PhysPage {
     /// digest without reading the page.
     pub(crate) digest: Option<Box<[u8]>>,
     pub(crate) place: RwLock<Placement>,
+    /// Holders that need the page to stay where it is (a swap-in in flight,
+    /// a lease): a pinned page is never demoted, migrated or moved.
+    pub(crate) pins: AtomicU32,
+    /// Promoted by a prefetch and not yet used by a selection.
+    pub(crate) prefetched: AtomicBool,
+}
+
+impl PhysPage {
+    pub(crate) fn new(id: u64, layout: Arc<Layout>, digest: Option<Box<[u8]>>, place: Placement) -> Self {
+        Self {
+            id,
+            layout,
+            digest,
+            place: RwLock::new(place),
+            pins: AtomicU32::new(0),
+            prefetched: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn pinned(&self) -> bool {
+        self.pins.load(Ordering::Acquire) > 0
+    }
+}
+
+/// Pins pages for as long as it lives.
+#[derive(Debug)]
+pub(crate) struct Pins(Vec<Arc<PhysPage>>);
+
+impl Pins {
+    pub(crate) fn new(pages: Vec<Arc<PhysPage>>) -> Self {
+        for p in &pages {
+            p.pins.fetch_add(1, Ordering::AcqRel);
+        }
+        Self(pages)
+    }
+
+    pub(crate) fn pages(&self) -> &[Arc<PhysPage>] {
+        &self.0
+    }
+}
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            p.pins.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 /// Where a physical page's bytes are. At least one of the host and NVMe

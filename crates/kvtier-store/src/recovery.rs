@@ -7,7 +7,7 @@
 //! its position (and its digest when it was full).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use kvtier_core::{Layout, LogicalPage, PhysId, Reason, SequenceKey};
 
@@ -241,13 +241,9 @@ impl Store {
                     version: 0,
                     lost: None,
                 };
-                let page = Arc::new(PhysPage {
-                    id,
-                    layout: Arc::clone(layout),
-                    digest: (info.digest.len() == 2 * layout.row_bytes())
-                        .then(|| info.digest.clone().into_boxed_slice()),
-                    place: RwLock::new(place),
-                });
+                let digest =
+                    (info.digest.len() == 2 * layout.row_bytes()).then(|| info.digest.clone().into_boxed_slice());
+                let page = Arc::new(PhysPage::new(id, Arc::clone(layout), digest, place));
                 Some((page, info))
             })
             .clone()

@@ -5,11 +5,17 @@
 
 use kvtier_core::score::score_column;
 use kvtier_core::select::{Aggregation, Budget, Shard, select};
-use kvtier_core::{LogicalPage, PageState, SequenceKey};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use kvtier_core::{LogicalPage, PageState, Reason, SequenceKey};
+
+use crate::page::{PhysPage, Pins};
 use crate::read::{FetchedPage, PageContent};
 use crate::sequence::{HeadRange, Sequence};
 use crate::stats::Counters;
+use crate::swapin::SwapReport;
 use crate::sync::read;
 use crate::{Store, StoreError, StoreResult};
 
@@ -26,6 +32,45 @@ pub struct SelectPages<'a> {
     pub shard: Option<Shard>,
     /// Also read the selected pages (gone pages have no data).
     pub with_data: bool,
+    /// Make the selected pages hot, in one batched swap-in.
+    pub swap_in: bool,
+    /// Return by then: pages not hot yet come back cold with
+    /// [`Miss::Deadline`] while their swap-in finishes in the background.
+    pub deadline: Option<Duration>,
+    /// Also promote, in the background and after demand swap-ins, the pages
+    /// ranked next after the selection, up to this many per head.
+    pub prefetch_pages: usize,
+    /// Pin the selected pages (never demoted, moved or freed) for this long,
+    /// or until the lease is released.
+    pub lease: Option<Duration>,
+}
+
+impl<'a> SelectPages<'a> {
+    /// A plain selection: no data, swap-in, prefetch or lease.
+    pub fn new(layer: u32, heads: HeadRange, queries: &'a [f32], budget: Budget) -> Self {
+        Self {
+            layer,
+            heads,
+            queries,
+            budget,
+            aggregation: Aggregation::Max,
+            shard: None,
+            with_data: false,
+            swap_in: false,
+            deadline: None,
+            prefetch_pages: 0,
+            lease: None,
+        }
+    }
+}
+
+/// Why a selected page is not hot after a swap-in was asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Miss {
+    /// Its swap-in did not finish before the deadline (it goes on).
+    Deadline,
+    /// The device had no room that was not pinned.
+    NoRoom,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -34,7 +79,9 @@ pub struct SelectedPage {
     /// The score the page was ranked by: `U` aggregated over the group (or
     /// one query head's `U`).
     pub bound: f32,
+    /// After the swap-in, if one was asked for.
     pub state: PageState,
+    pub miss: Option<Miss>,
 }
 
 /// The choice for one KV head (or one query head, without aggregation).
@@ -57,14 +104,22 @@ pub struct Selection {
     /// Pages scored (lane pages × KV heads) and the digest bytes read.
     pub pages_scored: u64,
     pub digest_bytes: u64,
+    /// What the swap-in did (zeros without one; counts as of the return).
+    pub swap: SwapReport,
+    /// Pages queued for prefetching.
+    pub prefetch_queued: u32,
+    /// The lease pinning the selected pages, and when it expires.
+    pub lease: Option<(u64, Instant)>,
 }
 
 impl Store {
-    pub fn select_pages(&self, key: &SequenceKey, req: SelectPages<'_>) -> StoreResult<Selection> {
+    /// Selects pages (DESIGN.md §3) and, as asked, makes them hot, prefetches
+    /// what comes next, leases them and reads them.
+    pub fn select_pages(self: &Arc<Self>, key: &SequenceKey, req: SelectPages<'_>) -> StoreResult<Selection> {
         self.with_sequence(key, |seq| self.select_locked(seq, req))
     }
 
-    fn select_locked(&self, seq: &Sequence, req: SelectPages<'_>) -> StoreResult<Selection> {
+    fn select_locked(self: &Arc<Self>, seq: &Sequence, req: SelectPages<'_>) -> StoreResult<Selection> {
         seq.check_layer("layer", req.layer)?;
         let heads = seq.check_heads(req.heads)?;
         check_request(seq, &req)?;
@@ -75,10 +130,16 @@ impl Store {
             data: Vec::new(),
             pages_scored: 0,
             digest_bytes: 0,
+            swap: SwapReport::default(),
+            prefetch_queued: 0,
+            lease: None,
         };
-        let mut hot = Vec::new();
-        let mut bytes_read = 0u64;
+        // (lane, page) of everything chosen, and of what comes next.
+        let mut chosen_pages: BTreeMap<(usize, usize), Arc<PhysPage>> = BTreeMap::new();
+        let mut next_pages: BTreeMap<(usize, usize), Arc<PhysPage>> = BTreeMap::new();
+        let mut lanes = Vec::new();
         for (i, (h, lane_index)) in seq.lanes_of(req.layer, heads).enumerate() {
+            lanes.push((h, lane_index));
             let lane = &seq.lanes[lane_index];
             let n = lane.num_pages();
             let queries = &req.queries[i * group * d..(i + 1) * group * d];
@@ -86,11 +147,6 @@ impl Store {
             score_column(layout.dtype(), d, lane.digests().as_bytes(), queries, &mut scores);
             out.pages_scored += n as u64;
             out.digest_bytes += lane.digests().as_bytes().len() as u64;
-            let state = |p: usize| match lane.page(p).expect("selected pages exist") {
-                LogicalPage::Physical(r) => read(&r.page.place).state(),
-                LogicalPage::Summary(_) => PageState::Summary,
-                LogicalPage::Gone(_) => PageState::Gone,
-            };
             let per_head: Vec<(Option<u32>, Vec<f32>)> = match req.aggregation {
                 Aggregation::Max => vec![(None, fold(&scores, group, |a, b| a.max(b), 1.0))],
                 Aggregation::Mean => vec![(None, fold(&scores, group, |a, b| a + b, 1.0 / group as f32))],
@@ -101,51 +157,201 @@ impl Store {
                     })
                     .collect(),
             };
-            let mut chosen_any = vec![false; n];
+            let physical = |p: usize| match lane.page(p) {
+                Some(LogicalPage::Physical(r)) => Some(Arc::clone(&r.page)),
+                _ => None,
+            };
             for (query_head, ranked) in per_head {
                 let chosen = select(&ranked, req.budget, req.shard);
-                let pages: Vec<SelectedPage> = chosen
+                if req.prefetch_pages > 0 {
+                    let wider = Budget {
+                        pages: req.budget.pages + req.prefetch_pages,
+                        ..req.budget
+                    };
+                    for p in select(&ranked, wider, req.shard)
+                        .into_iter()
+                        .filter(|p| chosen.binary_search(p).is_err())
+                    {
+                        if let Some(page) = physical(p) {
+                            next_pages.insert((lane_index, p), page);
+                        }
+                    }
+                }
+                let pages = chosen
                     .iter()
                     .map(|&p| {
-                        chosen_any[p] = true;
+                        if let Some(page) = physical(p) {
+                            chosen_pages.insert((lane_index, p), page);
+                        }
                         SelectedPage {
                             page: p as u32,
                             bound: ranked[p],
-                            state: state(p),
+                            state: PageState::Gone,
+                            miss: None,
                         }
                     })
                     .collect();
-                let selected_but_gone = pages.iter().filter(|p| p.state == PageState::Gone).count() as u32;
                 out.heads.push(HeadSelection {
                     kv_head: h,
                     query_head,
                     pages,
-                    selected_but_gone,
+                    selected_but_gone: 0,
                 });
             }
-            if req.with_data {
-                let wanted: Vec<usize> = (0..n).filter(|&p| chosen_any[p]).collect();
-                let items: Vec<_> = wanted.iter().map(|&p| (lane, p)).collect();
-                for (&p, (state, content)) in wanted.iter().zip(self.read_pages(layout, &items, &mut hot)?) {
-                    if let PageContent::Original(d) | PageContent::Summary { kv: d, .. } = &content {
-                        bytes_read += d.len() as u64;
+        }
+        let chosen: Vec<Arc<PhysPage>> = chosen_pages.values().cloned().collect();
+        self.note_used(&chosen);
+        let mut timed_out = false;
+        if req.swap_in {
+            (out.swap, timed_out) = self.swap_in_for(chosen.clone(), req.deadline);
+        }
+        if req.prefetch_pages > 0 {
+            let next: Vec<Arc<PhysPage>> = next_pages
+                .into_iter()
+                .filter(|(k, _)| !chosen_pages.contains_key(k))
+                .map(|(_, p)| p)
+                .filter(|p| read(&p.place).state() != PageState::Hot)
+                .collect();
+            out.prefetch_queued = self.prefetch(next);
+        }
+        if let Some(ttl) = req.lease {
+            out.lease = Some(self.leases.grant(chosen, ttl));
+        }
+        // States as of now, and why a page asked to be hot is not.
+        let lane_of: BTreeMap<u32, usize> = lanes.iter().copied().collect();
+        for head in &mut out.heads {
+            let lane = &seq.lanes[lane_of[&head.kv_head]];
+            for sp in &mut head.pages {
+                sp.state = match lane.page(sp.page as usize).expect("selected pages exist") {
+                    LogicalPage::Physical(r) => read(&r.page.place).state(),
+                    LogicalPage::Summary(_) => PageState::Summary,
+                    LogicalPage::Gone(_) => PageState::Gone,
+                };
+                if req.swap_in && matches!(sp.state, PageState::Cold(_)) {
+                    sp.miss = Some(if timed_out { Miss::Deadline } else { Miss::NoRoom });
+                }
+            }
+            head.selected_but_gone = head.pages.iter().filter(|p| p.state == PageState::Gone).count() as u32;
+        }
+        if req.with_data {
+            self.read_selected(seq, &lanes, &chosen_pages, &out.heads, &mut out.data)?;
+        }
+        Ok(out)
+    }
+
+    /// Schedules background promotion of the pages a speculative query
+    /// (typically for a layer ahead) would select, plus the next-ranked ones
+    /// up to `prefetch_pages`; returns how many were queued.
+    pub fn prefetch_query(self: &Arc<Self>, key: &SequenceKey, req: SelectPages<'_>) -> StoreResult<u32> {
+        self.with_sequence(key, |seq| {
+            let plain = SelectPages {
+                swap_in: false,
+                with_data: false,
+                lease: None,
+                deadline: None,
+                ..req
+            };
+            let selection = self.select_locked(seq, plain)?;
+            let lanes: BTreeMap<u32, usize> = seq.lanes_of(req.layer, seq.check_heads(req.heads)?).collect();
+            let mut pages: BTreeMap<u64, Arc<PhysPage>> = BTreeMap::new();
+            for head in &selection.heads {
+                let lane = &seq.lanes[lanes[&head.kv_head]];
+                for sp in head.pages.iter().filter(|p| matches!(p.state, PageState::Cold(_))) {
+                    if let Some(LogicalPage::Physical(r)) = lane.page(sp.page as usize) {
+                        pages.insert(r.page.id, Arc::clone(&r.page));
                     }
-                    if state != PageState::Gone {
-                        out.data.push(FetchedPage {
-                            kv_head: h,
-                            page: p as u32,
-                            state,
-                            rows: lane.rows_in(p),
-                            content,
-                            digest: None,
-                        });
-                    }
+                }
+            }
+            Ok(selection.prefetch_queued + self.prefetch(pages.into_values().collect()))
+        })
+    }
+
+    /// Ends a lease before it expires; false if there is no such lease (any
+    /// more).
+    pub fn release_lease(&self, id: u64) -> bool {
+        self.leases.release(id)
+    }
+
+    /// Makes `pages` hot, inline or, with a deadline, on a worker while the
+    /// caller waits at most that long. Returns the report and whether the
+    /// deadline passed first.
+    fn swap_in_for(self: &Arc<Self>, pages: Vec<Arc<PhysPage>>, deadline: Option<Duration>) -> (SwapReport, bool) {
+        let pins = Pins::new(pages);
+        let Some(deadline) = deadline else {
+            return (self.make_hot(pins.pages(), Reason::Demand), false);
+        };
+        let (tx, mut rx) = kvtier_tiers::completion();
+        let store = Arc::clone(self);
+        self.workers.demand(Box::new(move || {
+            tx.complete(store.make_hot(pins.pages(), Reason::Demand))
+        }));
+        match rx.wait_timeout(deadline) {
+            Some(Ok(report)) => (report, false),
+            // Still running (or its worker stopped): report what is hot now.
+            _ => (SwapReport::default(), true),
+        }
+    }
+
+    /// Queues a background promotion of `pages`; returns how many.
+    fn prefetch(self: &Arc<Self>, pages: Vec<Arc<PhysPage>>) -> u32 {
+        if pages.is_empty() {
+            return 0;
+        }
+        let count = pages.len() as u32;
+        let pins = Pins::new(pages);
+        let store = Arc::clone(self);
+        let queued = self.workers.prefetch(Box::new(move || {
+            let report = store.make_hot(pins.pages(), Reason::Prefetch);
+            let moved = u64::from(report.from_host + report.from_nvme);
+            Counters::add(&store.counters.prefetch_issued, moved);
+        }));
+        if queued { count } else { 0 }
+    }
+
+    /// Reads every chosen (KV head, page) once, in head then position order;
+    /// gone pages are never served.
+    fn read_selected(
+        &self,
+        seq: &Sequence,
+        lanes: &[(u32, usize)],
+        chosen: &BTreeMap<(usize, usize), Arc<PhysPage>>,
+        heads: &[HeadSelection],
+        data: &mut Vec<FetchedPage>,
+    ) -> StoreResult<()> {
+        let mut hot = Vec::new();
+        let mut bytes_read = 0u64;
+        for &(h, lane_index) in lanes {
+            let lane = &seq.lanes[lane_index];
+            let mut wanted: Vec<usize> = heads
+                .iter()
+                .filter(|s| s.kv_head == h)
+                .flat_map(|s| s.pages.iter().map(|p| p.page as usize))
+                .filter(|p| {
+                    chosen.contains_key(&(lane_index, *p)) || matches!(lane.page(*p), Some(LogicalPage::Summary(_)))
+                })
+                .collect();
+            wanted.sort_unstable();
+            wanted.dedup();
+            let items: Vec<_> = wanted.iter().map(|&p| (lane, p)).collect();
+            for (&p, (state, content)) in wanted.iter().zip(self.read_pages(&seq.layout, &items, &mut hot)?) {
+                if let PageContent::Original(d) | PageContent::Summary { kv: d, .. } = &content {
+                    bytes_read += d.len() as u64;
+                }
+                if state != PageState::Gone {
+                    data.push(FetchedPage {
+                        kv_head: h,
+                        page: p as u32,
+                        state,
+                        rows: lane.rows_in(p),
+                        content,
+                        digest: None,
+                    });
                 }
             }
         }
         self.touch_device(hot);
         Counters::add(&self.counters.bytes_read, bytes_read);
-        Ok(out)
+        Ok(())
     }
 }
 

@@ -16,6 +16,11 @@ pub(crate) struct Counters {
     pub(crate) bytes_written: AtomicU64,
     pub(crate) bytes_read: AtomicU64,
     pub(crate) tokens_appended: AtomicU64,
+    pub(crate) swapped_from_host: AtomicU64,
+    pub(crate) swapped_from_nvme: AtomicU64,
+    pub(crate) prefetch_issued: AtomicU64,
+    pub(crate) prefetch_used: AtomicU64,
+    pub(crate) prefetch_wasted: AtomicU64,
 }
 
 impl Counters {
@@ -113,6 +118,15 @@ pub struct StatsSnapshot {
     pub bytes_written: u64,
     pub bytes_read: u64,
     pub tokens_appended: u64,
+    /// Selected pages made hot, by where they came from.
+    pub swapped_from_host: u64,
+    pub swapped_from_nvme: u64,
+    /// Pages a prefetch made hot; of those, used by a later selection while
+    /// still hot, and demoted or freed first.
+    pub prefetch_issued: u64,
+    pub prefetch_used: u64,
+    pub prefetch_wasted: u64,
+    pub leases: u64,
 }
 
 impl StatsSnapshot {
@@ -123,6 +137,11 @@ impl StatsSnapshot {
         self.bytes_written = c.bytes_written.load(Relaxed);
         self.bytes_read = c.bytes_read.load(Relaxed);
         self.tokens_appended = c.tokens_appended.load(Relaxed);
+        self.swapped_from_host = c.swapped_from_host.load(Relaxed);
+        self.swapped_from_nvme = c.swapped_from_nvme.load(Relaxed);
+        self.prefetch_issued = c.prefetch_issued.load(Relaxed);
+        self.prefetch_used = c.prefetch_used.load(Relaxed);
+        self.prefetch_wasted = c.prefetch_wasted.load(Relaxed);
     }
 }
 

@@ -9,11 +9,13 @@ use kvtier_core::{Layout, LogicalPage, PageState, PhysicalPages, Reason, Sequenc
 use kvtier_tiers::{ArenaTier, NvmeConfig, NvmeTier, Tier, TierKind};
 
 use crate::device::DeviceLru;
+use crate::lease::Leases;
 use crate::manifest::{self, Durability, Journal, Record};
 use crate::movement::HostLru;
 use crate::page::{PageRef, PhysPage, ShareKey, StorePage};
 use crate::sequence::Sequence;
 use crate::stats::{Counters, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats};
+use crate::swapin::Workers;
 use crate::sync::{lock, read, write};
 use crate::{StoreError, StoreResult};
 
@@ -71,6 +73,8 @@ pub struct Store {
     pub(crate) pages: Mutex<PhysicalPages<Arc<PhysPage>, ShareKey>>,
     pub(crate) device_lru: Mutex<DeviceLru>,
     pub(crate) host_lru: Mutex<HostLru>,
+    pub(crate) workers: Arc<Workers>,
+    pub(crate) leases: Leases,
     next_page_id: AtomicU64,
     pub(crate) counters: Counters,
 }
@@ -133,7 +137,6 @@ impl Store {
             }
             None => (Vec::new(), None),
         };
-        let background = nvme.is_some();
         let store = Arc::new(Self {
             device,
             host,
@@ -144,6 +147,8 @@ impl Store {
             pages: Mutex::default(),
             device_lru: Mutex::new(DeviceLru::unbounded()),
             host_lru: Mutex::new(HostLru::unbounded()),
+            workers: Workers::start(2),
+            leases: Leases::default(),
             next_page_id: AtomicU64::new(0),
             counters: Counters::default(),
         });
@@ -158,7 +163,7 @@ impl Store {
             );
             store.checkpoint();
         }
-        if background {
+        {
             let weak = Arc::downgrade(&store);
             let spawned = std::thread::Builder::new()
                 .name("kvtier-background".into())
@@ -176,9 +181,13 @@ impl Store {
         Ok(store)
     }
 
-    /// One round of background work: host watermarks, manifest flush, and a
-    /// checkpoint when the manifest has grown large.
+    /// One round of background work: expired leases, host watermarks,
+    /// manifest flush, and a checkpoint when the manifest has grown large.
     fn background_tick(&self) {
+        let expired = self.leases.expire(std::time::Instant::now());
+        if expired > 0 {
+            tracing::debug!(expired, "leases expired");
+        }
         self.rebalance_host();
         if let Some(journal) = &self.journal {
             if let Err(e) = journal.flush(false) {
@@ -346,6 +355,9 @@ impl Store {
             }
         }
         self.log_freed(&freed);
+        for page in &freed {
+            self.note_wasted(page);
+        }
         self.forget_device(freed.iter().map(|p| p.id));
         let mut host_lru = lock(&self.host_lru);
         for page in &freed {
@@ -443,8 +455,15 @@ impl Store {
             bytes_written: 0,
             bytes_read: 0,
             tokens_appended: 0,
+            swapped_from_host: 0,
+            swapped_from_nvme: 0,
+            prefetch_issued: 0,
+            prefetch_used: 0,
+            prefetch_wasted: 0,
+            leases: 0,
         };
         snapshot.counters(&self.counters);
+        snapshot.leases = self.leases.active() as u64;
         snapshot
     }
 
@@ -462,6 +481,7 @@ fn manifest_error(path: &Path, e: &std::io::Error) -> StoreError {
 
 impl Drop for Store {
     fn drop(&mut self) {
+        self.workers.close();
         if let Some(journal) = &self.journal
             && let Err(e) = journal.flush(true)
         {

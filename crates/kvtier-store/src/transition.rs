@@ -65,6 +65,9 @@ impl Store {
             for t in &targets {
                 to(t)?;
             }
+            if matches!(req.action, Action::Offload(_) | Action::Migrate(_)) {
+                self.check_unpinned(seq, &targets)?;
+            }
             match req.action {
                 Action::Offload(tier) => self.offload(seq, &targets, tier, req.reason)?,
                 Action::Migrate(tier) => self.migrate(seq, &targets, tier, req.reason)?,
@@ -172,6 +175,20 @@ impl Store {
         match seq.lanes[t.lane].page(t.page) {
             Some(LogicalPage::Physical(r)) => r,
             _ => unreachable!("the state machine admitted only pages with original bytes"),
+        }
+    }
+
+    /// Leased pages may not move.
+    fn check_unpinned(&self, seq: &Sequence, targets: &[Target]) -> StoreResult<()> {
+        match targets.iter().find(|t| Self::physical(seq, t).page.pinned()) {
+            Some(t) => Err(StoreError::precondition(
+                "action",
+                format!(
+                    "layer {} KV head {} page {} is leased or being swapped in; it cannot move now",
+                    t.layer, t.head, t.page
+                ),
+            )),
+            None => Ok(()),
         }
     }
 

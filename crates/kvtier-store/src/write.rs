@@ -6,7 +6,7 @@
 //! the lanes.
 
 use std::ops::Range;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use kvtier_core::{DigestColumn, Layout, LogicalPage, PageTableError, Reason};
 use kvtier_tiers::Slot;
@@ -498,12 +498,8 @@ impl Store {
     }
 
     fn phys_page(&self, page: NewPage, layout: &Arc<Layout>, rows: usize, digest: Option<Box<[u8]>>) -> Arc<PhysPage> {
-        let page = Arc::new(PhysPage {
-            id: self.next_page_id(),
-            layout: Arc::clone(layout),
-            digest,
-            place: RwLock::new(Placement::new(page.device, page.host, rows as u32)),
-        });
+        let place = Placement::new(page.device, page.host, rows as u32);
+        let page = Arc::new(PhysPage::new(self.next_page_id(), Arc::clone(layout), digest, place));
         self.touch_host([&page]);
         page
     }

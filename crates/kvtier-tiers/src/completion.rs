@@ -30,7 +30,7 @@ pub struct Completion<T> {
 
 /// The producer side.
 #[derive(Debug)]
-pub(crate) struct Completer<T> {
+pub struct Completer<T> {
     shared: Option<Arc<Shared<T>>>,
 }
 
@@ -40,7 +40,7 @@ pub(crate) struct Completer<T> {
 pub struct Abandoned;
 
 /// A connected pair.
-pub(crate) fn completion<T>() -> (Completer<T>, Completion<T>) {
+pub fn completion<T>() -> (Completer<T>, Completion<T>) {
     let shared = Arc::new(Shared {
         state: Mutex::new(State {
             value: None,
@@ -62,7 +62,7 @@ fn lock<T>(shared: &Shared<T>) -> std::sync::MutexGuard<'_, State<T>> {
 }
 
 impl<T> Completer<T> {
-    pub(crate) fn complete(mut self, value: T) {
+    pub fn complete(mut self, value: T) {
         if let Some(shared) = self.shared.take() {
             let waker = {
                 let mut state = lock(&shared);
@@ -110,6 +110,28 @@ impl<T> Completion<T> {
         state.abandoned.then_some(Err(Abandoned))
     }
 
+    /// Blocks until the value is there or `timeout` passes; `None` on
+    /// timeout (the completion can be waited on again).
+    pub fn wait_timeout(&mut self, timeout: std::time::Duration) -> Option<Result<T, Abandoned>> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut state = lock(&self.shared);
+        loop {
+            if let Some(v) = state.value.take() {
+                return Some(Ok(v));
+            }
+            if state.abandoned {
+                return Some(Err(Abandoned));
+            }
+            let left = deadline.checked_duration_since(std::time::Instant::now())?;
+            state = self
+                .shared
+                .ready
+                .wait_timeout(state, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
     /// Blocks the calling thread until the value is there.
     pub fn wait(self) -> Result<T, Abandoned> {
         let mut state = lock(&self.shared);
@@ -147,9 +169,13 @@ mod tests {
 
     #[test]
     fn values_cross_threads_and_abandonment_is_reported() {
-        let (tx, rx) = completion();
+        let (tx, mut rx) = completion();
+        assert!(rx.wait_timeout(std::time::Duration::from_millis(10)).is_none());
         std::thread::spawn(move || tx.complete(7));
-        assert_eq!(rx.wait(), Ok(7));
+        assert_eq!(rx.wait_timeout(std::time::Duration::from_secs(10)), Some(Ok(7)));
+        let (tx, rx) = completion();
+        std::thread::spawn(move || tx.complete(8));
+        assert_eq!(rx.wait(), Ok(8));
         let (tx, rx) = completion::<u8>();
         drop(tx);
         assert_eq!(rx.wait(), Err(Abandoned));

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 pub use aligned::{AlignedBuf, IO_ALIGN};
 pub use arena::ArenaTier;
-pub use completion::{Abandoned, Completion};
+pub use completion::{Abandoned, Completer, Completion, completion};
 pub use extent::{ExtentAllocator, Slot};
 pub use nvme::{EngineChoice, NvmeConfig, NvmeTier};
 

@@ -322,13 +322,8 @@ fn evaluate_layer(dir: &Path, meta: &Meta, layer: u32, config: &EvalConfig) -> a
         let selection = store.select_pages(
             &key,
             SelectPages {
-                layer: 0,
-                heads,
-                queries: &queries,
-                budget,
                 aggregation: config.aggregation.into(),
-                shard: None,
-                with_data: false,
+                ..SelectPages::new(0, heads, &queries, budget)
             },
         )?;
         for kv_head in 0..kvh {
