@@ -266,6 +266,12 @@ impl Store {
         })
     }
 
+    /// Waits until background swap-ins and prefetches have finished (for
+    /// benchmarks and tests that measure their effect).
+    pub fn wait_idle(&self) {
+        self.workers.wait_idle();
+    }
+
     /// Ends a lease before it expires; false if there is no such lease (any
     /// more).
     pub fn release_lease(&self, id: u64) -> bool {

@@ -42,6 +42,8 @@ pub(crate) struct Workers {
 struct JobQueue {
     demand: VecDeque<Job>,
     prefetch: VecDeque<Job>,
+    /// Jobs taken and not finished yet.
+    running: usize,
     closed: bool,
 }
 
@@ -80,6 +82,7 @@ impl Workers {
                 let mut q = lock(&self.queue);
                 loop {
                     if let Some(job) = q.demand.pop_front().or_else(|| q.prefetch.pop_front()) {
+                        q.running += 1;
                         break job;
                     }
                     if q.closed {
@@ -89,6 +92,16 @@ impl Workers {
                 }
             };
             job();
+            lock(&self.queue).running -= 1;
+            self.ready.notify_all();
+        }
+    }
+
+    /// Blocks until no job is queued or running.
+    pub(crate) fn wait_idle(&self) {
+        let mut q = lock(&self.queue);
+        while q.running > 0 || !q.demand.is_empty() || !q.prefetch.is_empty() {
+            q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
         }
     }
 

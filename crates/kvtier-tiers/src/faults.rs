@@ -16,6 +16,8 @@ pub struct Faults {
     pub write_eio: AtomicBool,
     /// Every read fails with EIO.
     pub read_eio: AtomicBool,
+    /// Every read first sleeps this many microseconds (a slow device).
+    pub read_delay_us: AtomicU64,
 }
 
 impl Faults {
@@ -53,10 +55,18 @@ impl<T: Tier> FaultyTier<T> {
     }
 
     fn read_fault(&self, offset: u64) -> Option<TierError> {
+        self.slow_down();
         self.faults
             .read_eio
             .load(Relaxed)
             .then(|| fault("read", offset, libc::EIO))
+    }
+
+    fn slow_down(&self) {
+        let delay = self.faults.read_delay_us.load(Relaxed);
+        if delay > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(delay));
+        }
     }
 }
 
@@ -107,6 +117,7 @@ impl<T: Tier> Tier for FaultyTier<T> {
         }
     }
     fn read_many(&self, reads: Vec<(Arc<Slot>, AlignedBuf)>) -> Vec<Completion<ReadDone>> {
+        self.slow_down();
         if self.faults.read_eio.load(Relaxed) {
             return reads
                 .into_iter()

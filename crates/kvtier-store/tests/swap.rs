@@ -1,0 +1,321 @@
+//! Swap-in, deadlines, leases and prefetch: selected pages become hot from
+//! wherever they were, bit-exact and counted per source; a deadline bounds
+//! the call while the swap-in finishes behind it; leased pages never move;
+//! prefetch counters follow a drifting workload.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use kvtier_core::select::Budget;
+use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey};
+use kvtier_store::{
+    EngineChoice, FetchPages, HeadRange, Miss, NvmeConfig, PageContent, PageSelection, PutPages, SelectPages,
+    SetPageState, Store, StoreConfig, StoreError,
+};
+use kvtier_tiers::faults::{Faults, FaultyTier};
+use kvtier_tiers::{ArenaTier, NvmeTier};
+
+const PAGE: usize = 16;
+const DIM: usize = 64;
+const PAGE_BYTES: u64 = 4096; // 2 × 16 × 64 × f16
+
+fn layout() -> Layout {
+    Layout::new(LayoutSpec {
+        num_layers: 1,
+        num_kv_heads: 1,
+        num_query_heads: 1,
+        head_dim: DIM as u32,
+        dtype: DType::F16,
+        page_size: PAGE as u32,
+        layer_groups: vec![],
+    })
+    .unwrap()
+}
+
+fn key() -> SequenceKey {
+    SequenceKey::parse("t", "s").unwrap()
+}
+
+/// Page `p`'s keys point along dimension `p % DIM`, and half as much along
+/// the one before: a query along dimensions `{s, s + 1}` ranks page `s + 1`,
+/// then `s`, then `s + 2` (what a drifting query needs next).
+fn page_data(p: usize) -> Vec<u8> {
+    let mut k = Vec::new();
+    let mut v = Vec::new();
+    for t in 0..PAGE {
+        for i in 0..DIM {
+            let key = if i == p % DIM {
+                1.0
+            } else if (i + 1) % DIM == p % DIM {
+                0.5
+            } else {
+                0.01 * (t as f32)
+            };
+            k.extend_from_slice(&half::f16::from_f32(key).to_le_bytes());
+            v.extend_from_slice(&half::f16::from_f32((p * 1000 + t * 10 + i) as f32 * 0.001).to_le_bytes());
+        }
+    }
+    [k, v].concat()
+}
+
+/// A store over emulated device, host and a (possibly slowed) NVMe tier,
+/// holding `pages` pages.
+fn store(dir: &std::path::Path, device_pages: u64, pages: usize) -> (Arc<Store>, Arc<Faults>) {
+    let faults = Faults::none();
+    let nvme = NvmeTier::open(NvmeConfig {
+        path: dir.join("nvme.data"),
+        capacity: 4 << 20,
+        engine: EngineChoice::Auto,
+        queue_depth: 8,
+        direct: true,
+    })
+    .unwrap();
+    let store = Store::with_tiers(
+        Arc::new(ArenaTier::emulated_device(device_pages * PAGE_BYTES).unwrap()),
+        Arc::new(ArenaTier::host(4 << 20).unwrap()),
+        Some(Arc::new(FaultyTier::new(nvme, Arc::clone(&faults)))),
+        StoreConfig {
+            manifest_path: Some(dir.join("manifest")),
+            promote_on_read: false,
+            cache_writes_on_device: false,
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    store.create_sequence(key(), layout(), vec![]).unwrap();
+    for p in 0..pages {
+        let kv = page_data(p);
+        let put = PutPages {
+            layer: 0,
+            heads: HeadRange { start: 0, count: 1 },
+            first_page: p as u32,
+            num_tokens: PAGE as u32,
+            kv: &kv,
+            persist: false,
+        };
+        store.put_pages(&key(), put).unwrap();
+    }
+    (store, faults)
+}
+
+fn set(store: &Store, action: Action, pages: &[u32]) -> Result<(), StoreError> {
+    let req = SetPageState {
+        layer_start: 0,
+        layer_count: 1,
+        heads: HeadRange { start: 0, count: 1 },
+        pages: PageSelection::List(pages),
+        action,
+        summary_rows: 1,
+        reason: Reason::Explicit,
+    };
+    store.set_page_state(&key(), req).map(drop)
+}
+
+fn states(store: &Store) -> Vec<PageState> {
+    let req = FetchPages {
+        layer: 0,
+        heads: HeadRange { start: 0, count: 1 },
+        pages: None,
+        with_digests: false,
+    };
+    store
+        .fetch_pages(&key(), req)
+        .unwrap()
+        .into_iter()
+        .map(|p| p.state)
+        .collect()
+}
+
+fn query(dims: &[usize]) -> Vec<f32> {
+    (0..DIM).map(|i| if dims.contains(&i) { 1.0 } else { 0.0 }).collect()
+}
+
+fn select<'a>(q: &'a [f32], budget: usize) -> SelectPages<'a> {
+    SelectPages::new(
+        0,
+        HeadRange { start: 0, count: 1 },
+        q,
+        Budget {
+            pages: budget,
+            sinks: 0,
+            window: 0,
+        },
+    )
+}
+
+#[test]
+fn one_call_swaps_in_from_host_and_nvme_bit_exact_with_per_source_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = store(dir.path(), 16, 9);
+    // Pages 0..3 hot, 3..6 cold(host), 6..9 cold(nvme).
+    set(&store, Action::SwapIn, &[0, 1, 2]).unwrap();
+    set(&store, Action::Migrate(ColdTier::Nvme), &[6, 7, 8]).unwrap();
+    let q = query(&[]);
+    let req = SelectPages {
+        swap_in: true,
+        with_data: true,
+        ..select(&q, 9)
+    };
+    let sel = store.select_pages(&key(), req).unwrap();
+    assert_eq!(
+        (
+            sel.swap.already_hot,
+            sel.swap.from_host,
+            sel.swap.from_nvme,
+            sel.swap.not_hot
+        ),
+        (3, 3, 3, 0)
+    );
+    assert!(
+        sel.heads[0]
+            .pages
+            .iter()
+            .all(|p| p.state == PageState::Hot && p.miss.is_none())
+    );
+    assert_eq!(sel.data.len(), 9);
+    for page in &sel.data {
+        assert_eq!(
+            page.content,
+            PageContent::Original(page_data(page.page as usize)),
+            "page {}",
+            page.page
+        );
+    }
+    assert!(states(&store).iter().all(|s| *s == PageState::Hot));
+    let stats = store.stats();
+    assert_eq!((stats.swapped_from_host, stats.swapped_from_nvme), (3, 3));
+}
+
+#[test]
+fn a_deadline_returns_on_time_and_the_swap_in_finishes_behind_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, faults) = store(dir.path(), 16, 6);
+    set(&store, Action::Migrate(ColdTier::Nvme), &[0, 1, 2, 3, 4, 5]).unwrap();
+    // Every NVMe read now takes 300 ms; the deadline is 30 ms.
+    faults.read_delay_us.store(300_000, Relaxed);
+    let q = query(&[]);
+    let req = SelectPages {
+        swap_in: true,
+        deadline: Some(Duration::from_millis(30)),
+        ..select(&q, 6)
+    };
+    let start = Instant::now();
+    let sel = store.select_pages(&key(), req).unwrap();
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_millis(250),
+        "the call waited for the slow swap-in: {took:?}"
+    );
+    for p in &sel.heads[0].pages {
+        assert_eq!(
+            (p.state, p.miss),
+            (PageState::Cold(ColdTier::Nvme), Some(Miss::Deadline)),
+            "page {}",
+            p.page
+        );
+    }
+    // The swap-in goes on in the background and completes.
+    store.wait_idle();
+    assert!(
+        states(&store).iter().all(|s| *s == PageState::Hot),
+        "{:?}",
+        states(&store)
+    );
+    assert_eq!(store.stats().swapped_from_nvme, 6);
+}
+
+#[test]
+fn leased_pages_do_not_move_until_released_or_expired() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = store(dir.path(), 4, 12);
+    let q = query(&[0, 1]);
+    // Pages 0 and 1 rank first; lease them hot for a long time.
+    let req = SelectPages {
+        swap_in: true,
+        lease: Some(Duration::from_secs(60)),
+        ..select(&q, 2)
+    };
+    let sel = store.select_pages(&key(), req).unwrap();
+    let (lease, _) = sel.lease.expect("a lease");
+    assert_eq!(states(&store)[..2], [PageState::Hot, PageState::Hot]);
+    assert_eq!(store.stats().leases, 1);
+    // Moving them is refused; device pressure does not demote them.
+    let err = set(&store, Action::Offload(ColdTier::Host), &[0]).unwrap_err();
+    assert!(err.to_string().contains("leased"), "{err}");
+    set(&store, Action::SwapIn, &[4, 5]).unwrap();
+    let err = set(&store, Action::SwapIn, &[6, 7, 8]).unwrap_err();
+    assert!(
+        matches!(err, StoreError::ResourceExhausted(_)),
+        "only 2 unpinned device pages: {err}"
+    );
+    set(&store, Action::SwapIn, &[6, 7]).unwrap();
+    assert_eq!(
+        states(&store)[..2],
+        [PageState::Hot, PageState::Hot],
+        "pinned pages were demoted"
+    );
+    // Released: they move again.
+    assert!(store.release_lease(lease));
+    assert!(!store.release_lease(lease), "a lease ends once");
+    set(&store, Action::Offload(ColdTier::Host), &[0]).unwrap();
+
+    // A lease the client forgets expires by itself.
+    let req = SelectPages {
+        swap_in: true,
+        lease: Some(Duration::from_millis(50)),
+        ..select(&q, 2)
+    };
+    store.select_pages(&key(), req).unwrap();
+    assert!(set(&store, Action::Offload(ColdTier::Host), &[1]).is_err());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.stats().leases > 0 {
+        assert!(Instant::now() < deadline, "the lease never expired");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    set(&store, Action::Offload(ColdTier::Host), &[1]).unwrap();
+}
+
+#[test]
+fn prefetch_counters_follow_a_drifting_workload() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = store(dir.path(), 8, 40);
+    // Slow drift: each step the query moves one dimension along, so the
+    // page ranked next (the next dimension) is the one needed next.
+    for step in 0..12 {
+        let q = query(&[step, step + 1]);
+        let req = SelectPages {
+            swap_in: true,
+            prefetch_pages: 1,
+            ..select(&q, 2)
+        };
+        store.select_pages(&key(), req).unwrap();
+        store.wait_idle();
+    }
+    let s = store.stats();
+    assert!(s.prefetch_issued >= 8, "{s:?}");
+    assert!(
+        s.prefetch_used >= 8,
+        "prefetched pages were used by the next step: {s:?}"
+    );
+    let wasted_before = s.prefetch_wasted;
+    // Jumps: each prediction is wrong, and under device pressure (8 device
+    // pages for 40) what was prefetched is demoted unused.
+    for step in 0..12 {
+        let at = (13 + step * 7) % 36;
+        let q = query(&[at, at + 1]);
+        let req = SelectPages {
+            swap_in: true,
+            prefetch_pages: 2,
+            ..select(&q, 2)
+        };
+        store.select_pages(&key(), req).unwrap();
+        store.wait_idle();
+    }
+    let after = store.stats();
+    assert!(after.prefetch_issued > s.prefetch_issued, "{after:?}");
+    assert!(
+        after.prefetch_wasted > wasted_before,
+        "abandoned predictions count as wasted: {after:?}"
+    );
+}
