@@ -290,3 +290,97 @@ async fn corrupted_nvme_bytes_are_never_served() {
         assert_eq!(sel.heads[0].selected_but_gone, flipped as u32);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn select_swaps_in_from_every_tier_and_leases_over_grpc() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(StoreConfig {
+        device_bytes: 32 * PAGE_BYTES,
+        host_bytes: 64 * PAGE_BYTES,
+        cache_writes_on_device: false,
+        nvme: Some(NvmeConfig {
+            path: dir.path().join("nvme.data"),
+            capacity: 64 * PAGE_BYTES,
+            engine: EngineChoice::Auto,
+            queue_depth: 8,
+            direct: true,
+        }),
+        promote_on_read: false,
+        ..StoreConfig::default()
+    })
+    .await;
+    let mut client = server.client().await;
+    client.create_sequence("s", layout(), vec![]).await.unwrap();
+    let mut data = LaneData::default();
+    fill(&mut client, "s", 9, &mut data, 5).await.unwrap();
+    let list = |pages: Vec<u32>, action: Action| pb::SetPageStateRequest {
+        sequence_id: "s".into(),
+        layer_count: 1,
+        kv_head_count: 1,
+        pages,
+        action: Some(action),
+        ..Default::default()
+    };
+    client
+        .raw()
+        .set_page_state(list(vec![0, 1, 2], actions::swap_in()))
+        .await
+        .unwrap();
+    let to_nvme = Action::Migrate(pb::Migrate {
+        tier: pb::Tier::Nvme as i32,
+    });
+    client.raw().set_page_state(list(vec![6, 7, 8], to_nvme)).await.unwrap();
+    let req = kvtier_client::SelectRequest {
+        swap_in: true,
+        include_data: true,
+        lease_ms: 60_000,
+        ..kvtier_client::SelectRequest::new(0, 0..1, vec![0.5; HEAD_DIM], 9)
+    };
+    let sel = client.select_pages("s", &req).await.unwrap();
+    let s = &sel.swap;
+    assert_eq!((s.already_hot, s.from_host, s.from_nvme, s.not_hot), (3, 3, 3, 0));
+    assert!(
+        sel.heads[0]
+            .pages
+            .iter()
+            .all(|p| p.state() == pb::PageState::Hot && p.miss() == pb::Miss::None)
+    );
+    for p in &sel.pages {
+        assert!(
+            p.kv[..] == data.page(p.page as usize, PAGE as usize, HEAD_DIM * 2)[..],
+            "page {}",
+            p.page
+        );
+    }
+    let (lease, expires_in) = sel.lease.expect("lease granted");
+    assert!(expires_in > 50_000);
+    let err = client
+        .set_page_state("s", 0..1, 0..1, 0..1, actions::offload_to_host())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("leased"), "{err}");
+    client.release_lease(lease).await.unwrap();
+    let err = client.release_lease(lease).await.unwrap_err();
+    assert!(
+        matches!(err, ClientError::Status(ref s) if s.code() == Code::NotFound),
+        "{err}"
+    );
+    client
+        .set_page_state("s", 0..1, 0..1, 0..9, actions::offload_to_host())
+        .await
+        .unwrap();
+    // Prefetch only schedules; it refuses the fields that would do more.
+    let queued = client
+        .prefetch("s", &kvtier_client::SelectRequest::new(0, 0..1, vec![0.5; HEAD_DIM], 3))
+        .await
+        .unwrap();
+    assert_eq!(queued, 3);
+    let bad = kvtier_client::SelectRequest {
+        swap_in: true,
+        ..kvtier_client::SelectRequest::new(0, 0..1, vec![0.5; HEAD_DIM], 3)
+    };
+    let err = client.prefetch("s", &bad).await.unwrap_err();
+    assert!(err.to_string().contains("swap_in"), "{err}");
+    let stats = client.stats().await.unwrap();
+    assert_eq!((stats.swapped_from_host, stats.swapped_from_nvme), (3, 3));
+}

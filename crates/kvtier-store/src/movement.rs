@@ -200,7 +200,9 @@ impl Store {
                         return Err(full);
                     }
                     match self.relieve_host(len) {
-                        Ok(0) => return Err(full),
+                        // Nothing left to move; a migration that ran
+                        // meanwhile may still have made room.
+                        Ok(0) => return self.host.allocate(len),
                         Ok(_) => {}
                         Err(StoreError::ResourceExhausted(e) | StoreError::Unavailable(e)) => return Err(e),
                         Err(_) => return Err(full),
@@ -214,6 +216,9 @@ impl Store {
     /// Migrates least recently used host pages to NVMe until about `bytes`
     /// (at least one batch) are free; returns the pages migrated.
     pub(crate) fn relieve_host(&self, bytes: u64) -> StoreResult<usize> {
+        // One migration at a time: a second caller waits for the first's
+        // room instead of finding its victims already taken.
+        let _one = lock(&self.migrating);
         let mut victims = Vec::new();
         let mut skipped = Vec::new();
         let mut freed = 0u64;

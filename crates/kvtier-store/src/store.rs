@@ -73,6 +73,8 @@ pub struct Store {
     pub(crate) pages: Mutex<PhysicalPages<Arc<PhysPage>, ShareKey>>,
     pub(crate) device_lru: Mutex<DeviceLru>,
     pub(crate) host_lru: Mutex<HostLru>,
+    /// Held while pages migrate to NVMe.
+    pub(crate) migrating: Mutex<()>,
     pub(crate) workers: Arc<Workers>,
     pub(crate) leases: Leases,
     next_page_id: AtomicU64,
@@ -147,6 +149,7 @@ impl Store {
             pages: Mutex::default(),
             device_lru: Mutex::new(DeviceLru::unbounded()),
             host_lru: Mutex::new(HostLru::unbounded()),
+            migrating: Mutex::new(()),
             workers: Workers::start(2),
             leases: Leases::default(),
             next_page_id: AtomicU64::new(0),

@@ -160,8 +160,10 @@ impl Store {
             report.not_hot += group.len() as u32 - moved;
             *micros = start.elapsed().as_micros() as u64;
         }
-        Counters::add(&self.counters.swapped_from_host, u64::from(report.from_host));
-        Counters::add(&self.counters.swapped_from_nvme, u64::from(report.from_nvme));
+        if reason == Reason::Demand {
+            Counters::add(&self.counters.swapped_from_host, u64::from(report.from_host));
+            Counters::add(&self.counters.swapped_from_nvme, u64::from(report.from_nvme));
+        }
         report
     }
 
