@@ -92,13 +92,30 @@ impl Store {
     /// A store over host memory, with the device tier emulated in host
     /// memory and, if configured, an NVMe tier.
     pub fn new(config: StoreConfig) -> StoreResult<Arc<Self>> {
-        let device = ArenaTier::emulated_device(config.device_bytes)?;
-        let host = ArenaTier::host(config.host_bytes)?;
-        tracing::info!(
-            device_bytes = config.device_bytes,
-            host_bytes = config.host_bytes,
-            "no CUDA support in this build: the device tier is emulated in host memory"
-        );
+        Self::new_with(config, None, None)
+    }
+
+    /// Like [`Self::new`], with the given device and host tiers where they
+    /// are `Some` (a GPU's), and tiers sized by the config where not.
+    pub fn new_with(
+        config: StoreConfig,
+        device: Option<Arc<dyn Tier>>,
+        host: Option<Arc<dyn Tier>>,
+    ) -> StoreResult<Arc<Self>> {
+        let device = match device {
+            Some(d) => d,
+            None => {
+                tracing::info!(
+                    device_bytes = config.device_bytes,
+                    "the device tier is emulated in host memory"
+                );
+                Arc::new(ArenaTier::emulated_device(config.device_bytes)?)
+            }
+        };
+        let host = match host {
+            Some(h) => h,
+            None => Arc::new(ArenaTier::host(config.host_bytes)?),
+        };
         let nvme = match &config.nvme {
             Some(c) => {
                 let tier = NvmeTier::open(c.clone())?;
@@ -107,7 +124,7 @@ impl Store {
             }
             None => None,
         };
-        Self::with_tiers(Arc::new(device), Arc::new(host), nvme, config)
+        Self::with_tiers(device, host, nvme, config)
     }
 
     /// A store over the given tiers (their capacities override the config's).

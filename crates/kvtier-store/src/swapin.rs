@@ -183,15 +183,26 @@ impl Store {
                 return 0;
             }
         };
-        let mut hot = Vec::new();
+        // Reserve device room for every readable page, copy them all in one
+        // batch, then install the copies of pages that did not change.
+        let mut staged = Vec::new();
         for ((page, version), bytes) in pages.iter().zip(versions).zip(originals) {
             let Some(bytes) = bytes else { continue };
-            let Ok(mut slot) = self.allocate_device(bytes.len() as u64) else {
+            let Ok(slot) = self.allocate_device(bytes.len() as u64) else {
                 break;
             };
-            if self.device.write(&mut slot, 0, &bytes).is_err() {
-                continue;
-            }
+            staged.push((page, version, bytes, slot));
+        }
+        let batch = staged
+            .iter_mut()
+            .map(|(_, _, bytes, slot)| (slot, bytes.as_slice()))
+            .collect();
+        if let Err(e) = self.device.write_batch(batch) {
+            tracing::warn!(error = %e, "swap-in copy to the device failed");
+            return 0;
+        }
+        let mut hot = Vec::new();
+        for (page, version, _, slot) in staged {
             if self.install_device_copy(page, slot, version, reason) {
                 hot.push(Arc::clone(page));
             }

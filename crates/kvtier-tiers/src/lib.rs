@@ -170,6 +170,12 @@ pub trait Tier: Send + Sync + fmt::Debug {
             .collect()
     }
 
+    /// Copies many host buffers into slots at offset 0 as one batch (a swap-in
+    /// step): device tiers move them with one kernel or one stream sync.
+    fn write_batch(&self, writes: Vec<(&mut Slot, &[u8])>) -> Result<(), TierError> {
+        writes.into_iter().try_for_each(|(slot, src)| self.write(slot, 0, src))
+    }
+
     /// Makes completed writes durable (nothing to do for memory tiers).
     fn sync(&self) -> Result<(), TierError> {
         Ok(())

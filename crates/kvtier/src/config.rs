@@ -89,6 +89,8 @@ pub(crate) struct TierFileConfig {
     pub(crate) host_high_watermark: Option<f64>,
     pub(crate) host_low_watermark: Option<f64>,
     pub(crate) promote_on_read: Option<bool>,
+    /// `kernel` or `copy_engine`.
+    pub(crate) swap_in_path: Option<String>,
 }
 
 impl FileConfig {

@@ -3,11 +3,13 @@
 use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
+use kvtier_cuda::{CudaDeviceTier, PinnedHostTier, SwapPath};
 use kvtier_server::{BoundServer, ServerConfig};
-use kvtier_store::{Durability, EngineChoice, NvmeConfig, Store, StoreConfig};
+use kvtier_store::{Durability, EngineChoice, NvmeConfig, Store, StoreConfig, Tier};
 
 use crate::config::{ByteSize, FileConfig, default_nvme_bytes, default_tier_bytes};
 
@@ -40,6 +42,10 @@ pub(crate) struct ServeArgs {
     /// NVMe I/O engine: auto (io_uring if allowed), uring or psync [default: auto].
     #[arg(long, value_name = "ENGINE")]
     nvme_engine: Option<String>,
+    /// How swap-ins reach a GPU: kernel (one gather launch per step) or
+    /// copy_engine (one async copy per page) [default: kernel].
+    #[arg(long, value_name = "PATH")]
+    swap_in_path: Option<String>,
     /// What a persisting write waits for: relaxed (written to the OS) or
     /// fsync (on disk) [default: relaxed].
     #[arg(long, value_name = "MODE")]
@@ -133,6 +139,11 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         .or(file.data_dir)
         .unwrap_or_else(|| PathBuf::from("kvtier-data"));
     std::fs::create_dir_all(&data_dir).with_context(|| format!("creating data directory {}", data_dir.display()))?;
+    let swap_path = match args.swap_in_path.or(file.tiers.swap_in_path.clone()).as_deref() {
+        None | Some("kernel") => SwapPath::Kernel,
+        Some("copy_engine") => SwapPath::CopyEngine,
+        Some(other) => bail!("swap_in_path: {other:?} is not one of kernel, copy_engine"),
+    };
     let nvme_bytes = args
         .nvme_bytes
         .or(file.tiers.nvme_bytes)
@@ -171,11 +182,42 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
-        let store = Store::new(store).context("creating the store")?;
+        let (device, host) = gpu_tiers(&store, swap_path);
+        let store = Store::new_with(store, device, host).context("creating the store")?;
         let bound = BoundServer::bind(store, server).await?;
         bound.serve(shutdown_signal()).await?;
         Ok(())
     })
+}
+
+type SharedTier = Arc<dyn Tier>;
+
+/// The device and host tiers on a GPU when one is usable; `None`s (emulated
+/// device, plain host memory) otherwise, with the reason in the log.
+fn gpu_tiers(config: &StoreConfig, path: SwapPath) -> (Option<SharedTier>, Option<SharedTier>) {
+    let gpu = match kvtier_cuda::Gpu::open() {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            tracing::info!(reason = %e, "the device tier is emulated in host memory");
+            return (None, None);
+        }
+    };
+    let tiers = CudaDeviceTier::new(&gpu, config.device_bytes, path)
+        .and_then(|d| Ok((d, PinnedHostTier::new(&gpu, config.host_bytes)?)));
+    match tiers {
+        Ok((device, host)) => {
+            tracing::info!(
+                gpu = gpu.name(),
+                ?path,
+                "device tier on the GPU; host tier in pinned memory"
+            );
+            (Some(Arc::new(device)), Some(Arc::new(host)))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "the GPU could not hold the tiers; the device tier is emulated in host memory");
+            (None, None)
+        }
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.

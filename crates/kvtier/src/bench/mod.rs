@@ -2,6 +2,7 @@
 //! Compare ratios measured in the same run; these machines are noisy.
 
 mod select;
+mod swapin;
 mod tier;
 
 use std::time::{Duration, Instant};
@@ -14,12 +15,15 @@ pub(crate) enum BenchCommand {
     Select(select::SelectBenchArgs),
     /// Random page-slot reads and writes through the NVMe tier.
     Tier(tier::TierBenchArgs),
+    /// Batched swap-in to the device against one plain host-to-device copy.
+    Swapin(swapin::SwapinBenchArgs),
 }
 
 pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Select(args) => select::run(args),
         BenchCommand::Tier(args) => tier::run(args),
+        BenchCommand::Swapin(args) => swapin::run(args),
     }
 }
 
