@@ -8,7 +8,7 @@ use kvtier_tiers::{Slot, TierError};
 
 use crate::Store;
 use crate::page::PhysPage;
-use crate::sync::{lock, write};
+use crate::sync::{lock, read, write};
 
 impl Store {
     /// A device slot of `len` bytes, demoting least recently used hot pages
@@ -37,9 +37,13 @@ impl Store {
                 pinned.push((id, weak));
                 continue;
             }
+            // Demotion may not drop the only copy: a page held only on the
+            // device (exclusive caching) is copied down to host first.
+            if read(&page.place).backing_tier().is_none() && !self.copy_down(&page) {
+                pinned.push((id, weak)); // no host room now; keep it hot
+                continue;
+            }
             let mut place = write(&page.place);
-            // Demotion may not drop the only copy: a device copy without a
-            // backing copy stays.
             if place.backing_tier().is_some() && place.device.take().is_some() {
                 let to = place.state();
                 drop(place);
@@ -56,6 +60,33 @@ impl Store {
             lru.demote(&id);
         }
         demoted
+    }
+
+    /// Gives a device-only page a host copy; false if there is no host room
+    /// (demotion never makes room below it by force).
+    fn copy_down(&self, page: &Arc<PhysPage>) -> bool {
+        let place = read(&page.place);
+        let Some(device) = &place.device else { return true };
+        let mut bytes = vec![0u8; device.len() as usize];
+        if self.device.read(device, 0, &mut bytes).is_err() {
+            return false;
+        }
+        let version = place.version;
+        drop(place);
+        let Ok(mut slot) = self.host.allocate(bytes.len() as u64) else {
+            return false;
+        };
+        if self.host.write(&mut slot, 0, &bytes).is_err() {
+            return false;
+        }
+        let mut place = write(&page.place);
+        if place.version != version || place.host.is_some() {
+            return place.host.is_some();
+        }
+        place.host = Some(slot);
+        drop(place);
+        self.touch_host([page]);
+        true
     }
 
     /// Marks pages as just used on the device.

@@ -34,7 +34,7 @@ pub use recovery::Recovered;
 pub use select::{HeadSelection, Miss, SelectPages, SelectedPage, Selection};
 pub use sequence::HeadRange;
 pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};
-pub use store::{Created, Store, StoreConfig};
+pub use store::{Created, DeviceCache, Store, StoreConfig};
 pub use swapin::SwapReport;
 pub use transition::{PageSelection, SetPageState, TransitionOutcome};
 pub use write::{AppendOutcome, AppendTokens, PutOutcome, PutPages};

@@ -28,6 +28,10 @@ pub struct StoreConfig {
     /// New pages also get a device copy (demoting LRU hot pages for room);
     /// off, they start cold and become hot only on demand.
     pub cache_writes_on_device: bool,
+    /// Whether a hot page keeps its host copy (inclusive: demotion is free)
+    /// or gives it up (exclusive: host memory holds only cold pages, and
+    /// demotion copies the page back down).
+    pub device_cache: DeviceCache,
     /// The NVMe tier; `None` keeps everything in memory.
     pub nvme: Option<NvmeConfig>,
     /// Above this share of host capacity, least recently used host pages
@@ -50,6 +54,7 @@ impl Default for StoreConfig {
             device_bytes: 256 << 20,
             host_bytes: 1 << 30,
             cache_writes_on_device: true,
+            device_cache: DeviceCache::Inclusive,
             nvme: None,
             host_high_watermark: 0.9,
             host_low_watermark: 0.8,
@@ -79,6 +84,12 @@ pub struct Store {
     pub(crate) leases: Leases,
     next_page_id: AtomicU64,
     pub(crate) counters: Counters,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceCache {
+    Inclusive,
+    Exclusive,
 }
 
 /// A new sequence and how many leading pages it shares with earlier ones.

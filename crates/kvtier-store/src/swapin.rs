@@ -10,10 +10,10 @@ use std::time::Instant;
 use kvtier_core::Reason;
 use kvtier_tiers::Slot;
 
-use crate::Store;
 use crate::page::PhysPage;
 use crate::stats::Counters;
 use crate::sync::{lock, read, write};
+use crate::{DeviceCache, Store};
 
 /// Where the pages of one swap-in came from, and what it cost.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -219,7 +219,15 @@ impl Store {
         }
         let from = place.state();
         place.device = Some(slot);
+        // Exclusive: the device copy replaces the host copy (an NVMe copy,
+        // being durable, stays).
+        let freed_host = if self.config.device_cache == DeviceCache::Exclusive {
+            place.host.take()
+        } else {
+            None
+        };
         drop(place);
+        drop(freed_host);
         self.counters.transition(from, kvtier_core::PageState::Hot, reason, 1);
         if reason == Reason::Prefetch {
             page.prefetched.store(true, Ordering::Release);

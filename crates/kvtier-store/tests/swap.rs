@@ -319,3 +319,86 @@ fn prefetch_counters_follow_a_drifting_workload() {
         "abandoned predictions count as wasted: {after:?}"
     );
 }
+
+#[test]
+fn exclusive_caching_moves_pages_up_and_back_down_without_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = Faults::none();
+    let nvme = NvmeTier::open(NvmeConfig {
+        path: dir.path().join("nvme.data"),
+        capacity: 4 << 20,
+        engine: EngineChoice::Auto,
+        queue_depth: 8,
+        direct: true,
+    })
+    .unwrap();
+    let store = Store::with_tiers(
+        Arc::new(ArenaTier::emulated_device(4 * PAGE_BYTES).unwrap()),
+        Arc::new(ArenaTier::host(4 << 20).unwrap()),
+        Some(Arc::new(FaultyTier::new(nvme, faults))),
+        StoreConfig {
+            manifest_path: Some(dir.path().join("manifest")),
+            cache_writes_on_device: false,
+            device_cache: kvtier_store::DeviceCache::Exclusive,
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    store.create_sequence(key(), layout(), vec![]).unwrap();
+    for p in 0..8 {
+        let kv = page_data(p);
+        let put = PutPages {
+            layer: 0,
+            heads: HeadRange { start: 0, count: 1 },
+            first_page: p as u32,
+            num_tokens: PAGE as u32,
+            kv: &kv,
+            persist: false,
+        };
+        store.put_pages(&key(), put).unwrap();
+    }
+    let host_used = |s: &Store| s.stats().tiers[1].used_bytes;
+    assert_eq!(host_used(&store), 8 * PAGE_BYTES);
+    // Swapping in 4 pages moves them: the host keeps only the 4 cold ones.
+    let q = query(&[0, 1, 2, 3]);
+    store
+        .select_pages(
+            &key(),
+            SelectPages {
+                swap_in: true,
+                ..select(&q, 4)
+            },
+        )
+        .unwrap();
+    assert_eq!(host_used(&store), 4 * PAGE_BYTES);
+    // Swapping in 4 others demotes the first 4, which are copied back down.
+    let q = query(&[4, 5, 6, 7]);
+    let sel = store
+        .select_pages(
+            &key(),
+            SelectPages {
+                swap_in: true,
+                with_data: true,
+                ..select(&q, 4)
+            },
+        )
+        .unwrap();
+    assert_eq!(sel.swap.from_host, 4);
+    assert_eq!(host_used(&store), 4 * PAGE_BYTES);
+    let all = FetchPages {
+        layer: 0,
+        heads: HeadRange { start: 0, count: 1 },
+        pages: None,
+        with_digests: false,
+    };
+    for p in store.fetch_pages(&key(), all).unwrap() {
+        assert_eq!(
+            p.content,
+            PageContent::Original(page_data(p.page as usize)),
+            "page {}",
+            p.page
+        );
+        let hot = (4..8).contains(&p.page);
+        assert_eq!(p.state == PageState::Hot, hot, "page {} {:?}", p.page, p.state);
+    }
+}

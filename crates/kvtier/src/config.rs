@@ -91,6 +91,8 @@ pub(crate) struct TierFileConfig {
     pub(crate) promote_on_read: Option<bool>,
     /// `kernel` or `copy_engine`.
     pub(crate) swap_in_path: Option<String>,
+    /// `inclusive` or `exclusive`.
+    pub(crate) device_cache: Option<String>,
 }
 
 impl FileConfig {

@@ -9,7 +9,7 @@ use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use kvtier_cuda::{CudaDeviceTier, PinnedHostTier, SwapPath};
 use kvtier_server::{BoundServer, ServerConfig};
-use kvtier_store::{Durability, EngineChoice, NvmeConfig, Store, StoreConfig, Tier};
+use kvtier_store::{DeviceCache, Durability, EngineChoice, NvmeConfig, Store, StoreConfig, Tier};
 
 use crate::config::{ByteSize, FileConfig, default_nvme_bytes, default_tier_bytes};
 
@@ -133,6 +133,11 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             Some(other) => bail!("durability: {other:?} is not one of relaxed, fsync"),
         },
         manifest_path: None,
+        device_cache: match file.tiers.device_cache.as_deref() {
+            None | Some("inclusive") => DeviceCache::Inclusive,
+            Some("exclusive") => DeviceCache::Exclusive,
+            Some(other) => bail!("device_cache: {other:?} is not one of inclusive, exclusive"),
+        },
     };
     let data_dir = args
         .data_dir
