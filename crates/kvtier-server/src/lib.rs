@@ -49,6 +49,18 @@ pub enum ServerError {
     Reflection(#[from] tonic_reflection::server::Error),
 }
 
+/// Accepted connections with Nagle's algorithm off. `Server::tcp_nodelay`
+/// applies only to listeners tonic binds itself; without this, small
+/// responses wait for delayed ACKs (tens of milliseconds per call).
+fn incoming(listener: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    TcpListenerStream::new(listener).map(|conn| {
+        let conn = conn?;
+        conn.set_nodelay(true)?;
+        Ok(conn)
+    })
+}
+
 /// A server whose sockets are bound (so tests can ask for port 0 and read
 /// the port back) but which is not serving yet.
 #[derive(Debug)]
@@ -139,7 +151,7 @@ impl BoundServer {
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .add_service(kvtier)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(self.grpc), stopped(stop_rx))
+            .serve_with_incoming_shutdown(incoming(self.grpc), stopped(stop_rx))
             .await?;
         if let Some(metrics) = metrics {
             match metrics.await {

@@ -1,6 +1,8 @@
 //! `kvtier bench`: measurements whose results go under `bench/results/`.
 //! Compare ratios measured in the same run; these machines are noisy.
 
+mod decode;
+mod plot;
 mod select;
 mod swapin;
 mod tier;
@@ -17,6 +19,8 @@ pub(crate) enum BenchCommand {
     Tier(tier::TierBenchArgs),
     /// Batched swap-in to the device against one plain host-to-device copy.
     Swapin(swapin::SwapinBenchArgs),
+    /// Decode steps through gRPC: step latency by miss class, bytes moved, plots.
+    Decode(decode::DecodeArgs),
 }
 
 pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
@@ -24,6 +28,7 @@ pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Select(args) => select::run(args),
         BenchCommand::Tier(args) => tier::run(args),
         BenchCommand::Swapin(args) => swapin::run(args),
+        BenchCommand::Decode(args) => decode::run(args),
     }
 }
 

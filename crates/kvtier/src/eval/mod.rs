@@ -3,7 +3,7 @@
 //! store's own `select_pages`, and the chosen pages are compared with dense
 //! causal attention computed here in f64.
 
-mod npz;
+pub(crate) mod npz;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,485 @@
+//! `kvtier bench decode`: per-step latency of a decode workload through the
+//! real gRPC path, split by miss class (every selected page already hot;
+//! some came from host; some from NVMe), with the bytes each tier moved,
+//! prefetch accuracy and read sparsity; plots as SVG and PNG; sweeps over
+//! one parameter.
+
+mod run;
+mod workload;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, bail, ensure};
+use clap::Args;
+use kvtier_client::pb;
+use serde::Serialize;
+
+use super::plot::{Chart, Series};
+use run::{Class, Measured, RunConfig, histogram};
+use workload::{Queries, RealKv, Shape};
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct DecodeArgs {
+    /// llama3-8b, smollm2-135m, or custom (with --layers ... --dtype).
+    #[arg(long, default_value = "smollm2-135m")]
+    preset: String,
+    #[arg(long)]
+    layers: Option<u32>,
+    #[arg(long)]
+    kv_heads: Option<u32>,
+    #[arg(long)]
+    query_heads: Option<u32>,
+    #[arg(long)]
+    head_dim: Option<u32>,
+    /// f32, f16 or bf16 (custom layouts).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Tokens of context before decoding starts.
+    #[arg(long, default_value_t = 4096)]
+    context: usize,
+    #[arg(long, default_value_t = 16)]
+    page_size: u32,
+    /// Pages selected per KV head per step (sinks and window included).
+    #[arg(long, default_value_t = 32)]
+    budget_pages: u32,
+    #[arg(long, default_value_t = 1)]
+    sinks: u32,
+    #[arg(long, default_value_t = 1)]
+    window: u32,
+    /// Sequences decoding concurrently.
+    #[arg(long, default_value_t = 1)]
+    sequences: usize,
+    #[arg(long, default_value_t = 64)]
+    steps: usize,
+    /// In-process server: device tier as a share of the working set.
+    #[arg(long, default_value_t = 0.25)]
+    device_fraction: f64,
+    /// In-process server: host tier as a share of the working set (below 1,
+    /// the rest lives on NVMe).
+    #[arg(long, default_value_t = 1.0)]
+    host_fraction: f64,
+    /// `synthetic` or `realkv:DIR`.
+    #[arg(long, default_value = "synthetic")]
+    queries: String,
+    /// Synthetic queries: share of the active query dimensions replaced per step.
+    #[arg(long, default_value_t = 0.1)]
+    drift: f64,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Open loop: steps per second per sequence, latency from the intended start.
+    #[arg(long)]
+    rate: Option<f64>,
+    #[arg(long, default_value_t = 0)]
+    prefetch_pages: u32,
+    /// Swap-in deadline per SelectPages, microseconds (0: none).
+    #[arg(long, default_value_t = 0)]
+    deadline_us: u32,
+    /// A running server instead of an in-process one.
+    #[arg(long)]
+    addr: Option<String>,
+    /// One parameter swept over values: device_fraction, host_fraction,
+    /// budget_pages, drift or sequences, e.g. `device_fraction=0.1,0.25,0.5`.
+    #[arg(long)]
+    sweep: Option<String>,
+    /// A small run (under a minute here) that produces every miss class.
+    #[arg(long)]
+    quick: bool,
+    /// Where the report and plots go.
+    #[arg(long, default_value = "kvtier-bench-out")]
+    out: PathBuf,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct ClassReport {
+    count: u64,
+    p50_us: u64,
+    p90_us: u64,
+    p99_us: u64,
+    p999_us: u64,
+    max_us: u64,
+    /// Mean per step of the time in SelectPages and AppendTokens calls and
+    /// of the server's swap-in time per source (µs), over this class's steps
+    /// and over its slowest 1 %.
+    breakdown: Breakdown,
+    breakdown_p99: Breakdown,
+}
+
+#[derive(Debug, Default, Serialize)]
+struct Breakdown {
+    select_us: f64,
+    append_us: f64,
+    swap_host_us: f64,
+    swap_nvme_us: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct BytesMoved {
+    host_to_device: u64,
+    nvme_to_device: u64,
+    host_to_nvme: u64,
+    served: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct Prefetch {
+    issued: u64,
+    used: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    config: RunConfig,
+    emulated_device: bool,
+    steps: u64,
+    steps_per_s: f64,
+    prefill_seconds: f64,
+    classes: std::collections::BTreeMap<&'static str, ClassReport>,
+    bytes_moved: BytesMoved,
+    prefetch: Prefetch,
+    read_fraction: f64,
+}
+
+fn breakdown<'a>(steps: impl Iterator<Item = &'a run::Step>) -> Breakdown {
+    let (mut b, mut n) = (Breakdown::default(), 0.0);
+    for s in steps {
+        b.select_us += s.select_us as f64;
+        b.append_us += s.append_us as f64;
+        b.swap_host_us += s.swap_host_us as f64;
+        b.swap_nvme_us += s.swap_nvme_us as f64;
+        n += 1.0;
+    }
+    if n > 0.0 {
+        for v in [
+            &mut b.select_us,
+            &mut b.append_us,
+            &mut b.swap_host_us,
+            &mut b.swap_nvme_us,
+        ] {
+            *v /= n;
+        }
+    }
+    b
+}
+
+fn transitions(stats: &pb::Stats, from: (pb::PageState, pb::Tier), to: (pb::PageState, pb::Tier)) -> u64 {
+    stats
+        .transitions
+        .iter()
+        .filter(|t| (t.from_state(), t.from_tier()) == from && (t.to_state(), t.to_tier()) == to)
+        .map(|t| t.count)
+        .sum()
+}
+
+fn report(cfg: RunConfig, m: &Measured) -> Report {
+    let mut classes = std::collections::BTreeMap::new();
+    for class in Class::ALL {
+        let mut steps: Vec<&run::Step> = m.steps.iter().filter(|s| s.class == class).collect();
+        let h = histogram(steps.iter().map(|s| s.latency_us));
+        steps.sort_by_key(|s| s.latency_us);
+        let slowest = &steps[steps.len() - steps.len().div_ceil(100).min(steps.len())..];
+        classes.insert(
+            class.name(),
+            ClassReport {
+                count: h.len(),
+                p50_us: h.value_at_quantile(0.5),
+                p90_us: h.value_at_quantile(0.9),
+                p99_us: h.value_at_quantile(0.99),
+                p999_us: h.value_at_quantile(0.999),
+                max_us: h.max(),
+                breakdown: breakdown(steps.iter().copied()),
+                breakdown_p99: breakdown(slowest.iter().copied()),
+            },
+        );
+    }
+    let page_bytes = cfg.shape.page_bytes() as u64;
+    let (b, a) = (&m.before, &m.after);
+    let host = (pb::PageState::Cold, pb::Tier::Host);
+    let nvme = (pb::PageState::Cold, pb::Tier::Nvme);
+    Report {
+        emulated_device: a.tiers.iter().any(|t| t.tier() == pb::Tier::Device && t.emulated),
+        steps: m.steps.len() as u64,
+        steps_per_s: m.steps.len() as f64 / m.wall.as_secs_f64(),
+        prefill_seconds: m.prefill_seconds,
+        classes,
+        bytes_moved: BytesMoved {
+            host_to_device: (a.swapped_from_host - b.swapped_from_host) * page_bytes,
+            nvme_to_device: (a.swapped_from_nvme - b.swapped_from_nvme) * page_bytes,
+            host_to_nvme: (transitions(a, host, nvme) - transitions(b, host, nvme)) * page_bytes,
+            served: m.steps.iter().map(|s| s.bytes).sum(),
+        },
+        prefetch: Prefetch {
+            issued: a.prefetch_issued - b.prefetch_issued,
+            used: a.prefetch_used - b.prefetch_used,
+        },
+        read_fraction: m.read_fraction,
+        config: cfg,
+    }
+}
+
+fn print_table(r: &Report) {
+    let c = &r.config;
+    println!(
+        "kvtier bench decode  {} ({} layers, {}/{} heads, d {}, {})  context {}  budget {} pages  {} seq × {} steps  device {:.0}%  host {:.0}%  queries {}{}",
+        c.shape.name,
+        c.shape.layers,
+        c.shape.kv_heads,
+        c.shape.query_heads,
+        c.shape.head_dim,
+        c.shape.dtype,
+        c.context,
+        c.budget_pages,
+        c.sequences,
+        c.steps,
+        100.0 * c.device_fraction,
+        100.0 * c.host_fraction,
+        c.queries,
+        if r.emulated_device { "  [device EMULATED]" } else { "" }
+    );
+    println!(
+        "{:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9}   p99 steps: select / append / swap host / swap nvme µs",
+        "class", "steps", "p50 µs", "p90 µs", "p99 µs", "p99.9 µs", "max µs"
+    );
+    for (name, k) in &r.classes {
+        let b = &k.breakdown_p99;
+        println!(
+            "{name:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9}   {:.0} / {:.0} / {:.0} / {:.0}",
+            k.count,
+            k.p50_us,
+            k.p90_us,
+            k.p99_us,
+            k.p999_us,
+            k.max_us,
+            b.select_us,
+            b.append_us,
+            b.swap_host_us,
+            b.swap_nvme_us
+        );
+    }
+    let m = &r.bytes_moved;
+    println!(
+        "{:.1} steps/s; moved host→device {:.1} MB, nvme→device {:.1} MB, host→nvme {:.1} MB; served {:.1} MB; read fraction {:.3}; prefetch issued {} used {}",
+        r.steps_per_s,
+        m.host_to_device as f64 / 1e6,
+        m.nvme_to_device as f64 / 1e6,
+        m.host_to_nvme as f64 / 1e6,
+        m.served as f64 / 1e6,
+        r.read_fraction,
+        r.prefetch.issued,
+        r.prefetch.used
+    );
+}
+
+fn plots(dir: &std::path::Path, m: &Measured, stem: &str) -> anyhow::Result<()> {
+    let mut cdf = Vec::new();
+    let mut time = Vec::new();
+    for class in Class::ALL {
+        let mut lat: Vec<u64> = m
+            .steps
+            .iter()
+            .filter(|s| s.class == class)
+            .map(|s| s.latency_us)
+            .collect();
+        if lat.is_empty() {
+            continue;
+        }
+        lat.sort_unstable();
+        let n = lat.len() as f64;
+        let points = lat
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (v as f64, (i + 1) as f64 / n))
+            .collect();
+        cdf.push(Series {
+            name: class.name().into(),
+            points,
+            dots: false,
+        });
+        let points = m
+            .steps
+            .iter()
+            .filter(|s| s.class == class)
+            .map(|s| (s.at, s.latency_us as f64))
+            .collect();
+        time.push(Series {
+            name: class.name().into(),
+            points,
+            dots: true,
+        });
+    }
+    Chart {
+        title: "Step latency CDF by miss class".into(),
+        x_label: "step latency (µs, log)".into(),
+        y_label: "fraction of steps".into(),
+        log_x: true,
+        log_y: false,
+        series: cdf,
+    }
+    .write(dir, &format!("{stem}cdf"))?;
+    Chart {
+        title: "Step latency over time".into(),
+        x_label: "time since the first step (s)".into(),
+        y_label: "step latency (µs, log)".into(),
+        log_x: false,
+        log_y: true,
+        series: time,
+    }
+    .write(dir, &format!("{stem}timeline"))
+}
+
+fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
+    let mut a = args.clone();
+    if a.quick {
+        // Small enough for a CI smoke run, with a device smaller than a step's
+        // selection and most of the context on NVMe: every class occurs.
+        (a.preset, a.context, a.steps, a.budget_pages) = ("custom".into(), 2048, 64, 16);
+        (a.layers, a.kv_heads, a.query_heads, a.head_dim, a.dtype) =
+            (Some(4), Some(2), Some(4), Some(64), Some("bf16".into()));
+        (a.device_fraction, a.host_fraction, a.drift) = (0.25, 0.6, 0.03);
+    }
+    let shape = if a.preset == "custom" {
+        let need = |v: Option<u32>, n: &str| v.with_context(|| format!("--{n} is needed with --preset custom"));
+        let dtype = match a.dtype.as_deref() {
+            Some("f32") => "f32",
+            Some("f16") => "f16",
+            Some("bf16") | None => "bf16",
+            Some(other) => bail!("--dtype {other:?}: f32, f16 or bf16"),
+        };
+        Shape {
+            name: "custom".into(),
+            layers: need(a.layers, "layers")?,
+            kv_heads: need(a.kv_heads, "kv-heads")?,
+            query_heads: need(a.query_heads, "query-heads")?,
+            head_dim: need(a.head_dim, "head-dim")?,
+            dtype,
+            page_size: a.page_size,
+        }
+    } else {
+        Shape::preset(&a.preset, a.page_size)?
+    };
+    ensure!(
+        a.context > 0 && a.steps > 0 && a.sequences > 0,
+        "--context, --steps and --sequences must be positive"
+    );
+    ensure!(
+        (0.0..=1.0).contains(&a.device_fraction) && a.host_fraction > 0.0,
+        "fractions: device in 0..=1, host above 0"
+    );
+    let source = match a.queries.strip_prefix("realkv:") {
+        Some(dir) => {
+            let real = RealKv::load(std::path::Path::new(dir), &shape)?;
+            ensure!(
+                a.context + a.steps <= real.tokens(),
+                "--context + --steps must fit the dataset's {} tokens",
+                real.tokens()
+            );
+            Queries::Real(Arc::new(real))
+        }
+        None if a.queries == "synthetic" => Queries::Synthetic {
+            drift: a.drift,
+            seed: a.seed,
+        },
+        None => bail!("--queries {:?}: synthetic or realkv:DIR", a.queries),
+    };
+    Ok(RunConfig {
+        shape,
+        context: a.context,
+        budget_pages: a.budget_pages,
+        sink_pages: a.sinks,
+        window_pages: a.window,
+        sequences: a.sequences,
+        steps: a.steps,
+        device_fraction: a.device_fraction,
+        host_fraction: a.host_fraction,
+        queries: a.queries.clone(),
+        source,
+        drift: a.drift,
+        rate: a.rate,
+        prefetch_pages: a.prefetch_pages,
+        deadline_us: a.deadline_us,
+        addr: a.addr.clone(),
+        data_plane: "inline",
+    })
+}
+
+/// Applies `name=value` to a copy of the arguments.
+fn with_param(args: &DecodeArgs, name: &str, value: &str) -> anyhow::Result<DecodeArgs> {
+    let mut a = args.clone();
+    let f = || {
+        value
+            .parse::<f64>()
+            .with_context(|| format!("{name}={value}: a number"))
+    };
+    match name {
+        "device_fraction" => a.device_fraction = f()?,
+        "host_fraction" => a.host_fraction = f()?,
+        "budget_pages" => a.budget_pages = value.parse()?,
+        "drift" => a.drift = f()?,
+        "sequences" => a.sequences = value.parse()?,
+        other => bail!("--sweep {other}: one of device_fraction, host_fraction, budget_pages, drift, sequences"),
+    }
+    Ok(a)
+}
+
+pub(crate) fn run(args: DecodeArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let Some(sweep) = &args.sweep else {
+        let cfg = config(&args)?;
+        let measured = runtime.block_on(run::run(cfg.clone()))?;
+        plots(&args.out, &measured, "")?;
+        let r = report(cfg, &measured);
+        std::fs::write(args.out.join("report.json"), serde_json::to_string_pretty(&r)?)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            print_table(&r);
+            eprintln!("report and plots in {}", args.out.display());
+        }
+        return Ok(());
+    };
+    let (name, values) = sweep.split_once('=').context("--sweep PARAM=V1,V2,...")?;
+    let mut rows = Vec::new();
+    let mut lines: Vec<Series> = ["p50", "p99", "p99.9"]
+        .iter()
+        .map(|n| Series {
+            name: (*n).into(),
+            points: Vec::new(),
+            dots: false,
+        })
+        .collect();
+    for value in values.split(',') {
+        let cfg = config(&with_param(&args, name, value)?)?;
+        let measured = runtime.block_on(run::run(cfg.clone()))?;
+        plots(&args.out, &measured, &format!("{name}-{value}-"))?;
+        let all = histogram(measured.steps.iter().map(|s| s.latency_us));
+        let x: f64 = value.parse()?;
+        for (series, q) in lines.iter_mut().zip([0.5, 0.99, 0.999]) {
+            series.points.push((x, all.value_at_quantile(q) as f64));
+        }
+        let r = report(cfg, &measured);
+        if !args.json {
+            println!("== {name} = {value}");
+            print_table(&r);
+        }
+        rows.push(serde_json::json!({ "param": name, "value": x, "report": r }));
+    }
+    Chart {
+        title: format!("Step latency against {name}"),
+        x_label: name.into(),
+        y_label: "step latency (µs, log)".into(),
+        log_x: false,
+        log_y: true,
+        series: lines,
+    }
+    .write(&args.out, &format!("sweep-{name}"))?;
+    let out = serde_json::json!({ "sweep": rows });
+    std::fs::write(args.out.join("sweep.json"), serde_json::to_string_pretty(&out)?)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&out)?);
+    }
+    Ok(())
+}

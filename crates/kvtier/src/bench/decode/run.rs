@@ -1,0 +1,349 @@
+//! One decode benchmark run: a server (in-process unless an address is
+//! given), sequences prefilled over gRPC, then steps — per layer one
+//! `SelectPages` with data and swap-in, and one `AppendTokens` — timed per
+//! step and classed by the slowest source a step's pages came from.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use hdrhistogram::Histogram;
+use kvtier_client::{Client, SelectRequest, pb};
+use kvtier_server::{BoundServer, ServerConfig};
+use kvtier_store::{EngineChoice, NvmeConfig, Store, StoreConfig};
+use serde::Serialize;
+
+use super::workload::{Queries, SequenceData, Shape};
+
+/// Everything one run needs.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct RunConfig {
+    pub(crate) shape: Shape,
+    pub(crate) context: usize,
+    pub(crate) budget_pages: u32,
+    pub(crate) sink_pages: u32,
+    pub(crate) window_pages: u32,
+    pub(crate) sequences: usize,
+    pub(crate) steps: usize,
+    /// Tier sizes as shares of the working set (the prefilled KV of all
+    /// sequences) for the in-process server; NVMe gets the rest (and room).
+    pub(crate) device_fraction: f64,
+    pub(crate) host_fraction: f64,
+    pub(crate) queries: String,
+    #[serde(skip)]
+    pub(crate) source: Queries,
+    pub(crate) drift: f64,
+    /// Steps per second per sequence (open loop); `None`: closed loop.
+    pub(crate) rate: Option<f64>,
+    pub(crate) prefetch_pages: u32,
+    pub(crate) deadline_us: u32,
+    pub(crate) addr: Option<String>,
+    pub(crate) data_plane: &'static str,
+}
+
+/// The miss class of a step: the slowest tier any selected page came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Class {
+    Hot,
+    Host,
+    Nvme,
+}
+
+impl Class {
+    pub(crate) const ALL: [Class; 3] = [Class::Hot, Class::Host, Class::Nvme];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Class::Hot => "hot",
+            Class::Host => "host",
+            Class::Nvme => "nvme",
+        }
+    }
+}
+
+/// One measured step.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub(crate) struct Step {
+    /// Seconds since the first step started.
+    pub(crate) at: f64,
+    pub(crate) latency_us: u64,
+    pub(crate) class: Class,
+    /// Time in SelectPages calls, in AppendTokens calls, and the server's
+    /// swap-in time per source, summed over the step's layers.
+    pub(crate) select_us: u64,
+    pub(crate) append_us: u64,
+    pub(crate) swap_host_us: u64,
+    pub(crate) swap_nvme_us: u64,
+    pub(crate) bytes: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Measured {
+    pub(crate) steps: Vec<Step>,
+    pub(crate) wall: Duration,
+    pub(crate) read_fraction: f64,
+    pub(crate) before: pb::Stats,
+    pub(crate) after: pb::Stats,
+    pub(crate) prefill_seconds: f64,
+}
+
+/// A server for the run and how to reach it.
+struct Target {
+    addr: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
+    if let Some(addr) = &cfg.addr {
+        return Ok(Target {
+            addr: addr.clone(),
+            stop: None,
+            _dir: None,
+        });
+    }
+    let s = &cfg.shape;
+    let lanes = (s.layers * s.kv_heads) as u64 * cfg.sequences as u64;
+    let pages = (cfg.context + cfg.steps).div_ceil(s.page_size as usize) as u64 + 1;
+    let working_set = lanes * pages * s.page_bytes() as u64;
+    let dir = tempfile::Builder::new()
+        .prefix("kvtier-bench-")
+        .tempdir_in(".")
+        .context("a scratch directory")?;
+    let host = ((working_set as f64 * cfg.host_fraction) as u64).max(64 * s.page_bytes() as u64);
+    let config = StoreConfig {
+        device_bytes: (working_set as f64 * cfg.device_fraction) as u64,
+        host_bytes: host,
+        cache_writes_on_device: true,
+        nvme: (cfg.host_fraction < 1.0).then(|| NvmeConfig {
+            path: dir.path().join("nvme.data"),
+            capacity: working_set + working_set / 4 + (64 << 20),
+            engine: EngineChoice::Auto,
+            queue_depth: 32,
+            direct: true,
+        }),
+        ..StoreConfig::default()
+    };
+    let store = Store::new(config)?;
+    let server = ServerConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        metrics_listen: None,
+        ..ServerConfig::default()
+    };
+    let bound = BoundServer::bind(store, server).await?;
+    let addr = format!("http://{}", bound.grpc_addr());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(bound.serve(async {
+        let _ = stopped.await;
+    }));
+    Ok(Target {
+        addr,
+        stop: Some(stop),
+        _dir: Some(dir),
+    })
+}
+
+/// Prefills `context` tokens of every layer, in messages of about 16 MiB.
+async fn prefill(client: &mut Client, seq: &str, data: &SequenceData, cfg: &RunConfig) -> anyhow::Result<()> {
+    let s = &cfg.shape;
+    let per_token = s.kv_heads as usize * 2 * s.row_bytes();
+    let chunk_pages = ((16 << 20) / (per_token * s.page_size as usize)).max(1);
+    let chunk = chunk_pages * s.page_size as usize;
+    for layer in 0..s.layers {
+        let mut writes = Vec::new();
+        for start in (0..cfg.context).step_by(chunk) {
+            let end = (start + chunk).min(cfg.context);
+            let first_page = (start / s.page_size as usize) as u32;
+            writes.push(client.page_write(
+                seq,
+                layer,
+                0..s.kv_heads,
+                first_page,
+                (end - start) as u32,
+                data.kv(layer, start..end),
+            ));
+        }
+        client
+            .put_page_stream(writes)
+            .await
+            .with_context(|| format!("prefilling layer {layer}"))?;
+    }
+    Ok(())
+}
+
+/// Runs the steps of one sequence; returns its steps and its read fraction.
+async fn decode(
+    mut client: Client,
+    seq: String,
+    mut data: SequenceData,
+    cfg: Arc<RunConfig>,
+    start: Instant,
+    progress: Arc<Mutex<usize>>,
+) -> anyhow::Result<(Vec<Step>, f64)> {
+    let s = &cfg.shape;
+    let mut steps = Vec::with_capacity(cfg.steps);
+    let mut read = 0.0;
+    for step in 0..cfg.steps {
+        let position = cfg.context + step;
+        let intended = cfg.rate.map(|r| start + Duration::from_secs_f64(step as f64 / r));
+        if let Some(at) = intended {
+            tokio::time::sleep_until(at.into()).await;
+        }
+        let began = Instant::now();
+        let mut m = Step {
+            at: 0.0,
+            latency_us: 0,
+            class: Class::Hot,
+            select_us: 0,
+            append_us: 0,
+            swap_host_us: 0,
+            swap_nvme_us: 0,
+            bytes: 0,
+        };
+        for layer in 0..s.layers {
+            let req = SelectRequest {
+                sink_pages: cfg.sink_pages,
+                window_pages: cfg.window_pages,
+                include_data: true,
+                swap_in: true,
+                deadline: (cfg.deadline_us > 0).then(|| Duration::from_micros(u64::from(cfg.deadline_us))),
+                prefetch_pages: cfg.prefetch_pages,
+                ..SelectRequest::new(layer, 0..s.kv_heads, data.queries(layer, position), cfg.budget_pages)
+            };
+            let t = Instant::now();
+            let sel = client
+                .select_pages(&seq, &req)
+                .await
+                .with_context(|| format!("step {step} layer {layer}"))?;
+            m.select_us += t.elapsed().as_micros() as u64;
+            m.swap_host_us += sel.swap.host_us;
+            m.swap_nvme_us += sel.swap.nvme_us;
+            m.class = m.class.max(if sel.swap.from_nvme > 0 {
+                Class::Nvme
+            } else if sel.swap.from_host > 0 {
+                Class::Host
+            } else {
+                Class::Hot
+            });
+            let got: u64 = sel.pages.iter().map(|p| p.kv.len() as u64).sum();
+            m.bytes += got;
+            let resident = (position.div_ceil(s.page_size as usize) * s.page_bytes() * s.kv_heads as usize) as f64;
+            read += got as f64 / resident;
+            let t = Instant::now();
+            client
+                .append_tokens(
+                    &seq,
+                    layer,
+                    0..s.kv_heads,
+                    1,
+                    data.kv(layer, position..position + 1),
+                    Some(position as u64),
+                )
+                .await
+                .with_context(|| format!("append at step {step} layer {layer}"))?;
+            m.append_us += t.elapsed().as_micros() as u64;
+        }
+        data.advance();
+        let done = Instant::now();
+        m.latency_us = done.duration_since(intended.unwrap_or(began)).as_micros() as u64;
+        m.at = began.duration_since(start).as_secs_f64();
+        steps.push(m);
+        *progress.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+    }
+    Ok((steps, read / (cfg.steps.max(1) * s.layers as usize) as f64))
+}
+
+/// Prints a progress bar on stderr while steps run, when the run is long.
+fn progress_bar(done: Arc<Mutex<usize>>, total: usize) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let start = Instant::now();
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let n = *done.lock().unwrap_or_else(|p| p.into_inner());
+            if start.elapsed() > Duration::from_secs(3) {
+                let filled = 30 * n / total.max(1);
+                eprint!(
+                    "\r[{}{}] {n}/{total} steps",
+                    "#".repeat(filled),
+                    " ".repeat(30 - filled)
+                );
+            }
+            if n >= total {
+                if start.elapsed() > Duration::from_secs(3) {
+                    eprintln!();
+                }
+                return;
+            }
+        }
+    })
+}
+
+pub(crate) async fn run(cfg: RunConfig) -> anyhow::Result<Measured> {
+    let target = target(&cfg).await?;
+    let mut client = Client::connect(target.addr.clone()).await?;
+    let cfg = Arc::new(cfg);
+    let prefill_start = Instant::now();
+    let mut sequences = Vec::new();
+    for i in 0..cfg.sequences {
+        let seq = format!("bench-{}-{i}", std::process::id());
+        let data = SequenceData::new(
+            &cfg.shape,
+            &cfg.source,
+            i as u64,
+            cfg.context,
+            cfg.budget_pages as usize,
+        );
+        client.create_sequence(&seq, cfg.shape.layout(), vec![]).await?;
+        prefill(&mut client, &seq, &data, &cfg).await?;
+        sequences.push((seq, data));
+    }
+    let prefill_seconds = prefill_start.elapsed().as_secs_f64();
+    let before = client.stats().await?;
+    let progress = Arc::new(Mutex::new(0));
+    let bar = progress_bar(Arc::clone(&progress), cfg.steps * cfg.sequences);
+    let start = Instant::now();
+    let tasks: Vec<_> = sequences
+        .into_iter()
+        .map(|(seq, data)| {
+            let c = client.clone();
+            tokio::spawn(decode(c, seq, data, Arc::clone(&cfg), start, Arc::clone(&progress)))
+        })
+        .collect();
+    let mut steps = Vec::new();
+    let mut read = 0.0;
+    for t in tasks {
+        let (s, r) = t.await??;
+        steps.extend(s);
+        read += r;
+    }
+    let wall = start.elapsed();
+    bar.abort();
+    let after = client.stats().await?;
+    steps.sort_by(|a, b| a.at.total_cmp(&b.at));
+    Ok(Measured {
+        steps,
+        wall,
+        read_fraction: read / cfg.sequences as f64,
+        before,
+        after,
+        prefill_seconds,
+    })
+}
+
+/// An HDR histogram of microseconds with explicit bounds.
+pub(crate) fn histogram(values: impl Iterator<Item = u64>) -> Histogram<u64> {
+    let mut h = Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds");
+    for v in values {
+        h.saturating_record(v.max(1));
+    }
+    h
+}
