@@ -323,6 +323,34 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
         Code::InvalidArgument,
         "layer:",
     );
+    let lists = |l: &[&[u32]]| l.iter().map(|p| pb::PageList { pages: p.to_vec() }).collect();
+    expect(
+        c.fetch(pb::FetchPagesRequest {
+            per_head_pages: lists(&[&[0]]),
+            ..fetch(vec![])
+        })
+        .await,
+        Code::InvalidArgument,
+        "per_head_pages:",
+    );
+    expect(
+        c.fetch(pb::FetchPagesRequest {
+            per_head_pages: lists(&[&[0], &[1]]),
+            ..fetch(vec![0])
+        })
+        .await,
+        Code::InvalidArgument,
+        "per_head_pages:",
+    );
+    expect(
+        c.fetch(pb::FetchPagesRequest {
+            per_head_pages: lists(&[&[0], &[1, 0, 5]]),
+            ..fetch(vec![])
+        })
+        .await,
+        Code::InvalidArgument,
+        "per_head_pages[1].pages[2]:",
+    );
     expect(
         c.fetch(pb::FetchPagesRequest {
             max_chunk_bytes: 64 << 20,

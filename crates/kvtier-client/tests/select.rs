@@ -200,6 +200,33 @@ async fn partial_pages_gone_pages_data_and_aggregations() {
             .unwrap();
         assert_eq!(page, same, "selected data equals fetched data");
     }
+    // Per-head lists fetch exactly the selection's pages (a gone one as its
+    // state alone, which the selection's data leaves out).
+    let per_head_pages = got
+        .heads
+        .iter()
+        .map(|h| pb::PageList {
+            pages: h.pages.iter().map(|p| p.page).collect(),
+        })
+        .collect();
+    let by_list = client
+        .fetch(pb::FetchPagesRequest {
+            sequence_id: "p".into(),
+            kv_head_count: KV_HEADS,
+            per_head_pages,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(by_list.len(), 3 * 3);
+    let by_list: Vec<pb::Page> = by_list
+        .into_iter()
+        .filter(|p| p.state() != pb::PageState::Gone)
+        .collect();
+    assert_eq!(
+        by_list, got.pages,
+        "per-head fetch returns the selected pages in the same order"
+    );
 
     // Per query head: one selection per query head, numbered globally.
     let req = SelectRequest {

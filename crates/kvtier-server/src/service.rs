@@ -8,10 +8,11 @@ use kvtier_core::{Reason, SequenceKey};
 use kvtier_proto::v1 as pb;
 use kvtier_proto::v1::kv_tier_server::KvTier;
 use kvtier_store::{
-    AppendTokens, FetchCursor, FetchPages, FetchedPage, HeadRange, PageContent, PageSelection, PutPages, SelectPages,
-    SetPageState, Store, StoreError, StoreResult,
+    AppendTokens, FetchCursor, FetchPages, FetchedPage, HeadRange, PageContent, PageList, PageSelection, PutPages,
+    SelectPages, SetPageState, Store, StoreError, StoreResult,
 };
 use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -121,7 +122,13 @@ fn page_to_pb(p: FetchedPage) -> pb::Page {
     page
 }
 
-type FetchStream = ReceiverStream<Result<pb::FetchPagesResponse, Status>>;
+/// One message straight from the handler when the read fits one chunk (no
+/// task, no channel: a fetch's latency is mostly hand-offs between threads),
+/// else chunks sent by a task as it reads them.
+type FetchStream = tokio_stream::adapters::Chain<
+    tokio_stream::Once<Result<pb::FetchPagesResponse, Status>>,
+    ReceiverStream<Result<pb::FetchPagesResponse, Status>>,
+>;
 type SelectStream = tokio_stream::Iter<std::vec::IntoIter<Result<pb::SelectPagesResponse, Status>>>;
 
 fn chunk_limit(max_chunk_bytes: u32) -> Result<usize, Status> {
@@ -262,59 +269,71 @@ impl KvTier for KvTierService {
     async fn fetch_pages(&self, request: Request<pb::FetchPagesRequest>) -> Result<Response<FetchStream>, Status> {
         let r = Arc::new(request.into_inner());
         let key = convert::key(&r.tenant, &r.sequence_id)?;
-        let max_bytes = match r.max_chunk_bytes as usize {
-            0 => DEFAULT_CHUNK_BYTES,
-            n if n > MAX_CHUNK_BYTES => {
-                return Err(invalid(
-                    "max_chunk_bytes",
-                    format!("is {n}, at most {MAX_CHUNK_BYTES} allowed"),
-                ));
-            }
-            n => n,
-        };
-        let chunk = move |store: &Store, key: &SequenceKey, r: &pb::FetchPagesRequest, from| {
+        let max_bytes = chunk_limit(r.max_chunk_bytes)?;
+        if !r.pages.is_empty() && !r.per_head_pages.is_empty() {
+            return Err(invalid(
+                "per_head_pages",
+                "give either pages or per_head_pages, not both",
+            ));
+        }
+        let per_head: Arc<Vec<Vec<u32>>> = Arc::new(r.per_head_pages.iter().map(|l| l.pages.clone()).collect());
+        let chunk = move |store: &Store, key: &SequenceKey, r: &pb::FetchPagesRequest, per_head: &[Vec<u32>], from| {
+            let pages = match (r.pages.is_empty(), per_head.is_empty()) {
+                (false, _) => PageList::Same(&r.pages),
+                (true, false) => PageList::PerHead(per_head),
+                (true, true) => PageList::All,
+            };
             let req = FetchPages {
                 layer: r.layer,
                 heads: heads(r.kv_head_start, r.kv_head_count),
-                pages: (!r.pages.is_empty()).then_some(&r.pages[..]),
+                pages,
                 with_digests: r.include_digests,
             };
             store.fetch_chunk(key, req, from, max_bytes)
         };
         // The first chunk is read before the stream starts, so a bad request
         // fails the call itself rather than the stream.
-        let (first, mut next) = {
-            let (key, r) = (key.clone(), Arc::clone(&r));
-            self.call(move |s| chunk(s, &key, &r, FetchCursor::default())).await?
+        let (first, next) = {
+            let (key, r, per_head) = (key.clone(), Arc::clone(&r), Arc::clone(&per_head));
+            self.call(move |s| chunk(s, &key, &r, &per_head, FetchCursor::default()))
+                .await?
+        };
+        let first = pb::FetchPagesResponse {
+            pages: first.into_iter().map(page_to_pb).collect(),
         };
         let (tx, rx) = mpsc::channel(2);
-        let store = Arc::clone(&self.store);
-        tokio::spawn(async move {
-            let mut pages = first;
-            loop {
-                let msg = pb::FetchPagesResponse {
-                    pages: pages.into_iter().map(page_to_pb).collect(),
-                };
-                if tx.send(Ok(msg)).await.is_err() {
-                    return; // the client went away
-                }
-                let Some(from) = next else { return };
-                let (store, key, r) = (Arc::clone(&store), key.clone(), Arc::clone(&r));
-                let read = tokio::task::spawn_blocking(move || chunk(&store, &key, &r, from)).await;
-                match read {
-                    Ok(Ok((p, n))) => (pages, next) = (p, n),
-                    Ok(Err(e)) => {
-                        let _ = tx.send(Err(to_status(e))).await;
-                        return;
+        if let Some(mut from) = next {
+            let store = Arc::clone(&self.store);
+            tokio::spawn(async move {
+                loop {
+                    let (store, key, r, per_head) =
+                        (Arc::clone(&store), key.clone(), Arc::clone(&r), Arc::clone(&per_head));
+                    let read = tokio::task::spawn_blocking(move || chunk(&store, &key, &r, &per_head, from)).await;
+                    let (pages, next) = match read {
+                        Ok(Ok(chunk)) => chunk,
+                        Ok(Err(e)) => {
+                            let _ = tx.send(Err(to_status(e))).await;
+                            return;
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(Status::internal(format!("store task failed: {e}")))).await;
+                            return;
+                        }
+                    };
+                    let msg = pb::FetchPagesResponse {
+                        pages: pages.into_iter().map(page_to_pb).collect(),
+                    };
+                    if tx.send(Ok(msg)).await.is_err() {
+                        return; // the client went away
                     }
-                    Err(e) => {
-                        let _ = tx.send(Err(Status::internal(format!("store task failed: {e}")))).await;
-                        return;
-                    }
+                    let Some(n) = next else { return };
+                    from = n;
                 }
-            }
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+            });
+        }
+        Ok(Response::new(
+            tokio_stream::once(Ok(first)).chain(ReceiverStream::new(rx)),
+        ))
     }
 
     type SelectPagesStream = SelectStream;

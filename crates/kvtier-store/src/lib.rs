@@ -29,7 +29,7 @@ pub use kvtier_tiers::{EngineChoice, NvmeConfig, Tier, TierError, TierKind};
 pub use lease::MAX_LEASE;
 pub use manifest::Durability;
 pub use persist::Acknowledged;
-pub use read::{FetchCursor, FetchPages, FetchedPage, PageContent};
+pub use read::{FetchCursor, FetchPages, FetchedPage, PageContent, PageList};
 pub use recovery::Recovered;
 pub use select::{HeadSelection, Miss, SelectPages, SelectedPage, Selection};
 pub use sequence::HeadRange;

@@ -14,11 +14,39 @@ use crate::{Store, StoreError, StoreResult};
 pub struct FetchPages<'a> {
     pub layer: u32,
     pub heads: HeadRange,
-    /// Page indices, each read for every head in `heads`; `None` reads every
-    /// page of every head.
-    pub pages: Option<&'a [u32]>,
+    pub pages: PageList<'a>,
     /// Also return each page's digest.
     pub with_digests: bool,
+}
+
+/// Which pages of each head a fetch reads.
+#[derive(Debug, Clone, Copy)]
+pub enum PageList<'a> {
+    /// Every page of every head.
+    All,
+    /// These pages of every head.
+    Same(&'a [u32]),
+    /// One list per head of the range, in order (what a selection chose).
+    PerHead(&'a [Vec<u32>]),
+}
+
+impl<'a> PageList<'a> {
+    /// The list for the `i`-th head of the range; `None` means all pages.
+    fn of(&self, i: usize) -> Option<&'a [u32]> {
+        match *self {
+            PageList::All => None,
+            PageList::Same(pages) => Some(pages),
+            PageList::PerHead(lists) => Some(&lists[i]),
+        }
+    }
+
+    /// The protobuf field path of entry `j` of head `i`'s list.
+    fn field(&self, i: usize, j: usize) -> String {
+        match self {
+            PageList::PerHead(_) => format!("per_head_pages[{i}].pages[{j}]"),
+            _ => format!("pages[{j}]"),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -124,21 +152,29 @@ impl Store {
             let heads = seq.check_heads(req.heads)?;
             let layout = &seq.layout;
             let lanes: Vec<(u32, usize)> = seq.lanes_of(req.layer, heads).collect();
-            if let Some(pages) = req.pages {
-                for (i, &p) in pages.iter().enumerate() {
-                    if let Some((h, lane)) = lanes
-                        .iter()
-                        .find(|(_, lane)| p as usize >= seq.lanes[*lane].num_pages())
-                    {
-                        return Err(StoreError::invalid(
-                            format!("pages[{i}]"),
-                            format!(
-                                "is {p}, but layer {} KV head {h} holds {} pages",
-                                req.layer,
-                                seq.lanes[*lane].num_pages()
-                            ),
-                        ));
-                    }
+            if let PageList::PerHead(lists) = req.pages
+                && lists.len() != lanes.len()
+            {
+                return Err(StoreError::invalid(
+                    "per_head_pages",
+                    format!(
+                        "has {} lists for {} KV heads; give one per head",
+                        lists.len(),
+                        lanes.len()
+                    ),
+                ));
+            }
+            for (i, &(h, lane)) in lanes.iter().enumerate() {
+                let held = seq.lanes[lane].num_pages();
+                if let Some((j, p)) = req
+                    .pages
+                    .of(i)
+                    .and_then(|l| l.iter().enumerate().find(|(_, p)| **p as usize >= held))
+                {
+                    return Err(StoreError::invalid(
+                        req.pages.field(i, j),
+                        format!("is {p}, but layer {} KV head {h} holds {held} pages", req.layer),
+                    ));
                 }
             }
             let mut chosen: Vec<(u32, usize, usize)> = Vec::new(); // (kv head, lane, page)
@@ -146,9 +182,10 @@ impl Store {
             let mut cursor = from;
             'heads: while let Some(&(h, lane_index)) = lanes.get(cursor.head) {
                 let lane = &seq.lanes[lane_index];
-                let count = req.pages.map_or(lane.num_pages(), <[u32]>::len);
+                let list = req.pages.of(cursor.head);
+                let count = list.map_or(lane.num_pages(), <[u32]>::len);
                 while cursor.index < count {
-                    let p = req.pages.map_or(cursor.index as u32, |pages| pages[cursor.index]) as usize;
+                    let p = list.map_or(cursor.index as u32, |pages| pages[cursor.index]) as usize;
                     let size = match lane.page(p).expect("checked above") {
                         LogicalPage::Physical(_) => 2 * lane.rows_in(p) as usize * layout.row_bytes(),
                         LogicalPage::Summary(s) => s.slot.len() as usize,

@@ -10,8 +10,8 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey};
 use kvtier_store::{
-    EngineChoice, FetchPages, HeadRange, NvmeConfig, PageContent, PageSelection, PutPages, SetPageState, Store,
-    StoreConfig, StoreError, TierError,
+    EngineChoice, FetchPages, HeadRange, NvmeConfig, PageContent, PageList, PageSelection, PutPages, SetPageState,
+    Store, StoreConfig, StoreError, TierError,
 };
 use kvtier_tiers::faults::{Faults, FaultyTier};
 use kvtier_tiers::{ArenaTier, NvmeTier};
@@ -102,7 +102,7 @@ fn fetch(store: &Store) -> Vec<kvtier_store::FetchedPage> {
     let req = FetchPages {
         layer: 0,
         heads: HeadRange { start: 0, count: 1 },
-        pages: None,
+        pages: PageList::All,
         with_digests: false,
     };
     store.fetch_pages(&key(), req).unwrap()

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 
 use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey};
 use kvtier_store::{
-    AppendTokens, FetchPages, HeadRange, PageContent, PageSelection, PutPages, SetPageState, Store, StoreConfig,
-    StoreError,
+    AppendTokens, FetchPages, HeadRange, PageContent, PageList, PageSelection, PutPages, SetPageState, Store,
+    StoreConfig, StoreError,
 };
 use proptest::prelude::*;
 
@@ -186,7 +186,7 @@ fn states(store: &Store, seq: usize, layer: u32) -> Vec<Vec<PageState>> {
             FetchPages {
                 layer,
                 heads: HeadRange { start: 0, count: HEADS },
-                pages: None,
+                pages: PageList::All,
                 with_digests: false,
             },
         )
@@ -218,7 +218,7 @@ fn check(store: &Store, model: &Model) -> Result<(), TestCaseError> {
                     FetchPages {
                         layer,
                         heads: HeadRange { start: 0, count: HEADS },
-                        pages: None,
+                        pages: PageList::All,
                         with_digests: false,
                     },
                 )

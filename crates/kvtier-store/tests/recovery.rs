@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use kvtier_core::{ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey};
 use kvtier_store::{
-    AppendTokens, EngineChoice, FetchPages, HeadRange, NvmeConfig, PageContent, PageSelection, PutPages, SetPageState,
-    Store, StoreConfig,
+    AppendTokens, EngineChoice, FetchPages, HeadRange, NvmeConfig, PageContent, PageList, PageSelection, PutPages,
+    SetPageState, Store, StoreConfig,
 };
 
 const PAGE: usize = 4;
@@ -86,7 +86,7 @@ fn fetch(store: &Store, seq: &str) -> Vec<kvtier_store::FetchedPage> {
             FetchPages {
                 layer: 0,
                 heads: heads(),
-                pages: None,
+                pages: PageList::All,
                 with_digests: false,
             },
         )

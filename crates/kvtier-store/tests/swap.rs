@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvtier_core::select::Budget;
 use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey};
 use kvtier_store::{
-    EngineChoice, FetchPages, HeadRange, Miss, NvmeConfig, PageContent, PageSelection, PutPages, SelectPages,
+    EngineChoice, FetchPages, HeadRange, Miss, NvmeConfig, PageContent, PageList, PageSelection, PutPages, SelectPages,
     SetPageState, Store, StoreConfig, StoreError,
 };
 use kvtier_tiers::faults::{Faults, FaultyTier};
@@ -116,7 +116,7 @@ fn states(store: &Store) -> Vec<PageState> {
     let req = FetchPages {
         layer: 0,
         heads: HeadRange { start: 0, count: 1 },
-        pages: None,
+        pages: PageList::All,
         with_digests: false,
     };
     store
@@ -388,7 +388,7 @@ fn exclusive_caching_moves_pages_up_and_back_down_without_loss() {
     let all = FetchPages {
         layer: 0,
         heads: HeadRange { start: 0, count: 1 },
-        pages: None,
+        pages: PageList::All,
         with_digests: false,
     };
     for p in store.fetch_pages(&key(), all).unwrap() {

@@ -2,6 +2,7 @@
 //! Compare ratios measured in the same run; these machines are noisy.
 
 mod decode;
+mod fetch;
 mod plot;
 mod select;
 mod swapin;
@@ -21,6 +22,8 @@ pub(crate) enum BenchCommand {
     Swapin(swapin::SwapinBenchArgs),
     /// Decode steps through gRPC: step latency by miss class, bytes moved, plots.
     Decode(decode::DecodeArgs),
+    /// Replays a decode trace's page fetches through kvtier and, optionally, Redis.
+    Fetch(fetch::FetchBenchArgs),
 }
 
 pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
@@ -29,6 +32,7 @@ pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Tier(args) => tier::run(args),
         BenchCommand::Swapin(args) => swapin::run(args),
         BenchCommand::Decode(args) => decode::run(args),
+        BenchCommand::Fetch(args) => fetch::run(args),
     }
 }
 

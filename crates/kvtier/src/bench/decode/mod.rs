@@ -15,9 +15,12 @@ use clap::Args;
 use kvtier_client::pb;
 use serde::Serialize;
 
+use super::fetch::TraceHeader;
 use super::plot::{Chart, Series};
-use run::{Class, Measured, RunConfig, histogram};
-use workload::{Queries, RealKv, Shape};
+pub(crate) use run::histogram;
+use run::{Class, Measured, RunConfig};
+pub(crate) use workload::Shape;
+use workload::{Queries, RealKv};
 
 #[derive(Debug, Clone, Args)]
 pub(crate) struct DecodeArgs {
@@ -91,6 +94,10 @@ pub(crate) struct DecodeArgs {
     /// Print the report as one JSON object.
     #[arg(long)]
     json: bool,
+    /// Write every selection's page lists here (JSON lines), for
+    /// `kvtier bench fetch`.
+    #[arg(long)]
+    trace: Option<PathBuf>,
 }
 
 #[derive(Debug, Serialize)]
@@ -342,21 +349,13 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
     }
     let shape = if a.preset == "custom" {
         let need = |v: Option<u32>, n: &str| v.with_context(|| format!("--{n} is needed with --preset custom"));
-        let dtype = match a.dtype.as_deref() {
-            Some("f32") => "f32",
-            Some("f16") => "f16",
-            Some("bf16") | None => "bf16",
-            Some(other) => bail!("--dtype {other:?}: f32, f16 or bf16"),
-        };
-        Shape {
-            name: "custom".into(),
-            layers: need(a.layers, "layers")?,
-            kv_heads: need(a.kv_heads, "kv-heads")?,
-            query_heads: need(a.query_heads, "query-heads")?,
-            head_dim: need(a.head_dim, "head-dim")?,
-            dtype,
-            page_size: a.page_size,
-        }
+        let parts = [
+            need(a.layers, "layers")?,
+            need(a.kv_heads, "kv-heads")?,
+            need(a.query_heads, "query-heads")?,
+            need(a.head_dim, "head-dim")?,
+        ];
+        Shape::custom(parts, a.dtype.as_deref().unwrap_or("bf16"), a.page_size).context("--dtype")?
     } else {
         Shape::preset(&a.preset, a.page_size)?
     };
@@ -402,7 +401,30 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         deadline_us: a.deadline_us,
         addr: a.addr.clone(),
         data_plane: "inline",
+        record_trace: a.trace.is_some(),
     })
+}
+
+/// The trace file: its header (the shape and how many pages a lane will
+/// hold), then one line per selection.
+fn write_trace(path: &std::path::Path, cfg: &RunConfig, m: &Measured) -> anyhow::Result<()> {
+    use std::io::Write;
+    let s = &cfg.shape;
+    let header = TraceHeader {
+        shape: [s.layers, s.kv_heads, s.query_heads, s.head_dim],
+        dtype: s.dtype.into(),
+        page_size: s.page_size,
+        pages_per_lane: (cfg.context + cfg.steps).div_ceil(s.page_size as usize) as u32,
+        sequences: cfg.sequences,
+    };
+    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut out = std::io::BufWriter::new(file);
+    writeln!(out, "{}", serde_json::to_string(&header)?)?;
+    for entry in &m.trace {
+        writeln!(out, "{}", serde_json::to_string(entry)?)?;
+    }
+    out.flush()?;
+    Ok(())
 }
 
 /// Applies `name=value` to a copy of the arguments.
@@ -431,6 +453,9 @@ pub(crate) fn run(args: DecodeArgs) -> anyhow::Result<()> {
         let cfg = config(&args)?;
         let measured = runtime.block_on(run::run(cfg.clone()))?;
         plots(&args.out, &measured, "")?;
+        if let Some(path) = &args.trace {
+            write_trace(path, &cfg, &measured)?;
+        }
         let r = report(cfg, &measured);
         std::fs::write(args.out.join("report.json"), serde_json::to_string_pretty(&r)?)?;
         if args.json {
@@ -441,6 +466,10 @@ pub(crate) fn run(args: DecodeArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     };
+    ensure!(
+        args.trace.is_none(),
+        "--trace records one run; it cannot go with --sweep"
+    );
     let (name, values) = sweep.split_once('=').context("--sweep PARAM=V1,V2,...")?;
     let mut rows = Vec::new();
     let mut lines: Vec<Series> = ["p50", "p99", "p99.9"]

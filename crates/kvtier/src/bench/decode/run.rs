@@ -14,6 +14,7 @@ use kvtier_store::{EngineChoice, NvmeConfig, Store, StoreConfig};
 use serde::Serialize;
 
 use super::workload::{Queries, SequenceData, Shape};
+use crate::bench::fetch::TraceEntry;
 
 /// Everything one run needs.
 #[derive(Debug, Clone, Serialize)]
@@ -39,6 +40,9 @@ pub(crate) struct RunConfig {
     pub(crate) deadline_us: u32,
     pub(crate) addr: Option<String>,
     pub(crate) data_plane: &'static str,
+    /// Keep every selection's page lists (for `--trace`).
+    #[serde(skip)]
+    pub(crate) record_trace: bool,
 }
 
 /// The miss class of a step: the slowest tier any selected page came from.
@@ -86,6 +90,8 @@ pub(crate) struct Measured {
     pub(crate) before: pb::Stats,
     pub(crate) after: pb::Stats,
     pub(crate) prefill_seconds: f64,
+    /// With `record_trace`: every selection, in step order per sequence.
+    pub(crate) trace: Vec<TraceEntry>,
 }
 
 /// A server for the run and how to reach it.
@@ -180,17 +186,25 @@ async fn prefill(client: &mut Client, seq: &str, data: &SequenceData, cfg: &RunC
     Ok(())
 }
 
-/// Runs the steps of one sequence; returns its steps and its read fraction.
+/// What one sequence's decode measured.
+struct SequenceRun {
+    steps: Vec<Step>,
+    read_fraction: f64,
+    trace: Vec<TraceEntry>,
+}
+
+/// Runs the steps of sequence number `index`.
 async fn decode(
     mut client: Client,
-    seq: String,
+    (index, seq): (usize, String),
     mut data: SequenceData,
     cfg: Arc<RunConfig>,
     start: Instant,
     progress: Arc<Mutex<usize>>,
-) -> anyhow::Result<(Vec<Step>, f64)> {
+) -> anyhow::Result<SequenceRun> {
     let s = &cfg.shape;
     let mut steps = Vec::with_capacity(cfg.steps);
+    let mut trace = Vec::new();
     let mut read = 0.0;
     for step in 0..cfg.steps {
         let position = cfg.context + step;
@@ -234,6 +248,18 @@ async fn decode(
             } else {
                 Class::Hot
             });
+            if cfg.record_trace {
+                trace.push(TraceEntry {
+                    sequence: index,
+                    step,
+                    layer,
+                    pages: sel
+                        .heads
+                        .iter()
+                        .map(|h| h.pages.iter().map(|p| p.page).collect())
+                        .collect(),
+                });
+            }
             let got: u64 = sel.pages.iter().map(|p| p.kv.len() as u64).sum();
             m.bytes += got;
             let resident = (position.div_ceil(s.page_size as usize) * s.page_bytes() * s.kv_heads as usize) as f64;
@@ -259,7 +285,11 @@ async fn decode(
         steps.push(m);
         *progress.lock().unwrap_or_else(|p| p.into_inner()) += 1;
     }
-    Ok((steps, read / (cfg.steps.max(1) * s.layers as usize) as f64))
+    Ok(SequenceRun {
+        steps,
+        read_fraction: read / (cfg.steps.max(1) * s.layers as usize) as f64,
+        trace,
+    })
 }
 
 /// Prints a progress bar on stderr while steps run, when the run is long.
@@ -313,17 +343,27 @@ pub(crate) async fn run(cfg: RunConfig) -> anyhow::Result<Measured> {
     let start = Instant::now();
     let tasks: Vec<_> = sequences
         .into_iter()
-        .map(|(seq, data)| {
+        .enumerate()
+        .map(|(i, (seq, data))| {
             let c = client.clone();
-            tokio::spawn(decode(c, seq, data, Arc::clone(&cfg), start, Arc::clone(&progress)))
+            tokio::spawn(decode(
+                c,
+                (i, seq),
+                data,
+                Arc::clone(&cfg),
+                start,
+                Arc::clone(&progress),
+            ))
         })
         .collect();
     let mut steps = Vec::new();
+    let mut trace = Vec::new();
     let mut read = 0.0;
     for t in tasks {
-        let (s, r) = t.await??;
-        steps.extend(s);
-        read += r;
+        let run = t.await??;
+        steps.extend(run.steps);
+        trace.extend(run.trace);
+        read += run.read_fraction;
     }
     let wall = start.elapsed();
     bar.abort();
@@ -336,6 +376,7 @@ pub(crate) async fn run(cfg: RunConfig) -> anyhow::Result<Measured> {
         before,
         after,
         prefill_seconds,
+        trace,
     })
 }
 

@@ -41,6 +41,29 @@ impl Shape {
         })
     }
 
+    /// A shape from its parts; `dtype` is f32, f16 or bf16.
+    pub(crate) fn custom(
+        [layers, kv_heads, query_heads, head_dim]: [u32; 4],
+        dtype: &str,
+        page_size: u32,
+    ) -> anyhow::Result<Self> {
+        let dtype = match dtype {
+            "f32" => "f32",
+            "f16" => "f16",
+            "bf16" => "bf16",
+            other => anyhow::bail!("dtype {other:?}: f32, f16 or bf16"),
+        };
+        Ok(Self {
+            name: "custom".into(),
+            layers,
+            kv_heads,
+            query_heads,
+            head_dim,
+            dtype,
+            page_size,
+        })
+    }
+
     pub(crate) fn pb_dtype(&self) -> pb::DType {
         match self.dtype {
             "f32" => pb::DType::DtypeF32,

@@ -1,0 +1,402 @@
+//! `kvtier bench fetch`: replays the page lists a decode run selected (its
+//! `--trace`) as page fetches — kvtier's `FetchPages` and, with `--redis`,
+//! the do-it-yourself store a user would build otherwise: one Redis value
+//! per page, fetched with MGET — same pages, same sizes, same order, in one
+//! run. Selection is kvtier's in both, so this compares the serving paths.
+
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, bail, ensure};
+use clap::Args;
+use kvtier_client::{Client, pb};
+use kvtier_server::{BoundServer, ServerConfig};
+use kvtier_store::{Store, StoreConfig};
+
+use super::decode::Shape;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+
+/// One line of a decode trace: the pages a selection chose, per KV head.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct TraceEntry {
+    pub(crate) sequence: usize,
+    pub(crate) step: usize,
+    pub(crate) layer: u32,
+    pub(crate) pages: Vec<Vec<u32>>,
+}
+
+/// The shape a trace was recorded with (its first line).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct TraceHeader {
+    /// Layers, KV heads, query heads, head dim.
+    pub(crate) shape: [u32; 4],
+    pub(crate) dtype: String,
+    pub(crate) page_size: u32,
+    /// Pages each (layer, KV head) held by the end of the run.
+    pub(crate) pages_per_lane: u32,
+    pub(crate) sequences: usize,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct FetchBenchArgs {
+    /// A trace written by `kvtier bench decode --trace`.
+    #[arg(long)]
+    trace: PathBuf,
+    /// A running kvtier server (http://host:port) instead of an in-process one.
+    #[arg(long)]
+    addr: Option<String>,
+    /// Also replay against this Redis server (host:port).
+    #[arg(long)]
+    redis: Option<String>,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Side {
+    fetches: usize,
+    bytes: u64,
+    mean_us: f64,
+    p50_us: u64,
+    p99_us: u64,
+    p999_us: u64,
+    max_us: u64,
+    mb_per_s: f64,
+    /// The smallest round trip (kvtier: GetSequence; Redis: PING), the
+    /// fixed cost inside every fetch.
+    floor_p50_us: u64,
+    floor_p99_us: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    trace: String,
+    page_bytes: usize,
+    fetches: usize,
+    kvtier: Side,
+    redis: Option<Side>,
+    /// Redis p50 / kvtier p50 and the same at p99 (above 1: kvtier is faster).
+    ratio_p50: Option<f64>,
+    ratio_p99: Option<f64>,
+}
+
+fn side(latencies: &[u64], floor: &[u64], bytes: u64, seconds: f64) -> Side {
+    let h = super::decode::histogram(latencies.iter().copied());
+    let floor = super::decode::histogram(floor.iter().copied());
+    Side {
+        fetches: latencies.len(),
+        bytes,
+        mean_us: h.mean(),
+        p50_us: h.value_at_quantile(0.5),
+        p99_us: h.value_at_quantile(0.99),
+        p999_us: h.value_at_quantile(0.999),
+        max_us: h.max(),
+        mb_per_s: bytes as f64 / seconds / 1e6,
+        floor_p50_us: floor.value_at_quantile(0.5),
+        floor_p99_us: floor.value_at_quantile(0.99),
+    }
+}
+
+fn read_trace(path: &PathBuf) -> anyhow::Result<(TraceHeader, Shape, Vec<TraceEntry>)> {
+    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut lines = std::io::BufReader::new(file).lines();
+    let header: TraceHeader = serde_json::from_str(&lines.next().context("an empty trace")??)?;
+    let shape = Shape::custom(header.shape, &header.dtype, header.page_size)?;
+    let entries = lines
+        .enumerate()
+        .map(|(i, l)| serde_json::from_str(&l?).with_context(|| format!("trace line {}", i + 2)))
+        .collect::<anyhow::Result<Vec<TraceEntry>>>()?;
+    ensure!(!entries.is_empty(), "the trace has no fetches");
+    for (i, e) in entries.iter().enumerate() {
+        ensure!(
+            e.sequence < header.sequences
+                && e.layer < shape.layers
+                && e.pages.len() == shape.kv_heads as usize
+                && e.pages.iter().flatten().all(|&p| p < header.pages_per_lane),
+            "trace line {}: outside the header's shape",
+            i + 2
+        );
+    }
+    Ok((header, shape, entries))
+}
+
+pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
+    let (header, shape, entries) = read_trace(&args.trace)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let report = runtime.block_on(async {
+        let kvtier = replay_kvtier(args.addr.as_deref(), &header, &shape, &entries).await?;
+        let redis = match &args.redis {
+            Some(addr) => Some(replay_redis(addr, &header, &shape, &entries).await?),
+            None => None,
+        };
+        if let Some(r) = &redis {
+            ensure!(
+                r.bytes == kvtier.bytes,
+                "kvtier served {} bytes, Redis {}",
+                kvtier.bytes,
+                r.bytes
+            );
+        }
+        let ratio = |f: fn(&Side) -> u64| redis.as_ref().map(|r| f(r) as f64 / f(&kvtier).max(1) as f64);
+        anyhow::Ok(Report {
+            trace: args.trace.display().to_string(),
+            page_bytes: shape.page_bytes(),
+            fetches: entries.len(),
+            ratio_p50: ratio(|s| s.p50_us),
+            ratio_p99: ratio(|s| s.p99_us),
+            kvtier,
+            redis,
+        })
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        let line = |name: &str, s: &Side| {
+            println!(
+                "{name:>7}: {} fetches, {:.1} MB, mean {:.0} µs, p50 {} µs, p99 {} µs, p99.9 {} µs, max {} µs, {:.0} MB/s; empty call p50 {} µs p99 {} µs",
+                s.fetches,
+                s.bytes as f64 / 1e6,
+                s.mean_us,
+                s.p50_us,
+                s.p99_us,
+                s.p999_us,
+                s.max_us,
+                s.mb_per_s,
+                s.floor_p50_us,
+                s.floor_p99_us
+            )
+        };
+        line("kvtier", &report.kvtier);
+        if let Some(r) = &report.redis {
+            line("redis", r);
+            println!(
+                "redis/kvtier: p50 {:.2}×, p99 {:.2}×",
+                report.ratio_p50.unwrap_or(0.0),
+                report.ratio_p99.unwrap_or(0.0)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// How many empty round trips measure each side's fixed cost per call.
+const FLOOR_CALLS: usize = 2000;
+
+/// A kvtier server for the replay: the one at `addr`, or an in-process one
+/// holding every page in host memory.
+async fn kvtier_client(
+    addr: Option<&str>,
+    h: &TraceHeader,
+    shape: &Shape,
+) -> anyhow::Result<(Client, Option<oneshot::Sender<()>>)> {
+    if let Some(addr) = addr {
+        return Ok((Client::connect(addr.to_owned()).await?, None));
+    }
+    let lanes = h.sequences as u64 * u64::from(shape.layers * shape.kv_heads);
+    let total = lanes * u64::from(h.pages_per_lane) * shape.page_bytes() as u64;
+    let store = Store::new(StoreConfig {
+        device_bytes: 0,
+        host_bytes: total + total / 8 + (16 << 20),
+        cache_writes_on_device: false,
+        ..StoreConfig::default()
+    })?;
+    let server = ServerConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        metrics_listen: None,
+        ..ServerConfig::default()
+    };
+    let bound = BoundServer::bind(store, server).await?;
+    let client = Client::connect(format!("http://{}", bound.grpc_addr())).await?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(bound.serve(async {
+        let _ = stopped.await;
+    }));
+    Ok((client, Some(stop)))
+}
+
+/// Loads every page of the trace's sequences, then fetches each entry's
+/// pages with one `FetchPages` (per-head lists).
+async fn replay_kvtier(
+    addr: Option<&str>,
+    h: &TraceHeader,
+    shape: &Shape,
+    entries: &[TraceEntry],
+) -> anyhow::Result<Side> {
+    let (mut client, stop) = kvtier_client(addr, h, shape).await?;
+    let name = |s: usize| format!("fetch-{}-{s}", std::process::id());
+    // Messages of at most ~16 MiB; the bytes do not matter, their size does.
+    let per_page = shape.kv_heads as usize * shape.page_bytes();
+    let chunk = ((16 << 20) / per_page).max(1) as u32;
+    for s in 0..h.sequences {
+        client.create_sequence(&name(s), shape.layout(), vec![]).await?;
+        for layer in 0..shape.layers {
+            let mut writes = Vec::new();
+            for first in (0..h.pages_per_lane).step_by(chunk as usize) {
+                let n = chunk.min(h.pages_per_lane - first);
+                let kv = vec![0u8; n as usize * per_page].into();
+                writes.push(client.page_write(&name(s), layer, 0..shape.kv_heads, first, n * shape.page_size, kv));
+            }
+            client.put_page_stream(writes).await?;
+        }
+    }
+    let mut floor = Vec::with_capacity(FLOOR_CALLS);
+    for _ in 0..FLOOR_CALLS {
+        let t = Instant::now();
+        client.get_sequence(&name(0)).await?;
+        floor.push(t.elapsed().as_micros() as u64);
+    }
+    let mut latencies = Vec::with_capacity(entries.len());
+    let mut bytes = 0u64;
+    let start = Instant::now();
+    for e in entries {
+        let req = pb::FetchPagesRequest {
+            sequence_id: name(e.sequence),
+            layer: e.layer,
+            kv_head_count: shape.kv_heads,
+            per_head_pages: e.pages.iter().map(|p| pb::PageList { pages: p.clone() }).collect(),
+            max_chunk_bytes: 32 << 20,
+            ..Default::default()
+        };
+        let t = Instant::now();
+        let pages = client.fetch(req).await?;
+        latencies.push(t.elapsed().as_micros() as u64);
+        bytes += pages.iter().map(|p| p.kv.len() as u64).sum::<u64>();
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    for s in 0..h.sequences {
+        client.drop_sequence(&name(s)).await?;
+    }
+    if let Some(stop) = stop {
+        let _ = stop.send(());
+    }
+    Ok(side(&latencies, &floor, bytes, seconds))
+}
+
+/// A minimal RESP client: enough for pipelined SETs and MGET.
+struct Redis {
+    reader: BufReader<tokio::io::ReadHalf<TcpStream>>,
+    writer: tokio::io::WriteHalf<TcpStream>,
+}
+
+impl Redis {
+    async fn connect(addr: &str) -> anyhow::Result<Self> {
+        let stream = TcpStream::connect(addr)
+            .await
+            .with_context(|| format!("connecting to Redis at {addr}"))?;
+        stream.set_nodelay(true)?;
+        let (r, w) = tokio::io::split(stream);
+        Ok(Self {
+            reader: BufReader::with_capacity(1 << 20, r),
+            writer: w,
+        })
+    }
+
+    fn command(out: &mut Vec<u8>, args: &[&[u8]]) {
+        out.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
+        for a in args {
+            out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+            out.extend_from_slice(a);
+            out.extend_from_slice(b"\r\n");
+        }
+    }
+
+    async fn line(&mut self) -> anyhow::Result<String> {
+        let mut line = String::new();
+        self.reader.read_line(&mut line).await?;
+        ensure!(line.ends_with("\r\n"), "Redis closed the connection");
+        Ok(line.trim_end().to_owned())
+    }
+
+    /// Reads one reply: a status or an integer (0), or an array of bulk
+    /// strings (their total bytes).
+    async fn reply(&mut self) -> anyhow::Result<u64> {
+        let head = self.line().await?;
+        match head.as_bytes().first() {
+            Some(b'+' | b':') => Ok(0),
+            Some(b'-') => bail!("Redis: {head}"),
+            Some(b'*') => {
+                let n: usize = head[1..].parse()?;
+                let mut total = 0u64;
+                for _ in 0..n {
+                    let len: i64 = self.line().await?[1..].parse()?;
+                    ensure!(len >= 0, "Redis: a page is missing");
+                    let mut buf = vec![0u8; len as usize + 2];
+                    self.reader.read_exact(&mut buf).await?;
+                    total += len as u64;
+                }
+                Ok(total)
+            }
+            _ => bail!("Redis: unexpected reply {head:?}"),
+        }
+    }
+}
+
+fn redis_key(seq: usize, layer: u32, head: usize, page: u32) -> Vec<u8> {
+    format!("kvtier-bench-{}:s{seq}:l{layer}:h{head}:p{page}", std::process::id()).into_bytes()
+}
+
+/// Runs `command` (SET with a value, or UNLINK) on every page of the trace's
+/// sequences, one pipelined batch per (sequence, layer, KV head).
+async fn every_page(redis: &mut Redis, h: &TraceHeader, shape: &Shape, command: &[&[u8]]) -> anyhow::Result<()> {
+    for s in 0..h.sequences {
+        for layer in 0..shape.layers {
+            for head in 0..shape.kv_heads as usize {
+                let mut batch = Vec::new();
+                for page in 0..h.pages_per_lane {
+                    let key = redis_key(s, layer, head, page);
+                    let mut args = vec![command[0], &key];
+                    args.extend_from_slice(&command[1..]);
+                    Redis::command(&mut batch, &args);
+                }
+                redis.writer.write_all(&batch).await?;
+                for _ in 0..h.pages_per_lane {
+                    redis.reply().await?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Loads every page as one value, then fetches each entry's pages with one
+/// MGET; deletes its keys at the end.
+async fn replay_redis(addr: &str, h: &TraceHeader, shape: &Shape, entries: &[TraceEntry]) -> anyhow::Result<Side> {
+    let mut redis = Redis::connect(addr).await?;
+    let value = vec![0u8; shape.page_bytes()];
+    every_page(&mut redis, h, shape, &[b"SET", &value]).await?;
+    let mut floor = Vec::with_capacity(FLOOR_CALLS);
+    let mut ping = Vec::new();
+    Redis::command(&mut ping, &[b"PING"]);
+    for _ in 0..FLOOR_CALLS {
+        let t = Instant::now();
+        redis.writer.write_all(&ping).await?;
+        redis.reply().await?;
+        floor.push(t.elapsed().as_micros() as u64);
+    }
+    let mut latencies = Vec::with_capacity(entries.len());
+    let mut bytes = 0u64;
+    let start = Instant::now();
+    for e in entries {
+        let keys: Vec<Vec<u8>> = e
+            .pages
+            .iter()
+            .enumerate()
+            .flat_map(|(head, pages)| pages.iter().map(move |&p| redis_key(e.sequence, e.layer, head, p)))
+            .collect();
+        let mut args: Vec<&[u8]> = vec![b"MGET"];
+        args.extend(keys.iter().map(Vec::as_slice));
+        let mut cmd = Vec::new();
+        Redis::command(&mut cmd, &args);
+        let t = Instant::now();
+        redis.writer.write_all(&cmd).await?;
+        bytes += redis.reply().await?;
+        latencies.push(t.elapsed().as_micros() as u64);
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    every_page(&mut redis, h, shape, &[b"UNLINK"]).await?;
+    Ok(side(&latencies, &floor, bytes, seconds))
+}
