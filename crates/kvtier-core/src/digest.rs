@@ -4,14 +4,21 @@
 
 use crate::DType;
 
+/// Pages per chunk of a [`DigestColumn`].
+pub const DIGEST_CHUNK_PAGES: usize = 256;
+
 /// The digests of one lane (stored layer, KV head), one entry per page, laid
-/// out contiguously as `[page][min row | max row]` so that scoring a lane is
-/// one sequential read.
+/// out as `[page][min row | max row]` in chunks of [`DIGEST_CHUNK_PAGES`]
+/// contiguous entries, so that scoring a lane is a few sequential reads and
+/// growing it never moves what is there: opening a page costs the same at
+/// any context length (a doubling vector would copy and fault in the whole
+/// column on the step that crosses a power of two).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DigestColumn {
     dtype: DType,
     head_dim: usize,
-    bytes: Vec<u8>,
+    chunks: Vec<Vec<u8>>,
+    pages: usize,
 }
 
 impl DigestColumn {
@@ -19,7 +26,8 @@ impl DigestColumn {
         Self {
             dtype,
             head_dim,
-            bytes: Vec::new(),
+            chunks: Vec::new(),
+            pages: 0,
         }
     }
 
@@ -41,18 +49,31 @@ impl DigestColumn {
     }
 
     pub fn pages(&self) -> usize {
-        self.bytes.len() / self.entry_bytes()
+        self.pages
     }
 
-    /// The whole column, `pages() · entry_bytes()` bytes.
-    pub fn as_bytes(&self) -> &[u8] {
-        &self.bytes
+    /// Bytes of all entries.
+    pub fn byte_len(&self) -> usize {
+        self.pages * self.entry_bytes()
+    }
+
+    /// The entries in page order: every chunk holds [`DIGEST_CHUNK_PAGES`]
+    /// entries but the last.
+    pub fn chunks(&self) -> impl Iterator<Item = &[u8]> {
+        self.chunks.iter().map(Vec::as_slice)
     }
 
     /// Page `page`'s digest: min row then max row.
     pub fn entry(&self, page: usize) -> &[u8] {
         let n = self.entry_bytes();
-        &self.bytes[page * n..(page + 1) * n]
+        let at = page % DIGEST_CHUNK_PAGES * n;
+        &self.chunks[page / DIGEST_CHUNK_PAGES][at..at + n]
+    }
+
+    fn entry_mut(&mut self, page: usize) -> &mut [u8] {
+        let n = self.entry_bytes();
+        let at = page % DIGEST_CHUNK_PAGES * n;
+        &mut self.chunks[page / DIGEST_CHUNK_PAGES][at..at + n]
     }
 
     pub fn min_row(&self, page: usize) -> &[u8] {
@@ -63,6 +84,25 @@ impl DigestColumn {
         &self.entry(page)[self.row_bytes()..]
     }
 
+    /// Appends `entry` as the digest of a new last page.
+    fn push(&mut self, entry: [&[u8]; 2]) {
+        if self.pages.is_multiple_of(DIGEST_CHUNK_PAGES) {
+            // The first chunk grows as needed (most columns in tests and
+            // single-page digests stay small); later ones are made whole.
+            let capacity = if self.chunks.is_empty() {
+                0
+            } else {
+                DIGEST_CHUNK_PAGES * self.entry_bytes()
+            };
+            self.chunks.push(Vec::with_capacity(capacity));
+        }
+        let chunk = self.chunks.last_mut().expect("pushed above");
+        for part in entry {
+            chunk.extend_from_slice(part);
+        }
+        self.pages += 1;
+    }
+
     /// Appends the digest of a new page from its first key rows
     /// (`[rows][head_dim]`, at least one row).
     pub fn open_page(&mut self, keys: &[u8]) {
@@ -71,25 +111,22 @@ impl DigestColumn {
             keys.len() >= row && keys.len().is_multiple_of(row),
             "open_page needs whole key rows"
         );
-        self.bytes.extend_from_slice(&keys[..row]);
-        self.bytes.extend_from_slice(&keys[..row]);
-        let page = self.pages() - 1;
-        self.extend_page(page, &keys[row..]);
+        self.push([&keys[..row], &keys[..row]]);
+        self.extend_page(self.pages - 1, &keys[row..]);
     }
 
     /// Appends a digest computed elsewhere (a shared page's).
     pub fn push_entry(&mut self, entry: &[u8]) {
         assert_eq!(entry.len(), self.entry_bytes(), "digest entry size");
-        self.bytes.extend_from_slice(entry);
+        self.push([entry, &[]]);
     }
 
     /// Folds further key rows of page `page` into its digest.
     pub fn extend_page(&mut self, page: usize, keys: &[u8]) {
-        let (dtype, row, es) = (self.dtype, self.row_bytes(), self.dtype.size());
-        let n = self.entry_bytes();
-        let (min, max) = self.bytes[page * n..(page + 1) * n].split_at_mut(row);
+        let (dtype, row, es, d) = (self.dtype, self.row_bytes(), self.dtype.size(), self.head_dim);
+        let (min, max) = self.entry_mut(page).split_at_mut(row);
         for key in keys.chunks_exact(row) {
-            for i in 0..self.head_dim {
+            for i in 0..d {
                 let v = dtype.get_f32(key, i);
                 let src = &key[i * es..(i + 1) * es];
                 if v < dtype.get_f32(min, i) {
@@ -141,6 +178,27 @@ mod tests {
         assert_eq!(c.pages(), 2);
         assert_eq!(d.to_f32_vec(c.entry(0)), [0.0, 1.0, 1.0, 2.0]);
         assert_eq!(d.to_f32_vec(c.entry(1)), [-1.0, 5.0, -1.0, 5.0]);
-        assert_eq!(c.as_bytes().len(), 2 * c.entry_bytes());
+        assert_eq!(c.byte_len(), 2 * c.entry_bytes());
+    }
+
+    #[test]
+    fn chunks_hold_every_entry_in_page_order() {
+        let d = DType::F32;
+        let mut c = DigestColumn::new(d, 1);
+        let n = 2 * DIGEST_CHUNK_PAGES + 3;
+        for p in 0..n {
+            c.open_page(&encode(d, &[p as f32]));
+        }
+        let sizes: Vec<usize> = c.chunks().map(|k| k.len() / c.entry_bytes()).collect();
+        assert_eq!(sizes, [DIGEST_CHUNK_PAGES, DIGEST_CHUNK_PAGES, 3]);
+        let flat: Vec<f32> = c.chunks().flat_map(|k| d.to_f32_vec(k)).collect();
+        let want: Vec<f32> = (0..n).flat_map(|p| [p as f32, p as f32]).collect();
+        assert_eq!(flat, want);
+        c.extend_page(DIGEST_CHUNK_PAGES + 1, &encode(d, &[-7.0]));
+        assert_eq!(
+            d.to_f32_vec(c.entry(DIGEST_CHUNK_PAGES + 1)),
+            [-7.0, (DIGEST_CHUNK_PAGES + 1) as f32]
+        );
+        assert_eq!(c.byte_len(), n * c.entry_bytes());
     }
 }

@@ -1,6 +1,7 @@
 //! A lane is the append-only run of pages of one (stored layer, KV head) of
 //! one sequence, with the digest of every page.
 
+use crate::chunked::ChunkedVec;
 use crate::{DType, DigestColumn, Reason};
 
 /// What a logical page maps to. `P` is the owner's reference to a physical
@@ -16,7 +17,7 @@ pub enum LogicalPage<P, S> {
 pub struct Lane<P, S> {
     page_size: u32,
     tokens: u64,
-    pages: Vec<LogicalPage<P, S>>,
+    pages: ChunkedVec<LogicalPage<P, S>>,
     digests: DigestColumn,
 }
 
@@ -33,7 +34,7 @@ impl<P, S> Lane<P, S> {
         Self {
             page_size,
             tokens: 0,
-            pages: Vec::new(),
+            pages: ChunkedVec::default(),
             digests: DigestColumn::new(dtype, head_dim),
         }
     }
@@ -47,8 +48,9 @@ impl<P, S> Lane<P, S> {
         self.pages.len()
     }
 
-    pub fn pages(&self) -> &[LogicalPage<P, S>] {
-        &self.pages
+    /// Every page in position order.
+    pub fn pages(&self) -> impl Iterator<Item = &LogicalPage<P, S>> {
+        self.pages.iter()
     }
 
     pub fn page(&self, page: usize) -> Option<&LogicalPage<P, S>> {
@@ -130,12 +132,12 @@ impl<P, S> Lane<P, S> {
     /// Replaces page `page`'s mapping, returning the old one. Digest and
     /// length stay: a summarised or gone page still counts its positions.
     pub fn replace(&mut self, page: usize, new: LogicalPage<P, S>) -> LogicalPage<P, S> {
-        std::mem::replace(&mut self.pages[page], new)
+        std::mem::replace(self.pages.get_mut(page).expect("page index in range"), new)
     }
 
     /// Takes every page out (when the sequence is dropped).
-    pub fn take_pages(&mut self) -> Vec<LogicalPage<P, S>> {
-        std::mem::take(&mut self.pages)
+    pub fn take_pages(&mut self) -> impl Iterator<Item = LogicalPage<P, S>> + use<P, S> {
+        self.pages.take()
     }
 }
 

@@ -4,6 +4,7 @@
 //! Everything here is deterministic and synchronous so that it can be tested
 //! exhaustively (property tests) and reused by every tier and by the server.
 
+pub mod chunked;
 pub mod digest;
 pub mod dtype;
 pub mod error;
@@ -16,7 +17,7 @@ pub mod select;
 pub mod state;
 pub mod summary;
 
-pub use digest::DigestColumn;
+pub use digest::{DIGEST_CHUNK_PAGES, DigestColumn};
 pub use dtype::DType;
 pub use error::FieldError;
 pub use ids::{SequenceId, SequenceKey, TenantId};

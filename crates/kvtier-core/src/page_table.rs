@@ -9,6 +9,8 @@
 use std::collections::HashMap;
 use std::hash::Hash;
 
+use crate::chunked::ChunkedVec;
+
 /// Handle to a physical page. The generation makes a stale handle (to a
 /// freed and reused index) detectable instead of aliasing a new page.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -44,7 +46,7 @@ enum Entry<T, K> {
 /// layout, prefix hash, lane), `T` what the owner keeps per page.
 #[derive(Debug)]
 pub struct PhysicalPages<T, K> {
-    entries: Vec<Entry<T, K>>,
+    entries: ChunkedVec<Entry<T, K>>,
     vacant: Vec<u32>,
     by_key: HashMap<K, PhysId>,
     live: usize,
@@ -53,7 +55,7 @@ pub struct PhysicalPages<T, K> {
 impl<T, K> Default for PhysicalPages<T, K> {
     fn default() -> Self {
         Self {
-            entries: Vec::new(),
+            entries: ChunkedVec::default(),
             vacant: Vec::new(),
             by_key: HashMap::new(),
             live: 0,
@@ -82,7 +84,7 @@ impl<T, K: Hash + Eq + Clone> PhysicalPages<T, K> {
             return Err((PageTableError::KeyTaken(*existing), payload));
         }
         let (index, generation) = match self.vacant.pop() {
-            Some(index) => match self.entries[index as usize] {
+            Some(index) => match *self.entries.get(index as usize).expect("vacant entries exist") {
                 Entry::Vacant { generation } => (index, generation),
                 Entry::Live { .. } => unreachable!("vacant list names a live entry"),
             },
@@ -95,7 +97,7 @@ impl<T, K: Hash + Eq + Clone> PhysicalPages<T, K> {
         if let Some(k) = &key {
             self.by_key.insert(k.clone(), id);
         }
-        self.entries[index as usize] = Entry::Live {
+        *self.entries.get_mut(index as usize).expect("allocated above") = Entry::Live {
             generation,
             refs: 1,
             key,
@@ -156,7 +158,9 @@ impl<T, K: Hash + Eq + Clone> PhysicalPages<T, K> {
         let next = Entry::Vacant {
             generation: id.generation.wrapping_add(1),
         };
-        let Entry::Live { key, payload, .. } = std::mem::replace(&mut self.entries[id.index as usize], next) else {
+        let Entry::Live { key, payload, .. } =
+            std::mem::replace(self.entries.get_mut(id.index as usize).expect("checked live"), next)
+        else {
             unreachable!("live_mut checked the entry")
         };
         if let Some(k) = key {

@@ -317,7 +317,8 @@ mod tests {
         let group = queries.len() / d;
         for kernel in kernels() {
             let mut out = vec![0f32; pages.len() * group];
-            score_column_with(kernel, dtype, d, column.as_bytes(), queries, &mut out);
+            let whole: Vec<u8> = column.chunks().flatten().copied().collect();
+            score_column_with(kernel, dtype, d, &whole, queries, &mut out);
             for (p, keys) in stored.iter().enumerate() {
                 for (j, q) in queries.chunks_exact(d).enumerate() {
                     let best = keys

@@ -286,7 +286,7 @@ impl Store {
             });
             let full = seq.layout.page_size();
             for (lane_index, lane) in seq.lanes.iter().enumerate() {
-                for (p, logical) in lane.pages().iter().enumerate() {
+                for (p, logical) in lane.pages().enumerate() {
                     let rows = lane.rows_in(p);
                     let digest = if rows == full {
                         lane.digests().entry(p).to_vec()

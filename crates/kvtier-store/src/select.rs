@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_core::{LogicalPage, PageState, Reason, SequenceKey};
+use kvtier_core::{DIGEST_CHUNK_PAGES, LogicalPage, PageState, Reason, SequenceKey};
 
 use crate::page::{PhysPage, Pins};
 use crate::read::{FetchedPage, PageContent};
@@ -144,9 +144,15 @@ impl Store {
             let n = lane.num_pages();
             let queries = &req.queries[i * group * d..(i + 1) * group * d];
             let mut scores = vec![0f32; n * group];
-            score_column(layout.dtype(), d, lane.digests().as_bytes(), queries, &mut scores);
+            for (digests, scores) in lane
+                .digests()
+                .chunks()
+                .zip(scores.chunks_mut(DIGEST_CHUNK_PAGES * group))
+            {
+                score_column(layout.dtype(), d, digests, queries, scores);
+            }
             out.pages_scored += n as u64;
-            out.digest_bytes += lane.digests().as_bytes().len() as u64;
+            out.digest_bytes += lane.digests().byte_len() as u64;
             let per_head: Vec<(Option<u32>, Vec<f32>)> = match req.aggregation {
                 Aggregation::Max => vec![(None, fold(&scores, group, |a, b| a.max(b), 1.0))],
                 Aggregation::Mean => vec![(None, fold(&scores, group, |a, b| a + b, 1.0 / group as f32))],

@@ -449,7 +449,7 @@ impl Store {
             pages: states,
             bytes,
             shared_pages,
-            digest_bytes: seq.lanes.iter().map(|l| l.digests().as_bytes().len() as u64).sum(),
+            digest_bytes: seq.lanes.iter().map(|l| l.digests().byte_len() as u64).sum(),
             prefix_hashes: seq.hashes.len() as u64,
             gone_by_reason: Reason::ALL
                 .iter()

@@ -280,7 +280,28 @@ fn print_table(r: &Report) {
     );
 }
 
+/// Every step as a CSV row, for looking at outliers.
+fn steps_csv(dir: &std::path::Path, m: &Measured, stem: &str) -> anyhow::Result<()> {
+    let mut out = String::from("at_s,latency_us,class,select_us,append_us,swap_host_us,swap_nvme_us,bytes\n");
+    for s in &m.steps {
+        out += &format!(
+            "{:.6},{},{},{},{},{},{},{}\n",
+            s.at,
+            s.latency_us,
+            s.class.name(),
+            s.select_us,
+            s.append_us,
+            s.swap_host_us,
+            s.swap_nvme_us,
+            s.bytes
+        );
+    }
+    let path = dir.join(format!("{stem}steps.csv"));
+    std::fs::write(&path, out).with_context(|| format!("writing {}", path.display()))
+}
+
 fn plots(dir: &std::path::Path, m: &Measured, stem: &str) -> anyhow::Result<()> {
+    steps_csv(dir, m, stem)?;
     let mut cdf = Vec::new();
     let mut time = Vec::new();
     for class in Class::ALL {
