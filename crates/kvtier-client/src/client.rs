@@ -297,6 +297,9 @@ impl Client {
             if let Some(swap) = chunk.swap {
                 out.swap = swap;
             }
+            if let Some(timing) = chunk.timing {
+                out.timing = timing;
+            }
             out.prefetch_queued += chunk.prefetch_queued;
             if chunk.lease_id != 0 {
                 out.lease = Some((chunk.lease_id, chunk.lease_expires_in_ms));
@@ -375,6 +378,8 @@ pub struct SelectResult {
     pub pages_scored: u64,
     pub digest_bytes: u64,
     pub swap: pb::SwapReport,
+    /// Where the server spent the call's time.
+    pub timing: pb::SelectTiming,
     pub prefetch_queued: u32,
     /// (lease id, milliseconds until it expires).
     pub lease: Option<(u64, u64)>,

@@ -188,6 +188,11 @@ async fn partial_pages_gone_pages_data_and_aggregations() {
     };
     let got = client.select_pages("p", &req).await.unwrap();
     assert_eq!(got.heads[0].selected_but_gone, 1);
+    let t = got.timing;
+    assert!(
+        t.store_us >= t.rank_us + t.read_us + got.swap.host_us + got.swap.nvme_us,
+        "the store's time covers its parts: {t:?}"
+    );
     assert_eq!(got.heads[0].pages[1].state(), pb::PageState::Gone);
     assert_eq!(got.heads[1].selected_but_gone, 0);
     assert_eq!(got.pages.len(), 3 * 3 - 1);

@@ -303,6 +303,14 @@ pub(crate) fn durability_to_pb(a: kvtier_store::Acknowledged) -> pb::Durability 
     }
 }
 
+pub(crate) fn timing_to_pb(t: &kvtier_store::SelectTiming) -> pb::SelectTiming {
+    pb::SelectTiming {
+        rank_us: t.rank_us,
+        read_us: t.read_us,
+        store_us: t.store_us,
+    }
+}
+
 pub(crate) fn swap_to_pb(s: &kvtier_store::SwapReport) -> pb::SwapReport {
     pb::SwapReport {
         already_hot: s.already_hot,

@@ -357,6 +357,7 @@ impl KvTier for KvTierService {
             lease_expires_in_ms: selection.lease.map_or(0, |(_, at)| {
                 at.saturating_duration_since(std::time::Instant::now()).as_millis() as u64
             }),
+            timing: Some(convert::timing_to_pb(&selection.timing)),
         };
         let data = chunks(selection.data.into_iter().map(page_to_pb).collect(), limit);
         let messages = std::iter::once(first)

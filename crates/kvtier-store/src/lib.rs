@@ -31,7 +31,7 @@ pub use manifest::Durability;
 pub use persist::Acknowledged;
 pub use read::{FetchCursor, FetchPages, FetchedPage, PageContent, PageList};
 pub use recovery::Recovered;
-pub use select::{HeadSelection, Miss, SelectPages, SelectedPage, Selection};
+pub use select::{HeadSelection, Miss, SelectPages, SelectTiming, SelectedPage, Selection};
 pub use sequence::HeadRange;
 pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};
 pub use store::{Created, DeviceCache, Store, StoreConfig};

@@ -110,13 +110,33 @@ pub struct Selection {
     pub prefetch_queued: u32,
     /// The lease pinning the selected pages, and when it expires.
     pub lease: Option<(u64, Instant)>,
+    pub timing: SelectTiming,
+}
+
+fn micros(since: Instant) -> u64 {
+    since.elapsed().as_micros() as u64
+}
+
+/// Where a selection spent its time, in microseconds (the swap-in's is in
+/// its report).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SelectTiming {
+    /// Scoring digests and choosing pages.
+    pub rank_us: u64,
+    /// Reading the chosen pages' bytes.
+    pub read_us: u64,
+    /// The whole call, waiting for the sequence included.
+    pub store_us: u64,
 }
 
 impl Store {
     /// Selects pages (DESIGN.md §3) and, as asked, makes them hot, prefetches
     /// what comes next, leases them and reads them.
     pub fn select_pages(self: &Arc<Self>, key: &SequenceKey, req: SelectPages<'_>) -> StoreResult<Selection> {
-        self.with_sequence(key, |seq| self.select_locked(seq, req))
+        let start = Instant::now();
+        let mut selection = self.with_sequence(key, |seq| self.select_locked(seq, req))?;
+        selection.timing.store_us = micros(start);
+        Ok(selection)
     }
 
     fn select_locked(self: &Arc<Self>, seq: &Sequence, req: SelectPages<'_>) -> StoreResult<Selection> {
@@ -133,7 +153,9 @@ impl Store {
             swap: SwapReport::default(),
             prefetch_queued: 0,
             lease: None,
+            timing: SelectTiming::default(),
         };
+        let ranking = Instant::now();
         // (lane, page) of everything chosen, and of what comes next.
         let mut chosen_pages: BTreeMap<(usize, usize), Arc<PhysPage>> = BTreeMap::new();
         let mut next_pages: BTreeMap<(usize, usize), Arc<PhysPage>> = BTreeMap::new();
@@ -205,6 +227,7 @@ impl Store {
                 });
             }
         }
+        out.timing.rank_us = micros(ranking);
         let chosen: Vec<Arc<PhysPage>> = chosen_pages.values().cloned().collect();
         self.note_used(&chosen);
         let mut timed_out = false;
@@ -240,7 +263,9 @@ impl Store {
             head.selected_but_gone = head.pages.iter().filter(|p| p.state == PageState::Gone).count() as u32;
         }
         if req.with_data {
+            let reading = Instant::now();
             self.read_selected(seq, &lanes, &chosen_pages, &out.heads, &mut out.data)?;
+            out.timing.read_us = micros(reading);
         }
         Ok(out)
     }

@@ -108,19 +108,26 @@ struct ClassReport {
     p99_us: u64,
     p999_us: u64,
     max_us: u64,
-    /// Mean per step of the time in SelectPages and AppendTokens calls and
-    /// of the server's swap-in time per source (µs), over this class's steps
+    /// Where a step's time went (mean µs per step), over this class's steps
     /// and over its slowest 1 %.
     breakdown: Breakdown,
     breakdown_p99: Breakdown,
 }
 
+/// A step's time: its SelectPages calls as the client saw them (`select_us`)
+/// are the server's store work (`store_us`: ranking, swap-in per source,
+/// reading the pages, and the rest — locks, bookkeeping) plus gRPC and the
+/// handler around it (`transport_us`); then its AppendTokens calls.
 #[derive(Debug, Default, Serialize)]
 struct Breakdown {
     select_us: f64,
-    append_us: f64,
+    transport_us: f64,
+    store_us: f64,
+    rank_us: f64,
     swap_host_us: f64,
     swap_nvme_us: f64,
+    read_us: f64,
+    append_us: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -154,17 +161,25 @@ fn breakdown<'a>(steps: impl Iterator<Item = &'a run::Step>) -> Breakdown {
     let (mut b, mut n) = (Breakdown::default(), 0.0);
     for s in steps {
         b.select_us += s.select_us as f64;
-        b.append_us += s.append_us as f64;
+        b.transport_us += s.select_us.saturating_sub(s.store_us) as f64;
+        b.store_us += s.store_us as f64;
+        b.rank_us += s.rank_us as f64;
         b.swap_host_us += s.swap_host_us as f64;
         b.swap_nvme_us += s.swap_nvme_us as f64;
+        b.read_us += s.read_us as f64;
+        b.append_us += s.append_us as f64;
         n += 1.0;
     }
     if n > 0.0 {
         for v in [
             &mut b.select_us,
-            &mut b.append_us,
+            &mut b.transport_us,
+            &mut b.store_us,
+            &mut b.rank_us,
             &mut b.swap_host_us,
             &mut b.swap_nvme_us,
+            &mut b.read_us,
+            &mut b.append_us,
         ] {
             *v /= n;
         }
@@ -247,23 +262,27 @@ fn print_table(r: &Report) {
         if r.emulated_device { "  [device EMULATED]" } else { "" }
     );
     println!(
-        "{:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9}   p99 steps: select / append / swap host / swap nvme µs",
+        "{:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9}   slowest 1 %, µs: transport + rank + swap host + swap nvme + read + other = select; append",
         "class", "steps", "p50 µs", "p90 µs", "p99 µs", "p99.9 µs", "max µs"
     );
     for (name, k) in &r.classes {
         let b = &k.breakdown_p99;
         println!(
-            "{name:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9}   {:.0} / {:.0} / {:.0} / {:.0}",
+            "{name:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9}   {:.0} + {:.0} + {:.0} + {:.0} + {:.0} + {:.0} = {:.0}; {:.0}",
             k.count,
             k.p50_us,
             k.p90_us,
             k.p99_us,
             k.p999_us,
             k.max_us,
-            b.select_us,
-            b.append_us,
+            b.transport_us,
+            b.rank_us,
             b.swap_host_us,
-            b.swap_nvme_us
+            b.swap_nvme_us,
+            b.read_us,
+            b.store_us - b.rank_us - b.swap_host_us - b.swap_nvme_us - b.read_us,
+            b.select_us,
+            b.append_us
         );
     }
     let m = &r.bytes_moved;
@@ -282,17 +301,22 @@ fn print_table(r: &Report) {
 
 /// Every step as a CSV row, for looking at outliers.
 fn steps_csv(dir: &std::path::Path, m: &Measured, stem: &str) -> anyhow::Result<()> {
-    let mut out = String::from("at_s,latency_us,class,select_us,append_us,swap_host_us,swap_nvme_us,bytes\n");
+    let mut out = String::from(
+        "at_s,latency_us,class,select_us,store_us,rank_us,swap_host_us,swap_nvme_us,read_us,append_us,bytes\n",
+    );
     for s in &m.steps {
         out += &format!(
-            "{:.6},{},{},{},{},{},{},{}\n",
+            "{:.6},{},{},{},{},{},{},{},{},{},{}\n",
             s.at,
             s.latency_us,
             s.class.name(),
             s.select_us,
-            s.append_us,
+            s.store_us,
+            s.rank_us,
             s.swap_host_us,
             s.swap_nvme_us,
+            s.read_us,
+            s.append_us,
             s.bytes
         );
     }

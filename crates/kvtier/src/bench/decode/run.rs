@@ -73,12 +73,17 @@ pub(crate) struct Step {
     pub(crate) at: f64,
     pub(crate) latency_us: u64,
     pub(crate) class: Class,
-    /// Time in SelectPages calls, in AppendTokens calls, and the server's
-    /// swap-in time per source, summed over the step's layers.
+    /// Time in SelectPages calls and in AppendTokens calls as the client saw
+    /// it, and the server's own account of its SelectPages time: all of it
+    /// in the store, and of that ranking, swap-in per source and reading
+    /// the pages; each summed over the step's layers.
     pub(crate) select_us: u64,
     pub(crate) append_us: u64,
+    pub(crate) store_us: u64,
+    pub(crate) rank_us: u64,
     pub(crate) swap_host_us: u64,
     pub(crate) swap_nvme_us: u64,
+    pub(crate) read_us: u64,
     pub(crate) bytes: u64,
 }
 
@@ -219,8 +224,11 @@ async fn decode(
             class: Class::Hot,
             select_us: 0,
             append_us: 0,
+            store_us: 0,
+            rank_us: 0,
             swap_host_us: 0,
             swap_nvme_us: 0,
+            read_us: 0,
             bytes: 0,
         };
         for layer in 0..s.layers {
@@ -239,8 +247,11 @@ async fn decode(
                 .await
                 .with_context(|| format!("step {step} layer {layer}"))?;
             m.select_us += t.elapsed().as_micros() as u64;
+            m.store_us += sel.timing.store_us;
+            m.rank_us += sel.timing.rank_us;
             m.swap_host_us += sel.swap.host_us;
             m.swap_nvme_us += sel.swap.nvme_us;
+            m.read_us += sel.timing.read_us;
             m.class = m.class.max(if sel.swap.from_nvme > 0 {
                 Class::Nvme
             } else if sel.swap.from_host > 0 {
