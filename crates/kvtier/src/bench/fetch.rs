@@ -66,8 +66,8 @@ struct Side {
     p999_us: u64,
     max_us: u64,
     mb_per_s: f64,
-    /// The smallest round trip (kvtier: GetSequence; Redis: PING), the
-    /// fixed cost inside every fetch.
+    /// The smallest round trip (kvtier: a FetchPages of no pages; Redis:
+    /// PING), the fixed cost inside every fetch.
     floor_p50_us: u64,
     floor_p99_us: u64,
 }
@@ -243,24 +243,27 @@ async fn replay_kvtier(
             client.put_page_stream(writes).await?;
         }
     }
+    let fetch = |sequence: usize, layer: u32, pages: &[Vec<u32>]| pb::FetchPagesRequest {
+        sequence_id: name(sequence),
+        layer,
+        kv_head_count: shape.kv_heads,
+        per_head_pages: pages.iter().map(|p| pb::PageList { pages: p.clone() }).collect(),
+        max_chunk_bytes: 32 << 20,
+        ..Default::default()
+    };
     let mut floor = Vec::with_capacity(FLOOR_CALLS);
+    let no_pages = vec![Vec::new(); shape.kv_heads as usize];
     for _ in 0..FLOOR_CALLS {
+        let req = fetch(0, 0, &no_pages);
         let t = Instant::now();
-        client.get_sequence(&name(0)).await?;
+        client.fetch(req).await?;
         floor.push(t.elapsed().as_micros() as u64);
     }
     let mut latencies = Vec::with_capacity(entries.len());
     let mut bytes = 0u64;
     let start = Instant::now();
     for e in entries {
-        let req = pb::FetchPagesRequest {
-            sequence_id: name(e.sequence),
-            layer: e.layer,
-            kv_head_count: shape.kv_heads,
-            per_head_pages: e.pages.iter().map(|p| pb::PageList { pages: p.clone() }).collect(),
-            max_chunk_bytes: 32 << 20,
-            ..Default::default()
-        };
+        let req = fetch(e.sequence, e.layer, &e.pages);
         let t = Instant::now();
         let pages = client.fetch(req).await?;
         latencies.push(t.elapsed().as_micros() as u64);

@@ -64,15 +64,23 @@ fn ticks(lo: f64, hi: f64, log: bool) -> Vec<f64> {
         .collect()
 }
 
+/// A tick label: three significant digits at most, with k and M for
+/// thousands and millions (1k, 20k, 1.5M), no trailing zeros.
 fn label(v: f64, log: bool) -> String {
     let v = if log { 10f64.powf(v) } else { v };
-    if v.abs() >= 1e4 || (v != 0.0 && v.abs() < 1e-2) {
-        format!("{v:.0e}")
-    } else if v.fract() == 0.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.2}")
+    if v == 0.0 {
+        return "0".into();
     }
+    let digits = 10f64.powf(v.abs().log10().floor() - 2.0);
+    let v = (v / digits).round() * digits;
+    let (scaled, unit) = match v.abs() {
+        a if a >= 1e6 => (v / 1e6, "M"),
+        a if a >= 1e3 => (v / 1e3, "k"),
+        _ => (v, ""),
+    };
+    let text = format!("{scaled:.3}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    format!("{text}{unit}")
 }
 
 impl Chart {
@@ -259,5 +267,15 @@ mod tests {
         let png = std::fs::read(dir.path().join("c.png")).unwrap();
         assert_eq!(&png[1..4], b"PNG");
         assert_eq!(ticks(0.0, 10.0, false), [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
+    }
+
+    #[test]
+    fn tick_labels_are_short_and_exact() {
+        let log_labels: Vec<String> = ticks(3.0, 4.5, true).iter().map(|&v| label(v, true)).collect();
+        assert_eq!(log_labels, ["1k", "2k", "5k", "10k", "20k"]);
+        assert_eq!(label(0.25, false), "0.25");
+        assert_eq!(label(1_500_000.0, false), "1.5M");
+        assert_eq!(label(0.0, false), "0");
+        assert_eq!(label(-40.0, false), "-40");
     }
 }

@@ -509,6 +509,11 @@ pub(crate) fn run(args: DecodeArgs) -> anyhow::Result<()> {
             print_table(&r);
             eprintln!("report and plots in {}", args.out.display());
         }
+        // The quick run is the CI smoke test of the miss paths: one that
+        // missed a class has tested less than it claims.
+        if let Some((name, _)) = r.classes.iter().find(|(_, k)| args.quick && k.count == 0) {
+            bail!("the --quick run produced no {name} step; its tier sizes no longer exercise every miss class");
+        }
         return Ok(());
     };
     ensure!(

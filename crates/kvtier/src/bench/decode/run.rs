@@ -377,7 +377,7 @@ pub(crate) async fn run(cfg: RunConfig) -> anyhow::Result<Measured> {
         read += run.read_fraction;
     }
     let wall = start.elapsed();
-    bar.abort();
+    bar.await?; // ends once it has drawn the last step
     let after = client.stats().await?;
     steps.sort_by(|a, b| a.at.total_cmp(&b.at));
     Ok(Measured {

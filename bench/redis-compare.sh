@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# kvtier's fetch path against the obvious alternative: each page one Redis
+# value, a step's pages fetched with one MGET. Both serve the same pages (a
+# decode run's selections, recorded with `kvtier bench decode --trace`), same
+# sizes, same order, from memory, each server its own process on loopback,
+# back to back in one run. Selection is kvtier's in both, so this compares
+# the serving paths only. Writes bench/results/redis-compare.md and .jsonl.
+# Usage: bench/redis-compare.sh [path/to/kvtier]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-}
+if ! command -v redis-server >/dev/null; then
+  echo "installing redis-server (Debian package)"
+  if [ "$(id -u)" = 0 ]; then apt-get install -y -q redis-server >/dev/null; else sudo apt-get install -y -q redis-server >/dev/null; fi
+fi
+if [ -z "$bin" ]; then
+  cargo build --release --locked -q -p kvtier
+  bin=target/release/kvtier
+fi
+work=$(mktemp -d)
+redis_port=$((20000 + RANDOM % 10000))
+kvtier_port=$((redis_port + 1))
+cleanup() {
+  redis-cli -p "$redis_port" shutdown nosave >/dev/null 2>&1 || true
+  if [ -n "${kvtier_pid:-}" ]; then kill "$kvtier_pid" 2>/dev/null || true; wait "$kvtier_pid" 2>/dev/null || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
+  --dir "$work" --logfile "$work/redis.log" --pidfile "$work/redis.pid"
+"$bin" serve --listen "127.0.0.1:$kvtier_port" --metrics-listen off --data-dir "$work/kvtier" \
+  --device-bytes 0 --host-bytes 4GiB --nvme-bytes 0 2> "$work/kvtier.log" &
+kvtier_pid=$!
+for _ in $(seq 50); do
+  redis-cli -p "$redis_port" ping >/dev/null 2>&1 && grep -q "serving kvtier" "$work/kvtier.log" && break
+  sleep 0.2
+done
+
+out=bench/results
+jsonl=$out/redis-compare.jsonl
+: > "$jsonl"
+declare -A decode=(
+  [llama3-8b]="--preset llama3-8b --context 8192 --steps 64 --budget-pages 32"
+  [smollm2-realkv]="--preset smollm2-135m --queries realkv:${KVTIER_REALKV:-../shared/data/realkv/small} --context 1536 --steps 128 --budget-pages 16"
+)
+for name in llama3-8b smollm2-realkv; do
+  echo "== $name: recording the selections"
+  "$bin" bench decode ${decode[$name]} --out "$work/decode-$name" --trace "$work/$name.trace" > /dev/null
+  echo "== $name: replaying them through kvtier and Redis"
+  "$bin" bench fetch --trace "$work/$name.trace" --addr "http://127.0.0.1:$kvtier_port" \
+    --redis "127.0.0.1:$redis_port" --json \
+    | python3 -c "import json,sys; r=json.load(sys.stdin); r['workload']='$name'; r['decode']='${decode[$name]}'; print(json.dumps(r))" >> "$jsonl"
+done
+
+{
+  echo "# kvtier FetchPages vs Redis MGET, same pages"
+  echo
+  echo "- command: \`bench/redis-compare.sh\`: per workload, \`kvtier bench decode <args> --trace T\` records"
+  echo "  every selection; \`kvtier bench fetch --trace T --addr <kvtier serve> --redis <redis-server>\`"
+  echo "  loads every page into both, then fetches each selection's pages (one FetchPages with per-head"
+  echo "  lists; one MGET of one key per (layer, KV head, page)), one at a time, timing each."
+  echo "- servers: \`kvtier serve --device-bytes 0 --host-bytes 4GiB --nvme-bytes 0\` (pages in host memory)"
+  echo "  and \`redis-server --save '' --appendonly no\` ($(redis-server --version | awk '{print $3}')), each its own process on loopback."
+  echo "- machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(free -g | awk '/Mem:/{print $2" GiB"}'); $(uname -r)"
+  echo "- date: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD)"
+  echo "- empty call: the smallest round trip each offers (kvtier a FetchPages of no pages, Redis PING), the fixed cost inside every fetch."
+  echo
+  echo "| workload | page | fetches | MB per fetch | kvtier p50 / p99 / p99.9 µs | Redis p50 / p99 / p99.9 µs | Redis/kvtier p50 | p99 | kvtier MB/s | Redis MB/s | empty call kvtier / Redis p50 µs |"
+  echo "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---|"
+  python3 - "$jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line); k, d = r["kvtier"], r["redis"]
+    print(f"| {r['workload']} (`{r['decode']}`) | {r['page_bytes']} B | {r['fetches']} | {k['bytes']/k['fetches']/1e6:.2f} | "
+          f"{k['p50_us']} / {k['p99_us']} / {k['p999_us']} | {d['p50_us']} / {d['p99_us']} / {d['p999_us']} | "
+          f"{r['ratio_p50']:.2f} | {r['ratio_p99']:.2f} | {k['mb_per_s']:.0f} | {d['mb_per_s']:.0f} | {k['floor_p50_us']} / {d['floor_p50_us']} |")
+PY
+  echo
+  echo "A ratio above 1 means kvtier is faster."
+} > "$out/redis-compare.md"
+cat "$out/redis-compare.md"
