@@ -9,9 +9,10 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use kvtier_core::{DType, LayerGroup, Layout, LayoutSpec, Reason, SequenceKey};
+use kvtier_tiers::Slot;
 
 use crate::sync::lock;
 
@@ -326,19 +327,42 @@ pub(crate) fn replay(path: &Path) -> io::Result<(Vec<Record>, u64)> {
 
 /// The open journal. Records are buffered and written in groups; `flush`
 /// makes them reach the OS (and the disk with [`Durability::Fsync`]).
+///
+/// An NVMe extent that a record stops referring to (a page's stale or freed
+/// copy) is *retired* with that record and reused only once the record is as
+/// durable as the journal promises: reused earlier, a crash would replay the
+/// old record and point a page at another page's bytes.
 #[derive(Debug)]
 pub(crate) struct Journal {
     path: PathBuf,
     durability: Durability,
-    state: Mutex<JournalState>,
+    /// Appenders hold this lock only to copy their bytes in, never across I/O.
+    pending: Mutex<Pending>,
+    /// The file side: held by one flush or checkpoint at a time, in order.
+    file: Mutex<JournalFile>,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    /// Records framed but not yet written.
+    bytes: Vec<u8>,
+    /// Extents retired by those records.
+    retired: Vec<Arc<Slot>>,
 }
 
 #[derive(Debug)]
-struct JournalState {
+struct JournalFile {
     file: File,
-    buffer: Vec<u8>,
     /// Bytes in the file.
     len: u64,
+    /// Bytes of the last checkpoint (0 before the first).
+    checkpoint_len: u64,
+    /// While a checkpoint is being built: every byte written to the file
+    /// since it began, which goes after the snapshot in the new file.
+    tail: Option<Vec<u8>>,
+    /// Extents whose retiring records are written but not yet synced
+    /// ([`Durability::Fsync`] only).
+    unsynced: Vec<Arc<Slot>>,
 }
 
 impl Journal {
@@ -355,10 +379,13 @@ impl Journal {
         Ok(Self {
             path: path.to_owned(),
             durability,
-            state: Mutex::new(JournalState {
+            pending: Mutex::default(),
+            file: Mutex::new(JournalFile {
                 file,
-                buffer: Vec::new(),
                 len: valid,
+                checkpoint_len: 0,
+                tail: None,
+                unsynced: Vec::new(),
             }),
         })
     }
@@ -369,60 +396,108 @@ impl Journal {
 
     pub(crate) fn append(&self, records: &[Record]) {
         if !records.is_empty() {
-            frame(records, &mut lock(&self.state).buffer);
+            frame(records, &mut lock(&self.pending).bytes);
         }
+    }
+
+    /// Appends `records`, which stop referring to the extents `retired`:
+    /// those are freed for reuse once the records are durable.
+    pub(crate) fn append_retiring(&self, records: &[Record], retired: Vec<Arc<Slot>>) {
+        let mut pending = lock(&self.pending);
+        frame(records, &mut pending.bytes);
+        pending.retired.extend(retired);
     }
 
     /// Writes buffered records to the file; with `Fsync` durability and
     /// `sync`, waits for the disk.
     pub(crate) fn flush(&self, sync: bool) -> io::Result<()> {
-        let mut s = lock(&self.state);
-        if !s.buffer.is_empty() {
-            let buffer = std::mem::take(&mut s.buffer);
-            let len = s.len;
+        self.flush_locked(&mut lock(&self.file), sync)
+    }
+
+    fn flush_locked(&self, f: &mut JournalFile, sync: bool) -> io::Result<()> {
+        let Pending { bytes, retired } = std::mem::take(&mut *lock(&self.pending));
+        if !bytes.is_empty() {
             let written = {
                 use std::os::unix::fs::FileExt;
-                s.file.write_all_at(&buffer, len)
+                f.file.write_all_at(&bytes, f.len)
             };
             if let Err(e) = written {
-                // Keep the records for the next attempt; cut off anything
-                // half-written so the file stays a valid prefix.
-                let _ = s.file.set_len(len);
-                s.buffer = buffer;
+                // Keep the records, ahead of any appended meanwhile, for the
+                // next attempt; cut off anything half-written so the file
+                // stays a valid prefix.
+                let _ = f.file.set_len(f.len);
+                let mut pending = lock(&self.pending);
+                pending.bytes.splice(0..0, bytes);
+                pending.retired.extend(retired);
                 return Err(e);
             }
-            s.len += buffer.len() as u64;
+            f.len += bytes.len() as u64;
+            if let Some(tail) = &mut f.tail {
+                tail.extend_from_slice(&bytes);
+            }
         }
-        if sync && self.durability == Durability::Fsync {
-            s.file.sync_data()?;
+        f.unsynced.extend(retired);
+        match self.durability {
+            // In the OS's hands: survives the process being killed.
+            Durability::Relaxed => f.unsynced.clear(),
+            // Retired extents are worth a sync even when none was asked
+            // for: until then they cannot be reused.
+            Durability::Fsync if sync || !f.unsynced.is_empty() => {
+                f.file.sync_data()?;
+                f.unsynced.clear();
+            }
+            Durability::Fsync => {}
         }
         Ok(())
     }
 
-    /// Bytes in the file, for deciding when to checkpoint.
-    pub(crate) fn len(&self) -> u64 {
-        lock(&self.state).len
+    /// Whether the journal has grown enough to be worth rewriting: past a
+    /// floor, and by as much as its last checkpoint (so rewriting costs at
+    /// most about as many bytes as were journalled).
+    pub(crate) fn wants_checkpoint(&self, floor: u64) -> bool {
+        let f = lock(&self.file);
+        f.len > floor.max(2 * f.checkpoint_len)
     }
 
-    /// Replaces the journal with `records` (a checkpoint of the current
-    /// state) atomically: a new file is written and synced, then renamed over
-    /// the old one. Records appended meanwhile go after the checkpoint.
-    pub(crate) fn checkpoint(&self, records: &[Record]) -> io::Result<()> {
-        let mut s = lock(&self.state);
+    /// Replaces the journal with a checkpoint of the current state, built by
+    /// `snapshot` while records keep being appended: everything written from
+    /// the moment the checkpoint begins is kept and goes after the snapshot
+    /// (replaying records is idempotent, so one the snapshot already
+    /// reflects does no harm). The snapshot is written and synced with no
+    /// lock held; only the tail is written under the file lock. The new file
+    /// is renamed over the old one, so a crash leaves one or the other.
+    pub(crate) fn checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> io::Result<()> {
+        {
+            let mut f = lock(&self.file);
+            self.flush_locked(&mut f, true)?;
+            f.tail = Some(Vec::new());
+        }
+        let written = self.write_checkpoint(snapshot);
+        if written.is_err() {
+            lock(&self.file).tail = None;
+        }
+        written
+    }
+
+    fn write_checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> io::Result<()> {
         let tmp = self.path.with_extension("checkpoint");
         let mut bytes = Vec::new();
-        frame(records, &mut bytes);
-        let pending = std::mem::take(&mut s.buffer);
-        bytes.extend_from_slice(&pending);
-        let mut f = File::create(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
+        frame(&snapshot(), &mut bytes);
+        let mut out = File::create(&tmp)?;
+        out.write_all(&bytes)?;
+        out.sync_all()?;
+        let mut f = lock(&self.file);
+        self.flush_locked(&mut f, false)?;
+        let tail = f.tail.take().unwrap_or_default();
+        out.write_all(&tail)?;
+        out.sync_all()?;
         std::fs::rename(&tmp, &self.path)?;
         if let Some(dir) = self.path.parent() {
             File::open(dir)?.sync_all()?;
         }
-        s.file = OpenOptions::new().read(true).write(true).open(&self.path)?;
-        s.len = bytes.len() as u64;
+        f.file = OpenOptions::new().read(true).write(true).open(&self.path)?;
+        f.len = (bytes.len() + tail.len()) as u64;
+        f.checkpoint_len = bytes.len() as u64;
         Ok(())
     }
 }
@@ -513,11 +588,35 @@ mod tests {
         let journal = Journal::open(&path, 0, Durability::Relaxed).unwrap();
         journal.append(&records());
         journal.flush(false).unwrap();
-        journal.checkpoint(&records()[..2]).unwrap();
+        journal.checkpoint(|| records()[..2].to_vec()).unwrap();
         journal.append(&[Record::Drop { key: key("b") }]);
         journal.flush(false).unwrap();
         let (back, _) = replay(&path).unwrap();
         assert_eq!(back.len(), 3);
         assert_eq!(back[2], Record::Drop { key: key("b") });
+    }
+
+    #[test]
+    fn records_written_while_a_checkpoint_is_built_follow_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("manifest");
+        let journal = Journal::open(&path, 0, Durability::Fsync).unwrap();
+        journal.append(&records());
+        journal
+            .checkpoint(|| {
+                // Appended and even flushed to the old file mid-checkpoint.
+                journal.append(&[Record::Drop { key: key("a") }]);
+                journal.flush(true).unwrap();
+                journal.append(&[Record::Drop { key: key("b") }]);
+                records()[..1].to_vec()
+            })
+            .unwrap();
+        let (back, len) = replay(&path).unwrap();
+        assert_eq!(back[0], records()[0]);
+        assert_eq!(
+            &back[1..],
+            [Record::Drop { key: key("a") }, Record::Drop { key: key("b") }]
+        );
+        assert_eq!(len, lock(&journal.file).len);
     }
 }

@@ -6,7 +6,7 @@
 use std::sync::{Arc, Weak};
 
 use kvtier_core::{ColdTier, Layout, PageState, Reason};
-use kvtier_tiers::{AlignedBuf, Slot, TierError};
+use kvtier_tiers::{AlignedBuf, Slot, Tier, TierError};
 
 use crate::page::{NvmeCopy, PhysPage, read_rows, rows_of};
 use crate::sync::{lock, read, write};
@@ -131,10 +131,13 @@ impl Store {
         if place.lost.is_some() || place.host.is_some() || place.device.is_some() || !same {
             return place.lost.is_some();
         }
-        place.nvme = None;
+        let failed = place.nvme.take().expect("checked above");
         place.lost = Some(Reason::Integrity);
         drop(place);
-        self.log(vec![crate::manifest::Record::Unpersist { phys: page.id }]);
+        self.log_retiring(
+            vec![crate::manifest::Record::Unpersist { phys: page.id }],
+            vec![failed.slot],
+        );
         self.counters
             .transition(PageState::Cold(ColdTier::Nvme), PageState::Gone, Reason::Integrity, 1);
         true
@@ -290,7 +293,7 @@ impl Store {
         }
         let slots: Vec<Slot> = bufs
             .iter()
-            .map(|b| nvme.allocate(b.len() as u64))
+            .map(|b| self.allocate_nvme(&**nvme, b.len() as u64))
             .collect::<Result<_, _>>()?;
         let mut written = Vec::with_capacity(slots.len());
         for done in nvme.write_many(slots.into_iter().zip(bufs).collect()) {
@@ -306,6 +309,7 @@ impl Store {
             written.push((d.slot, d.buf));
         }
         let mut records = Vec::new();
+        let mut superseded = Vec::new();
         for ((page, version, rows, crc), (slot, buf)) in pending.into_iter().zip(written) {
             let mut place = write(&page.place);
             if place.version != version || place.host.is_none() || place.lost.is_some() || place.nvme.is_some() {
@@ -316,7 +320,9 @@ impl Store {
             place.nvme = Some(NvmeCopy {
                 slot: Arc::new(slot),
                 crc,
+                rows,
             });
+            superseded.extend(place.durable_prefix.take().map(|c| c.slot));
             if keep == Keep::Nothing {
                 place.host = None;
             }
@@ -325,8 +331,22 @@ impl Store {
             self.counted(from, to, reason);
             moved += 1;
         }
-        self.log(records);
+        self.log_retiring(records, superseded);
         Ok(moved)
+    }
+
+    /// An NVMe slot of `len` bytes. When NVMe is full, the journal is
+    /// flushed first: extents it retired become free once it is.
+    fn allocate_nvme(&self, nvme: &dyn Tier, len: u64) -> StoreResult<Slot> {
+        match (nvme.allocate(len), &self.journal) {
+            (Err(TierError::Full { .. }), Some(journal)) => {
+                journal
+                    .flush(false)
+                    .map_err(|e| crate::persist::manifest_write_error(&e))?;
+                Ok(nvme.allocate(len)?)
+            }
+            (slot, _) => Ok(slot?),
+        }
     }
 
     fn counted(&self, from: PageState, to: PageState, reason: Reason) {

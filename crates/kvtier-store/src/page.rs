@@ -77,6 +77,11 @@ pub(crate) struct Placement {
     pub(crate) device: Option<Slot>,
     pub(crate) host: Option<Slot>,
     pub(crate) nvme: Option<NvmeCopy>,
+    /// The NVMe copy from before rows were last appended: no longer a copy
+    /// of the page, but still the manifest's record of its first rows
+    /// (appends never change rows already written). It is kept until a
+    /// current copy replaces it, so a crash in between recovers those rows.
+    pub(crate) durable_prefix: Option<NvmeCopy>,
     /// Valid token rows in the page.
     pub(crate) rows: u32,
     /// Bumped by every change of the page's bytes, so that a copy taken
@@ -87,11 +92,13 @@ pub(crate) struct Placement {
     pub(crate) lost: Option<Reason>,
 }
 
-/// A page's copy on NVMe, with the CRC32C of the slot's page bytes.
+/// A page's copy on NVMe, with the CRC32C of the slot's page bytes and the
+/// token rows it holds.
 #[derive(Debug, Clone)]
 pub(crate) struct NvmeCopy {
     pub(crate) slot: Arc<Slot>,
     pub(crate) crc: u32,
+    pub(crate) rows: u32,
 }
 
 impl Placement {
@@ -100,6 +107,7 @@ impl Placement {
             device,
             host: Some(host),
             nvme: None,
+            durable_prefix: None,
             rows,
             version: 0,
             lost: None,

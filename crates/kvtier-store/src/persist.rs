@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use kvtier_core::{DigestColumn, LogicalPage};
+use kvtier_tiers::Slot;
 
 use crate::manifest::{Durability, Record};
 use crate::page::PhysPage;
@@ -28,6 +29,14 @@ impl Store {
     pub(crate) fn log(&self, records: Vec<Record>) {
         if let Some(journal) = &self.journal {
             journal.append(&records);
+        }
+    }
+
+    /// Queues records that stop referring to the NVMe extents `retired`:
+    /// those are reused only once the records are durable.
+    pub(crate) fn log_retiring(&self, records: Vec<Record>, retired: Vec<Arc<Slot>>) {
+        if let Some(journal) = &self.journal {
+            journal.append_retiring(&records, retired);
         }
     }
 
@@ -81,9 +90,7 @@ impl Store {
         if journal.durability() == Durability::Fsync {
             nvme.sync()?;
         }
-        journal
-            .flush(true)
-            .map_err(|e| StoreError::Unavailable(io_error("manifest write", &e)))?;
+        journal.flush(true).map_err(|e| manifest_write_error(&e))?;
         Ok(match journal.durability() {
             Durability::Fsync => Acknowledged::Fsync,
             Durability::Relaxed => Acknowledged::Relaxed,
@@ -112,17 +119,30 @@ impl Store {
         }
     }
 
-    /// Unpersist records for pages being freed that had an NVMe copy.
+    /// Unpersist records for pages being freed that had an NVMe copy (or a
+    /// durable prefix); their extents are reused once the records are
+    /// durable.
     pub(crate) fn log_freed(&self, freed: &[Arc<PhysPage>]) {
-        if self.journal.is_some() {
-            let records = freed
-                .iter()
-                .filter(|p| read(&p.place).nvme.is_some())
-                .map(|p| Record::Unpersist { phys: p.id })
+        let mut records = Vec::new();
+        let mut retired = Vec::new();
+        for page in freed {
+            let place = read(&page.place);
+            let copies: Vec<_> = [&place.nvme, &place.durable_prefix]
+                .into_iter()
+                .flatten()
+                .map(|c| Arc::clone(&c.slot))
                 .collect();
-            self.log(records);
+            if !copies.is_empty() {
+                records.push(Record::Unpersist { phys: page.id });
+                retired.extend(copies);
+            }
         }
+        self.log_retiring(records, retired);
     }
+}
+
+pub(crate) fn manifest_write_error(e: &std::io::Error) -> StoreError {
+    StoreError::Unavailable(io_error("manifest write", e))
 }
 
 pub(crate) fn io_error(op: &'static str, e: &std::io::Error) -> kvtier_tiers::TierError {

@@ -165,21 +165,26 @@ impl Store {
                     let lane_ref = &mut seq.lanes[lane as usize];
                     match durable {
                         Some((_, (physical, info))) => {
-                            let key = hash
+                            let share = hash
                                 .filter(|_| info.rows == page_size)
                                 .map(|h| share_key_for(&key, &rec.layout, &h, lane));
-                            let id = self.adopt(&mut ids, &physical, key);
+                            let id = self.adopt(&mut ids, &physical, share);
                             let digest = if info.digest.len() == entry_bytes {
                                 info.digest.clone()
                             } else {
                                 vec![0; entry_bytes]
                             };
-                            lane_ref.push_known(
-                                LogicalPage::Physical(PageRef { id, page: physical }),
-                                rows(info.rows),
-                                &digest,
-                            );
+                            // Only a page's first rows were durable (rows
+                            // were appended since): no write after that was
+                            // acknowledged durable, so the lane ends here.
+                            let ends_early = info.rows < page_size && page < last;
+                            let rows = if ends_early { info.rows.max(1) } else { rows(info.rows) };
+                            lane_ref.push_known(LogicalPage::Physical(PageRef { id, page: physical }), rows, &digest);
                             report.pages += 1;
+                            if ends_early {
+                                tracing::info!(sequence = %key, lane, page, rows, "lane recovered up to a partially durable page");
+                                break;
+                            }
                         }
                         None => {
                             let (reason, r, digest) = match rec_page {
@@ -236,7 +241,9 @@ impl Store {
                     nvme: Some(NvmeCopy {
                         slot: Arc::new(slot),
                         crc: info.crc,
+                        rows: info.rows,
                     }),
+                    durable_prefix: None,
                     rows: info.rows,
                     version: 0,
                     lost: None,
@@ -270,68 +277,31 @@ impl Store {
     }
 
     /// Everything needed to rebuild the current state: the checkpoint that
-    /// replaces the manifest.
+    /// replaces the manifest. A sequence is read one lane at a time, so a
+    /// write waits for at most one lane's records; what changes meanwhile is
+    /// journalled after the snapshot and replayed over it.
     pub(crate) fn checkpoint_records(&self) -> Vec<Record> {
         let mut records = Vec::new();
         let mut persisted: BTreeMap<u64, Record> = BTreeMap::new();
         for cell in self.sequence_cells() {
-            let seq = read(&cell);
-            if seq.dropped {
-                continue;
-            }
-            records.push(Record::Sequence {
-                key: seq.key.clone(),
-                layout: (*seq.layout).clone(),
-                hashes: seq.hashes.iter().map(|h| h.to_vec()).collect(),
-            });
-            let full = seq.layout.page_size();
-            for (lane_index, lane) in seq.lanes.iter().enumerate() {
-                for (p, logical) in lane.pages().enumerate() {
-                    let rows = lane.rows_in(p);
-                    let digest = if rows == full {
-                        lane.digests().entry(p).to_vec()
-                    } else {
-                        Vec::new()
-                    };
-                    let (phys, unmapped) = match logical {
-                        LogicalPage::Physical(r) => {
-                            let place = read(&r.page.place);
-                            if let Some(copy) = &place.nvme {
-                                persisted.entry(r.page.id).or_insert_with(|| Record::Persist {
-                                    phys: r.page.id,
-                                    offset: copy.slot.offset(),
-                                    len: copy.slot.len(),
-                                    crc: copy.crc,
-                                    rows: place.rows,
-                                    digest: if place.rows == full {
-                                        lane.digests().entry(p).to_vec()
-                                    } else {
-                                        Vec::new()
-                                    },
-                                });
-                            }
-                            (r.page.id, place.lost)
-                        }
-                        LogicalPage::Summary(_) => (u64::MAX, Some(Reason::LostOnRestart)),
-                        LogicalPage::Gone(reason) => (u64::MAX, Some(*reason)),
-                    };
-                    records.push(Record::Map {
-                        key: seq.key.clone(),
-                        lane: lane_index as u32,
-                        page: p as u32,
-                        phys,
-                        rows,
-                        digest,
-                    });
-                    if let Some(reason) = unmapped {
-                        records.push(Record::Unmap {
-                            key: seq.key.clone(),
-                            lane: lane_index as u32,
-                            page: p as u32,
-                            reason,
-                        });
-                    }
+            let lanes = {
+                let seq = read(&cell);
+                if seq.dropped {
+                    continue;
                 }
+                records.push(Record::Sequence {
+                    key: seq.key.clone(),
+                    layout: (*seq.layout).clone(),
+                    hashes: seq.hashes.iter().map(|h| h.to_vec()).collect(),
+                });
+                seq.lanes.len()
+            };
+            for lane in 0..lanes {
+                let seq = read(&cell);
+                if seq.dropped {
+                    break;
+                }
+                lane_records(&seq, lane, &mut records, &mut persisted);
             }
         }
         records.extend(persisted.into_values());
@@ -341,10 +311,7 @@ impl Store {
     /// Rewrites the manifest as a checkpoint of the current state.
     pub(crate) fn checkpoint(&self) {
         let Some(journal) = &self.journal else { return };
-        if let Err(e) = journal
-            .flush(true)
-            .and_then(|()| journal.checkpoint(&self.checkpoint_records()))
-        {
+        if let Err(e) = journal.checkpoint(|| self.checkpoint_records()) {
             tracing::error!(error = %e, "manifest checkpoint failed; the journal keeps growing");
         }
     }
@@ -356,5 +323,60 @@ fn share_key_for(key: &SequenceKey, layout: &Arc<Layout>, hash: &Arc<[u8]>, lane
         layout: Arc::clone(layout),
         hash: Arc::clone(hash),
         lane,
+    }
+}
+
+/// The Map and Unmap records of one lane, and the Persist record of each
+/// physical page it maps that has an NVMe copy (once per page).
+fn lane_records(seq: &Sequence, lane_index: usize, records: &mut Vec<Record>, persisted: &mut BTreeMap<u64, Record>) {
+    let full = seq.layout.page_size();
+    let lane = &seq.lanes[lane_index];
+    for (p, logical) in lane.pages().enumerate() {
+        let rows = lane.rows_in(p);
+        let digest = || {
+            if rows == full {
+                lane.digests().entry(p).to_vec()
+            } else {
+                Vec::new()
+            }
+        };
+        let (phys, unmapped) = match logical {
+            LogicalPage::Physical(r) => {
+                let place = read(&r.page.place);
+                if let Some(copy) = place.nvme.as_ref().or(place.durable_prefix.as_ref()) {
+                    persisted.entry(r.page.id).or_insert_with(|| Record::Persist {
+                        phys: r.page.id,
+                        offset: copy.slot.offset(),
+                        len: copy.slot.len(),
+                        crc: copy.crc,
+                        rows: copy.rows,
+                        digest: if copy.rows == full {
+                            lane.digests().entry(p).to_vec()
+                        } else {
+                            Vec::new()
+                        },
+                    });
+                }
+                (r.page.id, place.lost)
+            }
+            LogicalPage::Summary(_) => (u64::MAX, Some(Reason::LostOnRestart)),
+            LogicalPage::Gone(reason) => (u64::MAX, Some(*reason)),
+        };
+        records.push(Record::Map {
+            key: seq.key.clone(),
+            lane: lane_index as u32,
+            page: p as u32,
+            phys,
+            rows,
+            digest: digest(),
+        });
+        if let Some(reason) = unmapped {
+            records.push(Record::Unmap {
+                key: seq.key.clone(),
+                lane: lane_index as u32,
+                page: p as u32,
+                reason,
+            });
+        }
     }
 }

@@ -224,7 +224,7 @@ impl Store {
             if let Err(e) = journal.flush(false) {
                 tracing::error!(error = %e, "manifest flush failed");
             }
-            if journal.len() > CHECKPOINT_BYTES {
+            if journal.wants_checkpoint(CHECKPOINT_BYTES) {
                 self.checkpoint();
             }
         }
@@ -503,7 +503,8 @@ impl Store {
     }
 }
 
-/// Rewrite the manifest as a checkpoint beyond this size.
+/// Rewrite the manifest as a checkpoint once it is past this size (and has
+/// doubled since the last checkpoint).
 const CHECKPOINT_BYTES: u64 = 64 << 20;
 
 fn manifest_error(path: &Path, e: &std::io::Error) -> StoreError {

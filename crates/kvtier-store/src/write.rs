@@ -11,7 +11,6 @@ use std::sync::Arc;
 use kvtier_core::{DigestColumn, Layout, LogicalPage, PageTableError, Reason};
 use kvtier_tiers::Slot;
 
-use crate::manifest::Record;
 use crate::page::{PageRef, PhysPage, Placement, ShareKey, StorePage, write_rows};
 use crate::persist::Acknowledged;
 use crate::sequence::{HeadRange, Sequence};
@@ -376,9 +375,9 @@ impl Store {
             if let Some(device) = place.device.as_mut() {
                 write_rows(&*self.device, device, &layout, first_row, k, v)?;
             }
-            // An NVMe copy of the page is stale now.
-            if place.nvme.take().is_some() {
-                self.log(vec![Record::Unpersist { phys: r.page.id }]);
+            // An NVMe copy no longer holds the page, only its first rows.
+            if let Some(copy) = place.nvme.take() {
+                place.durable_prefix = Some(copy);
             }
             place.rows += fill as u32;
             place.touch_bytes();
