@@ -324,6 +324,42 @@ impl Client {
         Ok(())
     }
 
+    /// Applies (or, with a trigger, registers) a policy; the request's
+    /// tenant and sequence are set from this client and `sequence_id`.
+    pub async fn apply_policy(
+        &mut self,
+        sequence_id: &str,
+        mut req: pb::ApplyPolicyRequest,
+    ) -> Result<pb::ApplyPolicyResponse> {
+        req.tenant = self.tenant.clone();
+        req.sequence_id = sequence_id.to_owned();
+        Ok(self.inner.apply_policy(req).await?.into_inner())
+    }
+
+    /// Reports one query's attention per KV head of `kv_heads` (a row of
+    /// per-token weights per head, heads one after another).
+    pub async fn report_attention(
+        &mut self,
+        sequence_id: &str,
+        layer: u32,
+        kv_heads: Range<u32>,
+        token_weights: Vec<f32>,
+        decay: f64,
+    ) -> Result<()> {
+        let req = pb::ReportAttentionRequest {
+            tenant: self.tenant.clone(),
+            sequence_id: sequence_id.to_owned(),
+            layer,
+            kv_head_start: kv_heads.start,
+            kv_head_count: kv_heads.len() as u32,
+            token_weights,
+            page_weights: vec![],
+            decay,
+        };
+        self.inner.report_attention(req).await?;
+        Ok(())
+    }
+
     pub async fn stats(&mut self) -> Result<pb::Stats> {
         Ok(self.inner.get_stats(pb::GetStatsRequest {}).await?.into_inner())
     }

@@ -101,7 +101,7 @@ pub(crate) fn reason_to_pb(reason: Reason) -> pb::Reason {
     }
 }
 
-fn cold_tier(field: &str, tier: i32) -> Result<ColdTier, Status> {
+pub(crate) fn cold_tier(field: &str, tier: i32) -> Result<ColdTier, Status> {
     match enum_field(field, tier, "TIER_HOST, TIER_NVME")? {
         pb::Tier::Host => Ok(ColdTier::Host),
         pb::Tier::Nvme => Ok(ColdTier::Nvme),

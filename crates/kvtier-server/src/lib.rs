@@ -3,6 +3,7 @@
 
 mod convert;
 mod metrics;
+mod policy;
 mod service;
 mod status;
 

@@ -8,8 +8,8 @@ use kvtier_core::{Reason, SequenceKey};
 use kvtier_proto::v1 as pb;
 use kvtier_proto::v1::kv_tier_server::KvTier;
 use kvtier_store::{
-    AppendTokens, FetchCursor, FetchPages, FetchedPage, HeadRange, PageContent, PageList, PageSelection, PutPages,
-    SelectPages, SetPageState, Store, StoreError, StoreResult,
+    AppendTokens, ApplyPolicy, AttentionWeights, FetchCursor, FetchPages, FetchedPage, HeadRange, PageContent,
+    PageList, PageSelection, PutPages, ReportAttention, SelectPages, SetPageState, Store, StoreError, StoreResult,
 };
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -444,6 +444,64 @@ impl KvTier for KvTierService {
             })
             .await?;
         Ok(Response::new(pb::SetPageStateResponse { pages: outcome.pages }))
+    }
+
+    async fn apply_policy(
+        &self,
+        request: Request<pb::ApplyPolicyRequest>,
+    ) -> Result<Response<pb::ApplyPolicyResponse>, Status> {
+        let r = request.into_inner();
+        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let Some((spec, trigger)) = crate::policy::spec(&r)? else {
+            self.call(move |s| s.unregister_policy(&key)).await?;
+            return Ok(Response::new(pb::ApplyPolicyResponse::default()));
+        };
+        let queries = convert::f32s("queries", &r.queries)?;
+        let outcome = self
+            .call(move |s| {
+                s.apply_policy(
+                    &key,
+                    ApplyPolicy {
+                        spec: &spec,
+                        queries: &queries,
+                        trigger,
+                    },
+                )
+            })
+            .await?;
+        Ok(Response::new(pb::ApplyPolicyResponse {
+            pages_kept: outcome.kept,
+            pages_changed: outcome.changed,
+            dropped_mass: outcome.dropped_mass,
+        }))
+    }
+
+    async fn report_attention(
+        &self,
+        request: Request<pb::ReportAttentionRequest>,
+    ) -> Result<Response<pb::ReportAttentionResponse>, Status> {
+        let r = request.into_inner();
+        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        if r.token_weights.is_empty() == r.page_weights.is_empty() {
+            return Err(invalid("token_weights", "give either token_weights or page_weights"));
+        }
+        self.call(move |s| {
+            s.report_attention(
+                &key,
+                ReportAttention {
+                    layer: r.layer,
+                    heads: heads(r.kv_head_start, r.kv_head_count),
+                    weights: if r.page_weights.is_empty() {
+                        AttentionWeights::Tokens(&r.token_weights)
+                    } else {
+                        AttentionWeights::Pages(&r.page_weights)
+                    },
+                    decay: (r.decay != 0.0).then_some(r.decay),
+                },
+            )
+        })
+        .await?;
+        Ok(Response::new(pb::ReportAttentionResponse {}))
     }
 
     async fn get_stats(&self, _request: Request<pb::GetStatsRequest>) -> Result<Response<pb::Stats>, Status> {

@@ -4,9 +4,11 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use kvtier_core::policy::TokenStats;
 use kvtier_core::{Lane, Layout, SequenceKey};
 
 use crate::page::StoreLane;
+use crate::policy::AutoPolicy;
 use crate::{StoreError, StoreResult};
 
 #[derive(Debug)]
@@ -18,6 +20,11 @@ pub(crate) struct Sequence {
     /// Set by `drop_sequence`; an operation that was waiting for the lock
     /// then finds the sequence gone.
     pub(crate) dropped: bool,
+    /// Per lane, the attention reported or computed so far (empty until
+    /// the first report).
+    pub(crate) attention: Vec<TokenStats>,
+    /// A policy that runs by itself as the sequence grows.
+    pub(crate) auto_policy: Option<AutoPolicy>,
 }
 
 /// A range of KV heads, `start..start + count`.
@@ -47,6 +54,8 @@ impl Sequence {
             hashes,
             lanes,
             dropped: false,
+            attention: Vec::new(),
+            auto_policy: None,
         }
     }
 

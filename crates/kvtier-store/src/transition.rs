@@ -42,53 +42,67 @@ pub struct TransitionOutcome {
 }
 
 /// A page named by the request, located.
-struct Target {
-    layer: u32,
-    head: u32,
-    lane: usize,
-    page: usize,
-    from: PageState,
+pub(crate) struct Target {
+    pub(crate) layer: u32,
+    pub(crate) head: u32,
+    pub(crate) lane: usize,
+    pub(crate) page: usize,
+    pub(crate) from: PageState,
 }
 
 impl Store {
     pub fn set_page_state(&self, key: &SequenceKey, req: SetPageState<'_>) -> StoreResult<TransitionOutcome> {
         self.with_sequence_mut(key, |seq| {
             let targets = self.targets(seq, &req)?;
-            let to = |t: &Target| {
-                t.from.apply(req.action).map_err(|e| {
-                    StoreError::precondition(
-                        "action",
-                        format!("layer {} KV head {} page {}: {e}", t.layer, t.head, t.page),
-                    )
-                })
-            };
-            for t in &targets {
-                to(t)?;
-            }
-            if matches!(req.action, Action::Offload(_) | Action::Migrate(_)) {
-                self.check_unpinned(seq, &targets)?;
-            }
-            match req.action {
-                Action::Offload(tier) => self.offload(seq, &targets, tier, req.reason)?,
-                Action::Migrate(tier) => self.migrate(seq, &targets, tier, req.reason)?,
-                Action::SwapIn => self.swap_in(seq, &targets)?,
-                Action::Summarize => self.summarize(seq, &targets, req.summary_rows, req.reason)?,
-                Action::Evict => self.evict(seq, &targets, req.reason),
-            }
-            let mut by_from = [0u64; PageState::COUNT];
-            for t in &targets {
-                by_from[t.from.index()] += 1;
-            }
-            for from in PageState::ALL {
-                if by_from[from.index()] > 0 {
-                    let to = from.apply(req.action).expect("checked above");
-                    self.counters.transition(from, to, req.reason, by_from[from.index()]);
-                }
-            }
+            self.apply_targets(seq, &targets, req.action, req.summary_rows, req.reason)?;
             Ok(TransitionOutcome {
                 pages: targets.len() as u64,
             })
         })
+    }
+
+    /// Applies `action` to every target, all or nothing: each is checked
+    /// against the state machine (and, to move, not leased) first.
+    pub(crate) fn apply_targets(
+        &self,
+        seq: &mut Sequence,
+        targets: &[Target],
+        action: Action,
+        summary_rows: u32,
+        reason: Reason,
+    ) -> StoreResult<()> {
+        let to = |t: &Target| {
+            t.from.apply(action).map_err(|e| {
+                StoreError::precondition(
+                    "action",
+                    format!("layer {} KV head {} page {}: {e}", t.layer, t.head, t.page),
+                )
+            })
+        };
+        for t in targets {
+            to(t)?;
+        }
+        if matches!(action, Action::Offload(_) | Action::Migrate(_)) {
+            self.check_unpinned(seq, targets)?;
+        }
+        match action {
+            Action::Offload(tier) => self.offload(seq, targets, tier, reason)?,
+            Action::Migrate(tier) => self.migrate(seq, targets, tier, reason)?,
+            Action::SwapIn => self.swap_in(seq, targets)?,
+            Action::Summarize => self.summarize(seq, targets, summary_rows, reason)?,
+            Action::Evict => self.evict(seq, targets, reason),
+        }
+        let mut by_from = [0u64; PageState::COUNT];
+        for t in targets {
+            by_from[t.from.index()] += 1;
+        }
+        for from in PageState::ALL {
+            if by_from[from.index()] > 0 {
+                let to = from.apply(action).expect("checked above");
+                self.counters.transition(from, to, reason, by_from[from.index()]);
+            }
+        }
+        Ok(())
     }
 
     /// Resolves and checks the request's pages, in lane then page order.

@@ -288,7 +288,11 @@ impl Store {
     }
 
     pub fn append_tokens(&self, key: &kvtier_core::SequenceKey, req: AppendTokens<'_>) -> StoreResult<AppendOutcome> {
-        self.with_sequence_mut(key, |seq| self.append_locked(seq, req))
+        self.with_sequence_mut(key, |seq| {
+            let appended = self.append_locked(seq, req)?;
+            self.run_auto_policy(seq, req.layer);
+            Ok(appended)
+        })
     }
 
     fn append_locked(&self, seq: &mut Sequence, req: AppendTokens<'_>) -> StoreResult<AppendOutcome> {

@@ -1,0 +1,55 @@
+//! Eviction policies at page granularity (DESIGN.md §5): which pages of each
+//! lane to keep within a budget. The caller applies its action (evict,
+//! summarize, offload) to the rest.
+//!
+//! [`TokenStats`] gathers a lane's attention, a [`Scorer`] turns it into
+//! [`PageScores`], and [`plan`] splits a budget over lanes with an
+//! [`Allocator`] and picks each lane's pages.
+
+mod alloc;
+mod attention;
+mod pages;
+mod plan;
+mod scorer;
+mod scoring;
+mod stats;
+
+pub use alloc::Allocator;
+pub use attention::{KeyRow, add_attention};
+pub use pages::{LaneInput, PageScores};
+pub use plan::{LanePlanInput, dropped_mass, plan};
+pub use scorer::{Pooling, Scorer, Window};
+pub use stats::TokenStats;
+
+/// Why a lane could not be scored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// The scorer reads [`TokenStats`] and the lane had none.
+    #[error("{scorer} needs the lane's attention statistics, and none were given")]
+    MissingStats { scorer: &'static str },
+    /// The scorer reads [`LaneInput::observed`] and it was not given.
+    #[error("{scorer} needs the observed queries' attention per token, and none was given")]
+    MissingObserved { scorer: &'static str },
+    /// The statistics outlive a truncation of the lane.
+    #[error(
+        "{scorer}: attention statistics cover {stats} tokens but the lane has {tokens} (truncate them with the lane)"
+    )]
+    StatsTooLong {
+        scorer: &'static str,
+        stats: usize,
+        tokens: usize,
+    },
+    /// The observed attention is not one value per token of the lane.
+    #[error("{scorer}: observed attention covers {observed} tokens but the lane has {tokens}")]
+    ObservedLength {
+        scorer: &'static str,
+        observed: usize,
+        tokens: usize,
+    },
+    /// SnapKV's pooling needs a centre token.
+    #[error("the pooling kernel must be odd, got {kernel}")]
+    EvenKernel { kernel: u32 },
+    /// A lane of zero-token pages.
+    #[error("the page size must be positive")]
+    ZeroPageSize,
+}

@@ -1,0 +1,159 @@
+//! Conversions of the policy messages: unset (zero) parameters take the
+//! reference method's defaults (`kvtier_core::policy`).
+
+use kvtier_core::policy::{Allocator, Pooling, Scorer, Window};
+use kvtier_proto::v1 as pb;
+use kvtier_store::{PolicyAction, PolicySpec, Trigger};
+use tonic::Status;
+
+use crate::status::invalid;
+
+fn defaults(name: &str) -> Scorer {
+    Scorer::defaults(name).expect("every scorer has defaults")
+}
+
+/// `n` tokens, or the reference default when 0.
+fn window(n: u32, default: Window) -> Window {
+    if n == 0 { default } else { Window::Tokens(n) }
+}
+
+fn or_default(n: u32, default: u32) -> u32 {
+    if n == 0 { default } else { n }
+}
+
+fn scorer(policy: &pb::Policy) -> Result<Scorer, Status> {
+    use pb::policy::Scorer as S;
+    let scorer = policy.scorer.as_ref().ok_or_else(|| {
+        invalid(
+            "policy.scorer",
+            "is required (streaming, h2o, snapkv, tova, scissorhands or max_mass)",
+        )
+    })?;
+    Ok(match (scorer, defaults(scorer_name(scorer))) {
+        (S::Streaming(p), Scorer::Streaming { sink_tokens }) => Scorer::Streaming {
+            sink_tokens: or_default(p.sink_tokens, sink_tokens),
+        },
+        (S::H2o(p), Scorer::H2o { window: w, .. }) => Scorer::H2o {
+            window: window(p.window_tokens, w),
+            normalize: p.normalize,
+        },
+        (
+            S::Snapkv(p),
+            Scorer::SnapKv {
+                window_tokens, kernel, ..
+            },
+        ) => {
+            let kernel = or_default(p.kernel, kernel);
+            if kernel.is_multiple_of(2) {
+                return Err(invalid("policy.snapkv.kernel", format!("is {kernel}; it must be odd")));
+            }
+            Scorer::SnapKv {
+                window_tokens: or_default(p.window_tokens, window_tokens),
+                kernel,
+                pooling: if p.avg_pool { Pooling::Avg } else { Pooling::Max },
+            }
+        }
+        (S::Tova(p), Scorer::Tova { window: w }) => Scorer::Tova {
+            window: window(p.window_tokens, w),
+        },
+        (S::Scissorhands(p), Scorer::Scissorhands { window: w }) => Scorer::Scissorhands {
+            window: window(p.window_tokens, w),
+        },
+        (S::MaxMass(_), scorer) => scorer,
+        _ => unreachable!("defaults are looked up by the same scorer's name"),
+    })
+}
+
+fn scorer_name(scorer: &pb::policy::Scorer) -> &'static str {
+    use pb::policy::Scorer as S;
+    match scorer {
+        S::Streaming(_) => "streaming",
+        S::H2o(_) => "h2o",
+        S::Snapkv(_) => "snapkv",
+        S::Tova(_) => "tova",
+        S::Scissorhands(_) => "scissorhands",
+        S::MaxMass(_) => "max-mass",
+    }
+}
+
+fn allocator(policy: &pb::Policy) -> Result<Allocator, Status> {
+    use pb::policy::Allocator as A;
+    let positive = |field: &str, v: f64| {
+        if v.is_finite() && v >= 0.0 {
+            Ok(v)
+        } else {
+            Err(invalid(field, format!("is {v}; it must be finite and not negative")))
+        }
+    };
+    Ok(match &policy.allocator {
+        None | Some(A::Uniform(_)) => Allocator::Uniform,
+        Some(A::Pyramid(p)) => match positive("policy.pyramid.beta", p.beta)? {
+            0.0 => Allocator::defaults("pyramid").expect("known"),
+            beta => Allocator::Pyramid { beta },
+        },
+        Some(A::Ada(a)) => match positive("policy.ada.floor", a.floor)? {
+            0.0 => Allocator::defaults("ada").expect("known"),
+            floor if floor > 1.0 => {
+                return Err(invalid("policy.ada.floor", format!("is {floor}; it must be at most 1")));
+            }
+            floor => Allocator::Ada { floor },
+        },
+    })
+}
+
+fn action(action: Option<&pb::apply_policy_request::Action>) -> Result<PolicyAction, Status> {
+    use pb::apply_policy_request::Action as A;
+    match action {
+        None => Err(invalid("action", "is required (offload, summarize or evict)")),
+        Some(A::Offload(o)) => Ok(PolicyAction::Offload(crate::convert::cold_tier(
+            "action.offload.tier",
+            o.tier,
+        )?)),
+        Some(A::Summarize(s)) if s.rows == 0 => Err(invalid("action.summarize.rows", "must be at least 1")),
+        Some(A::Summarize(s)) => Ok(PolicyAction::Summarize { rows: s.rows }),
+        Some(A::Evict(_)) => Ok(PolicyAction::Evict),
+    }
+}
+
+/// When the policy runs; `None` for TRIGGER_OFF.
+fn trigger(value: i32, every_tokens: u32) -> Result<Option<Trigger>, Status> {
+    let trigger = match pb::Trigger::try_from(value) {
+        Ok(pb::Trigger::Unspecified | pb::Trigger::Now) => Some(Trigger::Now),
+        Ok(pb::Trigger::AfterPrefill) => Some(Trigger::AfterPrefill),
+        Ok(pb::Trigger::EveryTokens) if every_tokens == 0 => {
+            return Err(invalid("every_tokens", "must be at least 1 with TRIGGER_EVERY_TOKENS"));
+        }
+        Ok(pb::Trigger::EveryTokens) => Some(Trigger::EveryTokens(every_tokens)),
+        Ok(pb::Trigger::Off) => None,
+        Err(_) => {
+            return Err(invalid(
+                "trigger",
+                format!("{value} is not one of TRIGGER_NOW, TRIGGER_AFTER_PREFILL, TRIGGER_EVERY_TOKENS, TRIGGER_OFF"),
+            ));
+        }
+    };
+    if every_tokens != 0 && !matches!(trigger, Some(Trigger::EveryTokens(_))) {
+        return Err(invalid("every_tokens", "is only for TRIGGER_EVERY_TOKENS"));
+    }
+    Ok(trigger)
+}
+
+/// The policy a request applies or registers, and when; `None` for
+/// TRIGGER_OFF (unregister).
+pub(crate) fn spec(r: &pb::ApplyPolicyRequest) -> Result<Option<(PolicySpec, Trigger)>, Status> {
+    let Some(trigger) = trigger(r.trigger, r.every_tokens)? else {
+        return Ok(None);
+    };
+    let policy = r.policy.as_ref().ok_or_else(|| invalid("policy", "is required"))?;
+    Ok(Some((
+        PolicySpec {
+            layer_start: r.layer_start,
+            layer_count: r.layer_count,
+            scorer: scorer(policy)?,
+            allocator: allocator(policy)?,
+            budget_tokens: r.budget_tokens,
+            action: action(r.action.as_ref())?,
+        },
+        trigger,
+    )))
+}
