@@ -75,8 +75,9 @@ pub struct PolicySpec {
 #[derive(Debug, Clone, Copy)]
 pub struct ApplyPolicy<'a> {
     pub spec: &'a PolicySpec,
-    /// Queries `[n][num_query_heads][head_dim]` whose attention the store
-    /// computes over the stored keys (and records); may be empty.
+    /// Queries whose attention the store computes over the stored keys (and
+    /// records), `[layer][n][num_query_heads][head_dim]` for the spec's
+    /// layers in order (each layer has its own queries); may be empty.
     pub queries: &'a [f32],
     pub trigger: Trigger,
 }
@@ -121,11 +122,13 @@ impl Store {
         self.with_sequence_mut(key, |seq| {
             seq.check_layers(req.spec.layer_start, req.spec.layer_count)?;
             let query_len = (seq.layout.num_query_heads() * seq.layout.head_dim()) as usize;
-            if !req.queries.len().is_multiple_of(query_len) {
+            let layers = req.spec.layer_count as usize;
+            if !req.queries.len().is_multiple_of(query_len * layers) {
                 return Err(StoreError::invalid(
                     "queries",
                     format!(
-                        "holds {} floats, not a whole number of queries of {query_len} (query heads × head_dim)",
+                        "holds {} floats, not the same whole number of queries of {query_len} \
+                         (query heads × head_dim) for each of {layers} layers",
                         req.queries.len()
                     ),
                 ));
@@ -303,7 +306,9 @@ impl Store {
             let observed = if queries.is_empty() {
                 seq.attention.get(lane).map(|s| padded(s.accumulated(), tokens))
             } else {
-                let attention = self.query_attention(seq, head, lane, queries)?;
+                let per_layer = queries.len() / layers.len();
+                let at = (layer - layers.start) as usize * per_layer;
+                let attention = self.query_attention(seq, head, lane, &queries[at..at + per_layer])?;
                 seq.ensure_attention();
                 for row in &attention {
                     seq.attention[lane].record(row, None);

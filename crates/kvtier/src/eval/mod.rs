@@ -1,19 +1,29 @@
 //! `kvtier eval`: selection quality on real KV. Each decode position's keys
 //! are appended to a real store, the position's real queries go through the
 //! store's own `select_pages`, and the chosen pages are compared with dense
-//! causal attention computed here in f64.
+//! causal attention computed here in f64. With `--policy`, eviction policies
+//! run through the store at the same budget (`policy.rs`) and the failure
+//! tests run for them and for Quest (`failure.rs`).
 
+mod data;
+mod failure;
 pub(crate) mod npz;
+mod policy;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use clap::{Args, ValueEnum};
+use kvtier_core::policy::{Allocator, Scorer};
 use kvtier_core::select::{Aggregation, Budget};
 use kvtier_core::{DType, Layout, LayoutSpec, SequenceKey};
 use kvtier_store::{AppendTokens, HeadRange, PutPages, SelectPages, Store, StoreConfig};
 use serde::Serialize;
+
+use data::LayerData;
+use failure::FailureTest;
+use policy::PolicyRow;
 
 #[derive(Debug, Clone, Args)]
 pub(crate) struct EvalArgs {
@@ -39,10 +49,20 @@ pub(crate) struct EvalArgs {
     /// Only these layers (comma-separated); default all in the dataset.
     #[arg(long, value_delimiter = ',')]
     layers: Vec<u32>,
+    /// Eviction policies to run at the same budget (comma-separated, or
+    /// `all`): streaming, h2o, snapkv, tova, scissorhands, max-mass. Adds
+    /// Quest and dense rows and the failure tests.
+    #[arg(long, value_delimiter = ',')]
+    policy: Vec<String>,
+    /// How policies split the budget over layers and heads: uniform, pyramid, ada.
+    #[arg(long, default_value = "uniform")]
+    allocator: String,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
 }
+
+const POLICIES: [&str; 6] = ["streaming", "h2o", "snapkv", "tova", "scissorhands", "max-mass"];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -106,10 +126,15 @@ pub(crate) struct Report {
     config: EvalConfig,
     rows: Vec<Row>,
     overall: Row,
+    /// With `--policy`: each policy, Quest and dense at the same budget.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    policy: Option<Vec<PolicyRow>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failure_tests: Option<Vec<FailureTest>>,
 }
 
 #[derive(Debug)]
-struct Meta {
+pub(crate) struct Meta {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -194,12 +219,106 @@ pub(crate) fn evaluate(args: &EvalArgs) -> anyhow::Result<Report> {
         layers: layers.clone(),
         kernel: kvtier_core::score::Kernel::detect().name(),
     };
+    let data: Vec<LayerData> = layers
+        .iter()
+        .map(|&l| LayerData::read(&args.dataset, &meta, l))
+        .collect::<anyhow::Result<_>>()?;
     let mut rows = Vec::new();
-    for &layer in &layers {
-        rows.extend(evaluate_layer(&args.dataset, &meta, layer, &config)?);
+    for d in &data {
+        rows.extend(evaluate_layer(d, &config)?);
     }
     let overall = average(&rows);
-    Ok(Report { config, rows, overall })
+    let (policy, failure_tests) = if args.policy.is_empty() {
+        (None, None)
+    } else {
+        let (p, f) = evaluate_policies(args, &config, &data, &overall)?;
+        (Some(p), Some(f))
+    };
+    Ok(Report {
+        config,
+        rows,
+        overall,
+        policy,
+        failure_tests,
+    })
+}
+
+/// Each policy at the budget, then Quest at the same bytes read and dense;
+/// then the failure tests for each policy and Quest, on synthetic data and
+/// on a realkv layer with planted keys.
+fn evaluate_policies(
+    args: &EvalArgs,
+    config: &EvalConfig,
+    data: &[LayerData],
+    quest: &Row,
+) -> anyhow::Result<(Vec<PolicyRow>, Vec<FailureTest>)> {
+    let budget = config
+        .budget_tokens
+        .context("--policy needs a token budget (--budget-tokens N, not `all`)")?;
+    let names: Vec<&str> = if args.policy.iter().any(|p| p == "all") {
+        POLICIES.to_vec()
+    } else {
+        args.policy.iter().map(String::as_str).collect()
+    };
+    let scorers: Vec<Scorer> = names
+        .iter()
+        .map(|n| Scorer::defaults(n).with_context(|| format!("--policy {n}: not one of {}", POLICIES.join(", "))))
+        .collect::<anyhow::Result<_>>()?;
+    let allocator = Allocator::defaults(&args.allocator)
+        .with_context(|| format!("--allocator {}: not one of uniform, pyramid, ada", args.allocator))?;
+    let mut rows = Vec::new();
+    for scorer in &scorers {
+        rows.push(policy::evaluate_policy(
+            data,
+            *scorer,
+            allocator,
+            config.page_size,
+            budget,
+            &config.positions,
+        )?);
+    }
+    let held = config.positions.iter().map(|&t| (t + 1) as f64).sum::<f64>() / config.positions.len() as f64;
+    let unevicted = |method: &str, r: &Row, budget_tokens: Option<u32>| PolicyRow {
+        method: method.to_owned(),
+        allocator: None,
+        budget_tokens,
+        mass: r.mass,
+        recall: r.recall,
+        rel_err: r.rel_err,
+        capacity_compression: 1.0,
+        read_sparsity: r.read_fraction,
+        kept_tokens: held,
+        dropped_mass: None,
+        identity_residual: r.identity_residual,
+    };
+    rows.push(unevicted("quest", quest, Some(budget)));
+    let dense_config = EvalConfig {
+        budget_tokens: None,
+        budget_pages: None,
+        ..config.clone()
+    };
+    let mut dense = Vec::new();
+    for d in data {
+        dense.extend(evaluate_layer(d, &dense_config)?);
+    }
+    rows.push(unevicted("dense", &average(&dense), None));
+
+    let page = config.page_size;
+    let realkv = data.iter().find(|d| d.layer == 13).unwrap_or(&data[data.len() - 1]);
+    let bases = [
+        ("synthetic", failure::synthetic(1024, 64, 7)),
+        ("realkv", realkv.clone()),
+    ];
+    let mut tests = Vec::new();
+    for (label, base) in &bases {
+        for scenario in failure::scenarios(base, page as usize, 11, 1.0) {
+            for scorer in &scorers {
+                tests.push(failure::run_policy(&scenario, label, scorer, &allocator, page, budget)?);
+            }
+            tests.push(failure::run_quest(&scenario, label, page, budget)?);
+        }
+    }
+    Ok((rows, tests))
 }
 
 fn average(rows: &[Row]) -> Row {
@@ -218,44 +337,10 @@ fn average(rows: &[Row]) -> Row {
     }
 }
 
-/// K then V rows of every KV head for tokens `range`, head-major, from the
-/// dataset's `[kv_head][token][dim]` f16 arrays.
-fn kv_message(
-    k: &npz::Array,
-    v: &npz::Array,
-    kv_heads: usize,
-    tokens: usize,
-    row: usize,
-    range: std::ops::Range<usize>,
-) -> Vec<u8> {
-    let mut out = Vec::with_capacity(kv_heads * 2 * range.len() * row);
-    for h in 0..kv_heads {
-        for a in [k, v] {
-            let base = h * tokens * row;
-            out.extend_from_slice(&a.data[base + range.start * row..base + range.end * row]);
-        }
-    }
-    out
-}
-
-fn evaluate_layer(dir: &Path, meta: &Meta, layer: u32, config: &EvalConfig) -> anyhow::Result<Vec<Row>> {
-    let arrays = npz::read_npz(&dir.join(format!("layer{layer:02}.npz")))?;
-    let get = |name: &str| {
-        arrays
-            .get(name)
-            .with_context(|| format!("layer {layer}: no array {name:?}"))
-    };
-    let (q, k, v) = (get("q")?, get("k")?, get("v")?);
-    let (h, kvh, d, t_all) = (meta.heads, meta.kv_heads, meta.head_dim, meta.tokens);
-    ensure!(
-        q.shape == [h, t_all, d] && k.shape == [kvh, t_all, d] && v.shape == [kvh, t_all, d],
-        "layer {layer}: shapes"
-    );
-    if k.descr != "<f2" || v.descr != "<f2" {
-        bail!("layer {layer}: keys and values must be float16");
-    }
-    let (qf, kf, vf) = (q.to_f32()?, k.to_f32()?, v.to_f32()?);
-    let group = h / kvh;
+fn evaluate_layer(data: &LayerData, config: &EvalConfig) -> anyhow::Result<Vec<Row>> {
+    let (layer, h, kvh, d, t_all) = (data.layer, data.heads, data.kv_heads, data.head_dim, data.tokens);
+    let (qf, kf, vf) = (&data.q, &data.k, &data.v);
+    let group = data.group();
     let page = config.page_size as usize;
     let layout = Layout::new(LayoutSpec {
         num_layers: 1,
@@ -281,7 +366,7 @@ fn evaluate_layer(dir: &Path, meta: &Meta, layer: u32, config: &EvalConfig) -> a
     };
     let first = config.positions[0];
     if first > 0 {
-        let kv = kv_message(k, v, kvh, t_all, row, 0..first);
+        let kv = data.kv_message(0..first);
         store.put_pages(
             &key,
             PutPages {
@@ -299,7 +384,7 @@ fn evaluate_layer(dir: &Path, meta: &Meta, layer: u32, config: &EvalConfig) -> a
     let mut held = first;
     for &t in &config.positions {
         // Causal visibility: the store holds exactly keys 0..=t.
-        let kv = kv_message(k, v, kvh, t_all, row, held..t + 1);
+        let kv = data.kv_message(held..t + 1);
         let append = AppendTokens {
             layer: 0,
             heads,
@@ -354,7 +439,7 @@ fn evaluate_layer(dir: &Path, meta: &Meta, layer: u32, config: &EvalConfig) -> a
                     keys,
                     values,
                     d,
-                    scale: meta.scale,
+                    scale: data.scale,
                 };
                 let m = attention.metrics(&mask, page, config.budget_tokens);
                 let s = &mut sums[kv_head];
@@ -394,13 +479,24 @@ fn evaluate_layer(dir: &Path, meta: &Meta, layer: u32, config: &EvalConfig) -> a
 }
 
 /// Metrics of one query against one selection mask over keys `0..=t`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub(crate) struct Metrics {
     pub(crate) recall: f64,
     pub(crate) mass: f64,
     pub(crate) oracle_mass: f64,
     pub(crate) rel_err: f64,
     pub(crate) identity_residual: f64,
+}
+
+impl Metrics {
+    /// Sums (for averaging); the identity residual keeps its maximum.
+    pub(crate) fn add(&mut self, m: &Metrics) {
+        self.recall += m.recall;
+        self.mass += m.mass;
+        self.oracle_mass += m.oracle_mass;
+        self.rel_err += m.rel_err;
+        self.identity_residual = self.identity_residual.max(m.identity_residual);
+    }
 }
 
 /// One query over keys and values `[t+1][d]`.
@@ -519,6 +615,45 @@ fn print_table(report: &Report) {
         }
     }
     line(format!("{:>13}", "overall"), &report.overall);
+    if let Some(rows) = &report.policy {
+        println!();
+        println!(
+            "{:<13} {:>9} {:>6} {:>7} {:>7} {:>8} {:>11} {:>7} {:>8} {:>8}",
+            "method", "allocator", "budget", "mass", "recall", "rel_err", "compression", "read", "kept", "dropped"
+        );
+        for r in rows {
+            println!(
+                "{:<13} {:>9} {:>6} {:>7.4} {:>7.4} {:>8.4} {:>11.2} {:>7.4} {:>8.1} {:>8}",
+                r.method,
+                r.allocator.as_deref().unwrap_or("-"),
+                r.budget_tokens.map_or("all".to_owned(), |b| b.to_string()),
+                r.mass,
+                r.recall,
+                r.rel_err,
+                r.capacity_compression,
+                r.read_sparsity,
+                r.kept_tokens,
+                r.dropped_mass.map_or("-".to_owned(), |m| format!("{m:.4}"))
+            );
+        }
+    }
+    if let Some(tests) = &report.failure_tests {
+        println!();
+        println!(
+            "{:<22} {:<10} {:<13} {:<6} detail",
+            "failure test", "data", "method", "passed"
+        );
+        for t in tests {
+            println!(
+                "{:<22} {:<10} {:<13} {:<6} {}",
+                t.name,
+                t.data,
+                t.method,
+                if t.passed { "yes" } else { "NO" },
+                t.detail
+            );
+        }
+    }
 }
 
 #[cfg(test)]
@@ -545,6 +680,8 @@ mod tests {
             aggregation,
             last: 64,
             layers: vec![4, 13],
+            policy: vec![],
+            allocator: "uniform".into(),
             json: false,
         }
     }
@@ -592,6 +729,36 @@ mod tests {
             windowed.overall,
             bare.overall
         );
+    }
+
+    /// Every policy through the store on realkv (a 512-token prefix of two
+    /// layers): budgets are kept, the dropped-mass identity holds for what
+    /// each kept, and max-mass drops the least of the query-driven mass.
+    #[test]
+    fn policies_keep_their_budget_on_real_kv() {
+        let Some(dir) = dataset() else { return };
+        let meta = read_meta(&dir).unwrap();
+        let data: Vec<LayerData> = [4, 13]
+            .iter()
+            .map(|&l| LayerData::read(&dir, &meta, l).unwrap().truncated(512))
+            .collect();
+        let positions: Vec<usize> = (504..512).collect();
+        for name in POLICIES {
+            let scorer = Scorer::defaults(name).unwrap();
+            let row = policy::evaluate_policy(&data, scorer, Allocator::Uniform, 16, 128, &positions).unwrap();
+            assert!(row.identity_residual < 1e-9, "{row:?}");
+            assert!(row.mass > 0.3 && row.mass <= 1.0 + 1e-9, "{row:?}");
+            // At most the budget plus the page just opened (SnapKV compresses
+            // the prompt only, so decode tokens add up).
+            let slack = if name == "snapkv" { 16.0 + 8.0 } else { 16.0 };
+            assert!(row.kept_tokens <= 128.0 + slack, "{row:?}");
+            assert!(row.capacity_compression > 3.0, "{row:?}");
+            assert_eq!(
+                row.dropped_mass.is_some(),
+                name == "max-mass" || name == "snapkv",
+                "{row:?}"
+            );
+        }
     }
 
     #[test]
