@@ -111,6 +111,36 @@ async fn h2o_keeps_what_reported_attention_says_and_evicts_the_rest() {
             assert_eq!(p.kv, lanes[p.kv_head as usize].page(p.page as usize, PAGE, row));
         }
     }
+    // The same attention reported per page instead gives the same choice.
+    let mut raw = kvtier_client::pb::kv_tier_client::KvTierClient::connect(format!("http://{}", server.addr))
+        .await
+        .unwrap();
+    setup(&mut client, "per-page", 32).await;
+    let mut page_weights = vec![0.004f32; 16];
+    for (head, hot) in [(0usize, [2usize, 5]), (1, [1, 3])] {
+        for page in hot {
+            page_weights[head * 8 + page] = 0.4;
+        }
+    }
+    raw.report_attention(pb::ReportAttentionRequest {
+        sequence_id: "per-page".into(),
+        layer: 0,
+        kv_head_count: 2,
+        page_weights,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let h2o = Scorer::H2o(pb::H2oPolicy {
+        window_tokens: PAGE as u32,
+        normalize: false,
+    });
+    client
+        .apply_policy("per-page", request(h2o, 3 * PAGE as u32, evict()))
+        .await
+        .unwrap();
+    let per_page = pages(&mut client, "per-page", 0).await;
+    assert_eq!((kept(&per_page, 0), kept(&per_page, 1)), (vec![2, 5, 7], vec![1, 3, 7]));
     // Layer 1 was not named: untouched.
     assert!(
         pages(&mut client, "s", 1)
@@ -125,7 +155,7 @@ async fn h2o_keeps_what_reported_attention_says_and_evicts_the_rest() {
         .filter(|t| t.reason() == pb::Reason::Policy && t.to_state() == pb::PageState::Gone)
         .map(|t| t.count)
         .sum();
-    assert_eq!(by_policy, 10);
+    assert_eq!(by_policy, 2 * 10, "both sequences");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 
 use kvtier_core::policy::{
-    Allocator, KeyRow, LaneInput, LanePlanInput, PageScores, Scorer, TokenStats, add_attention, plan,
+    Allocator, KeyRow, LaneInput, LanePlanInput, PageScores, Scorer, TokenStats, add_attention, dropped_mass, plan,
 };
 use kvtier_core::{Action, ColdTier, LogicalPage, PageState, Reason, SequenceKey};
 
@@ -375,9 +375,8 @@ impl Store {
                 });
             }
             if let Some((_, mass)) = masses.iter().find(|(j, _)| *j == i) {
-                let total: f64 = mass.iter().sum();
-                let gone: f64 = acted.iter().map(|&p| mass[p]).sum();
-                dropped.push(if total > 0.0 { gone / total } else { 0.0 });
+                let untouched: Vec<usize> = (0..mass.len()).filter(|p| !acted.contains(p)).collect();
+                dropped.push(dropped_mass(mass, &untouched));
             }
         }
         outcome.changed = targets.len() as u64;

@@ -268,14 +268,14 @@ pub(crate) fn evaluate_policy(
     let name = scorer.name();
     let mut run = PolicyRun::start(layers, scorer, allocator, page_size, budget_tokens, positions[0])?;
     let mut sum = Metrics::default();
-    let (mut samples, mut kept_tokens, mut compression, mut lanes) = (0usize, 0f64, 0f64, 0usize);
+    let (mut samples, mut kept_tokens, mut original_tokens, mut lanes) = (0usize, 0f64, 0f64, 0usize);
     for &t in positions {
         let kept = run.step(t)?;
         for (l, data) in layers.iter().enumerate() {
             for (kv, mask) in kept[l].iter().enumerate() {
                 let held = mask.iter().filter(|m| **m).count();
                 kept_tokens += held as f64;
-                compression += (t + 1) as f64 / held.max(1) as f64;
+                original_tokens += (t + 1) as f64;
                 lanes += 1;
                 for g in 0..data.group() {
                     let m = Attention {
@@ -300,7 +300,9 @@ pub(crate) fn evaluate_policy(
         mass: sum.mass / n,
         recall: sum.recall / n,
         rel_err: sum.rel_err / n,
-        capacity_compression: compression / lanes.max(1) as f64,
+        // Bytes, not a mean of per-lane ratios: a lane an allocator starves
+        // would otherwise dominate.
+        capacity_compression: original_tokens / kept_tokens.max(1.0),
         read_sparsity: 1.0,
         kept_tokens: kept_tokens / lanes.max(1) as f64,
         dropped_mass: (!run.dropped_mass.is_empty())
