@@ -64,6 +64,15 @@ for budget in sorted({b for b, _ in runs}):
             print(f"| {r['method']} | {r['allocator'] or '-'} | {r['mass']:.4f} | {r['recall']:.4f} | {r['rel_err']:.4f} |"
                   f" {r['capacity_compression']:.2f} | {r['read_sparsity']:.4f} | {r['kept_tokens']:.1f} | {dropped} |")
     print()
+    layers = [l["layer"] for l in runs[(budget, "uniform")]["policy"][0]["per_layer"]]
+    print(f"Per layer, uniform allocator: mass / rel_err (kept tokens per KV head)")
+    print()
+    print("| method | " + " | ".join(f"layer {l}" for l in layers) + " |")
+    print("|---|" + "---:|" * len(layers))
+    for r in runs[(budget, "uniform")]["policy"]:
+        cells = [f"{q['mass']:.3f} / {q['rel_err']:.3f} ({q['kept_tokens']:.0f})" for q in r["per_layer"]]
+        print(f"| {r['method']} | " + " | ".join(cells) + " |")
+    print()
 print("## Failure tests (uniform allocator)")
 print()
 print("Planted keys with the data's typical deviation from the mean key (as ordinary as any other key), needed by")

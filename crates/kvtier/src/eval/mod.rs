@@ -23,7 +23,7 @@ use serde::Serialize;
 
 use data::LayerData;
 use failure::FailureTest;
-use policy::PolicyRow;
+use policy::{LayerQuality, PolicyRow};
 
 #[derive(Debug, Clone, Args)]
 pub(crate) struct EvalArgs {
@@ -231,7 +231,7 @@ pub(crate) fn evaluate(args: &EvalArgs) -> anyhow::Result<Report> {
     let (policy, failure_tests) = if args.policy.is_empty() {
         (None, None)
     } else {
-        let (p, f) = evaluate_policies(args, &config, &data, &overall)?;
+        let (p, f) = evaluate_policies(args, &config, &data, &rows)?;
         (Some(p), Some(f))
     };
     Ok(Report {
@@ -250,7 +250,7 @@ fn evaluate_policies(
     args: &EvalArgs,
     config: &EvalConfig,
     data: &[LayerData],
-    quest: &Row,
+    quest: &[Row],
 ) -> anyhow::Result<(Vec<PolicyRow>, Vec<FailureTest>)> {
     let budget = config
         .budget_tokens
@@ -278,18 +278,33 @@ fn evaluate_policies(
         )?);
     }
     let held = config.positions.iter().map(|&t| (t + 1) as f64).sum::<f64>() / config.positions.len() as f64;
-    let unevicted = |method: &str, r: &Row, budget_tokens: Option<u32>| PolicyRow {
-        method: method.to_owned(),
-        allocator: None,
-        budget_tokens,
-        mass: r.mass,
-        recall: r.recall,
-        rel_err: r.rel_err,
-        capacity_compression: 1.0,
-        read_sparsity: r.read_fraction,
-        kept_tokens: held,
-        dropped_mass: None,
-        identity_residual: r.identity_residual,
+    let unevicted = |method: &str, rows: &[Row], budget_tokens: Option<u32>| {
+        let r = average(rows);
+        PolicyRow {
+            method: method.to_owned(),
+            allocator: None,
+            budget_tokens,
+            mass: r.mass,
+            recall: r.recall,
+            rel_err: r.rel_err,
+            capacity_compression: 1.0,
+            read_sparsity: r.read_fraction,
+            kept_tokens: held,
+            dropped_mass: None,
+            identity_residual: r.identity_residual,
+            per_layer: data
+                .iter()
+                .map(|d| {
+                    let l = average(&rows.iter().filter(|r| r.layer == d.layer).cloned().collect::<Vec<_>>());
+                    LayerQuality {
+                        layer: d.layer,
+                        mass: l.mass,
+                        rel_err: l.rel_err,
+                        kept_tokens: held,
+                    }
+                })
+                .collect(),
+        }
     };
     rows.push(unevicted("quest", quest, Some(budget)));
     let dense_config = EvalConfig {
@@ -301,7 +316,7 @@ fn evaluate_policies(
     for d in data {
         dense.extend(evaluate_layer(d, &dense_config)?);
     }
-    rows.push(unevicted("dense", &average(&dense), None));
+    rows.push(unevicted("dense", &dense, None));
 
     let page = config.page_size;
     let realkv = data.iter().find(|d| d.layer == 13).unwrap_or(&data[data.len() - 1]);

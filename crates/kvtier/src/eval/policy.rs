@@ -254,6 +254,16 @@ pub(crate) struct PolicyRow {
     pub(crate) dropped_mass: Option<f64>,
     /// Largest residual of `o_full − o_kept = (1 − p)(o_dropped − o_kept)`.
     pub(crate) identity_residual: f64,
+    /// The same per layer: where a policy wins or loses.
+    pub(crate) per_layer: Vec<LayerQuality>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub(crate) struct LayerQuality {
+    pub(crate) layer: u32,
+    pub(crate) mass: f64,
+    pub(crate) rel_err: f64,
+    pub(crate) kept_tokens: f64,
 }
 
 /// Runs one policy over the decode positions and averages its measures.
@@ -269,6 +279,8 @@ pub(crate) fn evaluate_policy(
     let mut run = PolicyRun::start(layers, scorer, allocator, page_size, budget_tokens, positions[0])?;
     let mut sum = Metrics::default();
     let (mut samples, mut kept_tokens, mut original_tokens, mut lanes) = (0usize, 0f64, 0f64, 0usize);
+    // Per layer: metrics, samples, kept tokens, lanes.
+    let mut by_layer = vec![(Metrics::default(), 0usize, 0f64, 0usize); layers.len()];
     for &t in positions {
         let kept = run.step(t)?;
         for (l, data) in layers.iter().enumerate() {
@@ -277,6 +289,8 @@ pub(crate) fn evaluate_policy(
                 kept_tokens += held as f64;
                 original_tokens += (t + 1) as f64;
                 lanes += 1;
+                by_layer[l].2 += held as f64;
+                by_layer[l].3 += 1;
                 for g in 0..data.group() {
                     let m = Attention {
                         q: data.query(kv * data.group() + g, t),
@@ -288,6 +302,8 @@ pub(crate) fn evaluate_policy(
                     .metrics(mask, page_size as usize, Some(budget_tokens));
                     sum.add(&m);
                     samples += 1;
+                    by_layer[l].0.add(&m);
+                    by_layer[l].1 += 1;
                 }
             }
         }
@@ -308,5 +324,15 @@ pub(crate) fn evaluate_policy(
         dropped_mass: (!run.dropped_mass.is_empty())
             .then(|| run.dropped_mass.iter().sum::<f64>() / run.dropped_mass.len() as f64),
         identity_residual: sum.identity_residual,
+        per_layer: layers
+            .iter()
+            .zip(by_layer)
+            .map(|(data, (m, n, kept, lanes))| LayerQuality {
+                layer: data.layer,
+                mass: m.mass / n.max(1) as f64,
+                rel_err: m.rel_err / n.max(1) as f64,
+                kept_tokens: kept / lanes.max(1) as f64,
+            })
+            .collect(),
     })
 }
