@@ -296,13 +296,13 @@ impl Store {
                     protected,
                 },
             });
-            candidates.push(lane_candidates);
+            candidates.push((lane_candidates, states));
         }
         let kept = plan(&inputs, budget_pages * lanes.len(), &spec.allocator);
         let mut targets = Vec::new();
         let mut outcome = PolicyOutcome::default();
         let mut dropped = Vec::new();
-        for (i, (&(layer, head, lane), lane_candidates)) in lanes.iter().zip(&candidates).enumerate() {
+        for (i, (&(layer, head, lane), (lane_candidates, states))) in lanes.iter().zip(&candidates).enumerate() {
             let keep: std::collections::BTreeSet<usize> = kept[i].iter().map(|&c| lane_candidates[c]).collect();
             let mut acted = Vec::new();
             for &page in lane_candidates {
@@ -316,7 +316,7 @@ impl Store {
                     head,
                     lane,
                     page,
-                    from: self.page_states(seq, lane)[page],
+                    from: states[page],
                 });
             }
             if let Some((_, mass)) = masses.iter().find(|(j, _)| *j == i) {
