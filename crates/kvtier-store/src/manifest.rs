@@ -466,7 +466,8 @@ impl Journal {
     /// reflects does no harm). The snapshot is written and synced with no
     /// lock held; only the tail is written under the file lock. The new file
     /// is renamed over the old one, so a crash leaves one or the other.
-    pub(crate) fn checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> io::Result<()> {
+    /// Returns the snapshot's bytes.
+    pub(crate) fn checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> io::Result<u64> {
         {
             let mut f = lock(&self.file);
             self.flush_locked(&mut f, true)?;
@@ -479,7 +480,7 @@ impl Journal {
         written
     }
 
-    fn write_checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> io::Result<()> {
+    fn write_checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> io::Result<u64> {
         let tmp = self.path.with_extension("checkpoint");
         let mut bytes = Vec::new();
         frame(&snapshot(), &mut bytes);
@@ -498,7 +499,7 @@ impl Journal {
         f.file = OpenOptions::new().read(true).write(true).open(&self.path)?;
         f.len = (bytes.len() + tail.len()) as u64;
         f.checkpoint_len = bytes.len() as u64;
-        Ok(())
+        Ok(f.checkpoint_len)
     }
 }
 

@@ -311,8 +311,14 @@ impl Store {
     /// Rewrites the manifest as a checkpoint of the current state.
     pub(crate) fn checkpoint(&self) {
         let Some(journal) = &self.journal else { return };
-        if let Err(e) = journal.checkpoint(|| self.checkpoint_records()) {
-            tracing::error!(error = %e, "manifest checkpoint failed; the journal keeps growing");
+        let started = std::time::Instant::now();
+        match journal.checkpoint(|| self.checkpoint_records()) {
+            Ok(bytes) => tracing::info!(
+                bytes,
+                ms = started.elapsed().as_millis() as u64,
+                "manifest checkpoint written"
+            ),
+            Err(e) => tracing::error!(error = %e, "manifest checkpoint failed; the journal keeps growing"),
         }
     }
 }
@@ -333,34 +339,26 @@ fn lane_records(seq: &Sequence, lane_index: usize, records: &mut Vec<Record>, pe
     let lane = &seq.lanes[lane_index];
     for (p, logical) in lane.pages().enumerate() {
         let rows = lane.rows_in(p);
-        let digest = || {
-            if rows == full {
-                lane.digests().entry(p).to_vec()
-            } else {
-                Vec::new()
-            }
-        };
-        let (phys, unmapped) = match logical {
+        let (phys, unmapped, has_copy) = match logical {
             LogicalPage::Physical(r) => {
                 let place = read(&r.page.place);
-                if let Some(copy) = place.nvme.as_ref().or(place.durable_prefix.as_ref()) {
+                let copy = place.nvme.as_ref().or(place.durable_prefix.as_ref());
+                if let Some(copy) = copy {
+                    // The lane's digest covers at least the copy's rows, so
+                    // it bounds them (a partial page's digest included).
                     persisted.entry(r.page.id).or_insert_with(|| Record::Persist {
                         phys: r.page.id,
                         offset: copy.slot.offset(),
                         len: copy.slot.len(),
                         crc: copy.crc,
                         rows: copy.rows,
-                        digest: if copy.rows == full {
-                            lane.digests().entry(p).to_vec()
-                        } else {
-                            Vec::new()
-                        },
+                        digest: lane.digests().entry(p).to_vec(),
                     });
                 }
-                (r.page.id, place.lost)
+                (r.page.id, place.lost, copy.is_some())
             }
-            LogicalPage::Summary(_) => (u64::MAX, Some(Reason::LostOnRestart)),
-            LogicalPage::Gone(reason) => (u64::MAX, Some(*reason)),
+            LogicalPage::Summary(_) => (u64::MAX, Some(Reason::LostOnRestart), false),
+            LogicalPage::Gone(reason) => (u64::MAX, Some(*reason), false),
         };
         records.push(Record::Map {
             key: seq.key.clone(),
@@ -368,7 +366,13 @@ fn lane_records(seq: &Sequence, lane_index: usize, records: &mut Vec<Record>, pe
             page: p as u32,
             phys,
             rows,
-            digest: digest(),
+            // A page recovered from its copy takes the copy's digest; one
+            // that is not keeps this one (full pages only, as journalled).
+            digest: if rows == full && !has_copy {
+                lane.digests().entry(p).to_vec()
+            } else {
+                Vec::new()
+            },
         });
         if let Some(reason) = unmapped {
             records.push(Record::Unmap {

@@ -33,7 +33,15 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => serve::run(args),
-        Command::Eval(args) => eval::run(args),
-        Command::Bench(command) => bench::run(command),
+        // The in-process store's warnings (and, with KVTIER_LOG, more) reach
+        // stderr; the reports go to stdout.
+        Command::Eval(args) => {
+            serve::init_logging(serve::LogFormat::Text, "warn");
+            eval::run(args)
+        }
+        Command::Bench(command) => {
+            serve::init_logging(serve::LogFormat::Text, "warn");
+            bench::run(command)
+        }
     }
 }

@@ -59,14 +59,15 @@ pub(crate) struct ServeArgs {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum LogFormat {
+pub(crate) enum LogFormat {
     Text,
     Json,
 }
 
-fn init_logging(format: LogFormat) {
+/// Logs to stderr at `KVTIER_LOG`'s levels, or `default` when it is unset.
+pub(crate) fn init_logging(format: LogFormat, default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVTIER_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
@@ -88,7 +89,7 @@ fn parse_metrics(value: &str) -> anyhow::Result<Option<SocketAddr>> {
 }
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
-    init_logging(args.log_format);
+    init_logging(args.log_format, "info");
     let file = match &args.config {
         Some(path) => FileConfig::load(path)?,
         None => FileConfig::default(),
