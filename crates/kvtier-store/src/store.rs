@@ -194,39 +194,43 @@ impl Store {
             );
             store.checkpoint();
         }
+        if let Err(e) = spawn_loop("kvtier-background", &store, Self::background_tick) {
+            tracing::error!(error = %e, "cannot start the background thread; migration happens only under pressure");
+        }
+        // Its own thread: a checkpoint of a large manifest takes seconds, and
+        // host memory must keep draining meanwhile (or appends migrate pages
+        // themselves).
+        if store.journal.is_some()
+            && let Err(e) = spawn_loop("kvtier-checkpoint", &store, Self::checkpoint_if_due)
         {
-            let weak = Arc::downgrade(&store);
-            let spawned = std::thread::Builder::new()
-                .name("kvtier-background".into())
-                .spawn(move || {
-                    while let Some(store) = weak.upgrade() {
-                        store.background_tick();
-                        drop(store);
-                        std::thread::sleep(std::time::Duration::from_millis(20));
-                    }
-                });
-            if let Err(e) = spawned {
-                tracing::error!(error = %e, "cannot start the background thread; migration happens only under pressure");
-            }
+            tracing::error!(error = %e, "cannot start the checkpoint thread; the manifest keeps growing");
         }
         Ok(store)
     }
 
-    /// One round of background work: expired leases, host watermarks,
-    /// manifest flush, and a checkpoint when the manifest has grown large.
+    /// One round of background work: expired leases, host watermarks and a
+    /// manifest flush.
     fn background_tick(&self) {
         let expired = self.leases.expire(std::time::Instant::now());
         if expired > 0 {
             tracing::debug!(expired, "leases expired");
         }
         self.rebalance_host();
-        if let Some(journal) = &self.journal {
-            if let Err(e) = journal.flush(false) {
-                tracing::error!(error = %e, "manifest flush failed");
-            }
-            if journal.wants_checkpoint(CHECKPOINT_BYTES) {
-                self.checkpoint();
-            }
+        if let Some(journal) = &self.journal
+            && let Err(e) = journal.flush(false)
+        {
+            tracing::error!(error = %e, "manifest flush failed");
+        }
+    }
+
+    /// A checkpoint once the manifest has grown large.
+    fn checkpoint_if_due(&self) {
+        if self
+            .journal
+            .as_ref()
+            .is_some_and(|j| j.wants_checkpoint(CHECKPOINT_BYTES))
+        {
+            self.checkpoint();
         }
     }
 
@@ -501,6 +505,20 @@ impl Store {
     pub fn config(&self) -> &StoreConfig {
         &self.config
     }
+}
+
+/// Runs `tick` every 20 ms on a thread of its own for as long as the store
+/// lives (the thread holds it only during a tick).
+fn spawn_loop(name: &str, store: &Arc<Store>, tick: fn(&Store)) -> std::io::Result<()> {
+    let weak = Arc::downgrade(store);
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        while let Some(store) = weak.upgrade() {
+            tick(&store);
+            drop(store);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    })?;
+    Ok(())
 }
 
 /// Rewrite the manifest as a checkpoint once it is past this size (and has
