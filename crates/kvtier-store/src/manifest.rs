@@ -414,6 +414,16 @@ impl Journal {
         self.flush_locked(&mut lock(&self.file), sync)
     }
 
+    /// Like `flush(false)`, unless the file is busy (a checkpoint finishing):
+    /// then the records wait for the next call instead of the caller waiting.
+    pub(crate) fn flush_if_idle(&self) -> io::Result<()> {
+        match self.file.try_lock() {
+            Ok(mut f) => self.flush_locked(&mut f, false),
+            Err(std::sync::TryLockError::WouldBlock) => Ok(()),
+            Err(std::sync::TryLockError::Poisoned(p)) => self.flush_locked(&mut p.into_inner(), false),
+        }
+    }
+
     fn flush_locked(&self, f: &mut JournalFile, sync: bool) -> io::Result<()> {
         let Pending { bytes, retired } = std::mem::take(&mut *lock(&self.pending));
         if !bytes.is_empty() {
@@ -496,10 +506,15 @@ impl Journal {
         if let Some(dir) = self.path.parent() {
             File::open(dir)?.sync_all()?;
         }
-        f.file = OpenOptions::new().read(true).write(true).open(&self.path)?;
+        let old = std::mem::replace(&mut f.file, OpenOptions::new().read(true).write(true).open(&self.path)?);
         f.len = (bytes.len() + tail.len()) as u64;
         f.checkpoint_len = bytes.len() as u64;
-        Ok(f.checkpoint_len)
+        let written = f.checkpoint_len;
+        drop(f);
+        // Closing the replaced file frees its blocks, which can take a while
+        // for a large one: not under the lock that flushes wait for.
+        drop(old);
+        Ok(written)
     }
 }
 

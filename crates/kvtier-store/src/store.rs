@@ -217,7 +217,7 @@ impl Store {
         }
         self.rebalance_host();
         if let Some(journal) = &self.journal
-            && let Err(e) = journal.flush(false)
+            && let Err(e) = journal.flush_if_idle()
         {
             tracing::error!(error = %e, "manifest flush failed");
         }
