@@ -226,6 +226,43 @@ fn a_restart_recovers_what_was_persisted_and_reports_the_rest() {
     assert_eq!(fetch(&store, "a").len(), 2 * 5);
 }
 
+fn append(store: &Store, seq: &str, data: &[u8], tokens: u32, at: u64, persist: bool) {
+    let req = AppendTokens {
+        layer: 0,
+        heads: heads(),
+        num_tokens: tokens,
+        kv: data,
+        expected_position: Some(at),
+        persist,
+    };
+    store.append_tokens(&key(seq), req).unwrap();
+}
+
+fn offload_to_nvme(store: &Store, seq: &str, pages: PageSelection<'_>) {
+    let req = SetPageState {
+        layer_start: 0,
+        layer_count: 1,
+        heads: heads(),
+        pages,
+        action: kvtier_core::Action::Offload(ColdTier::Nvme),
+        summary_rows: 1,
+        reason: Reason::Explicit,
+    };
+    store.set_page_state(&key(seq), req).unwrap();
+}
+
+/// Every page of `seq` holds the bytes of `kv(seed, 0..n)`.
+fn assert_original(store: &Store, seq: &str, seed: u32, n: usize) {
+    for p in fetch(store, seq) {
+        let (h, page) = (p.kv_head as usize, p.page as usize);
+        assert_eq!(
+            p.content,
+            PageContent::Original(expected(seed, n, h, page)),
+            "{seq} head {h} page {page}"
+        );
+    }
+}
+
 #[test]
 fn appending_to_a_persisted_page_keeps_its_persisted_rows_recoverable() {
     let dir = tempfile::tempdir().unwrap();
@@ -235,39 +272,16 @@ fn appending_to_a_persisted_page_keeps_its_persisted_rows_recoverable() {
         // 6 tokens durable: page 0 full, page 1 with 2 rows.
         put(&store, "a", 0, &kv(1, 0..6), 6, true);
         // A 7th token in memory only: page 1's NVMe copy is now a prefix.
-        let append = AppendTokens {
-            layer: 0,
-            heads: heads(),
-            num_tokens: 1,
-            kv: &kv(9, 0..1),
-            expected_position: Some(6),
-            persist: false,
-        };
-        store.append_tokens(&key("a"), append).unwrap();
+        append(&store, "a", &kv(9, 0..1), 1, 6, false);
         // Other persisted writes need NVMe space and flush the manifest.
         store.create_sequence(key("b"), layout(), vec![]).unwrap();
         put(&store, "b", 0, &kv(2, 0..8), 8, true);
     }
     let store = open(dir.path());
     assert_eq!(store.sequence_info(&key("a")).unwrap().tokens, 6);
-    for p in fetch(&store, "a") {
-        let (h, page) = (p.kv_head as usize, p.page as usize);
-        assert_eq!(
-            p.content,
-            PageContent::Original(expected(1, 6, h, page)),
-            "head {h} page {page}"
-        );
-    }
+    assert_original(&store, "a", 1, 6);
     // Writing resumes at the durable end.
-    let append = AppendTokens {
-        layer: 0,
-        heads: heads(),
-        num_tokens: 1,
-        kv: &kv(9, 0..1),
-        expected_position: Some(6),
-        persist: true,
-    };
-    store.append_tokens(&key("a"), append).unwrap();
+    append(&store, "a", &kv(9, 0..1), 1, 6, true);
 }
 
 /// Copies the store's files as they are now: what a `kill -9` would leave.
@@ -279,7 +293,7 @@ fn crash_image(from: &Path, to: &Path) {
 
 #[test]
 fn an_extent_is_reused_only_once_the_manifest_no_longer_points_to_it() {
-    for round in 0..8 {
+    for _ in 0..8 {
         let dir = tempfile::tempdir().unwrap();
         let image = tempfile::tempdir().unwrap();
         let store = open(dir.path());
@@ -290,29 +304,13 @@ fn an_extent_is_reused_only_once_the_manifest_no_longer_points_to_it() {
         store.drop_sequence(&key("a")).unwrap();
         store.create_sequence(key("b"), layout(), vec![]).unwrap();
         put(&store, "b", 0, &kv(2, 0..8), 8, false);
-        let offload = SetPageState {
-            layer_start: 0,
-            layer_count: 1,
-            heads: heads(),
-            pages: PageSelection::Range { first: 0, count: 0 },
-            action: kvtier_core::Action::Offload(ColdTier::Nvme),
-            summary_rows: 1,
-            reason: Reason::Explicit,
-        };
-        store.set_page_state(&key("b"), offload).unwrap();
+        offload_to_nvme(&store, "b", PageSelection::Range { first: 0, count: 0 });
         crash_image(dir.path(), image.path());
         let recovered = open(image.path());
         // Whether or not the drop reached the manifest first, a is either
         // dropped or intact: never pointing at b's bytes.
         if recovered.sequence_info(&key("a")).is_ok() {
-            for p in fetch(&recovered, "a") {
-                let (h, page) = (p.kv_head as usize, p.page as usize);
-                assert_eq!(
-                    p.content,
-                    PageContent::Original(expected(1, 8, h, page)),
-                    "round {round}: head {h} page {page}"
-                );
-            }
+            assert_original(&recovered, "a", 1, 8);
         }
     }
 }
@@ -325,40 +323,15 @@ fn a_lane_recovers_up_to_a_page_that_was_only_partly_durable() {
         store.create_sequence(key("a"), layout(), vec![]).unwrap();
         put(&store, "a", 0, &kv(1, 0..6), 6, true);
         // 4 more tokens in memory fill page 1 and open page 2 ...
-        let append = AppendTokens {
-            layer: 0,
-            heads: heads(),
-            num_tokens: 4,
-            kv: &kv(9, 0..4),
-            expected_position: Some(6),
-            persist: false,
-        };
-        store.append_tokens(&key("a"), append).unwrap();
+        append(&store, "a", &kv(9, 0..4), 4, 6, false);
         // ... and page 2 alone reaches NVMe: page 1 is durable only up to
         // its first 2 rows, so nothing after them can be recovered.
-        let offload = SetPageState {
-            layer_start: 0,
-            layer_count: 1,
-            heads: heads(),
-            pages: PageSelection::Range { first: 2, count: 1 },
-            action: kvtier_core::Action::Offload(ColdTier::Nvme),
-            summary_rows: 1,
-            reason: Reason::Explicit,
-        };
-        store.set_page_state(&key("a"), offload).unwrap();
+        offload_to_nvme(&store, "a", PageSelection::Range { first: 2, count: 1 });
     }
     let store = open(dir.path());
     assert_eq!(store.sequence_info(&key("a")).unwrap().tokens, 6);
-    let pages = fetch(&store, "a");
-    assert_eq!(pages.len(), 2 * 2);
-    for p in pages {
-        let (h, page) = (p.kv_head as usize, p.page as usize);
-        assert_eq!(
-            p.content,
-            PageContent::Original(expected(1, 6, h, page)),
-            "head {h} page {page}"
-        );
-    }
+    assert_eq!(fetch(&store, "a").len(), 2 * 2);
+    assert_original(&store, "a", 1, 6);
 }
 
 fn digests(store: &Store, seq: &str) -> Vec<(u32, u32, Option<Vec<u8>>)> {
