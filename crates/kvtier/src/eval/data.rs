@@ -4,7 +4,11 @@
 
 use std::path::Path;
 
+use std::sync::Arc;
+
 use anyhow::{Context, bail, ensure};
+use kvtier_core::{DType, Layout, LayoutSpec, SequenceKey};
+use kvtier_store::{HeadRange, PutPages, Store, StoreConfig};
 
 use super::npz;
 
@@ -72,6 +76,52 @@ impl LayerData {
             v: cut(&self.v, self.kv_heads),
             ..self.clone()
         }
+    }
+
+    /// A host-only store with this layer as the one layer of sequence
+    /// `eval/name`, tokens `0..prefill` written; and its KV heads.
+    pub(crate) fn store(
+        &self,
+        page_size: u32,
+        name: &str,
+        prefill: usize,
+    ) -> anyhow::Result<(Arc<Store>, SequenceKey, HeadRange)> {
+        let layout = Layout::new(LayoutSpec {
+            num_layers: 1,
+            num_kv_heads: self.kv_heads as u32,
+            num_query_heads: self.heads as u32,
+            head_dim: self.head_dim as u32,
+            dtype: DType::F16,
+            page_size,
+            layer_groups: vec![],
+        })?;
+        let store = Store::new(StoreConfig {
+            device_bytes: 0,
+            host_bytes: (2 * self.kv_heads * self.tokens * layout.row_bytes()) as u64 * 2 + (64 << 20),
+            cache_writes_on_device: false,
+            ..StoreConfig::default()
+        })?;
+        let key = SequenceKey::parse("eval", name)?;
+        store.create_sequence(key.clone(), layout, vec![])?;
+        let heads = HeadRange {
+            start: 0,
+            count: self.kv_heads as u32,
+        };
+        if prefill > 0 {
+            let kv = self.kv_message(0..prefill);
+            store.put_pages(
+                &key,
+                PutPages {
+                    layer: 0,
+                    heads,
+                    first_page: 0,
+                    num_tokens: prefill as u32,
+                    kv: &kv,
+                    persist: false,
+                },
+            )?;
+        }
+        Ok((store, key, heads))
     }
 
     pub(crate) fn group(&self) -> usize {

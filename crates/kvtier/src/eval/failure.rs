@@ -19,8 +19,7 @@
 
 use kvtier_core::policy::{Allocator, Scorer};
 use kvtier_core::select::{Aggregation, Budget};
-use kvtier_core::{DType, Layout, LayoutSpec, SequenceKey};
-use kvtier_store::{HeadRange, PutPages, SelectPages, Store, StoreConfig};
+use kvtier_store::SelectPages;
 use serde::Serialize;
 
 use super::data::LayerData;
@@ -265,39 +264,7 @@ pub(crate) fn run_policy(
 /// Quest over the whole sequence for the final query, at the same budget.
 pub(crate) fn run_quest(s: &Scenario, data: &str, page: u32, budget_tokens: u32) -> anyhow::Result<FailureTest> {
     let d = &s.data;
-    let layout = Layout::new(LayoutSpec {
-        num_layers: 1,
-        num_kv_heads: d.kv_heads as u32,
-        num_query_heads: d.heads as u32,
-        head_dim: d.head_dim as u32,
-        dtype: DType::F16,
-        page_size: page,
-        layer_groups: vec![],
-    })?;
-    let store = Store::new(StoreConfig {
-        device_bytes: 0,
-        host_bytes: (4 * d.kv_heads * d.tokens * d.head_dim) as u64 * 2 + (16 << 20),
-        cache_writes_on_device: false,
-        ..StoreConfig::default()
-    })?;
-    let key = SequenceKey::parse("eval", s.name)?;
-    store.create_sequence(key.clone(), layout, vec![])?;
-    let heads = HeadRange {
-        start: 0,
-        count: d.kv_heads as u32,
-    };
-    let kv = d.kv_message(0..d.tokens);
-    store.put_pages(
-        &key,
-        PutPages {
-            layer: 0,
-            heads,
-            first_page: 0,
-            num_tokens: d.tokens as u32,
-            kv: &kv,
-            persist: false,
-        },
-    )?;
+    let (store, key, heads) = d.store(page, s.name, d.tokens)?;
     let queries = d.queries_at(d.tokens - 1);
     let budget = Budget {
         pages: (budget_tokens / page) as usize,

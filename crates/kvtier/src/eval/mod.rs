@@ -17,8 +17,7 @@ use anyhow::{Context, ensure};
 use clap::{Args, ValueEnum};
 use kvtier_core::policy::{Allocator, Scorer};
 use kvtier_core::select::{Aggregation, Budget};
-use kvtier_core::{DType, Layout, LayoutSpec, SequenceKey};
-use kvtier_store::{AppendTokens, HeadRange, PutPages, SelectPages, Store, StoreConfig};
+use kvtier_store::{AppendTokens, SelectPages};
 use serde::Serialize;
 
 use data::LayerData;
@@ -357,43 +356,8 @@ fn evaluate_layer(data: &LayerData, config: &EvalConfig) -> anyhow::Result<Vec<R
     let (qf, kf, vf) = (&data.q, &data.k, &data.v);
     let group = data.group();
     let page = config.page_size as usize;
-    let layout = Layout::new(LayoutSpec {
-        num_layers: 1,
-        num_kv_heads: kvh as u32,
-        num_query_heads: h as u32,
-        head_dim: d as u32,
-        dtype: DType::F16,
-        page_size: config.page_size,
-        layer_groups: vec![],
-    })?;
-    let row = layout.row_bytes();
-    let store = Store::new(StoreConfig {
-        device_bytes: 0,
-        host_bytes: (2 * kvh * t_all * row) as u64 * 2 + (64 << 20),
-        cache_writes_on_device: false,
-        ..StoreConfig::default()
-    })?;
-    let key = SequenceKey::parse("eval", &format!("layer{layer}"))?;
-    store.create_sequence(key.clone(), layout, vec![])?;
-    let heads = HeadRange {
-        start: 0,
-        count: kvh as u32,
-    };
     let first = config.positions[0];
-    if first > 0 {
-        let kv = data.kv_message(0..first);
-        store.put_pages(
-            &key,
-            PutPages {
-                layer: 0,
-                heads,
-                first_page: 0,
-                num_tokens: first as u32,
-                kv: &kv,
-                persist: false,
-            },
-        )?;
-    }
+    let (store, key, heads) = data.store(config.page_size, &format!("layer{layer}"), first)?;
     let mut sums = vec![Row::default(); kvh];
     let mut samples = vec![0usize; kvh];
     let mut held = first;
