@@ -434,6 +434,16 @@ pub mod actions {
             tier: pb::Tier::Host as i32,
         })
     }
+    pub fn offload_to_nvme() -> Action {
+        Action::Offload(pb::Offload {
+            tier: pb::Tier::Nvme as i32,
+        })
+    }
+    pub fn migrate_to_nvme() -> Action {
+        Action::Migrate(pb::Migrate {
+            tier: pb::Tier::Nvme as i32,
+        })
+    }
     pub fn swap_in() -> Action {
         Action::SwapIn(pb::SwapIn {})
     }

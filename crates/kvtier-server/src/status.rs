@@ -11,7 +11,7 @@ pub(crate) fn to_status(e: StoreError) -> Status {
         StoreError::AlreadyExists { .. } => Code::AlreadyExists,
         StoreError::FailedPrecondition(_) => Code::FailedPrecondition,
         StoreError::ResourceExhausted(_) => Code::ResourceExhausted,
-        StoreError::Unavailable(_) => Code::Unavailable,
+        StoreError::Unavailable(_) | StoreError::Manifest(_) => Code::Unavailable,
         StoreError::Internal(_) => Code::Internal,
     };
     if code == Code::Internal {

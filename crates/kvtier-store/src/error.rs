@@ -24,6 +24,9 @@ pub enum StoreError {
     /// changed; a retry may succeed.
     #[error("{0}")]
     Unavailable(TierError),
+    /// The manifest could not be read, written or locked.
+    #[error("{0}")]
+    Manifest(crate::ManifestError),
     /// A broken invariant inside the store; a bug, reported rather than
     /// served.
     #[error("internal error: {0}")]
@@ -40,26 +43,6 @@ impl StoreError {
     }
 }
 
-impl StoreError {
-    /// Names the file an I/O error happened on.
-    pub(crate) fn context(self, path: &std::path::Path) -> Self {
-        match self {
-            Self::Unavailable(kvtier_tiers::TierError::Io {
-                op,
-                offset,
-                errno,
-                message,
-            }) => Self::Unavailable(kvtier_tiers::TierError::Io {
-                op,
-                offset,
-                errno,
-                message: format!("{}: {message}", path.display()),
-            }),
-            other => other,
-        }
-    }
-}
-
 impl From<FieldError> for StoreError {
     fn from(e: FieldError) -> Self {
         Self::InvalidArgument(e)
@@ -71,11 +54,10 @@ impl From<TierError> for StoreError {
         match e {
             TierError::Full { .. } => Self::ResourceExhausted(e),
             TierError::Io { .. } if e.is_no_space() => Self::ResourceExhausted(e),
-            TierError::Io { .. } => Self::Unavailable(e),
+            TierError::Io { .. } | TierError::Reserve { .. } => Self::Unavailable(e),
             TierError::ZeroLength
             | TierError::ForeignSlot
             | TierError::OutOfBounds { .. }
-            | TierError::Reserve { .. }
             | TierError::InUse { .. } => Self::Internal(e.to_string()),
         }
     }

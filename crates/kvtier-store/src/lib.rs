@@ -7,15 +7,13 @@
 //! the global page-table lock.
 
 mod device;
+mod durability;
 mod error;
 mod lease;
-mod manifest;
 mod movement;
 mod page;
-mod persist;
 mod policy;
 mod read;
-mod recovery;
 mod select;
 mod sequence;
 mod stats;
@@ -25,14 +23,12 @@ mod sync;
 mod transition;
 mod write;
 
+pub use durability::{Acknowledged, Durability, ManifestError, Recovered};
 pub use error::{StoreError, StoreResult};
 pub use kvtier_tiers::{EngineChoice, NvmeConfig, Tier, TierError, TierKind};
 pub use lease::MAX_LEASE;
-pub use manifest::Durability;
-pub use persist::Acknowledged;
 pub use policy::{ApplyPolicy, AttentionWeights, PolicyAction, PolicyOutcome, PolicySpec, ReportAttention, Trigger};
 pub use read::{FetchCursor, FetchPages, FetchedPage, PageContent, PageList};
-pub use recovery::Recovered;
 pub use select::{HeadSelection, Miss, SelectPages, SelectTiming, SelectedPage, Selection};
 pub use sequence::HeadRange;
 pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};

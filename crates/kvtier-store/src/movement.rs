@@ -8,6 +8,7 @@ use std::sync::{Arc, Weak};
 use kvtier_core::{ColdTier, Layout, PageState, Reason};
 use kvtier_tiers::{AlignedBuf, Slot, Tier, TierError};
 
+use crate::durability::{Record, page_crc};
 use crate::page::{NvmeCopy, PhysPage, read_rows, rows_of};
 use crate::sync::{lock, read, write};
 use crate::{Store, StoreError, StoreResult};
@@ -66,7 +67,7 @@ impl Store {
             let (page, rows) = &pages[i];
             let intact = match done.wait() {
                 Ok(d) => match d.result {
-                    Ok(()) if crc32c::crc32c(&d.buf[..page_len]) == copy.crc => Some(d.buf),
+                    Ok(()) if page_crc(page.id, &d.buf[..page_len]) == copy.crc => Some(d.buf),
                     Ok(()) => {
                         tracing::error!(
                             page = page.id,
@@ -133,11 +134,12 @@ impl Store {
         }
         let failed = place.nvme.take().expect("checked above");
         place.lost = Some(Reason::Integrity);
+        let lost = Record::Lost {
+            phys: page.id,
+            reason: Reason::Integrity,
+        };
+        self.journal_retiring(vec![lost], vec![failed.slot]);
         drop(place);
-        self.log_retiring(
-            vec![crate::manifest::Record::Unpersist { phys: page.id }],
-            vec![failed.slot],
-        );
         self.counters
             .transition(PageState::Cold(ColdTier::Nvme), PageState::Gone, Reason::Integrity, 1);
         true
@@ -256,10 +258,12 @@ impl Store {
         moved
     }
 
-    /// Gives each page a current NVMe copy made from its host copy (writing
-    /// one unless it has one), then keeps or drops the host copy. A page
-    /// modified meanwhile keeps its host copy and gets no NVMe copy. All
-    /// slots are reserved first: if NVMe is full, nothing moves. Returns the
+    /// Gives each page a current NVMe copy made from its host (or device)
+    /// copy, writing one unless it has one, then keeps or drops the host
+    /// copy. A page modified meanwhile keeps its host copy and gets no NVMe
+    /// copy. All slots are reserved first: if NVMe is full, nothing moves.
+    /// Each copy's `Persist` record is journalled under the page's lock, so
+    /// the journal orders it with the page's other records. Returns the
     /// pages that moved or were copied.
     pub(crate) fn copy_to_nvme(&self, pages: &[Arc<PhysPage>], keep: Keep, reason: Reason) -> StoreResult<usize> {
         let Some(nvme) = self.nvme.as_ref() else {
@@ -270,25 +274,31 @@ impl Store {
         let mut moved = 0;
         for page in pages {
             let mut place = write(&page.place);
-            if place.lost.is_some() || place.host.is_none() {
+            if place.lost.is_some() {
                 continue;
             }
             if place.nvme.is_some() {
                 // Already current on NVMe: no I/O needed.
-                if keep == Keep::Nothing {
-                    let from = place.state();
-                    place.host = None;
-                    let to = place.state();
-                    drop(place);
-                    self.counted(from, to, reason);
+                if place.host.is_some() {
+                    if keep == Keep::Nothing {
+                        let from = place.state();
+                        place.host = None;
+                        let to = place.state();
+                        drop(place);
+                        self.counted(from, to, reason);
+                    }
+                    moved += 1;
                 }
-                moved += 1;
                 continue;
             }
-            let host = place.host.as_ref().expect("checked above");
-            let mut buf = AlignedBuf::zeroed(host.len() as usize);
-            self.host.read(host, 0, &mut buf)?;
-            pending.push((Arc::clone(page), place.version, place.rows, crc32c::crc32c(&buf)));
+            let source = match (&place.host, &place.device) {
+                (Some(host), _) => (&*self.host, host),
+                (None, Some(device)) => (&*self.device, device),
+                (None, None) => continue,
+            };
+            let mut buf = AlignedBuf::zeroed(source.1.len() as usize);
+            source.0.read(source.1, 0, &mut buf)?;
+            pending.push((Arc::clone(page), place.version, place.rows, page_crc(page.id, &buf)));
             bufs.push(buf);
         }
         let slots: Vec<Slot> = bufs
@@ -308,21 +318,20 @@ impl Store {
             d.result?;
             written.push((d.slot, d.buf));
         }
-        let mut records = Vec::new();
-        let mut superseded = Vec::new();
         for ((page, version, rows, crc), (slot, buf)) in pending.into_iter().zip(written) {
             let mut place = write(&page.place);
-            if place.version != version || place.host.is_none() || place.lost.is_some() || place.nvme.is_some() {
+            if place.version != version || place.lost.is_some() || place.nvme.is_some() {
                 continue; // changed meanwhile; the new NVMe slot is freed here
             }
-            records.push(Self::persist_record(&page, slot.offset(), slot.len(), crc, rows, &buf));
+            let record = Self::persist_record(&page, slot.offset(), slot.len(), crc, rows, &buf);
             let from = place.state();
             place.nvme = Some(NvmeCopy {
                 slot: Arc::new(slot),
                 crc,
                 rows,
             });
-            superseded.extend(place.durable_prefix.take().map(|c| c.slot));
+            let superseded = place.durable_prefix.take().map(|c| c.slot);
+            self.journal_retiring(vec![record], superseded.into_iter().collect());
             if keep == Keep::Nothing {
                 place.host = None;
             }
@@ -331,18 +340,15 @@ impl Store {
             self.counted(from, to, reason);
             moved += 1;
         }
-        self.log_retiring(records, superseded);
         Ok(moved)
     }
 
     /// An NVMe slot of `len` bytes. When NVMe is full, the journal is
     /// flushed first: extents it retired become free once it is.
     fn allocate_nvme(&self, nvme: &dyn Tier, len: u64) -> StoreResult<Slot> {
-        match (nvme.allocate(len), &self.journal) {
-            (Err(TierError::Full { .. }), Some(journal)) => {
-                journal
-                    .flush(false)
-                    .map_err(|e| crate::persist::manifest_write_error(&e))?;
+        match (nvme.allocate(len), &self.manifest) {
+            (Err(TierError::Full { .. }), Some(manifest)) => {
+                manifest.flush().map_err(StoreError::Manifest)?;
                 Ok(nvme.allocate(len)?)
             }
             (slot, _) => Ok(slot?),

@@ -152,6 +152,9 @@ pub(crate) struct PageRef {
 pub(crate) struct SummaryPage {
     pub(crate) counts: Vec<u32>,
     pub(crate) slot: Slot,
+    /// Why the page was summarised (it is reported gone with this reason
+    /// if the summary is ever lost).
+    pub(crate) reason: Reason,
 }
 
 pub(crate) type StoreLane = Lane<PageRef, SummaryPage>;

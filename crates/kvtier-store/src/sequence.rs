@@ -25,6 +25,10 @@ pub(crate) struct Sequence {
     pub(crate) attention: Vec<TokenStats>,
     /// A policy that runs by itself as the sequence grows.
     pub(crate) auto_policy: Option<AutoPolicy>,
+    /// Per lane, the leading pages known to need no persisting: each has a
+    /// current NVMe copy or no original bytes (a full page's copy stays
+    /// current, since nothing changes a full page). A persist starts here.
+    pub(crate) persisted: Vec<usize>,
 }
 
 /// A range of KV heads, `start..start + count`.
@@ -45,9 +49,10 @@ impl HeadRange {
 
 impl Sequence {
     pub(crate) fn new(key: SequenceKey, layout: Arc<Layout>, hashes: Vec<Arc<[u8]>>) -> Self {
-        let lanes = (0..layout.num_lanes())
+        let lanes: Vec<_> = (0..layout.num_lanes())
             .map(|_| Lane::new(layout.dtype(), layout.head_dim() as usize, layout.page_size()))
             .collect();
+        let persisted = vec![0; lanes.len()];
         Self {
             key,
             layout,
@@ -56,6 +61,7 @@ impl Sequence {
             dropped: false,
             attention: Vec::new(),
             auto_policy: None,
+            persisted,
         }
     }
 

@@ -1,16 +1,15 @@
 //! The store: sequences, the shared page table and the tiers.
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 
 use kvtier_core::{Layout, LogicalPage, PageState, PhysicalPages, Reason, SequenceKey};
 use kvtier_tiers::{ArenaTier, NvmeConfig, NvmeTier, Tier, TierKind};
 
 use crate::device::DeviceLru;
+use crate::durability::{Durability, Image, Manifest, PageIds, Record};
 use crate::lease::Leases;
-use crate::manifest::{self, Durability, Journal, Record};
 use crate::movement::HostLru;
 use crate::page::{PageRef, PhysPage, ShareKey, StorePage};
 use crate::sequence::Sequence;
@@ -46,6 +45,9 @@ pub struct StoreConfig {
     /// The manifest; default: the NVMe file's path with extension
     /// `.manifest`. Needed to recover pages after a restart.
     pub manifest_path: Option<PathBuf>,
+    /// Rewrite the manifest as a checkpoint once it is past this size (and
+    /// has doubled since the last checkpoint).
+    pub checkpoint_bytes: u64,
 }
 
 impl Default for StoreConfig {
@@ -61,6 +63,7 @@ impl Default for StoreConfig {
             promote_on_read: true,
             durability: Durability::Relaxed,
             manifest_path: None,
+            checkpoint_bytes: 64 << 20,
         }
     }
 }
@@ -70,7 +73,8 @@ pub struct Store {
     pub(crate) device: Arc<dyn Tier>,
     pub(crate) host: Arc<dyn Tier>,
     pub(crate) nvme: Option<Arc<dyn Tier>>,
-    pub(crate) journal: Option<Journal>,
+    /// With an NVMe tier: what survives a restart (`durability/`).
+    pub(crate) manifest: Option<Manifest>,
     pub(crate) config: StoreConfig,
     sequences: RwLock<HashMap<SequenceKey, Arc<RwLock<Sequence>>>>,
     /// Lock order: a sequence, then `pages`, then a page's placement, then
@@ -82,7 +86,7 @@ pub struct Store {
     pub(crate) migrating: Mutex<()>,
     pub(crate) workers: Arc<Workers>,
     pub(crate) leases: Leases,
-    next_page_id: AtomicU64,
+    pub(crate) ids: PageIds,
     pub(crate) counters: Counters,
 }
 
@@ -127,6 +131,16 @@ impl Store {
             Some(h) => h,
             None => Arc::new(ArenaTier::host(config.host_bytes)?),
         };
+        // The manifest's lock first: a second server over the same data
+        // directory is refused by the lock that names its holder, before it
+        // touches anything.
+        let recovering = match &config.nvme {
+            Some(c) => open_manifest(
+                config.manifest_path.clone().unwrap_or_else(|| default_manifest(c)),
+                &config,
+            )?,
+            None => None,
+        };
         let nvme = match &config.nvme {
             Some(c) => {
                 let tier = NvmeTier::open(c.clone())?;
@@ -135,7 +149,7 @@ impl Store {
             }
             None => None,
         };
-        Self::with_tiers(device, host, nvme, config)
+        Self::build(device, host, nvme, recovering, config)
     }
 
     /// A store over the given tiers (their capacities override the config's).
@@ -154,24 +168,34 @@ impl Store {
             nvme.as_ref().is_none_or(|t| t.kind() == TierKind::Nvme),
             "nvme tier kind"
         );
-        let manifest = match (&nvme, &config.manifest_path, &config.nvme) {
+        let path = match (&nvme, &config.manifest_path, &config.nvme) {
             (Some(_), Some(path), _) => Some(path.clone()),
-            (Some(_), None, Some(c)) => Some(c.path.with_extension("manifest")),
+            (Some(_), None, Some(c)) => Some(default_manifest(c)),
             _ => None,
         };
-        let (records, journal) = match &manifest {
-            Some(path) => {
-                let (records, valid) = manifest::replay(path).map_err(|e| manifest_error(path, &e))?;
-                let journal = Journal::open(path, valid, config.durability).map_err(|e| manifest_error(path, &e))?;
-                (records, Some(journal))
-            }
-            None => (Vec::new(), None),
+        let recovering = match path {
+            Some(path) => open_manifest(path, &config)?,
+            None => None,
+        };
+        Self::build(device, host, nvme, recovering, config)
+    }
+
+    fn build(
+        device: Arc<dyn Tier>,
+        host: Arc<dyn Tier>,
+        nvme: Option<Arc<dyn Tier>>,
+        recovering: Option<Recovering>,
+        config: StoreConfig,
+    ) -> StoreResult<Arc<Self>> {
+        let (path, manifest, image) = match recovering {
+            Some((path, manifest, image)) => (Some(path), Some(manifest), Some(image)),
+            None => (None, None, None),
         };
         let store = Arc::new(Self {
             device,
             host,
             nvme,
-            journal,
+            manifest,
             config,
             sequences: RwLock::default(),
             pages: Mutex::default(),
@@ -180,15 +204,16 @@ impl Store {
             migrating: Mutex::new(()),
             workers: Workers::start(2),
             leases: Leases::default(),
-            next_page_id: AtomicU64::new(0),
+            ids: PageIds::starting_at(image.as_ref().map_or(0, |i| i.next_page_id)),
             counters: Counters::default(),
         });
-        if let Some(path) = &manifest {
-            let recovered = store.recover(records)?;
+        if let (Some(path), Some(image)) = (&path, image) {
+            let recovered = store.recover(image);
             tracing::info!(
                 manifest = %path.display(),
                 sequences = recovered.sequences,
                 pages = recovered.pages,
+                summaries = recovered.summaries,
                 lost_on_restart = recovered.lost_on_restart,
                 "recovered from the manifest"
             );
@@ -200,7 +225,7 @@ impl Store {
         // Its own thread: a checkpoint of a large manifest takes seconds, and
         // host memory must keep draining meanwhile (or appends migrate pages
         // themselves).
-        if store.journal.is_some()
+        if store.manifest.is_some()
             && let Err(e) = spawn_loop("kvtier-checkpoint", &store, Self::checkpoint_if_due)
         {
             tracing::error!(error = %e, "cannot start the checkpoint thread; the manifest keeps growing");
@@ -216,8 +241,8 @@ impl Store {
             tracing::debug!(expired, "leases expired");
         }
         self.rebalance_host();
-        if let Some(journal) = &self.journal
-            && let Err(e) = journal.flush_if_idle()
+        if let Some(manifest) = &self.manifest
+            && let Err(e) = manifest.flush_if_idle()
         {
             tracing::error!(error = %e, "manifest flush failed");
         }
@@ -225,17 +250,9 @@ impl Store {
 
     /// A checkpoint once the manifest has grown large.
     fn checkpoint_if_due(&self) {
-        if self
-            .journal
-            .as_ref()
-            .is_some_and(|j| j.wants_checkpoint(CHECKPOINT_BYTES))
-        {
+        if self.manifest.as_ref().is_some_and(Manifest::wants_checkpoint) {
             self.checkpoint();
         }
-    }
-
-    pub(crate) fn set_next_page_id(&self, next: u64) {
-        self.next_page_id.fetch_max(next, Relaxed);
     }
 
     pub(crate) fn sequence_cells(&self) -> Vec<Arc<RwLock<Sequence>>> {
@@ -244,10 +261,6 @@ impl Store {
 
     pub(crate) fn insert_recovered(&self, seq: Sequence) {
         write(&self.sequences).insert(seq.key.clone(), Arc::new(RwLock::new(seq)));
-    }
-
-    pub(crate) fn next_page_id(&self) -> u64 {
-        self.next_page_id.fetch_add(1, Relaxed)
     }
 
     /// The cell of sequence `key`.
@@ -313,20 +326,12 @@ impl Store {
         }];
         for (lane_index, lane) in seq.lanes.iter().enumerate() {
             for page in 0..attached_pages as usize {
-                let Some(LogicalPage::Physical(r)) = lane.page(page) else {
-                    continue;
-                };
-                records.push(Record::Map {
-                    key: key.clone(),
-                    lane: lane_index as u32,
-                    page: page as u32,
-                    phys: r.page.id,
-                    rows: seq.layout.page_size(),
-                    digest: lane.digests().entry(page).to_vec(),
-                });
+                if let Some(LogicalPage::Physical(r)) = lane.page(page) {
+                    records.push(Self::map_record(&seq, lane_index, page, r.page.id));
+                }
             }
         }
-        self.log(records);
+        self.journal(records);
         sequences.insert(key.clone(), Arc::new(RwLock::new(seq)));
         tracing::info!(sequence = %key, attached_pages, "sequence created");
         Ok(Created { attached_pages, info })
@@ -358,14 +363,23 @@ impl Store {
     }
 
     /// Drops a sequence; physical pages no other sequence uses are freed.
+    /// Durable before it returns: a crash cannot bring the sequence back.
     pub fn drop_sequence(&self, key: &SequenceKey) -> StoreResult<()> {
-        let cell = write(&self.sequences).remove(key).ok_or_else(|| not_found(key))?;
+        let cell = self.sequence(key)?;
         let mut seq = write(&cell);
+        if seq.dropped {
+            return Err(not_found(key));
+        }
+        // Under the sequence's lock, and before it leaves the map: every
+        // record of this sequence comes before its `Drop`, and a sequence
+        // created again under the key journals its start after it.
         seq.dropped = true;
+        self.journal(vec![Record::Drop { key: key.clone() }]);
+        write(&self.sequences).remove(key);
         self.release_sequence_pages(&mut seq);
-        self.log(vec![Record::Drop { key: key.clone() }]);
+        drop(seq);
         tracing::info!(sequence = %key, "sequence dropped");
-        Ok(())
+        self.commit_change()
     }
 
     fn release_sequence_pages(&self, seq: &mut Sequence) {
@@ -389,7 +403,7 @@ impl Store {
                 }
             }
         }
-        self.log_freed(&freed);
+        self.journal_freed(&freed);
         for page in &freed {
             self.note_wasted(page);
         }
@@ -507,6 +521,19 @@ impl Store {
     }
 }
 
+/// A locked manifest, its path and what it says to recover.
+type Recovering = (PathBuf, Manifest, Image);
+
+fn default_manifest(nvme: &NvmeConfig) -> PathBuf {
+    nvme.path.with_extension("manifest")
+}
+
+fn open_manifest(path: PathBuf, config: &StoreConfig) -> StoreResult<Option<Recovering>> {
+    let (manifest, image) =
+        Manifest::open(&path, config.durability, config.checkpoint_bytes).map_err(StoreError::Manifest)?;
+    Ok(Some((path, manifest, image)))
+}
+
 /// Runs `tick` every 20 ms on a thread of its own for as long as the store
 /// lives (the thread holds it only during a tick).
 fn spawn_loop(name: &str, store: &Arc<Store>, tick: fn(&Store)) -> std::io::Result<()> {
@@ -521,19 +548,11 @@ fn spawn_loop(name: &str, store: &Arc<Store>, tick: fn(&Store)) -> std::io::Resu
     Ok(())
 }
 
-/// Rewrite the manifest as a checkpoint once it is past this size (and has
-/// doubled since the last checkpoint).
-const CHECKPOINT_BYTES: u64 = 64 << 20;
-
-fn manifest_error(path: &Path, e: &std::io::Error) -> StoreError {
-    StoreError::Unavailable(crate::persist::io_error("manifest", e)).context(path)
-}
-
 impl Drop for Store {
     fn drop(&mut self) {
         self.workers.close();
-        if let Some(journal) = &self.journal
-            && let Err(e) = journal.flush(true)
+        if let Some(manifest) = &self.manifest
+            && let Err(e) = manifest.commit()
         {
             tracing::error!(error = %e, "manifest flush at shutdown failed");
         }

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use kvtier_core::{Action, ColdTier, LogicalPage, PageState, Reason, SequenceKey, Summary};
 use kvtier_tiers::{Slot, TierError, TierKind};
 
-use crate::manifest::Record;
 use crate::movement::Keep;
 use crate::page::{PhysPage, SummaryPage};
 use crate::sequence::{HeadRange, Sequence};
@@ -51,14 +50,18 @@ pub(crate) struct Target {
 }
 
 impl Store {
+    /// Applies an explicit transition; a change that removes original
+    /// bytes (evict, summarize) is in the manifest before this returns.
     pub fn set_page_state(&self, key: &SequenceKey, req: SetPageState<'_>) -> StoreResult<TransitionOutcome> {
-        self.with_sequence_mut(key, |seq| {
+        let outcome = self.with_sequence_mut(key, |seq| {
             let targets = self.targets(seq, &req)?;
             self.apply_targets(seq, &targets, req.action, req.summary_rows, req.reason)?;
             Ok(TransitionOutcome {
                 pages: targets.len() as u64,
             })
-        })
+        })?;
+        self.commit_change()?;
+        Ok(outcome)
     }
 
     /// Applies `action` to every target, all or nothing: each is checked
@@ -302,19 +305,25 @@ impl Store {
             let summary = Summary::chunk_means(layout.dtype(), layout.head_dim() as usize, keys, values, rows);
             let mut slot = self.allocate_host(summary.kv.len() as u64)?;
             self.host.write(&mut slot, 0, &summary.kv)?;
-            summaries.push(SummaryPage {
-                counts: summary.counts,
-                slot,
-            });
+            summaries.push((
+                SummaryPage {
+                    counts: summary.counts,
+                    slot,
+                    reason,
+                },
+                summary.kv,
+            ));
         }
-        let old: Vec<_> = targets
-            .iter()
-            .zip(summaries)
-            .map(|(t, s)| seq.lanes[t.lane].replace(t.page, LogicalPage::Summary(s)))
-            .collect();
+        let mut records = Vec::new();
+        let mut old = Vec::with_capacity(targets.len());
+        for (t, (page, kv)) in targets.iter().zip(summaries) {
+            if self.manifest.is_some() {
+                records.push(Self::summary_record(seq, t.lane, t.page, reason, &page.counts, kv));
+            }
+            old.push(seq.lanes[t.lane].replace(t.page, LogicalPage::Summary(page)));
+        }
+        self.journal(records);
         self.release(old);
-        // A summary lives in memory only: after a restart it is gone.
-        self.log_unmapped(seq, targets, Reason::LostOnRestart);
         tracing::debug!(sequence = %seq.key, pages = targets.len(), reason = reason.name(), "summarized");
         Ok(())
     }
@@ -325,22 +334,13 @@ impl Store {
             .iter()
             .map(|t| seq.lanes[t.lane].replace(t.page, LogicalPage::Gone(reason)))
             .collect();
-        self.release(old);
-        self.log_unmapped(seq, targets, reason);
-    }
-
-    fn log_unmapped(&self, seq: &Sequence, targets: &[Target], reason: Reason) {
-        if self.journal.is_some() {
+        if self.manifest.is_some() {
             let records = targets
                 .iter()
-                .map(|t| Record::Unmap {
-                    key: seq.key.clone(),
-                    lane: t.lane as u32,
-                    page: t.page as u32,
-                    reason,
-                })
+                .map(|t| Self::gone_record(seq, t.lane, t.page, reason))
                 .collect();
-            self.log(records);
+            self.journal(records);
         }
+        self.release(old);
     }
 }

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use kvtier_core::{DigestColumn, Layout, LogicalPage, PageTableError, Reason};
 use kvtier_tiers::Slot;
 
+use crate::durability::Acknowledged;
 use crate::page::{PageRef, PhysPage, Placement, ShareKey, StorePage, write_rows};
-use crate::persist::Acknowledged;
 use crate::sequence::{HeadRange, Sequence};
 use crate::stats::Counters;
 use crate::store::share_key;
@@ -123,8 +123,9 @@ impl<'a> KvRows<'a> {
     }
 }
 
-/// Storage reserved for a page about to be written.
+/// Storage (and an id) reserved for a page about to be written.
 struct NewPage {
+    id: u64,
     host: Slot,
     device: Option<Slot>,
 }
@@ -223,19 +224,20 @@ impl Store {
         // Publish.
         let (mut written, mut shared) = (0u64, 0u64);
         let mut hot = Vec::new();
-        let mut touched = Vec::new();
+        let mut mapped = Vec::new();
         let mut table = lock(&self.pages);
         for (j, plan) in planned.into_iter().enumerate() {
             let (h, i) = (j / pages, j % pages);
             let lane = &mut seq.lanes[lanes[h]];
             let keys = rows.keys(h, token_range(i));
             let n = token_range(i).len();
-            match plan {
+            let phys = match plan {
                 Planned::Shared(r) => {
                     shared += 1;
                     let page = Arc::clone(&r.page);
                     let digest = page.digest.as_deref().expect("shared pages keep their digest");
                     lane.push_full_page(LogicalPage::Physical(r), digest);
+                    page.id
                 }
                 Planned::New { page, key: None } => {
                     written += 1;
@@ -244,7 +246,9 @@ impl Store {
                     if read_device(&page) {
                         hot.push(Arc::clone(&page));
                     }
+                    let phys = page.id;
                     lane.push_page(LogicalPage::Physical(PageRef { id, page }), keys);
+                    phys
                 }
                 Planned::New { page, key: Some(key) } => {
                     let mut digest = DigestColumn::new(layout.dtype(), layout.head_dim() as usize);
@@ -268,15 +272,17 @@ impl Store {
                         }
                         Err((e, _)) => return Err(internal(e)),
                     };
+                    let phys = r.page.id;
                     lane.push_full_page(LogicalPage::Physical(r), digest.entry(0));
+                    phys
                 }
                 Planned::Unreserved(_) => unreachable!("every new page was reserved"),
-            }
-            touched.push(self.mapped(seq, lanes[h]));
+            };
+            mapped.push((lanes[h], lane.num_pages() - 1, phys));
         }
         drop(table);
         self.touch_device(hot);
-        let durability = self.finish_write(touched, req.persist)?;
+        let durability = self.finish_write(seq, &lanes, &mapped, req.persist)?;
         Counters::add(&self.counters.pages_written, written);
         Counters::add(&self.counters.pages_shared, shared);
         Counters::add(&self.counters.bytes_written, req.kv.len() as u64);
@@ -406,16 +412,13 @@ impl Store {
 
         // Publish.
         let mut hot = Vec::new();
-        let mut touched = Vec::new();
+        let mut mapped = Vec::new();
         let mut table = lock(&self.pages);
         let mut planned = planned.into_iter();
         for (h, &(_, lane_index)) in lanes.iter().enumerate() {
             let lane = &mut seq.lanes[lane_index];
             if fill > 0 {
                 lane.extend_last(rows.keys(h, 0..fill));
-                if let Some(LogicalPage::Physical(r)) = lane.page(lane.num_pages() - 1) {
-                    touched.push((Arc::clone(&r.page), None));
-                }
             }
             for i in 0..per_lane {
                 let Some(Planned::New { page, .. }) = planned.next() else {
@@ -427,16 +430,18 @@ impl Store {
                     hot.push(Arc::clone(&page));
                 }
                 let lane = &mut seq.lanes[lane_index];
+                let phys = page.id;
                 lane.push_page(
                     LogicalPage::Physical(PageRef { id, page }),
                     rows.keys(h, page_tokens(i)),
                 );
-                touched.push(self.mapped(seq, lane_index));
+                mapped.push((lane_index, lane.num_pages() - 1, phys));
             }
         }
         drop(table);
         self.touch_device(hot);
-        let durability = self.finish_write(touched, req.persist)?;
+        let lane_indices: Vec<usize> = lanes.iter().map(|&(_, lane)| lane).collect();
+        let durability = self.finish_write(seq, &lane_indices, &mapped, req.persist)?;
         Counters::add(&self.counters.pages_written, opened);
         Counters::add(
             &self.counters.tokens_appended,
@@ -451,7 +456,7 @@ impl Store {
     }
 
     fn check_persist(&self, persist: bool) -> StoreResult<()> {
-        if persist && self.journal.is_none() {
+        if persist && self.manifest.is_none() {
             return Err(StoreError::precondition(
                 "persist",
                 "persisting needs the nvme tier and its manifest",
@@ -466,9 +471,15 @@ impl Store {
     /// newest pages first, since they are the likeliest to be read next.
     fn reserve_new_pages(&self, layout: &Layout, planned: &mut [Planned], per_lane: usize) -> StoreResult<()> {
         let len = layout.page_bytes() as u64;
+        let new = planned.iter().filter(|p| matches!(p, Planned::Unreserved(_))).count();
+        let mut ids = self
+            .ids
+            .take(new as u64, self.manifest.as_ref())
+            .map_err(StoreError::Manifest)?;
         for plan in planned.iter_mut() {
             if let Planned::Unreserved(key) = plan {
                 let page = NewPage {
+                    id: ids.next().expect("one id per new page"),
                     host: self.allocate_host(len)?,
                     device: None,
                 };
@@ -502,7 +513,7 @@ impl Store {
 
     fn phys_page(&self, page: NewPage, layout: &Arc<Layout>, rows: usize, digest: Option<Box<[u8]>>) -> Arc<PhysPage> {
         let place = Placement::new(page.device, page.host, rows as u32);
-        let page = Arc::new(PhysPage::new(self.next_page_id(), Arc::clone(layout), digest, place));
+        let page = Arc::new(PhysPage::new(page.id, Arc::clone(layout), digest, place));
         self.touch_host([&page]);
         page
     }

@@ -11,6 +11,7 @@ pub mod conformance;
 mod extent;
 #[cfg(feature = "testing")]
 pub mod faults;
+mod lock;
 mod nvme;
 
 use std::fmt;
@@ -20,6 +21,7 @@ pub use aligned::{AlignedBuf, IO_ALIGN};
 pub use arena::ArenaTier;
 pub use completion::{Abandoned, Completer, Completion, completion};
 pub use extent::{ExtentAllocator, Slot};
+pub use lock::{LOCK_WAIT, LockError, LockFile};
 pub use nvme::{EngineChoice, NvmeConfig, NvmeTier};
 
 /// Which level of the hierarchy a tier serves.

@@ -70,6 +70,8 @@ pub(crate) struct FileConfig {
     pub(crate) max_message_bytes: Option<ByteSize>,
     /// `relaxed` or `fsync`.
     pub(crate) durability: Option<String>,
+    /// Rewrite the manifest as a checkpoint past this size.
+    pub(crate) checkpoint_bytes: Option<ByteSize>,
     #[serde(default)]
     pub(crate) tiers: TierFileConfig,
 }

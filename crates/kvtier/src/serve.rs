@@ -50,6 +50,10 @@ pub(crate) struct ServeArgs {
     /// fsync (on disk) [default: relaxed].
     #[arg(long, value_name = "MODE")]
     durability: Option<String>,
+    /// Rewrite the manifest compactly once it passes this size (and has
+    /// doubled since the last rewrite) [default: 64MiB].
+    #[arg(long, value_name = "SIZE")]
+    checkpoint_bytes: Option<ByteSize>,
     /// Largest gRPC message accepted or sent [default: 64MiB].
     #[arg(long, value_name = "SIZE")]
     max_message_bytes: Option<ByteSize>,
@@ -134,6 +138,10 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             Some(other) => bail!("durability: {other:?} is not one of relaxed, fsync"),
         },
         manifest_path: None,
+        checkpoint_bytes: args
+            .checkpoint_bytes
+            .or(file.checkpoint_bytes)
+            .map_or(defaults_store.checkpoint_bytes, |b| b.0),
         device_cache: match file.tiers.device_cache.as_deref() {
             None | Some("inclusive") => DeviceCache::Inclusive,
             Some("exclusive") => DeviceCache::Exclusive,

@@ -117,10 +117,11 @@ pub(crate) struct AutoPolicy {
 }
 
 impl Store {
-    /// Applies a policy now, or registers it (see [`Trigger`]).
+    /// Applies a policy now (durable before this returns), or registers it
+    /// (see [`Trigger`]).
     pub fn apply_policy(&self, key: &SequenceKey, req: ApplyPolicy<'_>) -> StoreResult<PolicyOutcome> {
         self.check_policy(req.spec)?;
-        self.with_sequence_mut(key, |seq| {
+        let outcome = self.with_sequence_mut(key, |seq| {
             seq.check_layers(req.spec.layer_start, req.spec.layer_count)?;
             let query_len = (seq.layout.num_query_heads() * seq.layout.head_dim()) as usize;
             let layers = req.spec.layer_count as usize;
@@ -157,7 +158,9 @@ impl Store {
                     Ok(PolicyOutcome::default())
                 }
             }
-        })
+        })?;
+        self.commit_change()?;
+        Ok(outcome)
     }
 
     /// Unregisters the sequence's policy, if any.

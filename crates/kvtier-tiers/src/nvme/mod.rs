@@ -76,6 +76,17 @@ impl NvmeTier {
             options.custom_flags(libc::O_DIRECT);
         }
         let file = options.open(&config.path).map_err(reserve_error)?;
+        // Two processes over one file would hand out the same extents.
+        if !crate::lock::lock_exclusive(&file, crate::LOCK_WAIT).map_err(reserve_error)? {
+            return Err(TierError::Reserve {
+                tier: TierKind::Nvme,
+                bytes: config.capacity,
+                reason: format!(
+                    "{} is in use by another process (another kvtier server with the same nvme path?)",
+                    config.path.display()
+                ),
+            });
+        }
         let usable = config.capacity / IO_ALIGN as u64 * IO_ALIGN as u64;
         let is_regular = file.metadata().map_err(reserve_error)?.is_file();
         if is_regular && file.metadata().map_err(reserve_error)?.len() < usable {
@@ -389,5 +400,22 @@ mod tests {
         t.read(&slot, 0, &mut back).unwrap();
         assert_eq!(back, data);
         assert!(matches!(t.claim(offset, 1), Err(TierError::InUse { .. })));
+    }
+
+    #[test]
+    fn a_file_in_use_by_another_tier_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = NvmeConfig {
+            path: dir.path().join("nvme.data"),
+            capacity: 1 << 20,
+            engine: EngineChoice::Psync,
+            queue_depth: 4,
+            direct: true,
+        };
+        let first = NvmeTier::open(config.clone()).unwrap();
+        let err = NvmeTier::open(config.clone()).unwrap_err();
+        assert!(err.to_string().contains("in use by another process"), "{err}");
+        drop(first);
+        NvmeTier::open(config).unwrap();
     }
 }

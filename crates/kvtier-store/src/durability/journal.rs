@@ -1,0 +1,286 @@
+//! The open manifest file: records buffered by writers, written in groups,
+//! and rewritten as a checkpoint when the file has grown.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use kvtier_tiers::Slot;
+
+use super::record::{FORMAT_VERSION, Record, frame};
+use super::{Durability, ManifestError};
+use crate::sync::lock;
+
+/// Records are buffered and written in groups; [`Journal::flush`] makes them
+/// reach the OS (and the disk with [`Durability::Fsync`]).
+///
+/// An NVMe extent that a record stops referring to (a page's stale or freed
+/// copy) is *retired* with that record and reused only once the record is as
+/// durable as the journal promises: reused earlier, a crash would replay the
+/// old record and point a page at another page's bytes.
+#[derive(Debug)]
+pub(crate) struct Journal {
+    path: PathBuf,
+    durability: Durability,
+    /// Appenders hold this lock only to copy their bytes in, never across
+    /// I/O; it is the last lock in the store's order.
+    pending: Mutex<Pending>,
+    /// The file side: held by one flush or checkpoint at a time, in order.
+    file: Mutex<JournalFile>,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    /// Records framed but not yet written.
+    bytes: Vec<u8>,
+    /// Extents retired by those records.
+    retired: Vec<Arc<Slot>>,
+}
+
+#[derive(Debug)]
+struct JournalFile {
+    file: File,
+    /// Bytes in the file.
+    len: u64,
+    /// Bytes of the last checkpoint (0 before the first).
+    checkpoint_len: u64,
+    /// While a checkpoint is being built: every byte written to the file
+    /// since it began, which goes after the snapshot in the new file.
+    tail: Option<Vec<u8>>,
+    /// Extents whose retiring records are written but not yet synced
+    /// ([`Durability::Fsync`] only).
+    unsynced: Vec<Arc<Slot>>,
+}
+
+impl Journal {
+    /// Opens the journal for appending after its valid prefix of `valid` bytes
+    /// (dropping a torn tail); a new or empty file gets its header.
+    pub(crate) fn open(path: &Path, valid: u64, durability: Durability) -> Result<Self, ManifestError> {
+        let io = |op, e| ManifestError::io(op, path, e);
+        let file = OpenOptions::new()
+            .create(true)
+            .read(true)
+            .write(true)
+            .truncate(false)
+            .open(path)
+            .map_err(|e| io("open", e))?;
+        file.set_len(valid).map_err(|e| io("truncate", e))?;
+        let journal = Self {
+            path: path.to_owned(),
+            durability,
+            pending: Mutex::default(),
+            file: Mutex::new(JournalFile {
+                file,
+                len: valid,
+                checkpoint_len: 0,
+                tail: None,
+                unsynced: Vec::new(),
+            }),
+        };
+        if valid == 0 {
+            journal.append(&[Record::Header {
+                version: FORMAT_VERSION,
+            }]);
+            journal.flush(true)?;
+        }
+        Ok(journal)
+    }
+
+    pub(crate) fn durability(&self) -> Durability {
+        self.durability
+    }
+
+    pub(crate) fn append(&self, records: &[Record]) {
+        if !records.is_empty() {
+            frame(records, &mut lock(&self.pending).bytes);
+        }
+    }
+
+    /// Appends `records`, which stop referring to the extents `retired`:
+    /// those are freed for reuse once the records are durable.
+    pub(crate) fn append_retiring(&self, records: &[Record], retired: Vec<Arc<Slot>>) {
+        let mut pending = lock(&self.pending);
+        frame(records, &mut pending.bytes);
+        pending.retired.extend(retired);
+    }
+
+    /// Writes buffered records to the file; with `Fsync` durability and
+    /// `sync`, waits for the disk.
+    pub(crate) fn flush(&self, sync: bool) -> Result<(), ManifestError> {
+        self.flush_locked(&mut lock(&self.file), sync)
+            .map_err(|e| ManifestError::io("write", &self.path, e))
+    }
+
+    /// Like `flush(false)`, unless the file is busy (a checkpoint finishing):
+    /// then the records wait for the next call instead of the caller waiting.
+    pub(crate) fn flush_if_idle(&self) -> Result<(), ManifestError> {
+        let flushed = match self.file.try_lock() {
+            Ok(mut f) => self.flush_locked(&mut f, false),
+            Err(std::sync::TryLockError::WouldBlock) => Ok(()),
+            Err(std::sync::TryLockError::Poisoned(p)) => self.flush_locked(&mut p.into_inner(), false),
+        };
+        flushed.map_err(|e| ManifestError::io("write", &self.path, e))
+    }
+
+    fn flush_locked(&self, f: &mut JournalFile, sync: bool) -> io::Result<()> {
+        let Pending { bytes, retired } = std::mem::take(&mut *lock(&self.pending));
+        if !bytes.is_empty() {
+            let written = {
+                use std::os::unix::fs::FileExt;
+                f.file.write_all_at(&bytes, f.len)
+            };
+            if let Err(e) = written {
+                // Keep the records, ahead of any appended meanwhile, for the
+                // next attempt; cut off anything half-written so the file
+                // stays a valid prefix.
+                let _ = f.file.set_len(f.len);
+                let mut pending = lock(&self.pending);
+                pending.bytes.splice(0..0, bytes);
+                pending.retired.extend(retired);
+                return Err(e);
+            }
+            f.len += bytes.len() as u64;
+            if let Some(tail) = &mut f.tail {
+                tail.extend_from_slice(&bytes);
+            }
+        }
+        f.unsynced.extend(retired);
+        match self.durability {
+            // In the OS's hands: survives the process being killed.
+            Durability::Relaxed => f.unsynced.clear(),
+            // Retired extents are worth a sync even when none was asked
+            // for: until then they cannot be reused.
+            Durability::Fsync if sync || !f.unsynced.is_empty() => {
+                f.file.sync_data()?;
+                f.unsynced.clear();
+            }
+            Durability::Fsync => {}
+        }
+        Ok(())
+    }
+
+    /// Whether the journal has grown enough to be worth rewriting: past
+    /// `floor`, and by as much as its last checkpoint (so rewriting costs at
+    /// most about as many bytes as were journalled).
+    pub(crate) fn wants_checkpoint(&self, floor: u64) -> bool {
+        let f = lock(&self.file);
+        f.len > floor.max(2 * f.checkpoint_len)
+    }
+
+    /// Replaces the journal with a checkpoint of the current state, built by
+    /// `snapshot` while records keep being appended: everything written from
+    /// the moment the checkpoint begins is kept and goes after the snapshot
+    /// (every record sets state, so one the snapshot already reflects does
+    /// no harm). The snapshot is written and synced with no lock held; only
+    /// the tail is written under the file lock. The new file is renamed over
+    /// the old one, so a crash leaves one or the other. Returns the
+    /// snapshot's bytes.
+    pub(crate) fn checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> Result<u64, ManifestError> {
+        {
+            let mut f = lock(&self.file);
+            self.flush_locked(&mut f, true)
+                .map_err(|e| ManifestError::io("write", &self.path, e))?;
+            f.tail = Some(Vec::new());
+        }
+        let written = self.write_checkpoint(snapshot);
+        if written.is_err() {
+            lock(&self.file).tail = None;
+        }
+        written.map_err(|e| ManifestError::io("checkpoint", &self.path, e))
+    }
+
+    fn write_checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> io::Result<u64> {
+        let tmp = self.path.with_extension("checkpoint");
+        let mut bytes = Vec::new();
+        frame(&snapshot(), &mut bytes);
+        let mut out = File::create(&tmp)?;
+        out.write_all(&bytes)?;
+        out.sync_all()?;
+        let mut f = lock(&self.file);
+        self.flush_locked(&mut f, false)?;
+        let tail = f.tail.take().unwrap_or_default();
+        out.write_all(&tail)?;
+        out.sync_all()?;
+        std::fs::rename(&tmp, &self.path)?;
+        if let Some(dir) = self.path.parent() {
+            File::open(dir)?.sync_all()?;
+        }
+        let old = std::mem::replace(&mut f.file, OpenOptions::new().read(true).write(true).open(&self.path)?);
+        f.len = (bytes.len() + tail.len()) as u64;
+        f.checkpoint_len = bytes.len() as u64;
+        let written = f.checkpoint_len;
+        drop(f);
+        // Closing the replaced file frees its blocks, which can take a while
+        // for a large one: not under the lock that flushes wait for.
+        drop(old);
+        Ok(written)
+    }
+
+    /// Bytes in the file (tests compare it with what replay reads).
+    #[cfg(test)]
+    fn len(&self) -> u64 {
+        lock(&self.file).len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::record::read_file;
+    use super::super::record::tests::{key, records};
+    use super::*;
+
+    fn header() -> Record {
+        Record::Header {
+            version: FORMAT_VERSION,
+        }
+    }
+
+    #[test]
+    fn a_new_journal_starts_with_its_header_and_keeps_what_it_flushed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("manifest");
+        let journal = Journal::open(&path, 0, Durability::Fsync).unwrap();
+        journal.append(&records()[1..]);
+        journal.flush(true).unwrap();
+        let (back, valid) = read_file(&path).unwrap();
+        assert_eq!((back, valid), (records(), journal.len()));
+    }
+
+    #[test]
+    fn a_checkpoint_replaces_the_journal() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("manifest");
+        let journal = Journal::open(&path, 0, Durability::Relaxed).unwrap();
+        journal.append(&records()[1..]);
+        journal.flush(false).unwrap();
+        journal.checkpoint(|| records()[..2].to_vec()).unwrap();
+        journal.append(&[Record::Drop { key: key("b") }]);
+        journal.flush(false).unwrap();
+        let (back, _) = read_file(&path).unwrap();
+        assert_eq!(back, [&records()[..2], &[Record::Drop { key: key("b") }]].concat());
+    }
+
+    #[test]
+    fn records_written_while_a_checkpoint_is_built_follow_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("manifest");
+        let journal = Journal::open(&path, 0, Durability::Fsync).unwrap();
+        journal.append(&records()[1..]);
+        journal
+            .checkpoint(|| {
+                // Appended and even flushed to the old file mid-checkpoint.
+                journal.append(&[Record::Drop { key: key("a") }]);
+                journal.flush(true).unwrap();
+                journal.append(&[Record::Drop { key: key("b") }]);
+                vec![header()]
+            })
+            .unwrap();
+        let (back, len) = read_file(&path).unwrap();
+        assert_eq!(
+            back,
+            [header(), Record::Drop { key: key("a") }, Record::Drop { key: key("b") }]
+        );
+        assert_eq!(len, journal.len());
+    }
+}

@@ -1,0 +1,146 @@
+//! Exclusive advisory locks (`flock`): one process at a time may use a tier's
+//! file or a manifest. Two servers over the same files would each believe
+//! they own every extent and every record, and destroy each other's writes.
+//!
+//! The kernel drops a lock when its holder exits, however it exits, so a
+//! killed server never leaves a stale lock behind.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+/// How long to wait for a lock held by this process's own earlier user (a
+/// store being dropped on a background thread) before calling it taken.
+pub const LOCK_WAIT: Duration = Duration::from_secs(2);
+
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error("{path} is in use by another process ({holder}); stop it, or give this one other files")]
+    Held { path: PathBuf, holder: String },
+    #[error("cannot lock {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// Takes an exclusive lock on `file`, retrying for up to `wait`; false if
+/// another open file description still holds it then.
+pub(crate) fn lock_exclusive(file: &File, wait: Duration) -> io::Result<bool> {
+    let deadline = Instant::now() + wait;
+    loop {
+        // SAFETY: flock only reads the descriptor number, which `file` keeps
+        // open for the duration of the call.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc == 0 {
+            return Ok(true);
+        }
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(err);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A lock file that says who holds it: the holder's pid, command line and
+/// start time are written into it, and a process refused the lock reads
+/// them back for its error message. Held until dropped.
+#[derive(Debug)]
+pub struct LockFile {
+    _file: File,
+}
+
+impl LockFile {
+    pub fn acquire(path: &Path, wait: Duration) -> Result<Self, LockError> {
+        let io = |source| LockError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(io)?;
+        if !lock_exclusive(&file, wait).map_err(io)? {
+            let holder = std::fs::read_to_string(path)
+                .ok()
+                .map(|s| s.trim().to_owned())
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| "holder unknown".to_owned());
+            return Err(LockError::Held {
+                path: path.to_owned(),
+                holder,
+            });
+        }
+        file.set_len(0).map_err(io)?;
+        writeln!(file, "{}", holder_description()).map_err(io)?;
+        Ok(Self { _file: file })
+    }
+}
+
+/// `pid 1234: kvtier serve --data-dir d, since 2026-11-30 15:27:55 UTC`.
+fn holder_description() -> String {
+    let command = std::fs::read("/proc/self/cmdline")
+        .map(|raw| {
+            raw.split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default();
+    let since = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format!("pid {}: {command}, since {}", std::process::id(), utc(since))
+}
+
+/// Seconds since the epoch as `YYYY-MM-DD HH:MM:SS UTC` (the civil-from-days
+/// conversion of Howard Hinnant's date algorithms).
+fn utc(secs: u64) -> String {
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_holder_is_refused_with_the_first_ones_description() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lock");
+        let first = LockFile::acquire(&path, Duration::ZERO).unwrap();
+        let err = LockFile::acquire(&path, Duration::from_millis(30)).unwrap_err();
+        let message = err.to_string();
+        assert!(message.contains(&format!("pid {}", std::process::id())), "{message}");
+        drop(first);
+        LockFile::acquire(&path, Duration::ZERO).unwrap();
+    }
+
+    #[test]
+    fn utc_dates() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc(951_782_400), "2000-02-29 00:00:00 UTC");
+        assert_eq!(utc(1_795_965_275), "2026-11-29 15:14:35 UTC");
+    }
+}

@@ -1,0 +1,126 @@
+//! The real `kvtier serve` binary as a child process over one data
+//! directory: started, connected to, stopped with SIGTERM or killed.
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use kvtier_client::Client;
+
+/// A running server. Dropping it kills it.
+pub struct Server {
+    child: Child,
+    pub addr: String,
+    /// Where its stderr goes.
+    pub log: PathBuf,
+}
+
+/// Small tiers, so that pages move between them; `extra` adds or overrides
+/// flags.
+pub const SMALL_TIERS: [&str; 6] = [
+    "--device-bytes",
+    "1MiB",
+    "--host-bytes",
+    "2MiB",
+    "--nvme-bytes",
+    "64MiB",
+];
+
+impl Server {
+    /// Starts `kvtier serve` over `dir` on a free port (not waiting for it).
+    pub fn start(dir: &Path, extra: &[&str]) -> Self {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let log = dir.join(format!("serve-{port}.log"));
+        let child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--metrics-listen",
+                "off",
+            ])
+            .args(["--data-dir", dir.to_str().unwrap()])
+            .args(SMALL_TIERS)
+            .args(extra)
+            .env("KVTIER_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Self {
+            child,
+            addr: format!("http://127.0.0.1:{port}"),
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// A client, once the server answers (it recovers before it listens).
+    pub async fn client(&mut self) -> Client {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(mut c) = Client::connect(self.addr.clone()).await
+                && c.stats().await.is_ok()
+            {
+                return c;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("the server exited ({status}) before answering:\n{}", self.stderr());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the server did not come up:\n{}",
+                self.stderr()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, and waits for a clean exit.
+    pub fn terminate(mut self) {
+        // SAFETY: kill(2) only reads the pid and the signal number; the child
+        // has not been waited for, so the pid is still this child's.
+        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        assert_eq!(rc, 0, "SIGTERM could not be sent");
+        let status = self.wait(Duration::from_secs(60));
+        assert!(
+            status.success(),
+            "the server did not stop cleanly ({status}):\n{}",
+            self.stderr()
+        );
+    }
+
+    /// SIGKILL, mid-whatever.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits for the process to exit by itself.
+    pub fn wait(&mut self, limit: Duration) -> ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "the server did not exit:\n{}", self.stderr());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
