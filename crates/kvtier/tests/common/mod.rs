@@ -2,6 +2,8 @@
 //! directory: started, connected to, stopped with SIGTERM or killed.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod model;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -42,7 +44,7 @@ impl Server {
                 "off",
             ])
             .args(["--data-dir", dir.to_str().unwrap()])
-            .args(SMALL_TIERS)
+            .args(SMALL_TIERS.chunks(2).filter(|pair| !extra.contains(&pair[0])).flatten())
             .args(extra)
             .env("KVTIER_LOG", "info")
             .stdout(Stdio::null())
