@@ -280,7 +280,7 @@ impl Store {
             if place.nvme.is_some() {
                 // Already current on NVMe: no I/O needed.
                 if place.host.is_some() {
-                    if keep == Keep::Nothing {
+                    if keep == Keep::Nothing && !page.pinned() {
                         let from = place.state();
                         place.host = None;
                         let to = place.state();
@@ -332,7 +332,9 @@ impl Store {
             });
             let superseded = place.durable_prefix.take().map(|c| c.slot);
             self.journal_retiring(vec![record], superseded.into_iter().collect());
-            if keep == Keep::Nothing {
+            // A page pinned since it was chosen (an append about to fill
+            // it, a swap-in) keeps its host copy.
+            if keep == Keep::Nothing && !page.pinned() {
                 place.host = None;
             }
             let to = place.state();

@@ -12,7 +12,7 @@ use kvtier_core::{DigestColumn, Layout, LogicalPage, PageTableError, Reason};
 use kvtier_tiers::Slot;
 
 use crate::durability::Acknowledged;
-use crate::page::{PageRef, PhysPage, Placement, ShareKey, StorePage, write_rows};
+use crate::page::{PageRef, PhysPage, Pins, Placement, ShareKey, StorePage, write_rows};
 use crate::sequence::{HeadRange, Sequence};
 use crate::stats::Counters;
 use crate::store::share_key;
@@ -351,14 +351,23 @@ impl Store {
             }
         }
 
-        // The partial pages are written in place: in host memory.
-        if plan.fill > 0 {
-            for &(_, lane) in &lanes {
-                let lane = &seq.lanes[lane];
-                if let Some(LogicalPage::Physical(r)) = lane.page(lane.num_pages() - 1) {
-                    self.ensure_host(&r.page, &layout, Reason::Demand)?;
-                }
-            }
+        // The partial pages are written in place, in memory. They stay
+        // pinned until the write publishes, so that making room for the new
+        // pages (host migration, device demotion) cannot take the copies
+        // the fill writes to.
+        let partial: Vec<Arc<PhysPage>> = lanes
+            .iter()
+            .filter(|_| plan.fill > 0)
+            .filter_map(
+                |&(_, lane)| match seq.lanes[lane].page(seq.lanes[lane].num_pages() - 1) {
+                    Some(LogicalPage::Physical(r)) => Some(Arc::clone(&r.page)),
+                    _ => None,
+                },
+            )
+            .collect();
+        let _filling = Pins::new(partial.clone());
+        for page in &partial {
+            self.ensure_host(page, &layout, Reason::Demand)?;
         }
         let mut planned: Vec<Planned> = (0..lanes.len() * plan.new_pages.len())
             .map(|_| Planned::Unreserved(None))
@@ -366,22 +375,29 @@ impl Store {
         self.reserve_new_pages(&layout, &mut planned, plan.new_pages.len())?;
         let opened = planned.len() as u64;
 
-        // Fill the partial last pages in place, then the new pages.
+        // Fill the partial last pages in place, then the new pages. A pinned
+        // page keeps a memory copy (an exclusive device cache may move it
+        // from host to device meanwhile); checked for all before any is
+        // written, so the fill is all or nothing.
+        if let Some(page) = partial.iter().find(|p| {
+            let place = read(&p.place);
+            place.host.is_none() && place.device.is_none()
+        }) {
+            return Err(StoreError::Internal(format!(
+                "page {} lost its memory copies while pinned for an append",
+                page.id
+            )));
+        }
         let fill = plan.fill as usize;
-        for (h, &(_, lane)) in lanes.iter().enumerate() {
-            if fill == 0 {
-                break;
-            }
+        for (h, (page, &(_, lane))) in partial.iter().zip(&lanes).enumerate() {
             let lane = &seq.lanes[lane];
-            let Some(LogicalPage::Physical(r)) = lane.page(lane.num_pages() - 1) else {
-                unreachable!("checked above")
-            };
             let first_row = lane.rows_in(lane.num_pages() - 1);
-            let mut place = write(&r.page.place);
+            let mut place = write(&page.place);
             let place = &mut *place;
             let (k, v) = (rows.keys(h, 0..fill), rows.values(h, 0..fill));
-            let host = place.host.as_mut().expect("ensured above");
-            write_rows(&*self.host, host, &layout, first_row, k, v)?;
+            if let Some(host) = place.host.as_mut() {
+                write_rows(&*self.host, host, &layout, first_row, k, v)?;
+            }
             if let Some(device) = place.device.as_mut() {
                 write_rows(&*self.device, device, &layout, first_row, k, v)?;
             }

@@ -1,219 +1,181 @@
-//! Kill -9 the real server while it writes, many times over one data
-//! directory: after every restart, nothing acknowledged as durable is lost,
-//! and every byte served is a byte that was written.
+//! Kill -9 the real server again and again over one data directory while
+//! several writers work on it at once: appends and puts with and without
+//! persist, evictions, summaries, moves, policies and drops, with tiny tiers
+//! (pages migrate to NVMe all the time) and a checkpoint whenever the
+//! manifest has doubled. After every restart each writer checks its
+//! sequences against its model (`common/model.rs`): nothing acknowledged
+//! durable is lost, every byte served is the byte written at its position,
+//! and every acknowledged fate survives.
+//!
+//! `KVTIER_SOAK_CYCLES` (default 6), `KVTIER_SOAK_WRITERS` (default 4) and
+//! `KVTIER_SOAK_SEED` size it; `KVTIER_SOAK_OUT` names a JSON file for the
+//! counts (`bench/soak.sh` runs it long against the release binary).
 
-use std::collections::BTreeMap;
-use std::net::TcpListener;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvtier_client::{Client, layout, pb};
+use common::model::{Findings, Model};
+use common::ops::{Op, Planned, apply, op, plan, send};
+use common::{FLAGS, Server};
+use kvtier_client::{Client, pb};
+use proptest::strategy::{Strategy, ValueTree};
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 
-const HEADS: usize = 2;
-const DIM: usize = 64;
-const PAGE: usize = 16;
-const ROUNDS: u64 = 8;
-
-/// The bytes of token `t` of head `h` of sequence `seq` (K row, V row):
-/// any byte served can be checked against this.
-fn row(seq: &str, h: usize, t: usize, value: bool) -> Vec<u8> {
-    let base = seq
-        .bytes()
-        .fold(0u32, |a, b| a.wrapping_mul(31).wrapping_add(u32::from(b)));
-    (0..DIM)
-        .flat_map(|i| {
-            let x = (base % 97) as f32
-                + h as f32 * 0.5
-                + t as f32 * 0.01
-                + i as f32 * 0.001
-                + if value { 0.3 } else { 0.0 };
-            half::f16::from_f32(x).to_le_bytes()
-        })
-        .collect()
+/// One writer: its own sequences (names from `base` on, in both tenants),
+/// their model, and its random source.
+struct Writer {
+    base: u8,
+    model: Model,
+    runner: TestRunner,
+    acked: u64,
 }
 
-fn message(seq: &str, tokens: std::ops::Range<usize>) -> bytes::Bytes {
-    let mut out = Vec::new();
-    for h in 0..HEADS {
-        for value in [false, true] {
-            for t in tokens.clone() {
-                out.extend(row(seq, h, t, value));
-            }
+impl Writer {
+    fn new(index: u8, seed: u64) -> Self {
+        let mut bytes = [0u8; 32];
+        bytes[..8].copy_from_slice(&seed.to_le_bytes());
+        bytes[8] = index;
+        Self {
+            base: 3 * index,
+            model: Model::default(),
+            runner: TestRunner::new_with_rng(Config::default(), TestRng::from_seed(RngAlgorithm::ChaCha, &bytes)),
+            acked: 0,
         }
     }
-    out.into()
-}
 
-fn expected_page(seq: &str, h: usize, page: usize, rows: usize) -> Vec<u8> {
-    let tokens = page * PAGE..page * PAGE + rows;
-    let k: Vec<u8> = tokens.clone().flat_map(|t| row(seq, h, t, false)).collect();
-    let v: Vec<u8> = tokens.flat_map(|t| row(seq, h, t, true)).collect();
-    [k, v].concat()
-}
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start(dir: &Path) -> (Server, String) {
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--metrics-listen",
-            "off",
-        ])
-        .args([
-            "--data-dir",
-            dir.to_str().unwrap(),
-            "--device-bytes",
-            "1MiB",
-            "--host-bytes",
-            "2MiB",
-        ])
-        .args(["--nvme-bytes", "64MiB"])
-        .env("KVTIER_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    (Server(child), format!("http://127.0.0.1:{port}"))
-}
-
-async fn connect(addr: &str) -> Client {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(mut c) = Client::connect(addr.to_owned()).await
-            && c.stats().await.is_ok()
-        {
-            return c.with_persist(true);
-        }
-        assert!(Instant::now() < deadline, "server did not come up");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Tokens acknowledged as durable, per sequence.
-type Ledger = Arc<Mutex<BTreeMap<String, usize>>>;
-
-/// Writes until the server dies: a few sequences, then appends to them in
-/// turn, recording every acknowledgement.
-async fn writer(mut client: Client, round: u64, ledger: Ledger) {
-    const SEQUENCES: usize = 6;
-    let mut seqs: Vec<(String, usize)> = Vec::new();
-    for step in 0.. {
-        if seqs.len() < SEQUENCES {
-            let seq = format!("r{round}-s{}", seqs.len());
-            let shape = layout(
-                1,
-                HEADS as u32,
-                HEADS as u32,
-                DIM as u32,
-                pb::DType::DtypeF16,
-                PAGE as u32,
-            );
-            if client.create_sequence(&seq, shape, vec![]).await.is_err() {
-                return;
-            }
-            let Ok(r) = client
-                .put_pages(&seq, 0, 0..HEADS as u32, 0, 40, message(&seq, 0..40))
-                .await
-            else {
-                return;
-            };
-            assert_eq!(r.durability(), pb::Durability::Relaxed);
-            ledger.lock().unwrap().insert(seq.clone(), 40);
-            seqs.push((seq, 40));
-            continue;
-        }
-        let (seq, t) = &mut seqs[step % SEQUENCES];
-        match client
-            .append_tokens(seq, 0, 0..HEADS as u32, 7, message(seq, *t..*t + 7), Some(*t as u64))
-            .await
-        {
-            Ok(r) => {
-                assert_eq!(r.durability(), pb::Durability::Relaxed);
-                *t += 7;
-                ledger.lock().unwrap().insert(seq.clone(), *t);
-            }
-            Err(_) => return,
+    fn next_op(&mut self) -> Op {
+        match op().new_tree(&mut self.runner).unwrap().current() {
+            Op::KillDuring { op, .. } => *op,
+            op => op,
         }
     }
-}
 
-async fn verify(client: &mut Client, ledger: &BTreeMap<String, usize>) -> (usize, usize) {
-    let (mut pages_checked, mut lost_unacked) = (0, 0);
-    for (seq, &acked) in ledger {
-        let info = client
-            .get_sequence(seq)
-            .await
-            .unwrap_or_else(|e| panic!("{seq} with {acked} durable tokens is missing: {e}"));
-        assert!(
-            info.tokens >= acked as u64,
-            "{seq}: {acked} tokens acknowledged durable, {} recovered",
-            info.tokens
-        );
-        for p in client.fetch_pages(seq, 0, 0..HEADS as u32, vec![]).await.unwrap() {
-            let page = p.page as usize;
-            if p.state() == pb::PageState::Gone {
-                assert!(
-                    page * PAGE >= acked,
-                    "{seq} page {page} is gone ({:?}) but tokens up to {acked} were acknowledged durable",
-                    p.gone_reason()
-                );
-                lost_unacked += 1;
+    /// Works until the server is killed; the request the kill cuts off
+    /// counts as maybe done.
+    async fn work(mut self, client: Client, killed: Arc<AtomicBool>) -> Self {
+        loop {
+            let op = self.next_op();
+            let Some(planned) = plan(&self.model, &op, self.base) else {
                 continue;
+            };
+            let answer = send(planned.clone(), client.clone()).await;
+            let cut_off = answer.is_err() && killed.load(Ordering::Acquire);
+            if let Err(e) = apply(&mut self.model, &planned, &answer, !cut_off) {
+                self.model.findings.other += 1;
+                self.model.findings.messages.push(e);
             }
-            assert!(
-                p.kv[..] == expected_page(seq, p.kv_head as usize, page, p.tokens as usize)[..],
-                "{seq} head {} page {page}: wrong bytes served",
-                p.kv_head
-            );
-            pages_checked += 1;
+            if cut_off || killed.load(Ordering::Acquire) {
+                return self;
+            }
+            self.acked += 1;
+            if let (Planned::Policy { id, layer, change, .. }, Ok(_)) = (&planned, &answer) {
+                // Adopt the pages it chose; a kill in the middle of reading
+                // them leaves the rest as maybe changed.
+                let fate = change.map(|c| c.fate(pb::Reason::Policy));
+                let before = self.model.findings.clone();
+                self.model.check(&client, false, fate.map(|f| (*id, f))).await;
+                if killed.load(Ordering::Acquire) {
+                    self.model.findings = before;
+                    self.model.policy_unsure(*id, *layer, fate);
+                    return self;
+                }
+            }
         }
     }
-    (pages_checked, lost_unacked)
+}
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_mid_write_loses_nothing_acknowledged_and_serves_nothing_wrong() {
+async fn killed_again_and_again_under_concurrent_writers_loses_nothing_acknowledged() {
+    let cycles = env("KVTIER_SOAK_CYCLES", 6);
+    let seed = env("KVTIER_SOAK_SEED", 1);
+    let mut rng = TestRunner::new_with_rng(
+        Config::default(),
+        TestRng::from_seed(RngAlgorithm::ChaCha, &[seed as u8; 32]),
+    );
     let dir = tempfile::tempdir().unwrap();
-    let ledger: Ledger = Arc::default();
-    let mut checked = 0;
-    for round in 0..ROUNDS {
-        let (mut server, addr) = start(dir.path());
-        let mut client = connect(&addr).await;
-        let snapshot = ledger.lock().unwrap().clone();
-        let (pages, _) = verify(&mut client, &snapshot).await;
-        checked += pages;
-        let task = tokio::spawn(writer(client.clone(), round, Arc::clone(&ledger)));
-        // Kill at a different moment each round, mid-stream.
-        tokio::time::sleep(Duration::from_millis(150 + (round * 137) % 400)).await;
-        server.0.kill().unwrap();
-        server.0.wait().unwrap();
-        let _ = task.await;
+    let mut writers: Vec<Writer> = (0..env("KVTIER_SOAK_WRITERS", 4) as u8)
+        .map(|i| Writer::new(i, seed))
+        .collect();
+    let started = Instant::now();
+    for cycle in 0..cycles {
+        let mut server = Server::start(dir.path(), &FLAGS);
+        let client = server.client().await;
+        for w in &mut writers {
+            w.model.check(&client, cycle > 0, None).await;
+        }
+        let killed = Arc::new(AtomicBool::new(false));
+        let tasks: Vec<_> = writers
+            .drain(..)
+            .map(|w| tokio::spawn(w.work(client.clone(), Arc::clone(&killed))))
+            .collect();
+        let ms = (100u64..700).new_tree(&mut rng).unwrap().current();
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        killed.store(true, Ordering::Release);
+        server.kill();
+        for task in tasks {
+            writers.push(task.await.unwrap());
+        }
     }
-    let (mut server, addr) = start(dir.path());
-    let mut client = connect(&addr).await;
-    let snapshot = ledger.lock().unwrap().clone();
-    let (pages, _) = verify(&mut client, &snapshot).await;
-    checked += pages;
-    println!(
-        "{} sequences with durable writes, {checked} page reads verified across {ROUNDS} kills",
-        snapshot.len()
-    );
-    assert!(
-        snapshot.len() >= ROUNDS as usize,
-        "every round acknowledged some durable writes"
-    );
-    server.0.kill().unwrap();
+    // A last restart after the last kill, then a clean one: both checked.
+    let mut server = Server::start(dir.path(), &FLAGS);
+    let client = server.client().await;
+    for w in &mut writers {
+        w.model.check(&client, true, None).await;
+    }
+    server.terminate();
+    let mut server = Server::start(dir.path(), &FLAGS);
+    let client = server.client().await;
+    let mut last = Findings::default();
+    for w in &mut writers {
+        last.merge(w.model.check(&client, true, None).await);
+    }
+    server.terminate();
+
+    let mut total = Findings::default();
+    let (mut acked, mut durable_writes) = (0, 0);
+    for w in writers {
+        acked += w.acked;
+        durable_writes += w.model.durable_writes;
+        total.merge(w.model.findings);
+    }
+    let checkpoints: usize = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("serve-"))
+        .map(|e| {
+            std::fs::read_to_string(e.path())
+                .unwrap_or_default()
+                .matches("manifest checkpoint written")
+                .count()
+        })
+        .sum();
+    let report = serde_json::json!({
+        "cycles": cycles,
+        "writers": env("KVTIER_SOAK_WRITERS", 4),
+        "seed": seed,
+        "seconds": started.elapsed().as_secs_f64(),
+        "operations_acknowledged": acked,
+        "durable_writes_acknowledged": durable_writes,
+        "checkpoints_written": checkpoints,
+        "durable_rows_lost": total.durable_rows_lost,
+        "wrong_bytes_pages": total.wrong_bytes,
+        "fates_changed": total.fate_changed,
+        "other_violations": total.other,
+        "pages_read_by_state": total.pages_by_state,
+        "pages_at_the_end_by_state": last.pages_by_state,
+        "first_violations": total.messages,
+    });
+    println!("{}", serde_json::to_string_pretty(&report).unwrap());
+    if let Ok(path) = std::env::var("KVTIER_SOAK_OUT") {
+        std::fs::write(path, serde_json::to_string_pretty(&report).unwrap()).unwrap();
+    }
+    assert_eq!(total.violations(), 0, "{}", total.messages.join("\n"));
+    assert!(durable_writes > 0, "no durable write was acknowledged");
 }

@@ -3,6 +3,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod model;
+pub mod ops;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -18,6 +19,18 @@ pub struct Server {
     /// Where its stderr goes.
     pub log: PathBuf,
 }
+
+/// Tiny host and device tiers (a model page is 64 bytes: a few dozen fit),
+/// so that pages migrate to NVMe all the time, and a checkpoint whenever
+/// the manifest has doubled.
+pub const FLAGS: [&str; 6] = [
+    "--host-bytes",
+    "4KiB",
+    "--device-bytes",
+    "2KiB",
+    "--checkpoint-bytes",
+    "1",
+];
 
 /// Small tiers, so that pages move between them; `extra` adds or overrides
 /// flags.

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use kvtier_client::{Client, pb};
+use kvtier_client::{Client, ClientError, pb};
 
 pub const LAYERS: u32 = 2;
 pub const HEADS: u32 = 2;
@@ -166,6 +166,9 @@ pub struct Model {
     committed: u64,
     /// NVMe blocks corrupted on purpose so far.
     pub corruptions: u32,
+    /// Persisting writes acknowledged.
+    pub durable_writes: u64,
+    /// Everything every check found.
     pub findings: Findings,
 }
 
@@ -181,7 +184,7 @@ impl Model {
             .flat_map(|i| {
                 let h = mix(base ^ i);
                 // A finite f16: exponent below 31.
-                let bits = (h % 0x7800) as u16 | ((h >> 32) & 1) as u16 * 0x8000;
+                let bits = (h % 0x7800) as u16 | (((h >> 32) & 1) as u16 * 0x8000);
                 bits.to_le_bytes()
             })
             .collect()
@@ -223,8 +226,10 @@ impl Model {
         let incarnation = self.incarnations.entry(id).or_default();
         *incarnation += 1;
         let created = self.acked(false);
-        let mut lane = LaneModel::default();
-        lane.rows = attached_pages * PAGE;
+        let mut lane = LaneModel {
+            rows: attached_pages * PAGE,
+            ..LaneModel::default()
+        };
         lane.extend_to(lane.rows);
         let seq = SeqModel {
             incarnation: self.incarnations[&id],
@@ -233,6 +238,31 @@ impl Model {
             lanes: vec![lane; LANES],
         };
         self.seqs.insert(id, seq);
+    }
+
+    /// A create a crash cut off: the sequence may exist after the restart
+    /// (with its prefix attached), or not.
+    pub fn created_unsure(&mut self, id: SeqId, prefix: Option<u8>) {
+        self.created(id, prefix, 0);
+        self.unsure(id);
+        if prefix.is_some() {
+            let seq = self.seqs.get_mut(&id).expect("just created");
+            for lane in &mut seq.lanes {
+                lane.extend_to(PREFIX_PAGES * PAGE);
+            }
+        }
+    }
+
+    /// A drop a crash cut off: the sequence may still exist, as it was.
+    pub fn maybe_dropped(&mut self, id: SeqId) {
+        self.unsure(id);
+    }
+
+    /// The sequence need not exist after the next restart.
+    fn unsure(&mut self, id: SeqId) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.created = u64::MAX;
+        }
     }
 
     pub fn dropped(&mut self, id: SeqId) {
@@ -246,7 +276,7 @@ impl Model {
         let seq = &self.seqs[&id];
         heads.into_iter().any(|h| {
             let lane = &seq.lanes[SeqModel::lane(layer, h)];
-            lane.rows % PAGE != 0 && lane.fates.last() != Some(&Fate::Bytes)
+            !lane.rows.is_multiple_of(PAGE) && lane.fates.last() != Some(&Fate::Bytes)
         })
     }
 
@@ -267,6 +297,7 @@ impl Model {
             }
         }
         if acked {
+            self.durable_writes += u64::from(persist);
             self.acked(persist);
         }
     }
@@ -333,19 +364,26 @@ impl Model {
     /// what it read. Otherwise everything must match exactly. `changes`:
     /// after a policy the model did not predict, the pages it changed
     /// (original bytes to `changes`) are adopted too.
-    pub async fn check(&mut self, client: &Client, crashed: bool, changes: Option<(SeqId, Fate)>) {
-        let mut findings = std::mem::take(&mut self.findings);
+    /// Returns what this check found (also added to `findings`).
+    pub async fn check(&mut self, client: &Client, crashed: bool, changes: Option<(SeqId, Fate)>) -> Findings {
+        let mut findings = Findings::default();
         let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
         for id in ids {
             let mut c = client.clone().with_tenant(id.tenant());
-            if let Err(e) = c.get_sequence(&id.name()).await {
-                {
+            match c.get_sequence(&id.name()).await {
+                Ok(_) => {}
+                Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => {
                     let required = !crashed || self.seqs[&id].created <= self.committed;
                     if required {
                         findings.other += 1;
-                        findings.note(format!("{id:?} is missing: {e}"));
+                        findings.note(format!("{id:?} is missing: {s:?}"));
                     }
                     self.seqs.remove(&id);
+                    continue;
+                }
+                Err(e) => {
+                    findings.other += 1;
+                    findings.note(format!("{id:?} could not be read: {e}"));
                     continue;
                 }
             }
@@ -385,7 +423,8 @@ impl Model {
                 ));
             }
         }
-        self.findings = findings;
+        self.findings.merge(findings.clone());
+        findings
     }
 
     fn check_lane(
