@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use kvtier_core::{Layout, Reason, SequenceKey};
 
-use super::record::Record;
+use super::record::{PageAt, Record};
 
 /// What a restart recovers.
 #[derive(Debug, Default)]
@@ -128,47 +128,32 @@ pub(crate) fn replay(records: Vec<Record>) -> Image {
             Record::Drop { key } => {
                 seqs.remove(&key);
             }
-            Record::Map {
-                key,
-                lane,
-                page: p,
-                phys,
-                rows,
-                digest,
-            } => {
+            Record::Map { at, phys, digest } => {
                 next_page_id = next_page_id.max(phys.saturating_add(1));
-                set_page(&mut seqs, &key, lane, p, Entry::Mapped { phys, rows, digest });
+                let rows = at.rows;
+                set_page(&mut seqs, at, Entry::Mapped { phys, rows, digest });
             }
-            Record::Gone {
-                key,
-                lane,
-                page: p,
-                rows,
-                reason,
-                digest,
-            } => set_page(&mut seqs, &key, lane, p, Entry::Gone { rows, reason, digest }),
+            Record::Gone { at, reason, digest } => {
+                let rows = at.rows;
+                set_page(&mut seqs, at, Entry::Gone { rows, reason, digest });
+            }
             Record::Summary {
-                key,
-                lane,
-                page: p,
-                rows,
+                at,
                 reason,
                 digest,
                 counts,
                 kv,
-            } => set_page(
-                &mut seqs,
-                &key,
-                lane,
-                p,
-                Entry::Summary {
+            } => {
+                let rows = at.rows;
+                let entry = Entry::Summary {
                     rows,
                     reason,
                     digest,
                     counts,
                     kv,
-                },
-            ),
+                };
+                set_page(&mut seqs, at, entry);
+            }
             Record::Persist {
                 phys,
                 offset,
@@ -222,9 +207,9 @@ pub(crate) fn replay(records: Vec<Record>) -> Image {
     image
 }
 
-fn set_page(seqs: &mut HashMap<SequenceKey, Replayed>, key: &SequenceKey, lane: u32, page: u32, entry: Entry) {
-    if let Some(s) = seqs.get_mut(key) {
-        s.pages.insert((lane, page), entry);
+fn set_page(seqs: &mut HashMap<SequenceKey, Replayed>, at: PageAt, entry: Entry) {
+    if let Some(s) = seqs.get_mut(&at.key) {
+        s.pages.insert((at.lane, at.page), entry);
     }
 }
 
@@ -365,13 +350,19 @@ mod tests {
         }
     }
 
-    fn map(name: &str, page: u32, phys: u64, rows: u32) -> Record {
-        Record::Map {
+    fn at(name: &str, page: u32, rows: u32) -> PageAt {
+        PageAt {
             key: key(name),
             lane: 0,
             page,
-            phys,
             rows,
+        }
+    }
+
+    fn map(name: &str, page: u32, phys: u64, rows: u32) -> Record {
+        Record::Map {
+            at: at(name, page, rows),
+            phys,
             digest: vec![],
         }
     }
@@ -416,18 +407,12 @@ mod tests {
     #[test]
     fn copies_gone_pages_summaries_and_lost_pages() {
         let gone = Record::Gone {
-            key: key("a"),
-            lane: 0,
-            page: 1,
-            rows: 4,
+            at: at("a", 1, 4),
             reason: Reason::Explicit,
             digest: vec![],
         };
         let summary = Record::Summary {
-            key: key("a"),
-            lane: 0,
-            page: 2,
-            rows: 4,
+            at: at("a", 2, 4),
             reason: Reason::Policy,
             digest: vec![],
             counts: vec![4],

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use kvtier_core::{DigestColumn, LogicalPage, Reason};
 use kvtier_tiers::Slot;
 
+use super::record::PageAt;
 use super::{Durability, Record};
 use crate::movement::Keep;
 use crate::page::{PhysPage, Placement, StoreLane};
@@ -59,32 +60,21 @@ impl Store {
 
     /// The record mapping page `page` of lane `lane` to its physical page.
     pub(crate) fn map_record(seq: &Sequence, lane: usize, page: usize, phys: u64) -> Record {
-        let l = &seq.lanes[lane];
-        let rows = l.rows_in(page);
+        let at = page_at(seq, lane, page);
+        let full = at.rows == seq.layout.page_size();
         Record::Map {
-            key: seq.key.clone(),
-            lane: lane as u32,
-            page: page as u32,
+            digest: if full { digest(seq, lane, page) } else { Vec::new() },
+            at,
             phys,
-            rows,
-            digest: if rows == seq.layout.page_size() {
-                l.digests().entry(page).to_vec()
-            } else {
-                Vec::new()
-            },
         }
     }
 
     /// The record of a page gone for `reason`.
     pub(crate) fn gone_record(seq: &Sequence, lane: usize, page: usize, reason: Reason) -> Record {
-        let l = &seq.lanes[lane];
         Record::Gone {
-            key: seq.key.clone(),
-            lane: lane as u32,
-            page: page as u32,
-            rows: l.rows_in(page),
+            at: page_at(seq, lane, page),
             reason,
-            digest: l.digests().entry(page).to_vec(),
+            digest: digest(seq, lane, page),
         }
     }
 
@@ -97,14 +87,10 @@ impl Store {
         counts: &[u32],
         kv: Vec<u8>,
     ) -> Record {
-        let l = &seq.lanes[lane];
         Record::Summary {
-            key: seq.key.clone(),
-            lane: lane as u32,
-            page: page as u32,
-            rows: l.rows_in(page),
+            at: page_at(seq, lane, page),
             reason,
-            digest: l.digests().entry(page).to_vec(),
+            digest: digest(seq, lane, page),
             counts: counts.to_vec(),
             kv,
         }
@@ -212,6 +198,19 @@ impl Store {
             }
         }
     }
+}
+
+fn page_at(seq: &Sequence, lane: usize, page: usize) -> PageAt {
+    PageAt {
+        key: seq.key.clone(),
+        lane: lane as u32,
+        page: page as u32,
+        rows: seq.lanes[lane].rows_in(page),
+    }
+}
+
+fn digest(seq: &Sequence, lane: usize, page: usize) -> Vec<u8> {
+    seq.lanes[lane].digests().entry(page).to_vec()
 }
 
 /// Pages from `from` on that hold original bytes without a current copy.

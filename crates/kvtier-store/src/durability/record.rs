@@ -37,31 +37,22 @@ pub(crate) enum Record {
     Drop {
         key: SequenceKey,
     },
-    /// Logical page `page` of lane `lane` maps to physical page `phys`, with
-    /// `rows` tokens at that moment, and its digest when it was full.
+    /// The logical page maps to physical page `phys`; its digest when it
+    /// was full.
     Map {
-        key: SequenceKey,
-        lane: u32,
-        page: u32,
+        at: PageAt,
         phys: u64,
-        rows: u32,
         digest: Vec<u8>,
     },
     /// The logical page is gone: evicted, or its bytes lost.
     Gone {
-        key: SequenceKey,
-        lane: u32,
-        page: u32,
-        rows: u32,
+        at: PageAt,
         reason: Reason,
         digest: Vec<u8>,
     },
     /// The logical page is a summary: `counts.len()` rows, K then V, in `kv`.
     Summary {
-        key: SequenceKey,
-        lane: u32,
-        page: u32,
-        rows: u32,
+        at: PageAt,
         reason: Reason,
         digest: Vec<u8>,
         counts: Vec<u32>,
@@ -89,6 +80,16 @@ pub(crate) enum Record {
     },
 }
 
+/// A logical page: page `page` of lane `lane` of sequence `key`, holding
+/// `rows` tokens when the record was written.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PageAt {
+    pub(crate) key: SequenceKey,
+    pub(crate) lane: u32,
+    pub(crate) page: u32,
+    pub(crate) rows: u32,
+}
+
 struct Writer(Vec<u8>);
 
 impl Writer {
@@ -109,11 +110,11 @@ impl Writer {
         self.bytes(k.tenant.as_str().as_bytes());
         self.bytes(k.sequence.as_str().as_bytes());
     }
-    fn page(&mut self, key: &SequenceKey, lane: u32, page: u32, rows: u32) {
-        self.key(key);
-        self.u32(lane);
-        self.u32(page);
-        self.u32(rows);
+    fn page_at(&mut self, at: &PageAt) {
+        self.key(&at.key);
+        self.u32(at.lane);
+        self.u32(at.page);
+        self.u32(at.rows);
     }
 }
 
@@ -149,6 +150,14 @@ impl Reader<'_> {
     fn key(&mut self) -> Decoded<SequenceKey> {
         let (tenant, sequence) = (self.string()?, self.string()?);
         SequenceKey::parse(&tenant, &sequence).map_err(|_| "invalid sequence key")
+    }
+    fn page_at(&mut self) -> Decoded<PageAt> {
+        Ok(PageAt {
+            key: self.key()?,
+            lane: self.u32()?,
+            page: self.u32()?,
+            rows: self.u32()?,
+        })
     }
     fn reason(&mut self) -> Decoded<Reason> {
         Reason::ALL.get(self.u8()? as usize).copied().ok_or("unknown reason")
@@ -192,44 +201,27 @@ impl Record {
                 w.u8(3);
                 w.key(key);
             }
-            Record::Map {
-                key,
-                lane,
-                page,
-                phys,
-                rows,
-                digest,
-            } => {
+            Record::Map { at, phys, digest } => {
                 w.u8(4);
-                w.page(key, *lane, *page, *rows);
+                w.page_at(at);
                 w.u64(*phys);
                 w.bytes(digest);
             }
-            Record::Gone {
-                key,
-                lane,
-                page,
-                rows,
-                reason,
-                digest,
-            } => {
+            Record::Gone { at, reason, digest } => {
                 w.u8(5);
-                w.page(key, *lane, *page, *rows);
+                w.page_at(at);
                 w.u8(reason.index() as u8);
                 w.bytes(digest);
             }
             Record::Summary {
-                key,
-                lane,
-                page,
-                rows,
+                at,
                 reason,
                 digest,
                 counts,
                 kv,
             } => {
                 w.u8(6);
-                w.page(key, *lane, *page, *rows);
+                w.page_at(at);
                 w.u8(reason.index() as u8);
                 w.bytes(digest);
                 w.u32(counts.len() as u32);
@@ -299,26 +291,17 @@ impl Record {
             }
             3 => Record::Drop { key: r.key()? },
             4 => Record::Map {
-                key: r.key()?,
-                lane: r.u32()?,
-                page: r.u32()?,
-                rows: r.u32()?,
+                at: r.page_at()?,
                 phys: r.u64()?,
                 digest: r.bytes()?,
             },
             5 => Record::Gone {
-                key: r.key()?,
-                lane: r.u32()?,
-                page: r.u32()?,
-                rows: r.u32()?,
+                at: r.page_at()?,
                 reason: r.reason()?,
                 digest: r.bytes()?,
             },
             6 => Record::Summary {
-                key: r.key()?,
-                lane: r.u32()?,
-                page: r.u32()?,
-                rows: r.u32()?,
+                at: r.page_at()?,
                 reason: r.reason()?,
                 digest: r.bytes()?,
                 counts: (0..r.u32()?).map(|_| r.u32()).collect::<Decoded<_>>()?,
@@ -427,6 +410,15 @@ pub(crate) mod tests {
         SequenceKey::parse("t", s).unwrap()
     }
 
+    pub(crate) fn at(s: &str, lane: u32, page: u32, rows: u32) -> PageAt {
+        PageAt {
+            key: key(s),
+            lane,
+            page,
+            rows,
+        }
+    }
+
     /// One record of every kind.
     pub(crate) fn records() -> Vec<Record> {
         let layout = Layout::new(LayoutSpec {
@@ -453,11 +445,8 @@ pub(crate) mod tests {
                 hashes: vec![b"h0".to_vec(), vec![]],
             },
             Record::Map {
-                key: key("a"),
-                lane: 3,
-                page: 7,
+                at: at("a", 3, 7, 16),
                 phys: 99,
-                rows: 16,
                 digest: vec![1, 2, 3],
             },
             Record::Persist {
@@ -469,18 +458,12 @@ pub(crate) mod tests {
                 digest: vec![9; 32],
             },
             Record::Gone {
-                key: key("a"),
-                lane: 3,
-                page: 7,
-                rows: 16,
+                at: at("a", 3, 7, 16),
                 reason: Reason::Policy,
                 digest: vec![4; 32],
             },
             Record::Summary {
-                key: key("a"),
-                lane: 2,
-                page: 0,
-                rows: 5,
+                at: at("a", 2, 0, 5),
                 reason: Reason::Explicit,
                 digest: vec![5; 32],
                 counts: vec![3, 2],
