@@ -35,6 +35,7 @@ field() { python3 -c "import json,sys; print(json.load(open('$json'))$1)"; }
   echo "| operations acknowledged | $(field "['operations_acknowledged']") |"
   echo "| persisting writes acknowledged (RELAXED) | $(field "['durable_writes_acknowledged']") |"
   echo "| manifest checkpoints written | $(field "['checkpoints_written']") |"
+  echo "| kills while a checkpoint was being written | $(field "['kills_during_a_checkpoint']") |"
   echo "| **acknowledged-durable rows lost** | **$(field "['durable_rows_lost']")** |"
   echo "| **pages served with wrong bytes** | **$(field "['wrong_bytes_pages']")** |"
   echo "| acknowledged fates (gone reason, summary) changed | $(field "['fates_changed']") |"

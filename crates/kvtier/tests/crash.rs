@@ -145,17 +145,7 @@ async fn killed_again_and_again_under_concurrent_writers_loses_nothing_acknowled
         durable_writes += w.model.durable_writes;
         total.merge(w.model.findings);
     }
-    let checkpoints: usize = std::fs::read_dir(dir.path())
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("serve-"))
-        .map(|e| {
-            std::fs::read_to_string(e.path())
-                .unwrap_or_default()
-                .matches("manifest checkpoint written")
-                .count()
-        })
-        .sum();
+    let (checkpoints, killed_mid_checkpoint) = common::checkpoints(dir.path());
     let report = serde_json::json!({
         "cycles": cycles,
         "writers": env("KVTIER_SOAK_WRITERS", 4),
@@ -164,6 +154,7 @@ async fn killed_again_and_again_under_concurrent_writers_loses_nothing_acknowled
         "operations_acknowledged": acked,
         "durable_writes_acknowledged": durable_writes,
         "checkpoints_written": checkpoints,
+        "kills_during_a_checkpoint": killed_mid_checkpoint,
         "durable_rows_lost": total.durable_rows_lost,
         "wrong_bytes_pages": total.wrong_bytes,
         "fates_changed": total.fate_changed,

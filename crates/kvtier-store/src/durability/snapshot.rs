@@ -93,6 +93,7 @@ impl Store {
     pub(crate) fn checkpoint(&self) {
         let Some(manifest) = &self.manifest else { return };
         let started = std::time::Instant::now();
+        tracing::debug!("manifest checkpoint started");
         match manifest.checkpoint(|| self.checkpoint_records()) {
             Ok(bytes) => tracing::info!(
                 bytes,

@@ -59,7 +59,7 @@ impl Server {
             .args(["--data-dir", dir.to_str().unwrap()])
             .args(SMALL_TIERS.chunks(2).filter(|pair| !extra.contains(&pair[0])).flatten())
             .args(extra)
-            .env("KVTIER_LOG", "info")
+            .env("KVTIER_LOG", "info,kvtier_store::durability=debug")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -131,6 +131,22 @@ impl Server {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
+}
+
+/// What the logs of every server started over `dir` say: checkpoints
+/// written, and servers killed while one was being written.
+pub fn checkpoints(dir: &Path) -> (usize, usize) {
+    let (mut written, mut killed_during) = (0, 0);
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        if !entry.file_name().to_string_lossy().starts_with("serve-") {
+            continue;
+        }
+        let log = std::fs::read_to_string(entry.path()).unwrap_or_default();
+        let done = log.matches("manifest checkpoint written").count();
+        written += done;
+        killed_during += usize::from(log.matches("manifest checkpoint started").count() > done);
+    }
+    (written, killed_during)
 }
 
 impl Drop for Server {

@@ -38,6 +38,7 @@ struct Stats {
     kills: u64,
     kills_mid_op: u64,
     checkpoints: u64,
+    kills_mid_checkpoint: u64,
 }
 
 impl Case {
@@ -139,13 +140,9 @@ impl Case {
 
     /// Counts what the servers' logs say happened in the background.
     fn count_logs(&mut self) {
-        for entry in std::fs::read_dir(self.dir.path()).unwrap().flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with("serve-") {
-                let log = std::fs::read_to_string(entry.path()).unwrap_or_default();
-                self.stats.checkpoints += log.matches("manifest checkpoint written").count() as u64;
-            }
-        }
+        let (written, killed_during) = common::checkpoints(self.dir.path());
+        self.stats.checkpoints += written as u64;
+        self.stats.kills_mid_checkpoint += killed_during as u64;
     }
 }
 
@@ -217,18 +214,20 @@ fn random_operations_crashes_and_restarts_lose_nothing_acknowledged() {
         t.kills += stats.kills;
         t.kills_mid_op += stats.kills_mid_op;
         t.checkpoints += stats.checkpoints;
+        t.kills_mid_checkpoint += stats.kills_mid_checkpoint;
         Ok(())
     });
     let t = total.into_inner().unwrap();
     println!(
         "{} cases, {} operations, {} clean restarts, {} kills (idle), {} kills mid-operation, \
-         {} checkpoints written, in {:.1} s",
+         {} checkpoints written ({} kills during one), in {:.1} s",
         t.cases,
         t.ops,
         t.clean_restarts,
         t.kills,
         t.kills_mid_op,
         t.checkpoints,
+        t.kills_mid_checkpoint,
         started.elapsed().as_secs_f64()
     );
     match result {
