@@ -485,7 +485,8 @@ pub fn apply(model: &mut Model, planned: &Planned, answer: &Answer, acked: bool)
             if acked && !matches!(got, None | Some(Code::FailedPrecondition)) {
                 return Err(format!("{planned:?}: {answer:?}"));
             }
-            if acked {
+            // Only a move that happened commits the manifest.
+            if acked && got.is_none() {
                 model.acked(true);
             }
         }
