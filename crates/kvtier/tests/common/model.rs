@@ -69,6 +69,8 @@ pub enum Fate {
     /// have happened.
     MaybeSummary,
     MaybeGone(pb::Reason),
+    /// A summary that an eviction cut off by a crash may have removed.
+    SummaryMaybeGone(pb::Reason),
 }
 
 #[derive(Debug, Clone, Default)]
@@ -327,11 +329,12 @@ impl Model {
         let seq = self.seqs.get_mut(&id).expect("changed sequences are modelled");
         for h in heads {
             let fate = &mut seq.lanes[SeqModel::lane(layer, h)].fates[page as usize];
-            *fate = match (acked, change) {
-                (true, change) => change,
-                (false, Fate::Summary) => Fate::MaybeSummary,
-                (false, Fate::Gone(reason)) => Fate::MaybeGone(reason),
-                (false, _) => unreachable!("changes are gone or summary"),
+            *fate = match (acked, change, *fate) {
+                (true, change, _) => change,
+                (false, Fate::Summary, _) => Fate::MaybeSummary,
+                (false, Fate::Gone(reason), Fate::Summary) => Fate::SummaryMaybeGone(reason),
+                (false, Fate::Gone(reason), _) => Fate::MaybeGone(reason),
+                (false, ..) => unreachable!("changes are gone or summary"),
             };
         }
         if acked {
@@ -496,6 +499,7 @@ impl Model {
                 (Some(e), s) if e == s => true,
                 (Some(Fate::MaybeSummary), Fate::Bytes | Fate::Summary) => true,
                 (Some(Fate::MaybeGone(r)), s) if s == Fate::Bytes || s == Fate::Gone(r) => true,
+                (Some(Fate::SummaryMaybeGone(r)), s) if s == Fate::Summary || s == Fate::Gone(r) => true,
                 // A corrupted NVMe block takes the page it held.
                 (_, Fate::Gone(pb::Reason::Integrity)) if had_bytes => self.corruptions > 0,
                 // Rows not acknowledged durable may be lost in a crash.
