@@ -114,14 +114,23 @@ impl Store {
             return Ok(None);
         }
         if let Some(host) = &place.host {
+            let bytes = read_rows(&*self.host, host, layout, rows)?;
+            // The LRU after the page lock is released: never an LRU lock
+            // under a page lock (migration takes them the other way).
+            drop(place);
             self.touch_host([page]);
-            return Ok(Some(Source::Now(read_rows(&*self.host, host, layout, rows)?)));
+            return Ok(Some(Source::Now(bytes)));
         }
         if let Some(device) = &place.device {
             return Ok(Some(Source::Now(read_rows(&*self.device, device, layout, rows)?)));
         }
-        let copy = place.nvme.clone().expect("a page that is not lost has a copy");
-        Ok(Some(Source::Nvme(copy, place.version)))
+        match &place.nvme {
+            Some(copy) => Ok(Some(Source::Nvme(copy.clone(), place.version))),
+            None => Err(StoreError::Internal(format!(
+                "page {} has no copy and is not lost",
+                page.id
+            ))),
+        }
     }
 
     /// Marks a page lost after its NVMe copy failed, unless another copy
@@ -227,21 +236,22 @@ impl Store {
         let mut victims = Vec::new();
         let mut skipped = Vec::new();
         let mut freed = 0u64;
-        {
-            let mut lru = lock(&self.host_lru);
-            while (freed < bytes || victims.len() < MIGRATION_BATCH) && victims.len() < 4 * MIGRATION_BATCH {
-                let Some((_, weak)) = lru.pop_lru() else { break };
-                let Some(page) = weak.upgrade() else { continue };
-                if page.pinned() {
-                    skipped.push(page);
-                    continue;
-                }
-                let place = read(&page.place);
-                if let (Some(host), None) = (&place.host, place.lost) {
-                    freed += host.reserved();
-                    drop(place);
-                    victims.push(page);
-                }
+        while (freed < bytes || victims.len() < MIGRATION_BATCH) && victims.len() < 4 * MIGRATION_BATCH {
+            // One entry at a time, the LRU's lock released before the page's
+            // is taken (never a page lock under an LRU lock).
+            let Some((_, weak)) = lock(&self.host_lru).pop_lru() else {
+                break;
+            };
+            let Some(page) = weak.upgrade() else { continue };
+            if page.pinned() {
+                skipped.push(page);
+                continue;
+            }
+            let place = read(&page.place);
+            if let (Some(host), None) = (&place.host, place.lost) {
+                freed += host.reserved();
+                drop(place);
+                victims.push(page);
             }
         }
         // Pages created together (one write, one lane's run) have adjacent
@@ -251,7 +261,8 @@ impl Store {
         self.touch_host(&skipped);
         let moved = self.copy_to_nvme(&victims, Keep::Nothing, Reason::CapacityPressure);
         // Pages that did not move keep their place in line.
-        self.touch_host(victims.iter().filter(|p| read(&p.place).host.is_some()));
+        let kept: Vec<Arc<PhysPage>> = victims.into_iter().filter(|p| read(&p.place).host.is_some()).collect();
+        self.touch_host(&kept);
         if let Err(e) = &moved {
             tracing::warn!(error = %e, "could not migrate host pages to nvme");
         }
