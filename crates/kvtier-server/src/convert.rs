@@ -311,6 +311,18 @@ pub(crate) fn timing_to_pb(t: &kvtier_store::SelectTiming) -> pb::SelectTiming {
     }
 }
 
+pub(crate) fn append_timing_to_pb(t: &kvtier_store::AppendTiming) -> pb::AppendTiming {
+    pb::AppendTiming {
+        lock_wait_us: t.lock_wait_us,
+        reserve_us: t.reserve_us,
+        migration_wait_us: t.migration_wait_us,
+        migration_us: t.migration_us,
+        durability_us: t.durability_us,
+        policy_us: t.policy_us,
+        store_us: t.store_us,
+    }
+}
+
 pub(crate) fn swap_to_pb(s: &kvtier_store::SwapReport) -> pb::SwapReport {
     pb::SwapReport {
         already_hot: s.already_hot,

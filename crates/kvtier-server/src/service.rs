@@ -261,6 +261,7 @@ impl KvTier for KvTierService {
             tokens: outcome.tokens,
             pages_opened: outcome.pages_opened,
             durability: convert::durability_to_pb(outcome.durability) as i32,
+            timing: Some(convert::append_timing_to_pb(&outcome.timing)),
         }))
     }
 

@@ -35,7 +35,7 @@ pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, 
 pub use store::{Created, DeviceCache, Store, StoreConfig};
 pub use swapin::SwapReport;
 pub use transition::{PageSelection, SetPageState, TransitionOutcome};
-pub use write::{AppendOutcome, AppendTokens, PutOutcome, PutPages};
+pub use write::{AppendOutcome, AppendTiming, AppendTokens, PutOutcome, PutPages};
 
 /// Whether this process may use io_uring (for tests that pick an engine).
 pub fn uring_available() -> Result<(), String> {

@@ -4,6 +4,7 @@
 //! back to host memory.
 
 use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use kvtier_core::{ColdTier, Layout, PageState, Reason};
 use kvtier_tiers::{AlignedBuf, Slot, Tier, TierError};
@@ -15,6 +16,14 @@ use crate::{Store, StoreError, StoreResult};
 
 /// Pages migrated per batch when making room in host memory.
 const MIGRATION_BATCH: usize = 64;
+
+/// Time a foreground call spent making host room: waiting for a migration
+/// already running, and migrating itself.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct MigrationTime {
+    pub(crate) waited: Duration,
+    pub(crate) moving: Duration,
+}
 
 pub(crate) type HostLru = lru::LruCache<u64, Weak<PhysPage>>;
 
@@ -178,7 +187,13 @@ impl Store {
 
     /// Gives `page` a host copy now, making room if needed (appends and
     /// explicit moves need one).
-    pub(crate) fn ensure_host(&self, page: &Arc<PhysPage>, layout: &Layout, reason: Reason) -> StoreResult<()> {
+    pub(crate) fn ensure_host(
+        &self,
+        page: &Arc<PhysPage>,
+        layout: &Layout,
+        reason: Reason,
+        spent: &mut MigrationTime,
+    ) -> StoreResult<()> {
         if read(&page.place).host.is_some() {
             return Ok(());
         }
@@ -186,7 +201,7 @@ impl Store {
         let Some(bytes) = whole.into_iter().next().flatten() else {
             return Err(StoreError::precondition("pages", "the page's bytes are lost"));
         };
-        let mut slot = self.allocate_host(layout.page_bytes() as u64)?;
+        let mut slot = self.allocate_host(layout.page_bytes() as u64, spent)?;
         let v = layout.page_size() as usize * layout.row_bytes();
         let (k, vals) = bytes.split_at(bytes.len() / 2);
         self.host.write(&mut slot, 0, k)?;
@@ -206,14 +221,21 @@ impl Store {
     /// A host slot of `len` bytes; when the host is full, least recently used
     /// host pages migrate to NVMe first. Full only when both tiers are; a
     /// failed migration (ENOSPC, EIO) is reported as itself.
-    pub(crate) fn allocate_host(&self, len: u64) -> Result<Slot, TierError> {
+    pub(crate) fn allocate_host(&self, len: u64, spent: &mut MigrationTime) -> Result<Slot, TierError> {
         loop {
             match self.host.allocate(len) {
                 Err(full @ TierError::Full { .. }) => {
                     if self.nvme.is_none() {
                         return Err(full);
                     }
-                    match self.relieve_host(len) {
+                    let waiting = Instant::now();
+                    let one = lock(&self.migrating);
+                    spent.waited += waiting.elapsed();
+                    let moving = Instant::now();
+                    let moved = self.relieve_host_locked(len, &one);
+                    spent.moving += moving.elapsed();
+                    drop(one);
+                    match moved {
                         // Nothing left to move; a migration that ran
                         // meanwhile may still have made room.
                         Ok(0) => return self.host.allocate(len),
@@ -232,7 +254,12 @@ impl Store {
     pub(crate) fn relieve_host(&self, bytes: u64) -> StoreResult<usize> {
         // One migration at a time: a second caller waits for the first's
         // room instead of finding its victims already taken.
-        let _one = lock(&self.migrating);
+        let one = lock(&self.migrating);
+        self.relieve_host_locked(bytes, &one)
+    }
+
+    /// [`Self::relieve_host`] with the migration lock held.
+    fn relieve_host_locked(&self, bytes: u64, _migrating: &std::sync::MutexGuard<'_, ()>) -> StoreResult<usize> {
         let mut victims = Vec::new();
         let mut skipped = Vec::new();
         let mut freed = 0u64;

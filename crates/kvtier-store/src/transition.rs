@@ -8,7 +8,7 @@ use std::sync::Arc;
 use kvtier_core::{Action, ColdTier, LogicalPage, PageState, Reason, SequenceKey, Summary};
 use kvtier_tiers::{Slot, TierError, TierKind};
 
-use crate::movement::Keep;
+use crate::movement::{Keep, MigrationTime};
 use crate::page::{PhysPage, SummaryPage};
 use crate::sequence::{HeadRange, Sequence};
 use crate::sync::{read, write};
@@ -221,7 +221,7 @@ impl Store {
     fn offload(&self, seq: &Sequence, targets: &[Target], tier: ColdTier, reason: Reason) -> StoreResult<()> {
         let pages = Self::pages_of(seq, targets);
         for page in &pages {
-            self.ensure_host(page, &seq.layout, reason)?;
+            self.ensure_host(page, &seq.layout, reason, &mut MigrationTime::default())?;
         }
         if tier == ColdTier::Nvme {
             self.copy_to_nvme(&pages, Keep::Nothing, reason)?;
@@ -238,7 +238,9 @@ impl Store {
         let pages = Self::pages_of(seq, targets);
         match tier {
             ColdTier::Nvme => self.copy_to_nvme(&pages, Keep::Nothing, reason).map(drop),
-            ColdTier::Host => pages.iter().try_for_each(|p| self.ensure_host(p, &seq.layout, reason)),
+            ColdTier::Host => pages
+                .iter()
+                .try_for_each(|p| self.ensure_host(p, &seq.layout, reason, &mut MigrationTime::default())),
         }
     }
 
@@ -303,7 +305,7 @@ impl Store {
             };
             let (keys, values) = original.split_at(original.len() / 2);
             let summary = Summary::chunk_means(layout.dtype(), layout.head_dim() as usize, keys, values, rows);
-            let mut slot = self.allocate_host(summary.kv.len() as u64)?;
+            let mut slot = self.allocate_host(summary.kv.len() as u64, &mut MigrationTime::default())?;
             self.host.write(&mut slot, 0, &summary.kv)?;
             summaries.push((
                 SummaryPage {

@@ -7,11 +7,13 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvtier_core::{DigestColumn, Layout, LogicalPage, PageTableError, Reason};
 use kvtier_tiers::Slot;
 
 use crate::durability::Acknowledged;
+use crate::movement::MigrationTime;
 use crate::page::{PageRef, PhysPage, Pins, Placement, ShareKey, StorePage, write_rows};
 use crate::sequence::{HeadRange, Sequence};
 use crate::stats::Counters;
@@ -66,6 +68,31 @@ pub struct AppendOutcome {
     pub pages_opened: u64,
     /// What the acknowledgement guarantees.
     pub durability: Acknowledged,
+    pub timing: AppendTiming,
+}
+
+/// Where an append spent its time, in microseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AppendTiming {
+    /// Waiting for the sequence's lock.
+    pub lock_wait_us: u64,
+    /// Host and device room for the new pages (and the partial page back in
+    /// host memory), migration included.
+    pub reserve_us: u64,
+    /// Of that: waiting for a migration to NVMe already running ...
+    pub migration_wait_us: u64,
+    /// ... and migrating host pages to NVMe to make room.
+    pub migration_us: u64,
+    /// Journalling the new pages and, with persist, making the lanes durable.
+    pub durability_us: u64,
+    /// A registered policy that ran after the append.
+    pub policy_us: u64,
+    /// The whole call in the store.
+    pub store_us: u64,
+}
+
+fn micros(d: std::time::Duration) -> u64 {
+    d.as_micros() as u64
 }
 
 /// The K and V rows of one message, validated against the layout.
@@ -198,7 +225,7 @@ impl Store {
                 }
             }
         }
-        if let Err(e) = self.reserve_new_pages(&layout, &mut planned, pages) {
+        if let Err(e) = self.reserve_new_pages(&layout, &mut planned, pages, &mut MigrationTime::default()) {
             self.release_planned(planned);
             return Err(e);
         }
@@ -294,11 +321,18 @@ impl Store {
     }
 
     pub fn append_tokens(&self, key: &kvtier_core::SequenceKey, req: AppendTokens<'_>) -> StoreResult<AppendOutcome> {
-        self.with_sequence_mut(key, |seq| {
-            let appended = self.append_locked(seq, req)?;
+        let start = Instant::now();
+        let mut appended = self.with_sequence_mut(key, |seq| {
+            let locked = Instant::now();
+            let mut appended = self.append_locked(seq, req)?;
+            let policy = Instant::now();
             self.run_auto_policy(seq, req.layer);
+            appended.timing.policy_us = micros(policy.elapsed());
+            appended.timing.lock_wait_us = micros(locked - start);
             Ok(appended)
-        })
+        })?;
+        appended.timing.store_us = micros(start.elapsed());
+        Ok(appended)
     }
 
     fn append_locked(&self, seq: &mut Sequence, req: AppendTokens<'_>) -> StoreResult<AppendOutcome> {
@@ -366,13 +400,19 @@ impl Store {
             )
             .collect();
         let _filling = Pins::new(partial.clone());
+        let mut timing = AppendTiming::default();
+        let mut migration = MigrationTime::default();
+        let reserving = Instant::now();
         for page in &partial {
-            self.ensure_host(page, &layout, Reason::Demand)?;
+            self.ensure_host(page, &layout, Reason::Demand, &mut migration)?;
         }
         let mut planned: Vec<Planned> = (0..lanes.len() * plan.new_pages.len())
             .map(|_| Planned::Unreserved(None))
             .collect();
-        self.reserve_new_pages(&layout, &mut planned, plan.new_pages.len())?;
+        self.reserve_new_pages(&layout, &mut planned, plan.new_pages.len(), &mut migration)?;
+        timing.reserve_us = micros(reserving.elapsed());
+        timing.migration_wait_us = micros(migration.waited);
+        timing.migration_us = micros(migration.moving);
         let opened = planned.len() as u64;
 
         // Fill the partial last pages in place, then the new pages. A pinned
@@ -457,7 +497,9 @@ impl Store {
         drop(table);
         self.touch_device(hot);
         let lane_indices: Vec<usize> = lanes.iter().map(|&(_, lane)| lane).collect();
+        let journalling = Instant::now();
         let durability = self.finish_write(seq, &lane_indices, &mapped, req.persist)?;
+        timing.durability_us = micros(journalling.elapsed());
         Counters::add(&self.counters.pages_written, opened);
         Counters::add(
             &self.counters.tokens_appended,
@@ -468,6 +510,7 @@ impl Store {
             tokens: tokens + u64::from(req.num_tokens),
             pages_opened: opened,
             durability,
+            timing,
         })
     }
 
@@ -485,7 +528,13 @@ impl Store {
     /// planned new page; `planned` is lane-major with `per_lane` pages each.
     /// Host room is required. Device room is best effort and goes to the
     /// newest pages first, since they are the likeliest to be read next.
-    fn reserve_new_pages(&self, layout: &Layout, planned: &mut [Planned], per_lane: usize) -> StoreResult<()> {
+    fn reserve_new_pages(
+        &self,
+        layout: &Layout,
+        planned: &mut [Planned],
+        per_lane: usize,
+        migration: &mut MigrationTime,
+    ) -> StoreResult<()> {
         let len = layout.page_bytes() as u64;
         let new = planned.iter().filter(|p| matches!(p, Planned::Unreserved(_))).count();
         let mut ids = self
@@ -496,7 +545,7 @@ impl Store {
             if let Planned::Unreserved(key) = plan {
                 let page = NewPage {
                     id: ids.next().expect("one id per new page"),
-                    host: self.allocate_host(len)?,
+                    host: self.allocate_host(len, migration)?,
                     device: None,
                 };
                 *plan = Planned::New { page, key: key.take() };

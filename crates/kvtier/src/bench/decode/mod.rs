@@ -302,11 +302,14 @@ fn print_table(r: &Report) {
 /// Every step as a CSV row, for looking at outliers.
 fn steps_csv(dir: &std::path::Path, m: &Measured, stem: &str) -> anyhow::Result<()> {
     let mut out = String::from(
-        "at_s,latency_us,class,select_us,store_us,rank_us,swap_host_us,swap_nvme_us,read_us,append_us,bytes\n",
+        "at_s,latency_us,class,select_us,store_us,rank_us,swap_host_us,swap_nvme_us,read_us,append_us,bytes,\
+         append_store_us,append_max_us,append_lock_wait_us,append_reserve_us,append_migration_wait_us,\
+         append_migration_us,append_durability_us,append_policy_us\n",
     );
     for s in &m.steps {
+        let a = &s.append;
         out += &format!(
-            "{:.6},{},{},{},{},{},{},{},{},{},{}\n",
+            "{:.6},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
             s.at,
             s.latency_us,
             s.class.name(),
@@ -317,7 +320,15 @@ fn steps_csv(dir: &std::path::Path, m: &Measured, stem: &str) -> anyhow::Result<
             s.swap_nvme_us,
             s.read_us,
             s.append_us,
-            s.bytes
+            s.bytes,
+            a.store_us,
+            a.max_us,
+            a.lock_wait_us,
+            a.reserve_us,
+            a.migration_wait_us,
+            a.migration_us,
+            a.durability_us,
+            a.policy_us
         );
     }
     let path = dir.join(format!("{stem}steps.csv"));

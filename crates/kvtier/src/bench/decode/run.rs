@@ -85,6 +85,35 @@ pub(crate) struct Step {
     pub(crate) swap_nvme_us: u64,
     pub(crate) read_us: u64,
     pub(crate) bytes: u64,
+    /// The server's account of the step's appends, summed over layers.
+    pub(crate) append: AppendSpans,
+}
+
+/// Where the server spent a step's appends (µs summed over its layers, and
+/// the slowest single append).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub(crate) struct AppendSpans {
+    pub(crate) store_us: u64,
+    pub(crate) max_us: u64,
+    pub(crate) lock_wait_us: u64,
+    pub(crate) reserve_us: u64,
+    pub(crate) migration_wait_us: u64,
+    pub(crate) migration_us: u64,
+    pub(crate) durability_us: u64,
+    pub(crate) policy_us: u64,
+}
+
+impl AppendSpans {
+    fn add(&mut self, t: &pb::AppendTiming) {
+        self.store_us += t.store_us;
+        self.max_us = self.max_us.max(t.store_us);
+        self.lock_wait_us += t.lock_wait_us;
+        self.reserve_us += t.reserve_us;
+        self.migration_wait_us += t.migration_wait_us;
+        self.migration_us += t.migration_us;
+        self.durability_us += t.durability_us;
+        self.policy_us += t.policy_us;
+    }
 }
 
 #[derive(Debug, Default)]
@@ -230,6 +259,7 @@ async fn decode(
             swap_nvme_us: 0,
             read_us: 0,
             bytes: 0,
+            append: AppendSpans::default(),
         };
         for layer in 0..s.layers {
             let req = SelectRequest {
@@ -276,7 +306,7 @@ async fn decode(
             let resident = (position.div_ceil(s.page_size as usize) * s.page_bytes() * s.kv_heads as usize) as f64;
             read += got as f64 / resident;
             let t = Instant::now();
-            client
+            let appended = client
                 .append_tokens(
                     &seq,
                     layer,
@@ -288,6 +318,7 @@ async fn decode(
                 .await
                 .with_context(|| format!("append at step {step} layer {layer}"))?;
             m.append_us += t.elapsed().as_micros() as u64;
+            m.append.add(&appended.timing.unwrap_or_default());
         }
         data.advance();
         let done = Instant::now();
