@@ -1,41 +1,39 @@
-//! The kvtier engine: sequences of pages across the device, host and (later)
-//! NVMe tiers, every page in one of four explicit states.
+//! The kvtier engine: sequences of pages across the device, host and NVMe
+//! tiers, every page in one of four explicit states.
 //!
 //! Synchronous and thread-safe: callers on an async runtime run operations
-//! on blocking threads. Per-sequence locks serialise writers of one sequence;
-//! different sequences proceed in parallel, and byte copies happen outside
-//! the global page-table lock.
+//! on blocking threads. `store/` composes the components (its module
+//! comment maps each operation and each component to its file, and states
+//! the one lock order).
 
+mod catalog;
 mod device;
 mod durability;
 mod error;
+mod host;
 mod lease;
-mod movement;
 mod page;
 mod policy;
-mod read;
-mod select;
-mod sequence;
+mod reader;
 mod stats;
 mod store;
-mod swapin;
 mod sync;
-mod transition;
-mod write;
 
+pub use catalog::HeadRange;
+pub use device::SwapReport;
 pub use durability::{Acknowledged, Durability, ManifestError, Recovered};
 pub use error::{StoreError, StoreResult};
+pub use kvtier_core::policy::{PolicyAction, PolicySpec, Trigger};
 pub use kvtier_tiers::{EngineChoice, NvmeConfig, Tier, TierError, TierKind};
 pub use lease::MAX_LEASE;
-pub use policy::{ApplyPolicy, AttentionWeights, PolicyAction, PolicyOutcome, PolicySpec, ReportAttention, Trigger};
-pub use read::{FetchCursor, FetchPages, FetchedPage, PageContent, PageList};
-pub use select::{HeadSelection, Miss, SelectPages, SelectTiming, SelectedPage, Selection};
-pub use sequence::HeadRange;
+pub use policy::PolicyOutcome;
+pub use reader::PageContent;
 pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};
-pub use store::{Created, DeviceCache, Store, StoreConfig};
-pub use swapin::SwapReport;
-pub use transition::{PageSelection, SetPageState, TransitionOutcome};
-pub use write::{AppendOutcome, AppendTiming, AppendTokens, PutOutcome, PutPages};
+pub use store::{
+    AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, Created, DeviceCache, FetchCursor,
+    FetchPages, FetchedPage, HeadSelection, Miss, PageList, PageSelection, PutOutcome, PutPages, ReportAttention,
+    SelectPages, SelectTiming, SelectedPage, Selection, SetPageState, Store, StoreConfig, TransitionOutcome,
+};
 
 /// Whether this process may use io_uring (for tests that pick an engine).
 pub fn uring_available() -> Result<(), String> {

@@ -160,6 +160,15 @@ pub(crate) struct SummaryPage {
 pub(crate) type StoreLane = Lane<PageRef, SummaryPage>;
 pub(crate) type StorePage = LogicalPage<PageRef, SummaryPage>;
 
+/// A logical page's state: a physical page's placement says hot or cold.
+pub(crate) fn state_of(page: &StorePage) -> PageState {
+    match page {
+        LogicalPage::Physical(r) => r.page.place.read().unwrap_or_else(|p| p.into_inner()).state(),
+        LogicalPage::Summary(_) => PageState::Summary,
+        LogicalPage::Gone(_) => PageState::Gone,
+    }
+}
+
 /// Identity of a shareable page: the same prefix (hash chain entry) of the
 /// same model layout, in the same tenant, for the same lane.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -29,6 +29,13 @@ impl Counters {
         tracing::debug!(%from, %to, reason = reason.name(), pages, "page transition");
     }
 
+    /// Counts a transition of one page, if its state changed.
+    pub(crate) fn counted(&self, from: PageState, to: PageState, reason: Reason) {
+        if from != to {
+            self.transition(from, to, reason, 1);
+        }
+    }
+
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Relaxed);
     }
@@ -103,7 +110,7 @@ impl TierStats {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StatsSnapshot {
     pub tiers: Vec<TierStats>,
     /// Logical pages of all live sequences by state.

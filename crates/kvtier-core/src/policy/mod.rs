@@ -12,6 +12,7 @@ mod pages;
 mod plan;
 mod scorer;
 mod scoring;
+mod spec;
 mod stats;
 
 pub use alloc::Allocator;
@@ -19,6 +20,7 @@ pub use attention::{KeyRow, add_attention};
 pub use pages::{LaneInput, PageScores};
 pub use plan::{LanePlanInput, dropped_mass, plan};
 pub use scorer::{Pooling, Scorer, Window};
+pub use spec::{PolicyAction, PolicySpec, RegisteredPolicy, Trigger};
 pub use stats::TokenStats;
 
 /// Why a lane could not be scored.

@@ -77,21 +77,18 @@ pub(crate) struct CopyImage {
 
 /// A logical page as the records left it.
 #[derive(Debug)]
-enum Entry {
-    Mapped {
-        phys: u64,
-        rows: u32,
-        digest: Vec<u8>,
-    },
-    Gone {
-        rows: u32,
-        reason: Reason,
-        digest: Vec<u8>,
-    },
+struct Entry {
+    rows: u32,
+    digest: Vec<u8>,
+    kind: EntryKind,
+}
+
+#[derive(Debug)]
+enum EntryKind {
+    Mapped(u64),
+    Gone(Reason),
     Summary {
-        rows: u32,
         reason: Reason,
-        digest: Vec<u8>,
         counts: Vec<u32>,
         kv: Vec<u8>,
     },
@@ -104,56 +101,56 @@ struct Replayed {
     pages: BTreeMap<(u32, u32), Entry>,
 }
 
+/// The records applied so far.
+#[derive(Debug, Default)]
+struct Replay {
+    seqs: HashMap<SequenceKey, Replayed>,
+    /// Sequences in the order they were (last) created.
+    order: Vec<SequenceKey>,
+    copies: HashMap<u64, CopyImage>,
+    lost: HashMap<u64, Reason>,
+    next_page_id: u64,
+}
+
 /// Applies `records` in order and resolves them into an image.
 pub(crate) fn replay(records: Vec<Record>) -> Image {
-    let mut seqs: HashMap<SequenceKey, Replayed> = HashMap::new();
-    let mut order: Vec<SequenceKey> = Vec::new();
-    let mut copies: HashMap<u64, CopyImage> = HashMap::new();
-    let mut lost: HashMap<u64, Reason> = HashMap::new();
-    let mut next_page_id = 0u64;
+    let mut replay = Replay::default();
     for record in records {
+        replay.apply(record);
+    }
+    replay.into_image()
+}
+
+impl Replay {
+    fn apply(&mut self, record: Record) {
         match record {
             Record::Header { .. } => {}
-            Record::Ids { next } => next_page_id = next_page_id.max(next),
+            Record::Ids { next } => self.next_page_id = self.next_page_id.max(next),
             Record::Sequence { key, layout, hashes } => {
-                order.retain(|k| *k != key);
-                order.push(key.clone());
+                self.order.retain(|k| *k != key);
+                self.order.push(key.clone());
                 let replayed = Replayed {
                     layout: Arc::new(layout),
                     hashes: hashes.into_iter().map(Arc::from).collect(),
                     pages: BTreeMap::new(),
                 };
-                seqs.insert(key, replayed);
+                self.seqs.insert(key, replayed);
             }
             Record::Drop { key } => {
-                seqs.remove(&key);
+                self.seqs.remove(&key);
             }
             Record::Map { at, phys, digest } => {
-                next_page_id = next_page_id.max(phys.saturating_add(1));
-                let rows = at.rows;
-                set_page(&mut seqs, at, Entry::Mapped { phys, rows, digest });
+                self.next_page_id = self.next_page_id.max(phys.saturating_add(1));
+                self.set(at, digest, EntryKind::Mapped(phys));
             }
-            Record::Gone { at, reason, digest } => {
-                let rows = at.rows;
-                set_page(&mut seqs, at, Entry::Gone { rows, reason, digest });
-            }
+            Record::Gone { at, reason, digest } => self.set(at, digest, EntryKind::Gone(reason)),
             Record::Summary {
                 at,
                 reason,
                 digest,
                 counts,
                 kv,
-            } => {
-                let rows = at.rows;
-                let entry = Entry::Summary {
-                    rows,
-                    reason,
-                    digest,
-                    counts,
-                    kv,
-                };
-                set_page(&mut seqs, at, entry);
-            }
+            } => self.set(at, digest, EntryKind::Summary { reason, counts, kv }),
             Record::Persist {
                 phys,
                 offset,
@@ -162,162 +159,151 @@ pub(crate) fn replay(records: Vec<Record>) -> Image {
                 rows,
                 digest,
             } => {
-                next_page_id = next_page_id.max(phys.saturating_add(1));
-                if !lost.contains_key(&phys) {
-                    copies.insert(
-                        phys,
-                        CopyImage {
-                            offset,
-                            len,
-                            crc,
-                            rows,
-                            digest,
-                        },
-                    );
+                self.next_page_id = self.next_page_id.max(phys.saturating_add(1));
+                if !self.lost.contains_key(&phys) {
+                    let copy = CopyImage {
+                        offset,
+                        len,
+                        crc,
+                        rows,
+                        digest,
+                    };
+                    self.copies.insert(phys, copy);
                 }
             }
             Record::Unpersist { phys } => {
-                copies.remove(&phys);
+                self.copies.remove(&phys);
             }
             Record::Lost { phys, reason } => {
-                copies.remove(&phys);
-                lost.insert(phys, reason);
+                self.copies.remove(&phys);
+                self.lost.insert(phys, reason);
             }
         }
     }
-    let mut image = Image {
-        next_page_id,
-        ..Image::default()
-    };
-    for key in order {
-        let Some(replayed) = seqs.remove(&key) else { continue };
-        let lanes = resolve_lanes(&key, &replayed, &copies, &lost);
-        for page in lanes.iter().flatten() {
-            if let PageKind::Copy { phys } = page.kind {
-                image.copies.insert(phys, copies[&phys].clone());
-            }
-        }
-        image.sequences.push(SequenceImage {
-            key,
-            layout: replayed.layout,
-            hashes: replayed.hashes,
-            lanes,
-        });
-    }
-    image
-}
 
-fn set_page(seqs: &mut HashMap<SequenceKey, Replayed>, at: PageAt, entry: Entry) {
-    if let Some(s) = seqs.get_mut(&at.key) {
-        s.pages.insert((at.lane, at.page), entry);
-    }
-}
-
-fn resolve_lanes(
-    key: &SequenceKey,
-    replayed: &Replayed,
-    copies: &HashMap<u64, CopyImage>,
-    lost: &HashMap<u64, Reason>,
-) -> Vec<Vec<PageImage>> {
-    let layout = &replayed.layout;
-    let (page_size, entry_bytes) = (layout.page_size(), 2 * layout.row_bytes());
-    let digest = |d: &Vec<u8>| {
-        if d.len() == entry_bytes {
-            d.clone()
-        } else {
-            vec![0; entry_bytes]
-        }
-    };
-    let mut lanes: Vec<Vec<PageImage>> = vec![Vec::new(); layout.num_lanes()];
-    let mut by_lane: BTreeMap<u32, Vec<(u32, &Entry)>> = BTreeMap::new();
-    for ((lane, page), entry) in &replayed.pages {
-        by_lane.entry(*lane).or_default().push((*page, entry));
-    }
-    for (lane, entries) in by_lane {
-        let Some(out) = lanes.get_mut(lane as usize) else {
-            tracing::warn!(sequence = %key, lane, "manifest names a lane beyond the layout; ignored");
-            continue;
-        };
-        let last = entries.last().map_or(0, |(p, _)| *p);
-        let entries: BTreeMap<u32, &Entry> = entries.into_iter().collect();
-        for p in 0..=last {
-            // Every page but the last was full.
-            let rows = |r: u32| if p < last { page_size } else { r.clamp(1, page_size) };
-            let page = match entries.get(&p) {
-                // Never recorded: in memory only.
-                None => PageImage {
-                    rows: page_size,
-                    digest: vec![0; entry_bytes],
-                    kind: PageKind::Gone(Reason::LostOnRestart),
-                },
-                Some(Entry::Gone {
-                    rows: r,
-                    reason,
-                    digest: d,
-                }) => PageImage {
-                    rows: rows(*r),
-                    digest: digest(d),
-                    kind: PageKind::Gone(*reason),
-                },
-                Some(Entry::Summary {
-                    rows: r,
-                    reason,
-                    digest: d,
-                    counts,
-                    kv,
-                }) => PageImage {
-                    rows: rows(*r),
-                    digest: digest(d),
-                    kind: PageKind::Summary {
-                        reason: *reason,
-                        counts: counts.clone(),
-                        kv: kv.clone(),
-                    },
-                },
-                Some(Entry::Mapped {
-                    phys,
-                    rows: r,
-                    digest: d,
-                }) => match (lost.get(phys), copies.get(phys)) {
-                    (Some(reason), _) => PageImage {
-                        rows: rows(*r),
-                        digest: digest(d),
-                        kind: PageKind::Gone(*reason),
-                    },
-                    (None, Some(copy)) => {
-                        let prefix = p < last && copy.rows < page_size;
-                        out.push(PageImage {
-                            rows: if prefix { copy.rows.max(1) } else { rows(copy.rows) },
-                            digest: digest(if copy.digest.len() == entry_bytes {
-                                &copy.digest
-                            } else {
-                                d
-                            }),
-                            kind: PageKind::Copy { phys: *phys },
-                        });
-                        if prefix {
-                            tracing::info!(sequence = %key, lane, page = p, rows = copy.rows, "lane recovered up to a partially durable page");
-                            break;
-                        }
-                        continue;
-                    }
-                    (None, None) => PageImage {
-                        rows: rows(*r),
-                        digest: digest(d),
-                        kind: PageKind::Gone(Reason::LostOnRestart),
-                    },
-                },
+    fn set(&mut self, at: PageAt, digest: Vec<u8>, kind: EntryKind) {
+        if let Some(s) = self.seqs.get_mut(&at.key) {
+            let entry = Entry {
+                rows: at.rows,
+                digest,
+                kind,
             };
-            out.push(page);
-        }
-        if out
-            .last()
-            .is_some_and(|p| p.rows < page_size && p.kind == PageKind::Gone(Reason::LostOnRestart))
-        {
-            out.pop();
+            s.pages.insert((at.lane, at.page), entry);
         }
     }
-    lanes
+
+    fn into_image(mut self) -> Image {
+        let mut image = Image {
+            next_page_id: self.next_page_id,
+            ..Image::default()
+        };
+        for key in std::mem::take(&mut self.order) {
+            let Some(replayed) = self.seqs.remove(&key) else {
+                continue;
+            };
+            let lanes = self.resolve_lanes(&key, &replayed);
+            for page in lanes.iter().flatten() {
+                if let PageKind::Copy { phys } = page.kind {
+                    image.copies.insert(phys, self.copies[&phys].clone());
+                }
+            }
+            image.sequences.push(SequenceImage {
+                key,
+                layout: replayed.layout,
+                hashes: replayed.hashes,
+                lanes,
+            });
+        }
+        image
+    }
+
+    /// Every lane of a replayed sequence, as a restart must recover it.
+    fn resolve_lanes(&self, key: &SequenceKey, replayed: &Replayed) -> Vec<Vec<PageImage>> {
+        let layout = &replayed.layout;
+        let mut lanes: Vec<Vec<PageImage>> = vec![Vec::new(); layout.num_lanes()];
+        let mut by_lane: BTreeMap<u32, BTreeMap<u32, &Entry>> = BTreeMap::new();
+        for ((lane, page), entry) in &replayed.pages {
+            by_lane.entry(*lane).or_default().insert(*page, entry);
+        }
+        for (lane, entries) in by_lane {
+            let Some(out) = lanes.get_mut(lane as usize) else {
+                tracing::warn!(sequence = %key, lane, "manifest names a lane beyond the layout; ignored");
+                continue;
+            };
+            let last = entries.keys().next_back().copied().unwrap_or(0);
+            for p in 0..=last {
+                let (page, ends_lane) = self.resolve_page(layout, entries.get(&p).copied(), p < last);
+                out.push(page);
+                if ends_lane {
+                    tracing::info!(sequence = %key, lane, page = p, "lane recovered up to a partially durable page");
+                    break;
+                }
+            }
+            if out
+                .last()
+                .is_some_and(|p| p.rows < layout.page_size() && p.kind == PageKind::Gone(Reason::LostOnRestart))
+            {
+                out.pop();
+            }
+        }
+        lanes
+    }
+
+    /// One page (`inner`: not its lane's last), and whether the lane ends
+    /// with it (a durable prefix).
+    fn resolve_page(&self, layout: &Layout, entry: Option<&Entry>, inner: bool) -> (PageImage, bool) {
+        let (page_size, entry_bytes) = (layout.page_size(), 2 * layout.row_bytes());
+        let digest = |d: &Vec<u8>| {
+            if d.len() == entry_bytes {
+                d.clone()
+            } else {
+                vec![0; entry_bytes]
+            }
+        };
+        // Every page but the last was full.
+        let rows = |r: u32| if inner { page_size } else { r.clamp(1, page_size) };
+        let Some(entry) = entry else {
+            // Never recorded: in memory only.
+            let kind = PageKind::Gone(Reason::LostOnRestart);
+            let page = PageImage {
+                rows: page_size,
+                digest: vec![0; entry_bytes],
+                kind,
+            };
+            return (page, false);
+        };
+        let kind = match &entry.kind {
+            EntryKind::Gone(reason) => PageKind::Gone(*reason),
+            EntryKind::Summary { reason, counts, kv } => PageKind::Summary {
+                reason: *reason,
+                counts: counts.clone(),
+                kv: kv.clone(),
+            },
+            EntryKind::Mapped(phys) => match (self.lost.get(phys), self.copies.get(phys)) {
+                (Some(reason), _) => PageKind::Gone(*reason),
+                (None, None) => PageKind::Gone(Reason::LostOnRestart),
+                (None, Some(copy)) => {
+                    let prefix = inner && copy.rows < page_size;
+                    let page = PageImage {
+                        rows: if prefix { copy.rows.max(1) } else { rows(copy.rows) },
+                        digest: digest(if copy.digest.len() == entry_bytes {
+                            &copy.digest
+                        } else {
+                            &entry.digest
+                        }),
+                        kind: PageKind::Copy { phys: *phys },
+                    };
+                    return (page, prefix);
+                }
+            },
+        };
+        let page = PageImage {
+            rows: rows(entry.rows),
+            digest: digest(&entry.digest),
+            kind,
+        };
+        (page, false)
+    }
 }
 
 #[cfg(test)]

@@ -50,9 +50,11 @@
 //!   watermark on a current NVMe copy before the records are flushed; the
 //!   acknowledgement comes after the flush (and the syncs under `fsync`).
 
+mod copies;
 mod ids;
 mod image;
 mod journal;
+mod manifest;
 mod persist;
 mod record;
 mod recover;
@@ -61,16 +63,19 @@ mod snapshot;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kvtier_tiers::{LOCK_WAIT, LockError, LockFile, Slot};
+use kvtier_tiers::{LockError, Slot, Tier};
 
-pub(crate) use ids::PageIds;
+pub(crate) use copies::{CopyRead, Keep};
 pub(crate) use image::Image;
+pub(crate) use manifest::Manifest;
 pub use persist::Acknowledged;
-pub(crate) use persist::page_crc;
+pub(crate) use persist::{created_records, gone_record, map_record, summary_record};
 pub(crate) use record::Record;
 pub use recover::Recovered;
 
-use journal::Journal;
+use crate::stats::Counters;
+use crate::{StoreError, StoreResult};
+use ids::PageIds;
 
 /// Whether an acknowledgement waits for the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,73 +113,90 @@ impl ManifestError {
     }
 }
 
-/// The manifest of a data directory: its lock, its journal, and when to
-/// checkpoint it.
+/// What survives a restart: the manifest (when there is an NVMe tier),
+/// pages' copies on NVMe, and page ids. Everything the store journals goes
+/// through it.
 #[derive(Debug)]
-pub(crate) struct Manifest {
-    journal: Journal,
-    checkpoint_bytes: u64,
-    _lock: LockFile,
+pub(crate) struct Durable {
+    manifest: Option<Manifest>,
+    nvme: Option<Arc<dyn Tier>>,
+    /// The memory tiers copies are made from.
+    host: Arc<dyn Tier>,
+    device: Arc<dyn Tier>,
+    ids: PageIds,
+    counters: Arc<Counters>,
 }
 
-impl Manifest {
-    /// Locks the manifest at `path` (through `path.lock`), replays it and
-    /// opens it for appending. Returns the state to recover.
-    pub(crate) fn open(
-        path: &Path,
-        durability: Durability,
-        checkpoint_bytes: u64,
-    ) -> Result<(Self, Image), ManifestError> {
-        let lock = LockFile::acquire(&path.with_extension("lock"), LOCK_WAIT).map_err(ManifestError::InUse)?;
-        let (records, valid) = record::read_file(path)?;
-        let journal = Journal::open(path, valid, durability)?;
-        let manifest = Self {
-            journal,
-            checkpoint_bytes,
-            _lock: lock,
-        };
-        Ok((manifest, image::replay(records)))
+impl Durable {
+    /// `next_page_id`: the first id never given out (from the recovered
+    /// image, or 0).
+    pub(crate) fn new(
+        manifest: Option<Manifest>,
+        next_page_id: u64,
+        tiers: [&Arc<dyn Tier>; 2],
+        nvme: Option<Arc<dyn Tier>>,
+        counters: Arc<Counters>,
+    ) -> Self {
+        Self {
+            manifest,
+            nvme,
+            device: Arc::clone(tiers[0]),
+            host: Arc::clone(tiers[1]),
+            ids: PageIds::starting_at(next_page_id),
+            counters,
+        }
     }
 
-    pub(crate) fn durability(&self) -> Durability {
-        self.journal.durability()
+    pub(crate) fn nvme(&self) -> Option<&Arc<dyn Tier>> {
+        self.nvme.as_ref()
     }
 
-    pub(crate) fn append(&self, records: Vec<Record>) {
-        self.journal.append(&records);
+    /// Whether writes can be persisted (an NVMe tier and its manifest).
+    pub(crate) fn can_persist(&self) -> bool {
+        self.manifest.is_some()
     }
 
-    /// Appends records that stop referring to the extents `retired`: those
-    /// are reused only once the records are durable.
-    pub(crate) fn append_retiring(&self, records: Vec<Record>, retired: Vec<Arc<Slot>>) {
-        self.journal.append_retiring(&records, retired);
+    /// `n` fresh page ids, never given before in this data directory.
+    pub(crate) fn page_ids(&self, n: u64) -> StoreResult<std::ops::Range<u64>> {
+        self.ids.take(n, self.manifest.as_ref()).map_err(StoreError::Manifest)
     }
 
-    /// Makes everything appended so far as durable as the configured
-    /// durability promises: written to the OS, and synced under `fsync`.
-    pub(crate) fn commit(&self) -> Result<(), ManifestError> {
-        self.journal.flush(true)
+    /// Queues manifest records (nothing without a manifest). `records` is
+    /// built only when there is one.
+    pub(crate) fn journal(&self, records: impl FnOnce() -> Vec<Record>) {
+        if let Some(manifest) = &self.manifest {
+            manifest.append(records());
+        }
     }
 
-    /// Writes what is buffered unless a checkpoint holds the file (the
-    /// background thread's flush: it never waits).
-    pub(crate) fn flush_if_idle(&self) -> Result<(), ManifestError> {
-        self.journal.flush_if_idle()
+    /// Queues records that stop referring to the NVMe extents `retired`:
+    /// those are reused only once the records are durable.
+    pub(crate) fn journal_retiring(&self, records: Vec<Record>, retired: Vec<Arc<Slot>>) {
+        if let Some(manifest) = &self.manifest {
+            manifest.append_retiring(records, retired);
+        }
     }
 
-    /// Writes what is buffered, waiting for the file if it must.
-    pub(crate) fn flush(&self) -> Result<(), ManifestError> {
-        self.journal.flush(false)
+    /// Makes what is journalled so far as durable as configured: a client's
+    /// change (eviction, summary, drop, policy) before it is acknowledged.
+    pub(crate) fn commit(&self) -> StoreResult<()> {
+        match &self.manifest {
+            Some(m) => m.commit().map_err(StoreError::Manifest),
+            None => Ok(()),
+        }
     }
 
-    /// Whether the journal has grown enough to be rewritten.
+    /// The background thread's flush: never waits for a checkpoint.
+    pub(crate) fn flush_if_idle(&self) {
+        if let Some(manifest) = &self.manifest
+            && let Err(e) = manifest.flush_if_idle()
+        {
+            tracing::error!(error = %e, "manifest flush failed");
+        }
+    }
+
+    /// Whether the manifest has grown enough to be rewritten.
     pub(crate) fn wants_checkpoint(&self) -> bool {
-        self.journal.wants_checkpoint(self.checkpoint_bytes)
-    }
-
-    /// Replaces the journal with `snapshot`'s records, followed by those
-    /// appended while it was built. Returns the snapshot's bytes.
-    pub(crate) fn checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> Result<u64, ManifestError> {
-        self.journal.checkpoint(snapshot)
+        self.manifest.as_ref().is_some_and(Manifest::wants_checkpoint)
     }
 }

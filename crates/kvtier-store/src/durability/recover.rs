@@ -5,14 +5,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kvtier_core::{Layout, LogicalPage, PhysId, Reason};
+use kvtier_core::{Layout, LogicalPage, Reason};
 
-use super::image::{CopyImage, Image, PageKind};
-use crate::Store;
-use crate::page::{NvmeCopy, PageRef, PhysPage, Placement, ShareKey, StorePage, SummaryPage};
-use crate::sequence::Sequence;
-use crate::store::share_key;
-use crate::sync::lock;
+use super::Durable;
+use super::image::{CopyImage, Image, PageImage, PageKind};
+use crate::catalog::{Catalog, Sequence};
+use crate::page::{NvmeCopy, PageRef, PhysPage, Placement, StorePage, SummaryPage};
 
 /// What a restart found.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -25,99 +23,100 @@ pub struct Recovered {
     pub lost_on_restart: u64,
 }
 
-impl Store {
-    /// Rebuilds the sequences of `image`.
-    pub(crate) fn recover(&self, image: Image) -> Recovered {
-        let mut report = Recovered::default();
-        // Each physical page is built once and shared by every logical page
-        // that maps it.
-        let mut built: HashMap<u64, Option<PageRef>> = HashMap::new();
+/// A recovery in progress.
+struct Rebuild<'a> {
+    copies: &'a HashMap<u64, CopyImage>,
+    catalog: &'a Catalog,
+    /// Each physical page is built once and shared by every logical page
+    /// that maps it.
+    built: HashMap<u64, Option<PageRef>>,
+    report: Recovered,
+}
+
+impl Durable {
+    /// Rebuilds the sequences of `image` into `catalog`.
+    pub(crate) fn recover(&self, image: Image, catalog: &Catalog) -> Recovered {
+        let mut r = Rebuild {
+            copies: &image.copies,
+            catalog,
+            built: HashMap::new(),
+            report: Recovered::default(),
+        };
         for rec in image.sequences {
             let mut seq = Sequence::new(rec.key, rec.layout, rec.hashes);
             for (lane, pages) in rec.lanes.into_iter().enumerate() {
                 for (p, page) in pages.into_iter().enumerate() {
-                    let logical = match page.kind {
-                        PageKind::Copy { phys } => {
-                            let share = seq
-                                .hashes
-                                .get(p)
-                                .filter(|_| page.rows == seq.layout.page_size())
-                                .map(|h| share_key(&seq, h, lane));
-                            match self.adopt(phys, &image.copies[&phys], &seq.layout, share, &mut built) {
-                                Some(r) => {
-                                    report.pages += 1;
-                                    LogicalPage::Physical(r)
-                                }
-                                None => LogicalPage::Gone(Reason::Integrity),
-                            }
-                        }
-                        PageKind::Summary { reason, counts, kv } => match self.host_copy(&kv) {
-                            Some(slot) => {
-                                report.summaries += 1;
-                                StorePage::Summary(SummaryPage { counts, slot, reason })
-                            }
-                            None => {
-                                tracing::error!(sequence = %seq.key, lane, page = p, "no host room for a recovered summary; it is gone");
-                                LogicalPage::Gone(reason)
-                            }
-                        },
-                        PageKind::Gone(reason) => {
-                            report.lost_on_restart += u64::from(reason == Reason::LostOnRestart);
-                            LogicalPage::Gone(reason)
-                        }
-                    };
-                    seq.lanes[lane].push_known(logical, page.rows, &page.digest);
+                    let (rows, digest) = (page.rows, page.digest.clone());
+                    let logical = self.recover_page(&mut r, &seq, (lane, p), page);
+                    seq.lanes[lane].push_known(logical, rows, &digest);
                 }
             }
-            report.sequences += 1;
-            self.insert_recovered(seq);
+            r.report.sequences += 1;
+            catalog.insert_recovered(seq);
         }
-        report
+        r.report
     }
 
-    /// A new reference to physical page `phys`, built (its extent claimed,
-    /// registered under its share key) the first time; `None` if its
-    /// extent cannot be claimed.
-    fn adopt(
+    /// Page `p` of lane `lane` of `seq`, as the image says.
+    fn recover_page(
         &self,
-        phys: u64,
-        copy: &CopyImage,
-        layout: &Arc<Layout>,
-        share: Option<ShareKey>,
-        built: &mut HashMap<u64, Option<PageRef>>,
-    ) -> Option<PageRef> {
-        let mut table = lock(&self.pages);
-        if let Some(existing) = built.get(&phys) {
-            let r = existing.as_ref()?;
-            table.acquire(r.id).expect("recovered pages are live");
-            return Some(PageRef {
-                id: r.id,
-                page: Arc::clone(&r.page),
-            });
+        r: &mut Rebuild<'_>,
+        seq: &Sequence,
+        (lane, p): (usize, usize),
+        page: PageImage,
+    ) -> StorePage {
+        let (catalog, report) = (r.catalog, &mut r.report);
+        match page.kind {
+            PageKind::Copy { phys } => {
+                let adopted = match r.built.get(&phys) {
+                    Some(existing) => existing.as_ref().and_then(|e| catalog.acquire(e).ok()),
+                    None => {
+                        let share = (page.rows == seq.layout.page_size() && p < seq.hashes.len())
+                            .then(|| seq.share_key(p, lane));
+                        let adopted = r
+                            .copies
+                            .get(&phys)
+                            .and_then(|copy| self.claim(phys, copy, &seq.layout))
+                            .and_then(|physical| {
+                                // A page is shared only with the digest that attaching needs.
+                                let share = share.filter(|_| physical.digest.is_some());
+                                catalog.adopt(physical, share).ok()
+                            });
+                        let out = adopted.as_ref().map(|a| PageRef {
+                            id: a.id,
+                            page: Arc::clone(&a.page),
+                        });
+                        r.built.insert(phys, adopted);
+                        out
+                    }
+                };
+                match adopted {
+                    Some(a) => {
+                        report.pages += 1;
+                        LogicalPage::Physical(a)
+                    }
+                    None => LogicalPage::Gone(Reason::Integrity),
+                }
+            }
+            PageKind::Summary { reason, counts, kv } => match self.host_copy(&kv) {
+                Some(slot) => {
+                    report.summaries += 1;
+                    LogicalPage::Summary(SummaryPage { counts, slot, reason })
+                }
+                None => {
+                    tracing::error!(sequence = %seq.key, lane, page = p, "no host room for a recovered summary; it is gone");
+                    LogicalPage::Gone(reason)
+                }
+            },
+            PageKind::Gone(reason) => {
+                report.lost_on_restart += u64::from(reason == Reason::LostOnRestart);
+                LogicalPage::Gone(reason)
+            }
         }
-        let page = self.claim(phys, copy, layout);
-        let r = page.map(|page| {
-            // A page is shared only with the digest that attaching needs.
-            let share = share.filter(|_| page.digest.is_some());
-            let id: PhysId = match table.insert(Arc::clone(&page), share) {
-                Ok(id) => id,
-                // Two recovered pages claim one prefix: keep the first shared.
-                Err((_, page)) => table
-                    .insert(page, None)
-                    .map_err(|(e, _)| e)
-                    .expect("unkeyed inserts succeed"),
-            };
-            PageRef { id, page }
-        });
-        let out = r.as_ref().map(|r| PageRef {
-            id: r.id,
-            page: Arc::clone(&r.page),
-        });
-        built.insert(phys, r);
-        out
     }
 
-    /// Physical page `phys` with its NVMe extent claimed.
+    /// Physical page `phys` with its NVMe extent claimed; `None` (lost) if
+    /// the extent cannot be claimed.
     fn claim(&self, phys: u64, copy: &CopyImage, layout: &Arc<Layout>) -> Option<Arc<PhysPage>> {
         let nvme = self.nvme.as_ref()?;
         let slot = match nvme.claim(copy.offset, copy.len) {

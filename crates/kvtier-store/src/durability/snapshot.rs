@@ -4,17 +4,18 @@ use std::collections::BTreeMap;
 
 use kvtier_core::LogicalPage;
 
+use super::Durable;
+use super::persist::{gone_record, map_record, summary_record};
 use super::record::{FORMAT_VERSION, Record};
-use crate::Store;
-use crate::sequence::Sequence;
+use crate::catalog::{Catalog, Sequence};
 use crate::sync::read;
 
-impl Store {
+impl Durable {
     /// Everything needed to rebuild the current state. A sequence is read
     /// one lane at a time, so a write waits for at most one lane's records;
     /// what changes meanwhile is journalled after the snapshot and replayed
     /// over it.
-    fn checkpoint_records(&self) -> Vec<Record> {
+    fn checkpoint_records(&self, catalog: &Catalog) -> Vec<Record> {
         let mut records = vec![
             Record::Header {
                 version: FORMAT_VERSION,
@@ -24,7 +25,7 @@ impl Store {
             },
         ];
         let mut copies: BTreeMap<u64, Record> = BTreeMap::new();
-        for cell in self.sequence_cells() {
+        for cell in catalog.cells() {
             let lanes = {
                 let seq = read(&cell);
                 if seq.dropped {
@@ -58,7 +59,7 @@ impl Store {
                 LogicalPage::Physical(r) => {
                     let place = read(&r.page.place);
                     if let Some(reason) = place.lost {
-                        Self::gone_record(seq, lane, p, reason)
+                        gone_record(seq, lane, p, reason)
                     } else {
                         if let Some(copy) = place.nvme.as_ref().or(place.durable_prefix.as_ref()) {
                             // The lane's digest covers at least the copy's
@@ -72,29 +73,29 @@ impl Store {
                                 digest: l.digests().entry(p).to_vec(),
                             });
                         }
-                        Self::map_record(seq, lane, p, r.page.id)
+                        map_record(seq, lane, p, r.page.id)
                     }
                 }
                 LogicalPage::Summary(s) => {
                     let mut kv = vec![0u8; s.slot.len() as usize];
                     if let Err(e) = self.host.read(&s.slot, 0, &mut kv) {
                         tracing::error!(sequence = %seq.key, lane, page = p, error = %e, "summary unreadable; checkpointed as gone");
-                        records.push(Self::gone_record(seq, lane, p, s.reason));
+                        records.push(gone_record(seq, lane, p, s.reason));
                         continue;
                     }
-                    Self::summary_record(seq, lane, p, s.reason, &s.counts, kv)
+                    summary_record(seq, lane, p, s.reason, &s.counts, kv)
                 }
-                LogicalPage::Gone(reason) => Self::gone_record(seq, lane, p, *reason),
+                LogicalPage::Gone(reason) => gone_record(seq, lane, p, *reason),
             });
         }
     }
 
-    /// Rewrites the manifest as a checkpoint of the current state.
-    pub(crate) fn checkpoint(&self) {
+    /// Rewrites the manifest as a checkpoint of `catalog`'s state.
+    pub(crate) fn checkpoint(&self, catalog: &Catalog) {
         let Some(manifest) = &self.manifest else { return };
         let started = std::time::Instant::now();
         tracing::debug!("manifest checkpoint started");
-        match manifest.checkpoint(|| self.checkpoint_records()) {
+        match manifest.checkpoint(|| self.checkpoint_records(catalog)) {
             Ok(bytes) => tracing::info!(
                 bytes,
                 ms = started.elapsed().as_millis() as u64,

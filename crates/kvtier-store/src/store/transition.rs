@@ -8,11 +8,13 @@ use std::sync::Arc;
 use kvtier_core::{Action, ColdTier, LogicalPage, PageState, Reason, SequenceKey, Summary};
 use kvtier_tiers::{Slot, TierError, TierKind};
 
-use crate::movement::{Keep, MigrationTime};
-use crate::page::{PhysPage, SummaryPage};
-use crate::sequence::{HeadRange, Sequence};
-use crate::sync::{read, write};
-use crate::{Store, StoreError, StoreResult};
+use super::Store;
+use crate::catalog::{HeadRange, Sequence, Target};
+use crate::durability::{Keep, gone_record, summary_record};
+use crate::host::MigrationTime;
+use crate::page::{PhysPage, SummaryPage, state_of};
+use crate::sync::write;
+use crate::{StoreError, StoreResult};
 
 #[derive(Debug, Clone, Copy)]
 pub struct SetPageState<'a> {
@@ -40,27 +42,18 @@ pub struct TransitionOutcome {
     pub pages: u64,
 }
 
-/// A page named by the request, located.
-pub(crate) struct Target {
-    pub(crate) layer: u32,
-    pub(crate) head: u32,
-    pub(crate) lane: usize,
-    pub(crate) page: usize,
-    pub(crate) from: PageState,
-}
-
 impl Store {
     /// Applies an explicit transition; a change that removes original
     /// bytes (evict, summarize) is in the manifest before this returns.
     pub fn set_page_state(&self, key: &SequenceKey, req: SetPageState<'_>) -> StoreResult<TransitionOutcome> {
-        let outcome = self.with_sequence_mut(key, |seq| {
+        let outcome = self.catalog.write(key, |seq| {
             let targets = self.targets(seq, &req)?;
             self.apply_targets(seq, &targets, req.action, req.summary_rows, req.reason)?;
             Ok(TransitionOutcome {
                 pages: targets.len() as u64,
             })
         })?;
-        self.commit_change()?;
+        self.durable.commit()?;
         Ok(outcome)
     }
 
@@ -113,7 +106,7 @@ impl Store {
         let layers = seq.check_layers(req.layer_start, req.layer_count)?;
         let heads = seq.check_heads(req.heads)?;
         match req.action {
-            Action::Offload(ColdTier::Nvme) | Action::Migrate(ColdTier::Nvme) if self.nvme.is_none() => {
+            Action::Offload(ColdTier::Nvme) | Action::Migrate(ColdTier::Nvme) if self.durable.nvme().is_none() => {
                 return Err(StoreError::precondition("action", "the nvme tier is not configured"));
             }
             Action::Summarize if req.summary_rows == 0 => {
@@ -168,11 +161,10 @@ impl Store {
                 }
             };
             for page in pages {
-                let from = match seq.lanes[lane].page(page).expect("in range") {
-                    LogicalPage::Physical(r) => read(&r.page.place).state(),
-                    LogicalPage::Summary(_) => PageState::Summary,
-                    LogicalPage::Gone(_) => PageState::Gone,
+                let Some(logical) = seq.lanes[lane].page(page) else {
+                    return Err(out_of_range(format!("pages[{page}]"), page));
                 };
+                let from = state_of(logical);
                 targets.push(Target {
                     layer,
                     head,
@@ -220,27 +212,29 @@ impl Store {
     /// drop the device copy.
     fn offload(&self, seq: &Sequence, targets: &[Target], tier: ColdTier, reason: Reason) -> StoreResult<()> {
         let pages = Self::pages_of(seq, targets);
+        let reader = self.reader();
         for page in &pages {
-            self.ensure_host(page, &seq.layout, reason, &mut MigrationTime::default())?;
+            reader.ensure_host(page, &seq.layout, reason, &mut MigrationTime::default())?;
         }
         if tier == ColdTier::Nvme {
-            self.copy_to_nvme(&pages, Keep::Nothing, reason)?;
+            self.durable.write_copies(&pages, Keep::Nothing, reason)?;
         }
         for page in &pages {
             write(&page.place).device = None;
         }
-        self.forget_device(pages.iter().map(|p| p.id));
+        self.device.forget(pages.iter().map(|p| p.id));
         Ok(())
     }
 
     /// cold(a) → cold(b).
     fn migrate(&self, seq: &Sequence, targets: &[Target], tier: ColdTier, reason: Reason) -> StoreResult<()> {
         let pages = Self::pages_of(seq, targets);
+        let reader = self.reader();
         match tier {
-            ColdTier::Nvme => self.copy_to_nvme(&pages, Keep::Nothing, reason).map(drop),
+            ColdTier::Nvme => self.durable.write_copies(&pages, Keep::Nothing, reason).map(drop),
             ColdTier::Host => pages
                 .iter()
-                .try_for_each(|p| self.ensure_host(p, &seq.layout, reason, &mut MigrationTime::default())),
+                .try_for_each(|p| reader.ensure_host(p, &seq.layout, reason, &mut MigrationTime::default())),
         }
     }
 
@@ -250,24 +244,25 @@ impl Store {
         let layout = &seq.layout;
         let len = layout.page_bytes() as u64;
         let needed = len * targets.len() as u64;
-        if needed > self.device.capacity_bytes() {
+        let device = self.device.tier();
+        if needed > device.capacity_bytes() {
             return Err(StoreError::ResourceExhausted(TierError::Full {
                 tier: TierKind::Device,
                 requested: needed,
-                free: self.device.capacity_bytes() - self.device.used_bytes(),
+                free: device.capacity_bytes() - device.used_bytes(),
                 largest_free: 0,
-                capacity: self.device.capacity_bytes(),
+                capacity: device.capacity_bytes(),
             }));
         }
         let slots: Vec<Slot> = targets
             .iter()
-            .map(|_| self.allocate_device(len))
+            .map(|_| self.device.allocate(len, &self.host))
             .collect::<Result<_, _>>()?;
         let pages: Vec<(Arc<PhysPage>, u32)> = Self::pages_of(seq, targets)
             .into_iter()
             .map(|p| (p, layout.page_size()))
             .collect();
-        let originals = self.read_originals(layout, &pages)?;
+        let originals = self.reader().originals(layout, &pages)?;
         let mut hot = Vec::with_capacity(targets.len());
         for (((page, _), bytes), mut slot) in pages.into_iter().zip(originals).zip(slots) {
             // A lost page stays gone; a page shared with another sequence
@@ -275,13 +270,13 @@ impl Store {
             let Some(bytes) = bytes else { continue };
             let mut place = write(&page.place);
             if place.device.is_none() && place.lost.is_none() {
-                self.device.write(&mut slot, 0, &bytes)?;
+                device.write(&mut slot, 0, &bytes)?;
                 place.device = Some(slot);
             }
             drop(place);
             hot.push(page);
         }
-        self.touch_device(hot);
+        self.device.touch(hot);
         Ok(())
     }
 
@@ -294,7 +289,7 @@ impl Store {
             .zip(targets)
             .map(|(p, t)| (p, seq.lanes[t.lane].rows_in(t.page)))
             .collect();
-        let originals = self.read_originals(&layout, &pages)?;
+        let originals = self.reader().originals(&layout, &pages)?;
         let mut summaries = Vec::with_capacity(targets.len());
         for original in originals {
             let Some(original) = original else {
@@ -305,8 +300,9 @@ impl Store {
             };
             let (keys, values) = original.split_at(original.len() / 2);
             let summary = Summary::chunk_means(layout.dtype(), layout.head_dim() as usize, keys, values, rows);
-            let mut slot = self.allocate_host(summary.kv.len() as u64, &mut MigrationTime::default())?;
-            self.host.write(&mut slot, 0, &summary.kv)?;
+            let len = summary.kv.len() as u64;
+            let mut slot = self.host.allocate(len, &self.durable, &mut MigrationTime::default())?;
+            self.host.tier().write(&mut slot, 0, &summary.kv)?;
             summaries.push((
                 SummaryPage {
                     counts: summary.counts,
@@ -319,12 +315,10 @@ impl Store {
         let mut records = Vec::new();
         let mut old = Vec::with_capacity(targets.len());
         for (t, (page, kv)) in targets.iter().zip(summaries) {
-            if self.manifest.is_some() {
-                records.push(Self::summary_record(seq, t.lane, t.page, reason, &page.counts, kv));
-            }
+            records.push(summary_record(seq, t.lane, t.page, reason, &page.counts, kv));
             old.push(seq.lanes[t.lane].replace(t.page, LogicalPage::Summary(page)));
         }
-        self.journal(records);
+        self.durable.journal(|| records);
         self.release(old);
         tracing::debug!(sequence = %seq.key, pages = targets.len(), reason = reason.name(), "summarized");
         Ok(())
@@ -336,13 +330,12 @@ impl Store {
             .iter()
             .map(|t| seq.lanes[t.lane].replace(t.page, LogicalPage::Gone(reason)))
             .collect();
-        if self.manifest.is_some() {
-            let records = targets
+        self.durable.journal(|| {
+            targets
                 .iter()
-                .map(|t| Self::gone_record(seq, t.lane, t.page, reason))
-                .collect();
-            self.journal(records);
-        }
+                .map(|t| gone_record(seq, t.lane, t.page, reason))
+                .collect()
+        });
         self.release(old);
     }
 }

@@ -1,19 +1,19 @@
 //! Making selected pages hot: one batched swap-in per call (host → device,
-//! NVMe → host → device), background workers that run late swap-ins and
-//! prefetches (demand first), and the accounting of both.
+//! NVMe → host → device), installed only into pages that did not change
+//! meanwhile.
 
-use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use kvtier_core::Reason;
 use kvtier_tiers::Slot;
 
+use super::HotSet;
 use crate::page::PhysPage;
+use crate::reader::Reader;
 use crate::stats::Counters;
-use crate::sync::{lock, read, write};
-use crate::{DeviceCache, Store};
+use crate::sync::{read, write};
 
 /// Where the pages of one swap-in came from, and what it cost.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -28,111 +28,11 @@ pub struct SwapReport {
     pub nvme_micros: u64,
 }
 
-type Job = Box<dyn FnOnce() + Send>;
-
-/// Background workers: demand jobs (swap-ins past their deadline) always run
-/// before prefetch jobs.
-#[derive(Debug, Default)]
-pub(crate) struct Workers {
-    queue: Mutex<JobQueue>,
-    ready: Condvar,
-}
-
-#[derive(Default)]
-struct JobQueue {
-    demand: VecDeque<Job>,
-    prefetch: VecDeque<Job>,
-    /// Jobs taken and not finished yet.
-    running: usize,
-    closed: bool,
-}
-
-impl std::fmt::Debug for JobQueue {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("JobQueue")
-            .field("demand", &self.demand.len())
-            .field("prefetch", &self.prefetch.len())
-            .field("closed", &self.closed)
-            .finish()
-    }
-}
-
-/// Prefetch jobs waiting beyond this many are dropped: a prediction that
-/// old is stale anyway.
-const PREFETCH_BACKLOG: usize = 256;
-
-impl Workers {
-    pub(crate) fn start(threads: usize) -> Arc<Self> {
-        let workers = Arc::new(Self::default());
-        for i in 0..threads {
-            let w = Arc::clone(&workers);
-            let spawned = std::thread::Builder::new()
-                .name(format!("kvtier-swap-{i}"))
-                .spawn(move || w.run());
-            if let Err(e) = spawned {
-                tracing::error!(error = %e, "cannot start a swap-in worker");
-            }
-        }
-        workers
-    }
-
-    fn run(&self) {
-        loop {
-            let job = {
-                let mut q = lock(&self.queue);
-                loop {
-                    if let Some(job) = q.demand.pop_front().or_else(|| q.prefetch.pop_front()) {
-                        q.running += 1;
-                        break job;
-                    }
-                    if q.closed {
-                        return;
-                    }
-                    q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
-                }
-            };
-            job();
-            lock(&self.queue).running -= 1;
-            self.ready.notify_all();
-        }
-    }
-
-    /// Blocks until no job is queued or running.
-    pub(crate) fn wait_idle(&self) {
-        let mut q = lock(&self.queue);
-        while q.running > 0 || !q.demand.is_empty() || !q.prefetch.is_empty() {
-            q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-
-    pub(crate) fn demand(&self, job: Job) {
-        lock(&self.queue).demand.push_back(job);
-        self.ready.notify_one();
-    }
-
-    /// Queues a prefetch; false when the backlog is full and it was dropped.
-    pub(crate) fn prefetch(&self, job: Job) -> bool {
-        let mut q = lock(&self.queue);
-        if q.prefetch.len() >= PREFETCH_BACKLOG {
-            return false;
-        }
-        q.prefetch.push_back(job);
-        drop(q);
-        self.ready.notify_one();
-        true
-    }
-
-    pub(crate) fn close(&self) {
-        lock(&self.queue).closed = true;
-        self.ready.notify_all();
-    }
-}
-
-impl Store {
+impl HotSet {
     /// Makes `pages` hot (the caller keeps them pinned). Host copies go to
     /// the device directly; NVMe-only pages are read in one batch (and kept
     /// in host memory, with promotion on read), then copied up.
-    pub(crate) fn make_hot(&self, pages: &[Arc<PhysPage>], reason: Reason) -> SwapReport {
+    pub(crate) fn make_hot(&self, pages: &[Arc<PhysPage>], reason: Reason, reader: &Reader<'_>) -> SwapReport {
         let mut report = SwapReport::default();
         let (mut from_host, mut from_nvme) = (Vec::new(), Vec::new());
         for p in pages {
@@ -155,7 +55,7 @@ impl Store {
                 continue;
             }
             let start = Instant::now();
-            let moved = self.copy_to_device(&group, reason);
+            let moved = self.copy_to_device(&group, reason, reader);
             *count = moved;
             report.not_hot += group.len() as u32 - moved;
             *micros = start.elapsed().as_micros() as u64;
@@ -170,13 +70,13 @@ impl Store {
     /// Copies each page's bytes into a new device slot; returns how many
     /// became hot. Pages changed meanwhile, lost, or without device room
     /// stay as they are.
-    fn copy_to_device(&self, pages: &[Arc<PhysPage>], reason: Reason) -> u32 {
+    fn copy_to_device(&self, pages: &[Arc<PhysPage>], reason: Reason, reader: &Reader<'_>) -> u32 {
         let Some(layout) = pages.first().map(|p| Arc::clone(&p.layout)) else {
             return 0;
         };
         let versions: Vec<u64> = pages.iter().map(|p| read(&p.place).version).collect();
         let requests: Vec<(Arc<PhysPage>, u32)> = pages.iter().map(|p| (Arc::clone(p), layout.page_size())).collect();
-        let originals = match self.read_originals(&layout, &requests) {
+        let originals = match reader.originals(&layout, &requests) {
             Ok(o) => o,
             Err(e) => {
                 tracing::warn!(error = %e, "swap-in could not read pages");
@@ -188,7 +88,7 @@ impl Store {
         let mut staged = Vec::new();
         for ((page, version), bytes) in pages.iter().zip(versions).zip(originals) {
             let Some(bytes) = bytes else { continue };
-            let Ok(slot) = self.allocate_device(bytes.len() as u64) else {
+            let Ok(slot) = self.allocate(bytes.len() as u64, reader.host) else {
                 break;
             };
             staged.push((page, version, bytes, slot));
@@ -197,7 +97,7 @@ impl Store {
             .iter_mut()
             .map(|(_, _, bytes, slot)| (slot, bytes.as_slice()))
             .collect();
-        if let Err(e) = self.device.write_batch(batch) {
+        if let Err(e) = self.tier.write_batch(batch) {
             tracing::warn!(error = %e, "swap-in copy to the device failed");
             return 0;
         }
@@ -208,7 +108,7 @@ impl Store {
             }
         }
         let moved = hot.len() as u32;
-        self.touch_device(hot);
+        self.touch(hot);
         moved
     }
 
@@ -221,11 +121,7 @@ impl Store {
         place.device = Some(slot);
         // Exclusive: the device copy replaces the host copy (an NVMe copy,
         // being durable, stays).
-        let freed_host = if self.config.device_cache == DeviceCache::Exclusive {
-            place.host.take()
-        } else {
-            None
-        };
+        let freed_host = if self.exclusive { place.host.take() } else { None };
         drop(place);
         drop(freed_host);
         self.counters.transition(from, kvtier_core::PageState::Hot, reason, 1);
@@ -233,21 +129,5 @@ impl Store {
             page.prefetched.store(true, Ordering::Release);
         }
         true
-    }
-
-    /// Counts a selection's use of pages a prefetch brought up.
-    pub(crate) fn note_used(&self, pages: &[Arc<PhysPage>]) {
-        let used = pages
-            .iter()
-            .filter(|p| p.prefetched.swap(false, Ordering::AcqRel))
-            .count();
-        Counters::add(&self.counters.prefetch_used, used as u64);
-    }
-
-    /// Counts prefetched pages that left the device, or were freed, unused.
-    pub(crate) fn note_wasted(&self, page: &PhysPage) {
-        if page.prefetched.swap(false, Ordering::AcqRel) {
-            Counters::add(&self.counters.prefetch_wasted, 1);
-        }
     }
 }

@@ -5,11 +5,11 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use kvtier_core::policy::TokenStats;
-use kvtier_core::{Lane, Layout, SequenceKey};
+use kvtier_core::{Lane, Layout, PageState, SequenceKey};
 
-use crate::page::StoreLane;
-use crate::policy::AutoPolicy;
+use crate::page::{ShareKey, StoreLane};
 use crate::{StoreError, StoreResult};
+use kvtier_core::policy::RegisteredPolicy;
 
 #[derive(Debug)]
 pub(crate) struct Sequence {
@@ -24,11 +24,21 @@ pub(crate) struct Sequence {
     /// the first report).
     pub(crate) attention: Vec<TokenStats>,
     /// A policy that runs by itself as the sequence grows.
-    pub(crate) auto_policy: Option<AutoPolicy>,
+    pub(crate) auto_policy: Option<RegisteredPolicy>,
     /// Per lane, the leading pages known to need no persisting: each has a
     /// current NVMe copy or no original bytes (a full page's copy stays
     /// current, since nothing changes a full page). A persist starts here.
     pub(crate) persisted: Vec<usize>,
+}
+
+/// A page named by a request or a policy, located.
+#[derive(Debug)]
+pub(crate) struct Target {
+    pub(crate) layer: u32,
+    pub(crate) head: u32,
+    pub(crate) lane: usize,
+    pub(crate) page: usize,
+    pub(crate) from: PageState,
 }
 
 /// A range of KV heads, `start..start + count`.
@@ -95,6 +105,17 @@ impl Sequence {
             self.layout.num_kv_heads(),
             "KV heads",
         )
+    }
+
+    /// The key under which page `page` of lane `lane` is shared: the same
+    /// prefix (hash chain entry) of the same layout in the same tenant.
+    pub(crate) fn share_key(&self, page: usize, lane: usize) -> ShareKey {
+        ShareKey {
+            tenant: self.key.tenant.clone(),
+            layout: Arc::clone(&self.layout),
+            hash: Arc::clone(&self.hashes[page]),
+            lane: lane as u32,
+        }
     }
 
     /// Lane indices of `layer` × `heads`.

@@ -11,13 +11,15 @@ use std::time::{Duration, Instant};
 
 use kvtier_core::{DIGEST_CHUNK_PAGES, LogicalPage, PageState, Reason, SequenceKey};
 
-use crate::page::{PhysPage, Pins};
-use crate::read::{FetchedPage, PageContent};
-use crate::sequence::{HeadRange, Sequence};
+use super::Store;
+use super::fetch::FetchedPage;
+use crate::catalog::{HeadRange, Sequence};
+use crate::device::SwapReport;
+use crate::page::{PhysPage, Pins, state_of};
+use crate::reader::PageContent;
 use crate::stats::Counters;
-use crate::swapin::SwapReport;
 use crate::sync::read;
-use crate::{Store, StoreError, StoreResult};
+use crate::{StoreError, StoreResult};
 
 #[derive(Debug, Clone, Copy)]
 pub struct SelectPages<'a> {
@@ -134,7 +136,7 @@ impl Store {
     /// what comes next, leases them and reads them.
     pub fn select_pages(self: &Arc<Self>, key: &SequenceKey, req: SelectPages<'_>) -> StoreResult<Selection> {
         let start = Instant::now();
-        let mut selection = self.with_sequence(key, |seq| self.select_locked(seq, req))?;
+        let mut selection = self.catalog.read(key, |seq| self.select_locked(seq, req))?;
         selection.timing.store_us = micros(start);
         Ok(selection)
     }
@@ -143,8 +145,6 @@ impl Store {
         seq.check_layer("layer", req.layer)?;
         let heads = seq.check_heads(req.heads)?;
         check_request(seq, &req)?;
-        let layout = &seq.layout;
-        let (d, group) = (layout.head_dim() as usize, layout.group_size() as usize);
         let mut out = Selection {
             heads: Vec::new(),
             data: Vec::new(),
@@ -156,88 +156,23 @@ impl Store {
             timing: SelectTiming::default(),
         };
         let ranking = Instant::now();
-        // (lane, page) of everything chosen, and of what comes next.
-        let mut chosen_pages: BTreeMap<(usize, usize), Arc<PhysPage>> = BTreeMap::new();
-        let mut next_pages: BTreeMap<(usize, usize), Arc<PhysPage>> = BTreeMap::new();
-        let mut lanes = Vec::new();
-        for (i, (h, lane_index)) in seq.lanes_of(req.layer, heads).enumerate() {
-            lanes.push((h, lane_index));
-            let lane = &seq.lanes[lane_index];
-            let n = lane.num_pages();
-            let queries = &req.queries[i * group * d..(i + 1) * group * d];
-            let mut scores = vec![0f32; n * group];
-            for (digests, scores) in lane
-                .digests()
-                .chunks()
-                .zip(scores.chunks_mut(DIGEST_CHUNK_PAGES * group))
-            {
-                score_column(layout.dtype(), d, digests, queries, scores);
-            }
-            out.pages_scored += n as u64;
-            out.digest_bytes += lane.digests().byte_len() as u64;
-            let per_head: Vec<(Option<u32>, Vec<f32>)> = match req.aggregation {
-                Aggregation::Max => vec![(None, fold(&scores, group, |a, b| a.max(b), 1.0))],
-                Aggregation::Mean => vec![(None, fold(&scores, group, |a, b| a + b, 1.0 / group as f32))],
-                Aggregation::PerQueryHead => (0..group)
-                    .map(|g| {
-                        let q = (h as usize * group + g) as u32;
-                        (Some(q), scores.iter().skip(g).step_by(group).copied().collect())
-                    })
-                    .collect(),
-            };
-            let physical = |p: usize| match lane.page(p) {
-                Some(LogicalPage::Physical(r)) => Some(Arc::clone(&r.page)),
-                _ => None,
-            };
-            for (query_head, ranked) in per_head {
-                let chosen = select(&ranked, req.budget, req.shard);
-                if req.prefetch_pages > 0 {
-                    let wider = Budget {
-                        pages: req.budget.pages + req.prefetch_pages,
-                        ..req.budget
-                    };
-                    for p in select(&ranked, wider, req.shard)
-                        .into_iter()
-                        .filter(|p| chosen.binary_search(p).is_err())
-                    {
-                        if let Some(page) = physical(p) {
-                            next_pages.insert((lane_index, p), page);
-                        }
-                    }
-                }
-                let pages = chosen
-                    .iter()
-                    .map(|&p| {
-                        if let Some(page) = physical(p) {
-                            chosen_pages.insert((lane_index, p), page);
-                        }
-                        SelectedPage {
-                            page: p as u32,
-                            bound: ranked[p],
-                            state: PageState::Gone,
-                            miss: None,
-                        }
-                    })
-                    .collect();
-                out.heads.push(HeadSelection {
-                    kv_head: h,
-                    query_head,
-                    pages,
-                    selected_but_gone: 0,
-                });
-            }
+        let mut ranked = Ranked::default();
+        let lanes: Vec<(u32, usize)> = seq.lanes_of(req.layer, heads).collect();
+        for (i, &(h, lane)) in lanes.iter().enumerate() {
+            rank_lane(seq, &req, i, (h, lane), &mut ranked, &mut out);
         }
         out.timing.rank_us = micros(ranking);
-        let chosen: Vec<Arc<PhysPage>> = chosen_pages.values().cloned().collect();
-        self.note_used(&chosen);
+        let chosen: Vec<Arc<PhysPage>> = ranked.chosen.values().cloned().collect();
+        self.device.note_used(&chosen);
         let mut timed_out = false;
         if req.swap_in {
             (out.swap, timed_out) = self.swap_in_for(chosen.clone(), req.deadline);
         }
         if req.prefetch_pages > 0 {
-            let next: Vec<Arc<PhysPage>> = next_pages
+            let next: Vec<Arc<PhysPage>> = ranked
+                .next
                 .into_iter()
-                .filter(|(k, _)| !chosen_pages.contains_key(k))
+                .filter(|(k, _)| !ranked.chosen.contains_key(k))
                 .map(|(_, p)| p)
                 .filter(|p| read(&p.place).state() != PageState::Hot)
                 .collect();
@@ -246,25 +181,10 @@ impl Store {
         if let Some(ttl) = req.lease {
             out.lease = Some(self.leases.grant(chosen, ttl));
         }
-        // States as of now, and why a page asked to be hot is not.
-        let lane_of: BTreeMap<u32, usize> = lanes.iter().copied().collect();
-        for head in &mut out.heads {
-            let lane = &seq.lanes[lane_of[&head.kv_head]];
-            for sp in &mut head.pages {
-                sp.state = match lane.page(sp.page as usize).expect("selected pages exist") {
-                    LogicalPage::Physical(r) => read(&r.page.place).state(),
-                    LogicalPage::Summary(_) => PageState::Summary,
-                    LogicalPage::Gone(_) => PageState::Gone,
-                };
-                if req.swap_in && matches!(sp.state, PageState::Cold(_)) {
-                    sp.miss = Some(if timed_out { Miss::Deadline } else { Miss::NoRoom });
-                }
-            }
-            head.selected_but_gone = head.pages.iter().filter(|p| p.state == PageState::Gone).count() as u32;
-        }
+        settle_states(seq, &lanes, &mut out.heads, req.swap_in.then_some(timed_out));
         if req.with_data {
             let reading = Instant::now();
-            self.read_selected(seq, &lanes, &chosen_pages, &out.heads, &mut out.data)?;
+            self.read_selected(seq, &lanes, &ranked.chosen, &out.heads, &mut out.data)?;
             out.timing.read_us = micros(reading);
         }
         Ok(out)
@@ -274,7 +194,7 @@ impl Store {
     /// (typically for a layer ahead) would select, plus the next-ranked ones
     /// up to `prefetch_pages`; returns how many were queued.
     pub fn prefetch_query(self: &Arc<Self>, key: &SequenceKey, req: SelectPages<'_>) -> StoreResult<u32> {
-        self.with_sequence(key, |seq| {
+        self.catalog.read(key, |seq| {
             let plain = SelectPages {
                 swap_in: false,
                 with_data: false,
@@ -297,12 +217,6 @@ impl Store {
         })
     }
 
-    /// Waits until background swap-ins and prefetches have finished (for
-    /// benchmarks and tests that measure their effect).
-    pub fn wait_idle(&self) {
-        self.workers.wait_idle();
-    }
-
     /// Ends a lease before it expires; false if there is no such lease (any
     /// more).
     pub fn release_lease(&self, id: u64) -> bool {
@@ -315,12 +229,15 @@ impl Store {
     fn swap_in_for(self: &Arc<Self>, pages: Vec<Arc<PhysPage>>, deadline: Option<Duration>) -> (SwapReport, bool) {
         let pins = Pins::new(pages);
         let Some(deadline) = deadline else {
-            return (self.make_hot(pins.pages(), Reason::Demand), false);
+            return (
+                self.device.make_hot(pins.pages(), Reason::Demand, &self.reader()),
+                false,
+            );
         };
         let (tx, mut rx) = kvtier_tiers::completion();
         let store = Arc::clone(self);
-        self.workers.demand(Box::new(move || {
-            tx.complete(store.make_hot(pins.pages(), Reason::Demand))
+        self.device.workers().demand(Box::new(move || {
+            tx.complete(store.device.make_hot(pins.pages(), Reason::Demand, &store.reader()))
         }));
         match rx.wait_timeout(deadline) {
             Some(Ok(report)) => (report, false),
@@ -337,8 +254,8 @@ impl Store {
         let count = pages.len() as u32;
         let pins = Pins::new(pages);
         let store = Arc::clone(self);
-        let queued = self.workers.prefetch(Box::new(move || {
-            let report = store.make_hot(pins.pages(), Reason::Prefetch);
+        let queued = self.device.workers().prefetch(Box::new(move || {
+            let report = store.device.make_hot(pins.pages(), Reason::Prefetch, &store.reader());
             let moved = u64::from(report.from_host + report.from_nvme);
             Counters::add(&store.counters.prefetch_issued, moved);
         }));
@@ -370,7 +287,10 @@ impl Store {
             wanted.sort_unstable();
             wanted.dedup();
             let items: Vec<_> = wanted.iter().map(|&p| (lane, p)).collect();
-            for (&p, (state, content)) in wanted.iter().zip(self.read_pages(&seq.layout, &items, &mut hot)?) {
+            for (&p, (state, content)) in wanted
+                .iter()
+                .zip(self.reader().contents(&seq.layout, &items, &mut hot)?)
+            {
                 if let PageContent::Original(d) | PageContent::Summary { kv: d, .. } = &content {
                     bytes_read += d.len() as u64;
                 }
@@ -386,9 +306,110 @@ impl Store {
                 }
             }
         }
-        self.touch_device(hot);
+        self.device.touch(hot);
         Counters::add(&self.counters.bytes_read, bytes_read);
         Ok(())
+    }
+}
+
+/// The physical pages a selection chose, and those ranked next (to
+/// prefetch), by (lane, page).
+#[derive(Default)]
+struct Ranked {
+    chosen: BTreeMap<(usize, usize), Arc<PhysPage>>,
+    next: BTreeMap<(usize, usize), Arc<PhysPage>>,
+}
+
+/// Scores every page of one lane (the `i`-th of the request, KV head `h`)
+/// through its digest, chooses, and adds the choice to `out` and `ranked`.
+fn rank_lane(
+    seq: &Sequence,
+    req: &SelectPages<'_>,
+    i: usize,
+    (h, lane_index): (u32, usize),
+    ranked: &mut Ranked,
+    out: &mut Selection,
+) {
+    let layout = &seq.layout;
+    let (d, group) = (layout.head_dim() as usize, layout.group_size() as usize);
+    let lane = &seq.lanes[lane_index];
+    let n = lane.num_pages();
+    let queries = &req.queries[i * group * d..(i + 1) * group * d];
+    let mut scores = vec![0f32; n * group];
+    for (digests, scores) in lane
+        .digests()
+        .chunks()
+        .zip(scores.chunks_mut(DIGEST_CHUNK_PAGES * group))
+    {
+        score_column(layout.dtype(), d, digests, queries, scores);
+    }
+    out.pages_scored += n as u64;
+    out.digest_bytes += lane.digests().byte_len() as u64;
+    let per_head: Vec<(Option<u32>, Vec<f32>)> = match req.aggregation {
+        Aggregation::Max => vec![(None, fold(&scores, group, |a, b| a.max(b), 1.0))],
+        Aggregation::Mean => vec![(None, fold(&scores, group, |a, b| a + b, 1.0 / group as f32))],
+        Aggregation::PerQueryHead => (0..group)
+            .map(|g| {
+                let q = (h as usize * group + g) as u32;
+                (Some(q), scores.iter().skip(g).step_by(group).copied().collect())
+            })
+            .collect(),
+    };
+    let physical = |p: usize| match lane.page(p) {
+        Some(LogicalPage::Physical(r)) => Some(Arc::clone(&r.page)),
+        _ => None,
+    };
+    for (query_head, bounds) in per_head {
+        let chosen = select(&bounds, req.budget, req.shard);
+        if req.prefetch_pages > 0 {
+            let wider = Budget {
+                pages: req.budget.pages + req.prefetch_pages,
+                ..req.budget
+            };
+            for p in select(&bounds, wider, req.shard) {
+                if chosen.binary_search(&p).is_err()
+                    && let Some(page) = physical(p)
+                {
+                    ranked.next.insert((lane_index, p), page);
+                }
+            }
+        }
+        let pages = chosen
+            .iter()
+            .map(|&p| {
+                if let Some(page) = physical(p) {
+                    ranked.chosen.insert((lane_index, p), page);
+                }
+                SelectedPage {
+                    page: p as u32,
+                    bound: bounds[p],
+                    state: PageState::Gone,
+                    miss: None,
+                }
+            })
+            .collect();
+        out.heads.push(HeadSelection {
+            kv_head: h,
+            query_head,
+            pages,
+            selected_but_gone: 0,
+        });
+    }
+}
+
+/// Each selected page's state as of now, and, after a swap-in (`Some(timed
+/// out)`), why a page is not hot.
+fn settle_states(seq: &Sequence, lanes: &[(u32, usize)], heads: &mut [HeadSelection], swapped: Option<bool>) {
+    let lane_of: BTreeMap<u32, usize> = lanes.iter().copied().collect();
+    for head in heads {
+        let lane = &seq.lanes[lane_of[&head.kv_head]];
+        for sp in &mut head.pages {
+            sp.state = lane.page(sp.page as usize).map_or(PageState::Gone, state_of);
+            if let (Some(timed_out), PageState::Cold(_)) = (swapped, sp.state) {
+                sp.miss = Some(if timed_out { Miss::Deadline } else { Miss::NoRoom });
+            }
+        }
+        head.selected_but_gone = head.pages.iter().filter(|p| p.state == PageState::Gone).count() as u32;
     }
 }
 

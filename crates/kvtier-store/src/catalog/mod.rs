@@ -1,0 +1,210 @@
+//! The sequence catalog: every sequence (its layout, hash chain and lanes of
+//! logical pages) and the table of physical pages they map, with their
+//! reference counts and share keys.
+//!
+//! Locks: the map of sequences is held only to find, add or remove one;
+//! each sequence has its own lock (read for reads, write for changes); the
+//! page table is held only for bookkeeping, never across I/O or a copy.
+//! A sequence's lock may be held when the map or the table is taken, never
+//! the other way round.
+
+mod sequence;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+
+use kvtier_core::{LogicalPage, PageTableError, PhysicalPages, SequenceKey};
+
+pub use sequence::HeadRange;
+pub(crate) use sequence::{Sequence, Target};
+
+use crate::page::{PageRef, PhysPage, ShareKey, StorePage};
+use crate::sync::{lock, read, write};
+use crate::{StoreError, StoreResult};
+
+/// A sequence behind its lock.
+pub(crate) type Cell = Arc<RwLock<Sequence>>;
+
+#[derive(Debug, Default)]
+pub(crate) struct Catalog {
+    sequences: RwLock<HashMap<SequenceKey, Cell>>,
+    pages: Mutex<PhysicalPages<Arc<PhysPage>, ShareKey>>,
+}
+
+impl Catalog {
+    /// The cell of sequence `key`.
+    pub(crate) fn cell(&self, key: &SequenceKey) -> StoreResult<Cell> {
+        read(&self.sequences).get(key).cloned().ok_or_else(|| not_found(key))
+    }
+
+    /// Runs `f` on the sequence with its lock held for reading.
+    pub(crate) fn read<T>(&self, key: &SequenceKey, f: impl FnOnce(&Sequence) -> StoreResult<T>) -> StoreResult<T> {
+        let cell = self.cell(key)?;
+        let seq = read(&cell);
+        if seq.dropped {
+            return Err(not_found(key));
+        }
+        f(&seq)
+    }
+
+    /// Runs `f` on the sequence with its lock held for writing.
+    pub(crate) fn write<T>(
+        &self,
+        key: &SequenceKey,
+        f: impl FnOnce(&mut Sequence) -> StoreResult<T>,
+    ) -> StoreResult<T> {
+        let cell = self.cell(key)?;
+        let mut seq = write(&cell);
+        if seq.dropped {
+            return Err(not_found(key));
+        }
+        f(&mut seq)
+    }
+
+    pub(crate) fn contains(&self, key: &SequenceKey) -> bool {
+        read(&self.sequences).contains_key(key)
+    }
+
+    /// Adds a sequence unless its key is taken (then gives it back);
+    /// `announce` runs under the map's lock, so that what it journals comes
+    /// after the `Drop` of an earlier sequence under the same key.
+    pub(crate) fn insert(&self, seq: Sequence, announce: impl FnOnce(&Sequence)) -> Result<(), Box<Sequence>> {
+        let mut sequences = write(&self.sequences);
+        if sequences.contains_key(&seq.key) {
+            return Err(Box::new(seq));
+        }
+        announce(&seq);
+        sequences.insert(seq.key.clone(), Arc::new(RwLock::new(seq)));
+        Ok(())
+    }
+
+    /// Removes sequence `key` from the map (its cell lives on with its
+    /// holders, marked dropped by the caller).
+    pub(crate) fn remove(&self, key: &SequenceKey) {
+        write(&self.sequences).remove(key);
+    }
+
+    /// Every sequence's cell, as of now.
+    pub(crate) fn cells(&self) -> Vec<Cell> {
+        read(&self.sequences).values().cloned().collect()
+    }
+
+    /// A new reference to the page stored under `key`, if one is.
+    pub(crate) fn share(&self, key: &ShareKey) -> Option<PageRef> {
+        let mut table = lock(&self.pages);
+        let id = table.find(key)?;
+        table.acquire(id).ok()?;
+        let page = Arc::clone(table.get(id)?);
+        Some(PageRef { id, page })
+    }
+
+    /// Registers a new physical page (under `key` when it is shareable).
+    /// If another page took the key meanwhile, that one is referenced
+    /// instead and `shared` comes back true (the new page is dropped).
+    pub(crate) fn publish(&self, page: Arc<PhysPage>, key: Option<ShareKey>) -> StoreResult<(PageRef, bool)> {
+        let mut table = lock(&self.pages);
+        match table.insert(Arc::clone(&page), key) {
+            Ok(id) => Ok((PageRef { id, page }, false)),
+            Err((PageTableError::KeyTaken(id), _)) => {
+                table.acquire(id).map_err(internal)?;
+                let page = Arc::clone(table.get(id).ok_or_else(|| internal(PageTableError::Unknown(id)))?);
+                Ok((PageRef { id, page }, true))
+            }
+            Err((e, _)) => Err(internal(e)),
+        }
+    }
+
+    /// Registers a recovered physical page under `key`, or unkeyed if
+    /// another recovered page holds the key (two copies of one prefix: the
+    /// first stays shared).
+    pub(crate) fn adopt(&self, page: Arc<PhysPage>, key: Option<ShareKey>) -> StoreResult<PageRef> {
+        let mut table = lock(&self.pages);
+        let id = match table.insert(Arc::clone(&page), key) {
+            Ok(id) => id,
+            Err((_, page)) => table.insert(page, None).map_err(|(e, _)| internal(e))?,
+        };
+        Ok(PageRef { id, page })
+    }
+
+    /// Another reference to a registered page.
+    pub(crate) fn acquire(&self, r: &PageRef) -> StoreResult<PageRef> {
+        lock(&self.pages).acquire(r.id).map_err(internal)?;
+        Ok(PageRef {
+            id: r.id,
+            page: Arc::clone(&r.page),
+        })
+    }
+
+    /// Adds a recovered sequence.
+    pub(crate) fn insert_recovered(&self, seq: Sequence) {
+        write(&self.sequences).insert(seq.key.clone(), Arc::new(RwLock::new(seq)));
+    }
+
+    /// Releases logical pages' references: the physical pages that lost
+    /// their last one come back (summaries free their slot as they drop).
+    pub(crate) fn release(&self, logical: impl IntoIterator<Item = StorePage>) -> Vec<Arc<PhysPage>> {
+        let mut table = lock(&self.pages);
+        let mut freed = Vec::new();
+        for page in logical {
+            if let LogicalPage::Physical(r) = page {
+                match table.release(r.id) {
+                    Ok(Some(page)) => freed.push(page),
+                    Ok(None) => {}
+                    Err(e) => tracing::error!(error = %e, "page table out of step; page leaked"),
+                }
+            }
+        }
+        freed
+    }
+
+    /// How many of `refs` name pages that more than one logical page maps.
+    pub(crate) fn shared(&self, refs: impl IntoIterator<Item = kvtier_core::PhysId>) -> u64 {
+        let table = lock(&self.pages);
+        refs.into_iter()
+            .filter(|id| table.refs(*id).is_some_and(|r| r > 1))
+            .count() as u64
+    }
+
+    /// Physical pages stored.
+    pub(crate) fn physical_pages(&self) -> u64 {
+        lock(&self.pages).len() as u64
+    }
+
+    /// Attaches to a new sequence the longest run of leading pages stored
+    /// for every lane under its hash chain (shared, not copied); returns
+    /// how many.
+    pub(crate) fn attach_prefix(&self, seq: &mut Sequence) -> u64 {
+        let mut table = lock(&self.pages);
+        let mut attached = 0;
+        for p in 0..seq.hashes.len() {
+            // Every lane's page first, then the references: all or none.
+            let found: Option<Vec<(kvtier_core::PhysId, Arc<PhysPage>)>> = (0..seq.lanes.len())
+                .map(|lane| {
+                    let id = table.find(&seq.share_key(p, lane))?;
+                    let page = table.get(id)?;
+                    page.digest.is_some().then(|| (id, Arc::clone(page)))
+                })
+                .collect();
+            let Some(found) = found else { break };
+            if found.iter().any(|(id, _)| table.acquire(*id).is_err()) {
+                break;
+            }
+            for (lane, (id, page)) in found.into_iter().enumerate() {
+                let digest = page.digest.clone().unwrap_or_default();
+                seq.lanes[lane].push_full_page(LogicalPage::Physical(PageRef { id, page }), &digest);
+            }
+            attached = p as u64 + 1;
+        }
+        attached
+    }
+}
+
+pub(crate) fn not_found(key: &SequenceKey) -> StoreError {
+    StoreError::NotFound {
+        what: format!("sequence {key}"),
+    }
+}
+
+fn internal(e: PageTableError) -> StoreError {
+    StoreError::Internal(e.to_string())
+}

@@ -1,0 +1,168 @@
+//! The device tier as a cache of the backing tiers: the hot set, which
+//! page to demote (LRU) when the device needs room, swap-in of selected
+//! pages in batches, the background workers that run late swap-ins and
+//! prefetches, and the accounting of prefetches.
+//!
+//! Inclusive by default: a hot page keeps its backing copy, so demotion
+//! only drops the device copy. Exclusive: a swap-in moves the page (its
+//! host copy is freed; an NVMe copy, being durable, stays), and demoting a
+//! device-only page copies it back down first.
+//!
+//! Locks: the LRU is held only to update or pop one entry, never while a
+//! page's placement lock is taken.
+
+mod swapin;
+mod workers;
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, Weak};
+
+use kvtier_core::{PageState, Reason};
+use kvtier_tiers::{Slot, Tier, TierError};
+
+pub use swapin::SwapReport;
+pub(crate) use workers::Workers;
+
+use crate::host::HostCache;
+use crate::page::PhysPage;
+use crate::stats::Counters;
+use crate::sync::{lock, read, write};
+
+#[derive(Debug)]
+pub(crate) struct HotSet {
+    tier: Arc<dyn Tier>,
+    lru: Mutex<lru::LruCache<u64, Weak<PhysPage>>>,
+    /// A swap-in moves the page instead of copying it.
+    exclusive: bool,
+    workers: Arc<Workers>,
+    counters: Arc<Counters>,
+}
+
+impl HotSet {
+    pub(crate) fn new(tier: Arc<dyn Tier>, exclusive: bool, counters: Arc<Counters>) -> Self {
+        Self {
+            tier,
+            lru: Mutex::new(lru::LruCache::unbounded()),
+            exclusive,
+            workers: Workers::start(2),
+            counters,
+        }
+    }
+
+    pub(crate) fn tier(&self) -> &Arc<dyn Tier> {
+        &self.tier
+    }
+
+    pub(crate) fn workers(&self) -> &Arc<Workers> {
+        &self.workers
+    }
+
+    /// A device slot of `len` bytes, demoting least recently used hot pages
+    /// while the device is full. Demotion only drops the device copy (the
+    /// backing copy stays), so nothing is lost.
+    pub(crate) fn allocate(&self, len: u64, host: &HostCache) -> Result<Slot, TierError> {
+        loop {
+            match self.tier.allocate(len) {
+                Err(TierError::Full { .. }) if self.demote_lru(host) => continue,
+                other => return other,
+            }
+        }
+    }
+
+    /// Demotes the least recently used hot page that is not pinned; false
+    /// when none is left.
+    fn demote_lru(&self, host: &HostCache) -> bool {
+        let mut pinned = Vec::new();
+        let demoted = loop {
+            let Some((id, weak)) = lock(&self.lru).pop_lru() else {
+                break false;
+            };
+            // A page freed since it was cached has already released its slot.
+            let Some(page) = weak.upgrade() else { continue };
+            if page.pinned() {
+                pinned.push((id, weak));
+                continue;
+            }
+            // Demotion may not drop the only copy: a page held only on the
+            // device (exclusive caching) is copied down to host first.
+            if read(&page.place).backing_tier().is_none() && !self.copy_down(&page, host) {
+                pinned.push((id, weak)); // no host room now; keep it hot
+                continue;
+            }
+            let mut place = write(&page.place);
+            if place.backing_tier().is_some() && !page.pinned() && place.device.take().is_some() {
+                let to = place.state();
+                drop(place);
+                self.counters
+                    .transition(PageState::Hot, to, Reason::CapacityPressure, 1);
+                self.note_wasted(&page);
+                break true;
+            }
+        };
+        // Pinned pages keep their place at the least recently used end.
+        let mut lru = lock(&self.lru);
+        for (id, weak) in pinned {
+            lru.put(id, weak);
+            lru.demote(&id);
+        }
+        demoted
+    }
+
+    /// Gives a device-only page a host copy; false if there is no host room
+    /// (demotion never makes room below it by force).
+    fn copy_down(&self, page: &Arc<PhysPage>, host: &HostCache) -> bool {
+        let place = read(&page.place);
+        let Some(device) = &place.device else { return true };
+        let mut bytes = vec![0u8; device.len() as usize];
+        if self.tier.read(device, 0, &mut bytes).is_err() {
+            return false;
+        }
+        let version = place.version;
+        drop(place);
+        let Ok(mut slot) = host.tier().allocate(bytes.len() as u64) else {
+            return false;
+        };
+        if host.tier().write(&mut slot, 0, &bytes).is_err() {
+            return false;
+        }
+        let mut place = write(&page.place);
+        if place.version != version || place.host.is_some() {
+            return place.host.is_some();
+        }
+        place.host = Some(slot);
+        drop(place);
+        host.touch([page]);
+        true
+    }
+
+    /// Marks pages as just used on the device.
+    pub(crate) fn touch(&self, pages: impl IntoIterator<Item = Arc<PhysPage>>) {
+        let mut lru = lock(&self.lru);
+        for page in pages {
+            lru.put(page.id, Arc::downgrade(&page));
+        }
+    }
+
+    pub(crate) fn forget(&self, page_ids: impl IntoIterator<Item = u64>) {
+        let mut lru = lock(&self.lru);
+        for id in page_ids {
+            lru.pop(&id);
+        }
+    }
+
+    /// Counts a selection's use of pages a prefetch brought up.
+    pub(crate) fn note_used(&self, pages: &[Arc<PhysPage>]) {
+        let used = pages
+            .iter()
+            .filter(|p| p.prefetched.swap(false, Ordering::AcqRel))
+            .count();
+        Counters::add(&self.counters.prefetch_used, used as u64);
+    }
+
+    /// Counts prefetched pages that left the device, or were freed, unused.
+    pub(crate) fn note_wasted(&self, page: &PhysPage) {
+        if page.prefetched.swap(false, Ordering::AcqRel) {
+            Counters::add(&self.counters.prefetch_wasted, 1);
+        }
+    }
+}

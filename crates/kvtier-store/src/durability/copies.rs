@@ -1,0 +1,275 @@
+//! Pages' copies on NVMe: written from memory in batches with their
+//! `Persist` records, read back in batches and checked against their CRC,
+//! given up with a `Lost` or `Unpersist` record.
+
+use std::sync::Arc;
+
+use kvtier_core::{ColdTier, Layout, PageState, Reason};
+use kvtier_tiers::{AlignedBuf, Slot, Tier, TierError};
+
+use super::{Durable, Record};
+use crate::page::{NvmeCopy, PhysPage};
+use crate::sync::{read, write};
+use crate::{StoreError, StoreResult};
+
+/// The CRC32C an NVMe copy of page `id` is stored with. The id is part of
+/// it, so an extent holding another page's bytes fails the check.
+fn page_crc(id: u64, bytes: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(&id.to_le_bytes()), bytes)
+}
+
+/// What happens to a page's host copy once its NVMe copy is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Keep {
+    /// Keep it (persisting: the page stays fast and becomes durable).
+    Host,
+    /// Drop it (migrating: host memory is freed), unless the page is
+    /// pinned (an append about to fill it, a swap-in).
+    Nothing,
+}
+
+/// A copy being written: the page as it was read.
+#[derive(Debug)]
+struct CopyJob {
+    page: Arc<PhysPage>,
+    version: u64,
+    rows: u32,
+    crc: u32,
+}
+
+/// One NVMe copy read back.
+#[derive(Debug)]
+pub(crate) enum CopyRead {
+    /// The slot's bytes, which passed their check.
+    Intact(AlignedBuf),
+    /// The copy failed its check or its read: the page is lost now.
+    Lost,
+    /// The copy failed, but the page has another copy by now: read that.
+    Elsewhere,
+}
+
+impl Durable {
+    /// Gives each page a current NVMe copy made from its host (or device)
+    /// copy, writing one unless it has one, then keeps or drops the host
+    /// copy. A page modified meanwhile keeps its host copy and gets no NVMe
+    /// copy. All slots are reserved first: if NVMe is full, nothing moves.
+    /// Each copy's `Persist` record is journalled under the page's lock, so
+    /// the journal orders it with the page's other records. Returns the
+    /// pages that moved or were copied.
+    pub(crate) fn write_copies(&self, pages: &[Arc<PhysPage>], keep: Keep, reason: Reason) -> StoreResult<usize> {
+        let Some(nvme) = self.nvme.as_ref() else {
+            return Err(StoreError::precondition("action", "the nvme tier is not configured"));
+        };
+        let mut moved = 0;
+        let mut pending = Vec::new();
+        let mut bufs = Vec::new();
+        for page in pages {
+            let mut place = write(&page.place);
+            if place.lost.is_some() {
+                continue;
+            }
+            if place.nvme.is_some() {
+                // Already current on NVMe: no I/O needed.
+                if place.host.is_some() {
+                    if keep == Keep::Nothing && !page.pinned() {
+                        let from = place.state();
+                        place.host = None;
+                        let to = place.state();
+                        drop(place);
+                        self.counters.counted(from, to, reason);
+                    }
+                    moved += 1;
+                }
+                continue;
+            }
+            let (tier, slot): (&dyn Tier, &Slot) = match (&place.host, &place.device) {
+                (Some(host), _) => (&*self.host, host),
+                (None, Some(device)) => (&*self.device, device),
+                (None, None) => continue,
+            };
+            let mut buf = AlignedBuf::zeroed(slot.len() as usize);
+            tier.read(slot, 0, &mut buf)?;
+            pending.push(CopyJob {
+                page: Arc::clone(page),
+                version: place.version,
+                rows: place.rows,
+                crc: page_crc(page.id, &buf),
+            });
+            bufs.push(buf);
+        }
+        let slots: Vec<Slot> = bufs
+            .iter()
+            .map(|b| self.allocate(&**nvme, b.len() as u64))
+            .collect::<Result<_, _>>()?;
+        let mut written = Vec::with_capacity(slots.len());
+        for done in nvme.write_many(slots.into_iter().zip(bufs).collect()) {
+            let d = done.wait().map_err(|e| {
+                StoreError::Unavailable(TierError::Io {
+                    op: "write",
+                    offset: 0,
+                    errno: None,
+                    message: e.to_string(),
+                })
+            })?;
+            d.result?;
+            written.push((d.slot, d.buf));
+        }
+        for (job, (slot, buf)) in pending.iter().zip(written) {
+            if self.install(job, slot, &buf, keep, reason) {
+                moved += 1;
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Installs a written copy, unless the page changed meanwhile (then the
+    /// new slot is freed as it drops here).
+    fn install(&self, job: &CopyJob, slot: Slot, bytes: &[u8], keep: Keep, reason: Reason) -> bool {
+        let CopyJob {
+            page,
+            version,
+            rows,
+            crc,
+        } = job;
+        let (rows, crc) = (*rows, *crc);
+        let mut place = write(&page.place);
+        if place.version != *version || place.lost.is_some() || place.nvme.is_some() {
+            return false;
+        }
+        let record = persist_record(page, slot.offset(), slot.len(), crc, rows, bytes);
+        let from = place.state();
+        place.nvme = Some(NvmeCopy {
+            slot: Arc::new(slot),
+            crc,
+            rows,
+        });
+        let superseded = place.durable_prefix.take().map(|c| c.slot);
+        self.journal_retiring(vec![record], superseded.into_iter().collect());
+        if keep == Keep::Nothing && !page.pinned() {
+            place.host = None;
+        }
+        let to = place.state();
+        drop(place);
+        self.counters.counted(from, to, reason);
+        true
+    }
+
+    /// An NVMe slot of `len` bytes. When NVMe is full, the journal is
+    /// flushed first: extents it retired become free once it is.
+    fn allocate(&self, nvme: &dyn Tier, len: u64) -> StoreResult<Slot> {
+        match (nvme.allocate(len), &self.manifest) {
+            (Err(TierError::Full { .. }), Some(manifest)) => {
+                manifest.flush().map_err(StoreError::Manifest)?;
+                Ok(nvme.allocate(len)?)
+            }
+            (slot, _) => Ok(slot?),
+        }
+    }
+
+    /// Reads NVMe copies in one batch, each checked against its CRC32C. A
+    /// copy that fails its check or its read makes its page lost (gone,
+    /// reason `integrity`, for every sequence sharing it), unless the page
+    /// has another copy by now.
+    pub(crate) fn read_copies(&self, layout: &Layout, copies: Vec<(Arc<PhysPage>, NvmeCopy)>) -> Vec<CopyRead> {
+        let Some(nvme) = self.nvme.as_ref() else {
+            return copies.iter().map(|_| CopyRead::Lost).collect();
+        };
+        let page_len = layout.page_bytes();
+        let reads = copies
+            .iter()
+            .map(|(_, c)| (Arc::clone(&c.slot), AlignedBuf::zeroed(c.slot.reserved() as usize)))
+            .collect();
+        let mut out = Vec::with_capacity(copies.len());
+        for ((page, copy), done) in copies.into_iter().zip(nvme.read_many(reads)) {
+            let intact = match done.wait() {
+                Ok(d) => match d.result {
+                    Ok(()) if page_crc(page.id, &d.buf[..page_len]) == copy.crc => Some(d.buf),
+                    Ok(()) => {
+                        tracing::error!(
+                            page = page.id,
+                            offset = copy.slot.offset(),
+                            "nvme page failed its CRC32C check"
+                        );
+                        None
+                    }
+                    Err(e) => {
+                        tracing::error!(page = page.id, error = %e, "nvme page could not be read");
+                        None
+                    }
+                },
+                Err(e) => {
+                    tracing::error!(page = page.id, error = %e, "nvme read abandoned");
+                    None
+                }
+            };
+            out.push(match intact {
+                Some(buf) => CopyRead::Intact(buf),
+                None if self.mark_lost(&page, &copy) => CopyRead::Lost,
+                None => CopyRead::Elsewhere,
+            });
+        }
+        out
+    }
+
+    /// Marks a page lost after its NVMe copy failed, unless another copy
+    /// exists now. Returns whether it is lost.
+    fn mark_lost(&self, page: &PhysPage, failed: &NvmeCopy) -> bool {
+        let mut place = write(&page.place);
+        let same = place.nvme.as_ref().is_some_and(|c| Arc::ptr_eq(&c.slot, &failed.slot));
+        if place.lost.is_some() || place.host.is_some() || place.device.is_some() || !same {
+            return place.lost.is_some();
+        }
+        let Some(failed) = place.nvme.take() else {
+            return false;
+        };
+        place.lost = Some(Reason::Integrity);
+        let lost = Record::Lost {
+            phys: page.id,
+            reason: Reason::Integrity,
+        };
+        self.journal_retiring(vec![lost], vec![failed.slot]);
+        drop(place);
+        self.counters
+            .transition(PageState::Cold(ColdTier::Nvme), PageState::Gone, Reason::Integrity, 1);
+        true
+    }
+
+    /// Journals the pages being freed that had an NVMe copy (or a durable
+    /// prefix); their extents are reused once the records are durable.
+    pub(crate) fn journal_freed(&self, freed: &[Arc<PhysPage>]) {
+        for page in freed {
+            let place = read(&page.place);
+            let copies: Vec<_> = [&place.nvme, &place.durable_prefix]
+                .into_iter()
+                .flatten()
+                .map(|c| Arc::clone(&c.slot))
+                .collect();
+            if !copies.is_empty() {
+                self.journal_retiring(vec![Record::Unpersist { phys: page.id }], copies);
+            }
+        }
+    }
+}
+
+/// The record of a page's new NVMe copy of `bytes` (the whole slot), of
+/// which the first `rows` rows are the page's.
+fn persist_record(page: &PhysPage, offset: u64, len: u64, crc: u32, rows: u32, bytes: &[u8]) -> Record {
+    let layout = &page.layout;
+    let mut digest = kvtier_core::DigestColumn::new(layout.dtype(), layout.head_dim() as usize);
+    let keys = &bytes[..rows as usize * layout.row_bytes()];
+    if !keys.is_empty() {
+        digest.open_page(keys);
+    }
+    Record::Persist {
+        phys: page.id,
+        offset,
+        len,
+        crc,
+        rows,
+        digest: if keys.is_empty() {
+            Vec::new()
+        } else {
+            digest.entry(0).to_vec()
+        },
+    }
+}

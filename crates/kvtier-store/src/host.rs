@@ -1,0 +1,165 @@
+//! The host tier as a cache over NVMe: new pages land here, least recently
+//! used pages migrate to NVMe under pressure (synchronously when an
+//! allocation finds the tier full, in the background between the
+//! watermarks), and nothing here is ever dropped to make room without an
+//! NVMe copy.
+//!
+//! Locks: the LRU is held only to update or pop one entry, never while a
+//! page's placement lock is taken (a reader touches the LRU after releasing
+//! the page; migration pops its victims one entry at a time). `migrating`
+//! is held for a whole migration, so that a second allocation waits for
+//! the first one's room instead of finding its victims taken.
+
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use kvtier_core::Reason;
+use kvtier_tiers::{Slot, Tier, TierError};
+
+use crate::durability::{Durable, Keep};
+use crate::page::PhysPage;
+use crate::sync::{lock, read};
+use crate::{StoreError, StoreResult};
+
+/// Pages migrated per batch when making room in host memory.
+const MIGRATION_BATCH: usize = 64;
+
+/// Time a foreground call spent making host room: waiting for a migration
+/// already running, and migrating itself.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct MigrationTime {
+    pub(crate) waited: Duration,
+    pub(crate) moving: Duration,
+}
+
+#[derive(Debug)]
+pub(crate) struct HostCache {
+    tier: Arc<dyn Tier>,
+    lru: Mutex<lru::LruCache<u64, Weak<PhysPage>>>,
+    migrating: Mutex<()>,
+    /// Above this share of capacity the background migrates ...
+    high: f64,
+    /// ... down to this one.
+    low: f64,
+}
+
+impl HostCache {
+    pub(crate) fn new(tier: Arc<dyn Tier>, high_watermark: f64, low_watermark: f64) -> Self {
+        Self {
+            tier,
+            lru: Mutex::new(lru::LruCache::unbounded()),
+            migrating: Mutex::new(()),
+            high: high_watermark,
+            low: low_watermark,
+        }
+    }
+
+    pub(crate) fn tier(&self) -> &Arc<dyn Tier> {
+        &self.tier
+    }
+
+    /// A host slot of `len` bytes; when the host is full, least recently used
+    /// host pages migrate to NVMe first. Full only when both tiers are; a
+    /// failed migration (ENOSPC, EIO) is reported as itself.
+    pub(crate) fn allocate(&self, len: u64, durable: &Durable, spent: &mut MigrationTime) -> Result<Slot, TierError> {
+        loop {
+            match self.tier.allocate(len) {
+                Err(full @ TierError::Full { .. }) => {
+                    if durable.nvme().is_none() {
+                        return Err(full);
+                    }
+                    let waiting = Instant::now();
+                    let one = lock(&self.migrating);
+                    spent.waited += waiting.elapsed();
+                    let moving = Instant::now();
+                    let moved = self.relieve_locked(len, durable, &one);
+                    spent.moving += moving.elapsed();
+                    drop(one);
+                    match moved {
+                        // Nothing left to move; a migration that ran
+                        // meanwhile may still have made room.
+                        Ok(0) => return self.tier.allocate(len),
+                        Ok(_) => {}
+                        Err(StoreError::ResourceExhausted(e) | StoreError::Unavailable(e)) => return Err(e),
+                        Err(_) => return Err(full),
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Keeps host memory between the watermarks: above the high one, least
+    /// recently used pages migrate to NVMe until the low one.
+    pub(crate) fn rebalance(&self, durable: &Durable) {
+        if durable.nvme().is_none() {
+            return;
+        }
+        let capacity = self.tier.capacity_bytes() as f64;
+        let (high, low) = ((capacity * self.high) as u64, (capacity * self.low) as u64);
+        if self.tier.used_bytes() <= high {
+            return;
+        }
+        while self.tier.used_bytes() > low {
+            let excess = self.tier.used_bytes() - low;
+            let one = lock(&self.migrating);
+            if !matches!(self.relieve_locked(excess, durable, &one), Ok(n) if n > 0) {
+                break;
+            }
+        }
+    }
+
+    /// Migrates least recently used host pages to NVMe until about `bytes`
+    /// (at least one batch) are free; returns the pages migrated.
+    fn relieve_locked(&self, bytes: u64, durable: &Durable, _migrating: &MutexGuard<'_, ()>) -> StoreResult<usize> {
+        let mut victims = Vec::new();
+        let mut skipped = Vec::new();
+        let mut freed = 0u64;
+        while (freed < bytes || victims.len() < MIGRATION_BATCH) && victims.len() < 4 * MIGRATION_BATCH {
+            let Some((_, weak)) = lock(&self.lru).pop_lru() else {
+                break;
+            };
+            let Some(page) = weak.upgrade() else { continue };
+            if page.pinned() {
+                skipped.push(page);
+                continue;
+            }
+            let place = read(&page.place);
+            if let (Some(host), None) = (&place.host, place.lost) {
+                freed += host.reserved();
+                drop(place);
+                victims.push(page);
+            }
+        }
+        // Pages created together (one write, one lane's run) have adjacent
+        // ids: allocating their NVMe slots in id order keeps them adjacent on
+        // disk too, so the reads of a later step can run sequentially.
+        victims.sort_by_key(|p| p.id);
+        self.touch(&skipped);
+        let moved = durable.write_copies(&victims, Keep::Nothing, Reason::CapacityPressure);
+        // Pages that did not move keep their place in line.
+        let kept: Vec<Arc<PhysPage>> = victims.into_iter().filter(|p| read(&p.place).host.is_some()).collect();
+        self.touch(&kept);
+        if let Err(e) = &moved {
+            tracing::warn!(error = %e, "could not migrate host pages to nvme");
+        }
+        moved
+    }
+
+    /// Marks pages as just used in host memory. Never called with a page's
+    /// placement lock held.
+    pub(crate) fn touch<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
+        let mut lru = lock(&self.lru);
+        for page in pages {
+            lru.put(page.id, Arc::downgrade(page));
+        }
+    }
+
+    /// Forgets freed pages.
+    pub(crate) fn forget(&self, ids: impl IntoIterator<Item = u64>) {
+        let mut lru = lock(&self.lru);
+        for id in ids {
+            lru.pop(&id);
+        }
+    }
+}

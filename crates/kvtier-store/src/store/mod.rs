@@ -1,0 +1,383 @@
+//! The store composes the engine's components and runs the operations of
+//! the API over them, one file per kind of operation:
+//!
+//! | component | file | holds |
+//! |---|---|---|
+//! | sequence catalog | `catalog/` | sequences, lanes, the physical page table |
+//! | host cache | `host.rs` | host tier, its LRU, migration to NVMe |
+//! | device cache (hot set) | `device/` | device tier, its LRU, swap-in, workers |
+//! | read path | `reader.rs` | bytes wherever they are, CRC, promotion |
+//! | durability | `durability/` | manifest, NVMe copies, page ids, recovery |
+//! | policies | `policy/` | candidates, budgets, attention |
+//!
+//! | operation | file |
+//! |---|---|
+//! | create, drop, describe sequences | `store/sequences.rs` |
+//! | PutPages, AppendTokens | `store/write.rs` |
+//! | FetchPages | `store/fetch.rs` |
+//! | SelectPages, Prefetch, leases | `store/select.rs` |
+//! | SetPageState | `store/transition.rs` |
+//! | ApplyPolicy, ReportAttention | `store/policy.rs` |
+//!
+//! # Lock order
+//!
+//! Every lock of the store, in the only order in which one is taken while
+//! another is held:
+//!
+//! 1. a sequence's lock (`catalog`);
+//! 2. the map of sequences (`catalog`; a drop removes its sequence while
+//!    holding its lock);
+//! 3. the physical page table (`catalog`);
+//! 4. a physical page's placement lock (`PhysPage::place`);
+//! 5. the host cache's `migrating` (held across a migration's I/O; nothing
+//!    above it is held then but a sequence's lock);
+//! 6. the LRUs (`host`, `device`): one entry at a time, never a page lock
+//!    under them;
+//! 7. leases, the workers' queue, page ids;
+//! 8. the journal's file, then its record buffer (`durability`).
+//!
+//! A page lock is never held across I/O, except the in-place fill of an
+//! append (memory only). Calls that hold a sequence's lock across NVMe I/O:
+//! writes (migrating to make room, persisting), selections and fetches
+//! (reading NVMe-only pages, swap-in), policies (reading pages for the
+//! attention of given queries). They hold it because the lane must not
+//! change under them: a write owns the lane's end, and a selection's pages
+//! must be the ones its bounds ranked. A sequence's I/O therefore delays
+//! only that sequence; the background migration, demotion and checkpoint
+//! never take a sequence's write lock.
+
+mod fetch;
+mod policy;
+mod select;
+mod sequences;
+mod transition;
+mod write;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kvtier_tiers::{ArenaTier, NvmeConfig, NvmeTier, Tier, TierKind};
+
+pub use fetch::{FetchCursor, FetchPages, FetchedPage, PageList};
+pub use policy::{ApplyPolicy, AttentionWeights, ReportAttention};
+pub use select::{HeadSelection, Miss, SelectPages, SelectTiming, SelectedPage, Selection};
+pub use sequences::Created;
+pub use transition::{PageSelection, SetPageState, TransitionOutcome};
+pub use write::{AppendOutcome, AppendTiming, AppendTokens, PutOutcome, PutPages};
+
+use crate::catalog::Catalog;
+use crate::device::HotSet;
+use crate::durability::{Durability, Durable, Image, Manifest};
+use crate::host::HostCache;
+use crate::lease::Leases;
+use crate::page::StorePage;
+use crate::reader::Reader;
+use crate::stats::{Counters, StateCounts, StatsSnapshot, TierStats};
+use crate::sync::read;
+use crate::{StoreError, StoreResult};
+
+/// Sizes and placement choices.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoreConfig {
+    /// Device tier capacity. Emulated in host memory when no GPU is present.
+    pub device_bytes: u64,
+    pub host_bytes: u64,
+    /// New pages also get a device copy (demoting LRU hot pages for room);
+    /// off, they start cold and become hot only on demand.
+    pub cache_writes_on_device: bool,
+    /// Whether a hot page keeps its host copy (inclusive: demotion is free)
+    /// or gives it up (exclusive: host memory holds only cold pages, and
+    /// demotion copies the page back down).
+    pub device_cache: DeviceCache,
+    /// The NVMe tier; `None` keeps everything in memory.
+    pub nvme: Option<NvmeConfig>,
+    /// Above this share of host capacity, least recently used host pages
+    /// migrate to NVMe in the background ...
+    pub host_high_watermark: f64,
+    /// ... until host use is down to this share.
+    pub host_low_watermark: f64,
+    /// Reading an NVMe-only page gives it a host copy again.
+    pub promote_on_read: bool,
+    /// What a persisting write waits for.
+    pub durability: Durability,
+    /// The manifest; default: the NVMe file's path with extension
+    /// `.manifest`. Needed to recover pages after a restart.
+    pub manifest_path: Option<PathBuf>,
+    /// Rewrite the manifest as a checkpoint once it is past this size (and
+    /// has doubled since the last checkpoint).
+    pub checkpoint_bytes: u64,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            device_bytes: 256 << 20,
+            host_bytes: 1 << 30,
+            cache_writes_on_device: true,
+            device_cache: DeviceCache::Inclusive,
+            nvme: None,
+            host_high_watermark: 0.9,
+            host_low_watermark: 0.8,
+            promote_on_read: true,
+            durability: Durability::Relaxed,
+            manifest_path: None,
+            checkpoint_bytes: 64 << 20,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceCache {
+    Inclusive,
+    Exclusive,
+}
+
+#[derive(Debug)]
+pub struct Store {
+    config: StoreConfig,
+    catalog: Catalog,
+    host: HostCache,
+    device: HotSet,
+    durable: Durable,
+    leases: Leases,
+    counters: Arc<Counters>,
+}
+
+/// A locked manifest, its path and what it says to recover.
+type Recovering = (PathBuf, Manifest, Image);
+
+impl Store {
+    /// A store over host memory, with the device tier emulated in host
+    /// memory and, if configured, an NVMe tier.
+    pub fn new(config: StoreConfig) -> StoreResult<Arc<Self>> {
+        Self::new_with(config, None, None)
+    }
+
+    /// Like [`Self::new`], with the given device and host tiers where they
+    /// are `Some` (a GPU's), and tiers sized by the config where not.
+    pub fn new_with(
+        config: StoreConfig,
+        device: Option<Arc<dyn Tier>>,
+        host: Option<Arc<dyn Tier>>,
+    ) -> StoreResult<Arc<Self>> {
+        let device = match device {
+            Some(d) => d,
+            None => {
+                tracing::info!(
+                    device_bytes = config.device_bytes,
+                    "the device tier is emulated in host memory"
+                );
+                Arc::new(ArenaTier::emulated_device(config.device_bytes)?)
+            }
+        };
+        let host = match host {
+            Some(h) => h,
+            None => Arc::new(ArenaTier::host(config.host_bytes)?),
+        };
+        // The manifest's lock first: a second server over the same data
+        // directory is refused by the lock that names its holder, before it
+        // touches anything.
+        let recovering = match &config.nvme {
+            Some(c) => Some(open_manifest(
+                config.manifest_path.clone().unwrap_or_else(|| default_manifest(c)),
+                &config,
+            )?),
+            None => None,
+        };
+        let nvme = match &config.nvme {
+            Some(c) => {
+                let tier = NvmeTier::open(c.clone())?;
+                tracing::info!(path = %c.path.display(), capacity = c.capacity, engine = tier.backend(), "nvme tier ready");
+                Some(Arc::new(tier) as Arc<dyn Tier>)
+            }
+            None => None,
+        };
+        Self::build(device, host, nvme, recovering, config)
+    }
+
+    /// A store over the given tiers (their capacities override the config's).
+    /// With an NVMe tier and a manifest, pages recorded there are recovered
+    /// first, and a background thread keeps host memory between the
+    /// watermarks and the manifest flushed for as long as the store lives.
+    pub fn with_tiers(
+        device: Arc<dyn Tier>,
+        host: Arc<dyn Tier>,
+        nvme: Option<Arc<dyn Tier>>,
+        config: StoreConfig,
+    ) -> StoreResult<Arc<Self>> {
+        let path = match (&nvme, &config.manifest_path, &config.nvme) {
+            (Some(_), Some(path), _) => Some(path.clone()),
+            (Some(_), None, Some(c)) => Some(default_manifest(c)),
+            _ => None,
+        };
+        let recovering = match path {
+            Some(path) => Some(open_manifest(path, &config)?),
+            None => None,
+        };
+        Self::build(device, host, nvme, recovering, config)
+    }
+
+    fn build(
+        device: Arc<dyn Tier>,
+        host: Arc<dyn Tier>,
+        nvme: Option<Arc<dyn Tier>>,
+        recovering: Option<Recovering>,
+        config: StoreConfig,
+    ) -> StoreResult<Arc<Self>> {
+        let kinds_right = device.kind() == TierKind::Device
+            && host.kind() == TierKind::Host
+            && nvme.as_ref().is_none_or(|t| t.kind() == TierKind::Nvme);
+        if !kinds_right {
+            return Err(StoreError::Internal("tiers given in the wrong roles".into()));
+        }
+        let counters = Arc::new(Counters::default());
+        let (manifest, image) = match recovering {
+            Some((path, manifest, image)) => (Some(manifest), Some((path, image))),
+            None => (None, None),
+        };
+        let next_page_id = image.as_ref().map_or(0, |(_, i)| i.next_page_id);
+        let durable = Durable::new(manifest, next_page_id, [&device, &host], nvme, Arc::clone(&counters));
+        let exclusive = config.device_cache == DeviceCache::Exclusive;
+        let store = Arc::new(Self {
+            host: HostCache::new(host, config.host_high_watermark, config.host_low_watermark),
+            device: HotSet::new(device, exclusive, Arc::clone(&counters)),
+            catalog: Catalog::default(),
+            durable,
+            leases: Leases::default(),
+            counters,
+            config,
+        });
+        if let Some((path, image)) = image {
+            let recovered = store.durable.recover(image, &store.catalog);
+            tracing::info!(
+                manifest = %path.display(),
+                sequences = recovered.sequences,
+                pages = recovered.pages,
+                summaries = recovered.summaries,
+                lost_on_restart = recovered.lost_on_restart,
+                "recovered from the manifest"
+            );
+            store.durable.checkpoint(&store.catalog);
+        }
+        if let Err(e) = spawn_loop("kvtier-background", &store, Self::background_tick) {
+            tracing::error!(error = %e, "cannot start the background thread; migration happens only under pressure");
+        }
+        // Its own thread: a checkpoint of a large manifest takes seconds, and
+        // host memory must keep draining meanwhile (or appends migrate pages
+        // themselves).
+        if store.durable.can_persist()
+            && let Err(e) = spawn_loop("kvtier-checkpoint", &store, Self::checkpoint_if_due)
+        {
+            tracing::error!(error = %e, "cannot start the checkpoint thread; the manifest keeps growing");
+        }
+        Ok(store)
+    }
+
+    /// One round of background work: expired leases, host watermarks and a
+    /// manifest flush.
+    fn background_tick(&self) {
+        let expired = self.leases.expire(std::time::Instant::now());
+        if expired > 0 {
+            tracing::debug!(expired, "leases expired");
+        }
+        self.host.rebalance(&self.durable);
+        self.durable.flush_if_idle();
+    }
+
+    /// A checkpoint once the manifest has grown large.
+    fn checkpoint_if_due(&self) {
+        if self.durable.wants_checkpoint() {
+            self.durable.checkpoint(&self.catalog);
+        }
+    }
+
+    /// The read path over this store's tiers.
+    fn reader(&self) -> Reader<'_> {
+        Reader {
+            host: &self.host,
+            device: &**self.device.tier(),
+            durable: &self.durable,
+            counters: &self.counters,
+            promote: self.config.promote_on_read,
+        }
+    }
+
+    /// Releases logical pages: summaries free their slot, physical pages lose
+    /// a reference and are freed with the last one (their slots return to
+    /// the tiers as the last `Arc`s drop, or when a reader still copying
+    /// from one finishes).
+    fn release(&self, logical: impl IntoIterator<Item = StorePage>) {
+        let freed = self.catalog.release(logical);
+        self.durable.journal_freed(&freed);
+        for page in &freed {
+            self.device.note_wasted(page);
+        }
+        self.device.forget(freed.iter().map(|p| p.id));
+        self.host.forget(freed.iter().map(|p| p.id));
+    }
+
+    /// Waits until background swap-ins and prefetches have finished (for
+    /// benchmarks and tests that measure their effect).
+    pub fn wait_idle(&self) {
+        self.device.workers().wait_idle();
+    }
+
+    pub fn stats(&self) -> StatsSnapshot {
+        let cells = self.catalog.cells();
+        let mut pages = StateCounts::default();
+        for cell in &cells {
+            let seq = read(cell);
+            for page in seq.lanes.iter().flat_map(|l| l.pages()) {
+                pages.add(crate::page::state_of(page));
+            }
+        }
+        let tiers = [Some(self.device.tier()), Some(self.host.tier()), self.durable.nvme()];
+        let mut snapshot = StatsSnapshot {
+            tiers: tiers.into_iter().flatten().map(|t| TierStats::of(&**t)).collect(),
+            pages,
+            sequences: cells.len() as u64,
+            physical_pages: self.catalog.physical_pages(),
+            ..StatsSnapshot::default()
+        };
+        snapshot.counters(&self.counters);
+        snapshot.leases = self.leases.active() as u64;
+        snapshot
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+}
+
+fn default_manifest(nvme: &NvmeConfig) -> PathBuf {
+    nvme.path.with_extension("manifest")
+}
+
+fn open_manifest(path: PathBuf, config: &StoreConfig) -> StoreResult<Recovering> {
+    let (manifest, image) =
+        Manifest::open(&path, config.durability, config.checkpoint_bytes).map_err(StoreError::Manifest)?;
+    Ok((path, manifest, image))
+}
+
+/// Runs `tick` every 20 ms on a thread of its own for as long as the store
+/// lives (the thread holds it only during a tick).
+fn spawn_loop(name: &str, store: &Arc<Store>, tick: fn(&Store)) -> std::io::Result<()> {
+    let weak = Arc::downgrade(store);
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        while let Some(store) = weak.upgrade() {
+            tick(&store);
+            drop(store);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    })?;
+    Ok(())
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        self.device.workers().close();
+        if let Err(e) = self.durable.commit() {
+            tracing::error!(error = %e, "manifest flush at shutdown failed");
+        }
+    }
+}

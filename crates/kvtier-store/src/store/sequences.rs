@@ -1,0 +1,160 @@
+//! Creating, dropping and describing sequences.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use kvtier_core::{Layout, LogicalPage, PageState, Reason, SequenceKey};
+
+use super::Store;
+use crate::catalog::{Sequence, not_found};
+use crate::durability::{Record, created_records};
+use crate::page::StorePage;
+use crate::stats::{SequenceInfo, StateCounts, TierBytes};
+use crate::sync::{read, write};
+use crate::{StoreError, StoreResult};
+
+/// A new sequence and how many leading pages it shares with earlier ones.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Created {
+    pub attached_pages: u64,
+    pub info: SequenceInfo,
+}
+
+const MAX_HASH_BYTES: usize = 64;
+
+impl Store {
+    /// Creates a sequence. With a prefix hash chain (one hash per full page),
+    /// the longest run of leading pages already stored for every lane under
+    /// the same tenant, layout and hashes is attached at once: those pages are
+    /// shared, not copied, and need not be sent again.
+    pub fn create_sequence(
+        &self,
+        key: SequenceKey,
+        layout: Layout,
+        prefix_hashes: Vec<Vec<u8>>,
+    ) -> StoreResult<Created> {
+        let hashes = check_hashes(prefix_hashes)?;
+        if self.catalog.contains(&key) {
+            return Err(already_exists(&key));
+        }
+        let mut seq = Sequence::new(key.clone(), Arc::new(layout), hashes);
+        let attached_pages = self.catalog.attach_prefix(&mut seq);
+        let info = self.info_of(&seq);
+        let inserted = self.catalog.insert(seq, |seq| {
+            self.durable.journal(|| created_records(seq, attached_pages as usize));
+        });
+        if let Err(mut seq) = inserted {
+            self.release_pages(&mut seq);
+            return Err(already_exists(&key));
+        }
+        tracing::info!(sequence = %key, attached_pages, "sequence created");
+        Ok(Created { attached_pages, info })
+    }
+
+    /// Drops a sequence; physical pages no other sequence uses are freed.
+    /// Durable before it returns: a crash cannot bring the sequence back.
+    pub fn drop_sequence(&self, key: &SequenceKey) -> StoreResult<()> {
+        let cell = self.catalog.cell(key)?;
+        let mut seq = write(&cell);
+        if seq.dropped {
+            return Err(not_found(key));
+        }
+        // Under the sequence's lock, and before it leaves the map: every
+        // record of this sequence comes before its `Drop`, and a sequence
+        // created again under the key journals its start after it.
+        seq.dropped = true;
+        self.durable.journal(|| vec![Record::Drop { key: key.clone() }]);
+        self.catalog.remove(key);
+        self.release_pages(&mut seq);
+        drop(seq);
+        tracing::info!(sequence = %key, "sequence dropped");
+        self.durable.commit()
+    }
+
+    fn release_pages(&self, seq: &mut Sequence) {
+        let pages: Vec<StorePage> = seq.lanes.iter_mut().flat_map(|l| l.take_pages()).collect();
+        self.release(pages);
+    }
+
+    pub fn sequence_info(&self, key: &SequenceKey) -> StoreResult<SequenceInfo> {
+        self.catalog.read(key, |seq| Ok(self.info_of(seq)))
+    }
+
+    fn info_of(&self, seq: &Sequence) -> SequenceInfo {
+        let layout = &seq.layout;
+        let page_bytes = layout.page_bytes() as u64;
+        let mut states = StateCounts::default();
+        let mut bytes = TierBytes::default();
+        let mut physical = Vec::new();
+        let mut gone: HashMap<Reason, u64> = HashMap::new();
+        for page in seq.lanes.iter().flat_map(|l| l.pages()) {
+            match page {
+                LogicalPage::Physical(r) => {
+                    let place = read(&r.page.place);
+                    states.add(place.state());
+                    if let Some(reason) = place.lost {
+                        *gone.entry(reason).or_default() += 1;
+                    }
+                    bytes.device += page_bytes * u64::from(place.device.is_some());
+                    bytes.host += page_bytes * u64::from(place.host.is_some());
+                    bytes.nvme += page_bytes * u64::from(place.nvme.is_some());
+                    physical.push(r.id);
+                }
+                LogicalPage::Summary(s) => {
+                    states.add(PageState::Summary);
+                    bytes.host += s.slot.len();
+                }
+                LogicalPage::Gone(reason) => {
+                    states.add(PageState::Gone);
+                    *gone.entry(*reason).or_default() += 1;
+                }
+            }
+        }
+        let tokens = seq.lanes.iter().map(|l| l.tokens());
+        SequenceInfo {
+            layout: (**layout).clone(),
+            tokens: tokens.clone().min().unwrap_or(0),
+            max_tokens: tokens.max().unwrap_or(0),
+            pages: states,
+            bytes,
+            shared_pages: self.catalog.shared(physical),
+            digest_bytes: seq.lanes.iter().map(|l| l.digests().byte_len() as u64).sum(),
+            prefix_hashes: seq.hashes.len() as u64,
+            gone_by_reason: Reason::ALL
+                .iter()
+                .filter_map(|r| gone.get(r).map(|n| (*r, *n)))
+                .collect(),
+        }
+    }
+}
+
+fn check_hashes(hashes: Vec<Vec<u8>>) -> StoreResult<Vec<Arc<[u8]>>> {
+    let mut seen = HashSet::with_capacity(hashes.len());
+    hashes
+        .into_iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let field = format!("prefix_hashes[{i}]");
+            if h.is_empty() || h.len() > MAX_HASH_BYTES {
+                return Err(StoreError::invalid(
+                    field,
+                    format!("is {} bytes long, must be 1..={MAX_HASH_BYTES}", h.len()),
+                ));
+            }
+            let h: Arc<[u8]> = h.into();
+            if !seen.insert(Arc::clone(&h)) {
+                return Err(StoreError::invalid(
+                    field,
+                    "repeats an earlier hash; a hash chain names each prefix once",
+                ));
+            }
+            Ok(h)
+        })
+        .collect()
+}
+
+fn already_exists(key: &SequenceKey) -> StoreError {
+    StoreError::AlreadyExists {
+        what: format!("sequence {key}"),
+    }
+}
