@@ -386,25 +386,17 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
     let tier = |t: pb::Tier| Some(Action::Offload(pb::Offload { tier: t as i32 }));
     let sets: Vec<(pb::SetPageStateRequest, Code, &str)> = vec![
         (set(None), Code::InvalidArgument, "action:"),
-        (
-            set(tier(pb::Tier::Unspecified)),
-            Code::InvalidArgument,
-            "action.offload.tier:",
-        ),
-        (
-            set(tier(pb::Tier::Device)),
-            Code::InvalidArgument,
-            "action.offload.tier:",
-        ),
+        (set(tier(pb::Tier::Unspecified)), Code::InvalidArgument, "offload.tier:"),
+        (set(tier(pb::Tier::Device)), Code::InvalidArgument, "offload.tier:"),
         (
             set(Some(Action::Offload(pb::Offload { tier: 17 }))),
             Code::InvalidArgument,
-            "action.offload.tier:",
+            "offload.tier:",
         ),
         (
             set(Some(actions::summarize(0))),
             Code::InvalidArgument,
-            "action.summarize.rows:",
+            "summarize.rows:",
         ),
         (
             pb::SetPageStateRequest {

@@ -385,12 +385,12 @@ async fn bad_policy_requests_name_their_field_and_change_nothing() {
         ("layer_count", with(&|r| r.layer_count = 0), Code::InvalidArgument),
         ("layer_start", with(&|r| r.layer_start = 2), Code::InvalidArgument),
         (
-            "action.summarize.rows",
+            "summarize.rows",
             with(&|r| r.action = Some(Action::Summarize(pb::Summarize { rows: 0 }))),
             Code::InvalidArgument,
         ),
         (
-            "action.offload.tier",
+            "offload.tier",
             with(&|r| {
                 r.action = Some(Action::Offload(pb::Offload {
                     tier: pb::Tier::Device as i32,

@@ -1,3 +1,4 @@
+use crate::wire;
 use std::fmt;
 use std::sync::Arc;
 
@@ -80,8 +81,8 @@ impl SequenceId {
 impl SequenceKey {
     pub fn parse(tenant: &str, sequence: &str) -> Result<Self, FieldError> {
         Ok(Self {
-            tenant: TenantId::parse("tenant", tenant)?,
-            sequence: SequenceId::parse("sequence_id", sequence)?,
+            tenant: TenantId::parse(wire::TENANT.path, tenant)?,
+            sequence: SequenceId::parse(wire::SEQUENCE_ID.path, sequence)?,
         })
     }
 }

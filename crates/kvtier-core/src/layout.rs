@@ -1,3 +1,4 @@
+use crate::wire;
 use crate::{DType, FieldError};
 
 /// Layers `[first_layer, first_layer + num_layers)` read one shared KV
@@ -40,23 +41,24 @@ impl LayoutSpec {
 
 impl Layout {
     pub fn new(spec: LayoutSpec) -> Result<Self, FieldError> {
-        fn within(field: &str, value: u32, max: u32) -> Result<(), FieldError> {
+        fn within(field: wire::Field, value: u32, max: u32) -> Result<(), FieldError> {
             if value == 0 || value > max {
-                return Err(FieldError::new(
-                    format!("layout.{field}"),
-                    format!("is {value}, must be in 1..={max}"),
-                ));
+                return Err(FieldError::new(field, format!("is {value}, must be in 1..={max}")));
             }
             Ok(())
         }
-        within("num_layers", spec.num_layers, LayoutSpec::MAX_LAYERS)?;
-        within("num_kv_heads", spec.num_kv_heads, LayoutSpec::MAX_KV_HEADS)?;
-        within("num_query_heads", spec.num_query_heads, LayoutSpec::MAX_QUERY_HEADS)?;
-        within("head_dim", spec.head_dim, LayoutSpec::MAX_HEAD_DIM)?;
-        within("page_size", spec.page_size, LayoutSpec::MAX_PAGE_SIZE)?;
+        within(wire::LAYOUT_NUM_LAYERS, spec.num_layers, LayoutSpec::MAX_LAYERS)?;
+        within(wire::LAYOUT_NUM_KV_HEADS, spec.num_kv_heads, LayoutSpec::MAX_KV_HEADS)?;
+        within(
+            wire::LAYOUT_NUM_QUERY_HEADS,
+            spec.num_query_heads,
+            LayoutSpec::MAX_QUERY_HEADS,
+        )?;
+        within(wire::LAYOUT_HEAD_DIM, spec.head_dim, LayoutSpec::MAX_HEAD_DIM)?;
+        within(wire::LAYOUT_PAGE_SIZE, spec.page_size, LayoutSpec::MAX_PAGE_SIZE)?;
         if !spec.num_query_heads.is_multiple_of(spec.num_kv_heads) {
             return Err(FieldError::new(
-                "layout.num_query_heads",
+                wire::LAYOUT_NUM_QUERY_HEADS,
                 format!(
                     "is {}, must be a multiple of num_kv_heads ({})",
                     spec.num_query_heads, spec.num_kv_heads
@@ -65,7 +67,7 @@ impl Layout {
         }
         let mut group_of: Vec<Option<usize>> = vec![None; spec.num_layers as usize];
         for (g, group) in spec.layer_groups.iter().enumerate() {
-            let field = format!("layout.layer_groups[{g}]");
+            let field = wire::LAYOUT_LAYER_GROUPS.at(g);
             if group.num_layers < 2 {
                 return Err(FieldError::new(
                     field,

@@ -17,6 +17,7 @@ pub mod score;
 pub mod select;
 pub mod state;
 pub mod summary;
+pub mod wire;
 
 pub use digest::{DIGEST_CHUNK_PAGES, DigestColumn};
 pub use dtype::DType;

@@ -255,14 +255,14 @@ mod avx2 {
         N
     }
 
-    #[inline(always)]
+    /// The sum of the eight lanes. Callable only where AVX is enabled (the
+    /// kernel), which the compiler checks.
+    #[inline]
+    #[target_feature(enable = "avx")]
     fn horizontal_sum(v: __m256) -> f32 {
-        // SAFETY: only reached from `kernel`, which requires AVX2.
-        unsafe {
-            let pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-            let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
-            _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps::<0b01>(quad, quad)))
-        }
+        let pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
+        _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps::<0b01>(quad, quad)))
     }
 }
 

@@ -2,6 +2,7 @@
 //! names the protobuf field.
 
 use kvtier_core::select::{Aggregation, Ownership, Scope, Shard};
+use kvtier_core::wire;
 use kvtier_core::{Action, ColdTier, DType, LayerGroup, Layout, LayoutSpec, PageState, Reason, SequenceKey};
 use kvtier_proto::v1 as pb;
 use kvtier_store::{HeadSelection, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierKind, TransitionCount};
@@ -14,7 +15,7 @@ pub(crate) fn key(tenant: &str, sequence_id: &str) -> Result<SequenceKey, Status
 }
 
 /// Decodes a proto enum field, refusing unknown and unspecified values.
-fn enum_field<E: TryFrom<i32>>(field: &str, value: i32, names: &str) -> Result<E, Status> {
+fn enum_field<E: TryFrom<i32>>(field: wire::Field, value: i32, names: &str) -> Result<E, Status> {
     if value == 0 {
         return Err(invalid(field, format!("is required ({names})")));
     }
@@ -22,8 +23,8 @@ fn enum_field<E: TryFrom<i32>>(field: &str, value: i32, names: &str) -> Result<E
 }
 
 pub(crate) fn layout(layout: Option<pb::Layout>) -> Result<Layout, Status> {
-    let l = layout.ok_or_else(|| invalid("layout", "is required"))?;
-    let dtype = match enum_field("layout.dtype", l.dtype, "DTYPE_F32, DTYPE_F16, DTYPE_BF16")? {
+    let l = layout.ok_or_else(|| invalid(wire::LAYOUT, "is required"))?;
+    let dtype = match enum_field(wire::LAYOUT_DTYPE, l.dtype, "DTYPE_F32, DTYPE_F16, DTYPE_BF16")? {
         pb::DType::DtypeF32 => DType::F32,
         pb::DType::DtypeF16 => DType::F16,
         pb::DType::DtypeBf16 => DType::Bf16,
@@ -101,7 +102,7 @@ pub(crate) fn reason_to_pb(reason: Reason) -> pb::Reason {
     }
 }
 
-pub(crate) fn cold_tier(field: &str, tier: i32) -> Result<ColdTier, Status> {
+pub(crate) fn cold_tier(field: wire::Field, tier: i32) -> Result<ColdTier, Status> {
     match enum_field(field, tier, "TIER_HOST, TIER_NVME")? {
         pb::Tier::Host => Ok(ColdTier::Host),
         pb::Tier::Nvme => Ok(ColdTier::Nvme),
@@ -115,13 +116,13 @@ pub(crate) fn action(action: Option<pb::set_page_state_request::Action>) -> Resu
     use pb::set_page_state_request::Action as A;
     match action {
         None => Err(invalid(
-            "action",
+            wire::ACTION,
             "is required (offload, swap_in, migrate, summarize or evict)",
         )),
-        Some(A::Offload(o)) => Ok((Action::Offload(cold_tier("action.offload.tier", o.tier)?), 0)),
+        Some(A::Offload(o)) => Ok((Action::Offload(cold_tier(wire::OFFLOAD_TIER, o.tier)?), 0)),
         Some(A::SwapIn(_)) => Ok((Action::SwapIn, 0)),
-        Some(A::Migrate(m)) => Ok((Action::Migrate(cold_tier("action.migrate.tier", m.tier)?), 0)),
-        Some(A::Summarize(s)) if s.rows == 0 => Err(invalid("action.summarize.rows", "must be at least 1")),
+        Some(A::Migrate(m)) => Ok((Action::Migrate(cold_tier(wire::MIGRATE_TIER, m.tier)?), 0)),
+        Some(A::Summarize(s)) if s.rows == 0 => Err(invalid(wire::SUMMARIZE_ROWS, "must be at least 1")),
         Some(A::Summarize(s)) => Ok((Action::Summarize, s.rows)),
         Some(A::Evict(_)) => Ok((Action::Evict, 0)),
     }
@@ -220,7 +221,7 @@ pub(crate) fn stats_to_pb(s: &StatsSnapshot) -> pb::Stats {
 }
 
 /// Little-endian f32 values from a `bytes` field.
-pub(crate) fn f32s(field: &str, bytes: &[u8]) -> Result<Vec<f32>, Status> {
+pub(crate) fn f32s(field: wire::Field, bytes: &[u8]) -> Result<Vec<f32>, Status> {
     if !bytes.len().is_multiple_of(4) {
         return Err(invalid(
             field,
@@ -239,7 +240,7 @@ pub(crate) fn aggregation(value: i32) -> Result<Aggregation, Status> {
         Ok(pb::Aggregation::Mean) => Ok(Aggregation::Mean),
         Ok(pb::Aggregation::PerQueryHead) => Ok(Aggregation::PerQueryHead),
         Err(_) => Err(invalid(
-            "aggregation",
+            wire::AGGREGATION,
             format!("{value} is not one of AGGREGATION_MAX, AGGREGATION_MEAN, AGGREGATION_PER_QUERY_HEAD"),
         )),
     }
@@ -248,7 +249,7 @@ pub(crate) fn aggregation(value: i32) -> Result<Aggregation, Status> {
 pub(crate) fn shard(shard: Option<pb::ContextShard>) -> Result<Option<Shard>, Status> {
     let Some(s) = shard else { return Ok(None) };
     let ownership = match enum_field(
-        "shard.ownership",
+        wire::SHARD_OWNERSHIP,
         s.ownership,
         "OWNERSHIP_CONTIGUOUS, OWNERSHIP_STRIDED",
     )? {
@@ -256,7 +257,7 @@ pub(crate) fn shard(shard: Option<pb::ContextShard>) -> Result<Option<Shard>, St
         pb::Ownership::Strided => Ownership::Strided,
         pb::Ownership::Unspecified => unreachable!("refused by enum_field"),
     };
-    let scope = match enum_field("shard.scope", s.scope, "SCOPE_GLOBAL, SCOPE_LOCAL")? {
+    let scope = match enum_field(wire::SHARD_SCOPE, s.scope, "SCOPE_GLOBAL, SCOPE_LOCAL")? {
         pb::Scope::Global => Scope::Global,
         pb::Scope::Local => Scope::Local,
         pb::Scope::Unspecified => unreachable!("refused by enum_field"),

@@ -2,6 +2,7 @@
 //! reference method's defaults (`kvtier_core::policy`).
 
 use kvtier_core::policy::{Allocator, Pooling, Scorer, Window};
+use kvtier_core::wire;
 use kvtier_proto::v1 as pb;
 use kvtier_store::{PolicyAction, PolicySpec, Trigger};
 use tonic::Status;
@@ -25,7 +26,7 @@ fn scorer(policy: &pb::Policy) -> Result<Scorer, Status> {
     use pb::policy::Scorer as S;
     let scorer = policy.scorer.as_ref().ok_or_else(|| {
         invalid(
-            "policy.scorer",
+            wire::POLICY_SCORER,
             "is required (streaming, h2o, snapkv, tova, scissorhands or max_mass)",
         )
     })?;
@@ -45,7 +46,10 @@ fn scorer(policy: &pb::Policy) -> Result<Scorer, Status> {
         ) => {
             let kernel = or_default(p.kernel, kernel);
             if kernel.is_multiple_of(2) {
-                return Err(invalid("policy.snapkv.kernel", format!("is {kernel}; it must be odd")));
+                return Err(invalid(
+                    wire::POLICY_SNAPKV_KERNEL,
+                    format!("is {kernel}; it must be odd"),
+                ));
             }
             Scorer::SnapKv {
                 window_tokens: or_default(p.window_tokens, window_tokens),
@@ -78,7 +82,7 @@ fn scorer_name(scorer: &pb::policy::Scorer) -> &'static str {
 
 fn allocator(policy: &pb::Policy) -> Result<Allocator, Status> {
     use pb::policy::Allocator as A;
-    let positive = |field: &str, v: f64| {
+    let positive = |field: wire::Field, v: f64| {
         if v.is_finite() && v >= 0.0 {
             Ok(v)
         } else {
@@ -87,14 +91,17 @@ fn allocator(policy: &pb::Policy) -> Result<Allocator, Status> {
     };
     Ok(match &policy.allocator {
         None | Some(A::Uniform(_)) => Allocator::Uniform,
-        Some(A::Pyramid(p)) => match positive("policy.pyramid.beta", p.beta)? {
+        Some(A::Pyramid(p)) => match positive(wire::POLICY_PYRAMID_BETA, p.beta)? {
             0.0 => Allocator::defaults("pyramid").expect("known"),
             beta => Allocator::Pyramid { beta },
         },
-        Some(A::Ada(a)) => match positive("policy.ada.floor", a.floor)? {
+        Some(A::Ada(a)) => match positive(wire::POLICY_ADA_FLOOR, a.floor)? {
             0.0 => Allocator::defaults("ada").expect("known"),
             floor if floor > 1.0 => {
-                return Err(invalid("policy.ada.floor", format!("is {floor}; it must be at most 1")));
+                return Err(invalid(
+                    wire::POLICY_ADA_FLOOR,
+                    format!("is {floor}; it must be at most 1"),
+                ));
             }
             floor => Allocator::Ada { floor },
         },
@@ -104,12 +111,12 @@ fn allocator(policy: &pb::Policy) -> Result<Allocator, Status> {
 fn action(action: Option<&pb::apply_policy_request::Action>) -> Result<PolicyAction, Status> {
     use pb::apply_policy_request::Action as A;
     match action {
-        None => Err(invalid("action", "is required (offload, summarize or evict)")),
+        None => Err(invalid(wire::ACTION, "is required (offload, summarize or evict)")),
         Some(A::Offload(o)) => Ok(PolicyAction::Offload(crate::convert::cold_tier(
-            "action.offload.tier",
+            wire::OFFLOAD_TIER,
             o.tier,
         )?)),
-        Some(A::Summarize(s)) if s.rows == 0 => Err(invalid("action.summarize.rows", "must be at least 1")),
+        Some(A::Summarize(s)) if s.rows == 0 => Err(invalid(wire::SUMMARIZE_ROWS, "must be at least 1")),
         Some(A::Summarize(s)) => Ok(PolicyAction::Summarize { rows: s.rows }),
         Some(A::Evict(_)) => Ok(PolicyAction::Evict),
     }
@@ -121,19 +128,22 @@ fn trigger(value: i32, every_tokens: u32) -> Result<Option<Trigger>, Status> {
         Ok(pb::Trigger::Unspecified | pb::Trigger::Now) => Some(Trigger::Now),
         Ok(pb::Trigger::AfterPrefill) => Some(Trigger::AfterPrefill),
         Ok(pb::Trigger::EveryTokens) if every_tokens == 0 => {
-            return Err(invalid("every_tokens", "must be at least 1 with TRIGGER_EVERY_TOKENS"));
+            return Err(invalid(
+                wire::EVERY_TOKENS,
+                "must be at least 1 with TRIGGER_EVERY_TOKENS",
+            ));
         }
         Ok(pb::Trigger::EveryTokens) => Some(Trigger::EveryTokens(every_tokens)),
         Ok(pb::Trigger::Off) => None,
         Err(_) => {
             return Err(invalid(
-                "trigger",
+                wire::TRIGGER,
                 format!("{value} is not one of TRIGGER_NOW, TRIGGER_AFTER_PREFILL, TRIGGER_EVERY_TOKENS, TRIGGER_OFF"),
             ));
         }
     };
     if every_tokens != 0 && !matches!(trigger, Some(Trigger::EveryTokens(_))) {
-        return Err(invalid("every_tokens", "is only for TRIGGER_EVERY_TOKENS"));
+        return Err(invalid(wire::EVERY_TOKENS, "is only for TRIGGER_EVERY_TOKENS"));
     }
     Ok(trigger)
 }
@@ -144,7 +154,10 @@ pub(crate) fn spec(r: &pb::ApplyPolicyRequest) -> Result<Option<(PolicySpec, Tri
     let Some(trigger) = trigger(r.trigger, r.every_tokens)? else {
         return Ok(None);
     };
-    let policy = r.policy.as_ref().ok_or_else(|| invalid("policy", "is required"))?;
+    let policy = r
+        .policy
+        .as_ref()
+        .ok_or_else(|| invalid(wire::POLICY_SPEC, "is required"))?;
     Ok(Some((
         PolicySpec {
             layer_start: r.layer_start,

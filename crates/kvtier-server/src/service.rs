@@ -1,6 +1,7 @@
 //! `kvtier.v1.KvTier` handlers: validate, convert, call the store on a
 //! blocking thread, map errors. No logic of their own.
 
+use kvtier_core::wire;
 use std::sync::Arc;
 
 use kvtier_core::select::{Aggregation, Budget, Shard};
@@ -52,7 +53,7 @@ impl KvTierService {
 fn selection_inputs(r: &pb::SelectPagesRequest) -> Result<(Vec<f32>, Aggregation, Option<Shard>), Status> {
     if r.lease_ms as u128 > kvtier_store::MAX_LEASE.as_millis() {
         return Err(invalid(
-            "lease_ms",
+            wire::LEASE_MS,
             format!(
                 "is {}, at most {} allowed",
                 r.lease_ms,
@@ -61,10 +62,10 @@ fn selection_inputs(r: &pb::SelectPagesRequest) -> Result<(Vec<f32>, Aggregation
         ));
     }
     if r.deadline_us > 0 && !r.swap_in {
-        return Err(invalid("deadline_us", "applies to a swap-in; set swap_in too"));
+        return Err(invalid(wire::DEADLINE_US, "applies to a swap-in; set swap_in too"));
     }
     Ok((
-        convert::f32s("queries", &r.queries)?,
+        convert::f32s(wire::QUERIES, &r.queries)?,
         convert::aggregation(r.aggregation)?,
         convert::shard(r.shard)?,
     ))
@@ -135,7 +136,7 @@ fn chunk_limit(max_chunk_bytes: u32) -> Result<usize, Status> {
     match max_chunk_bytes as usize {
         0 => Ok(DEFAULT_CHUNK_BYTES),
         n if n > MAX_CHUNK_BYTES => Err(invalid(
-            "max_chunk_bytes",
+            wire::MAX_CHUNK_BYTES,
             format!("is {n}, at most {MAX_CHUNK_BYTES} allowed"),
         )),
         n => Ok(n),
@@ -273,7 +274,7 @@ impl KvTier for KvTierService {
         let max_bytes = chunk_limit(r.max_chunk_bytes)?;
         if !r.pages.is_empty() && !r.per_head_pages.is_empty() {
             return Err(invalid(
-                "per_head_pages",
+                wire::PER_HEAD_PAGES,
                 "give either pages or per_head_pages, not both",
             ));
         }
@@ -378,10 +379,10 @@ impl KvTier for KvTierService {
         let r = request.into_inner();
         let key = convert::key(&r.tenant, &r.sequence_id)?;
         for (set, field) in [
-            (r.include_data, "include_data"),
-            (r.swap_in, "swap_in"),
-            (r.deadline_us > 0, "deadline_us"),
-            (r.lease_ms > 0, "lease_ms"),
+            (r.include_data, wire::INCLUDE_DATA.path),
+            (r.swap_in, wire::SWAP_IN.path),
+            (r.deadline_us > 0, wire::DEADLINE_US.path),
+            (r.lease_ms > 0, wire::LEASE_MS.path),
         ] {
             if set {
                 return Err(invalid(
@@ -419,7 +420,10 @@ impl KvTier for KvTierService {
         let key = convert::key(&r.tenant, &r.sequence_id)?;
         let (action, summary_rows) = convert::action(r.action)?;
         if !r.pages.is_empty() && (r.first_page != 0 || r.page_count != 0) {
-            return Err(invalid("pages", "give either pages or first_page/page_count, not both"));
+            return Err(invalid(
+                wire::PAGES,
+                "give either pages or first_page/page_count, not both",
+            ));
         }
         let outcome = self
             .call(move |s| {
@@ -457,7 +461,7 @@ impl KvTier for KvTierService {
             self.call(move |s| s.unregister_policy(&key)).await?;
             return Ok(Response::new(pb::ApplyPolicyResponse::default()));
         };
-        let queries = convert::f32s("queries", &r.queries)?;
+        let queries = convert::f32s(wire::QUERIES, &r.queries)?;
         let outcome = self
             .call(move |s| {
                 s.apply_policy(
@@ -484,7 +488,10 @@ impl KvTier for KvTierService {
         let r = request.into_inner();
         let key = convert::key(&r.tenant, &r.sequence_id)?;
         if r.token_weights.is_empty() == r.page_weights.is_empty() {
-            return Err(invalid("token_weights", "give either token_weights or page_weights"));
+            return Err(invalid(
+                wire::TOKEN_WEIGHTS,
+                "give either token_weights or page_weights",
+            ));
         }
         self.call(move |s| {
             s.report_attention(

@@ -1,5 +1,7 @@
+use std::path::{Path, PathBuf};
+
 use kvtier_core::FieldError;
-use kvtier_tiers::TierError;
+use kvtier_tiers::{LockError, TierError};
 
 /// Everything a store operation can refuse. Each variant has exactly one
 /// status code in the API; the server maps them in one exhaustive `match`.
@@ -26,7 +28,7 @@ pub enum StoreError {
     Unavailable(TierError),
     /// The manifest could not be read, written or locked.
     #[error("{0}")]
-    Manifest(crate::ManifestError),
+    Manifest(ManifestError),
     /// A broken invariant inside the store; a bug, reported rather than
     /// served.
     #[error("internal error: {0}")]
@@ -64,3 +66,28 @@ impl From<TierError> for StoreError {
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
+
+/// The manifest's failures, kept apart from the tiers' I/O errors.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    #[error("manifest {op} failed on {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("manifest {path} cannot be read: {why}")]
+    Format { path: PathBuf, why: String },
+    #[error("the data directory is in use: {0}")]
+    InUse(LockError),
+}
+
+impl ManifestError {
+    pub(crate) fn io(op: &'static str, path: &Path, source: std::io::Error) -> Self {
+        Self::Io {
+            op,
+            path: path.to_owned(),
+            source,
+        }
+    }
+}

@@ -21,8 +21,8 @@ mod sync;
 
 pub use catalog::HeadRange;
 pub use device::SwapReport;
-pub use durability::{Acknowledged, Durability, ManifestError, Recovered};
-pub use error::{StoreError, StoreResult};
+pub use durability::{Acknowledged, Durability, Recovered};
+pub use error::{ManifestError, StoreError, StoreResult};
 pub use kvtier_core::policy::{PolicyAction, PolicySpec, Trigger};
 pub use kvtier_tiers::{EngineChoice, NvmeConfig, Tier, TierError, TierKind};
 pub use lease::MAX_LEASE;

@@ -120,7 +120,9 @@ impl Placement {
             (None, Some(_), ..) => PageState::Hot,
             (None, None, Some(_), _) => PageState::Cold(ColdTier::Host),
             (None, None, None, Some(_)) => PageState::Cold(ColdTier::Nvme),
-            (None, None, None, None) => unreachable!("a page that is not lost has a host or an nvme copy"),
+            // Not lost yet without a copy: never the case, and never served
+            // if it were.
+            (None, None, None, None) => PageState::Gone,
         }
     }
 

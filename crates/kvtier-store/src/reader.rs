@@ -2,6 +2,7 @@
 //! or NVMe in one CRC-checked batch), promotion of NVMe-only pages back to
 //! host memory, and a host copy on demand for the writes that need one.
 
+use kvtier_core::wire;
 use std::sync::Arc;
 
 use kvtier_core::{Layout, LogicalPage, PageState, Reason};
@@ -208,7 +209,7 @@ impl Reader<'_> {
         }
         let whole = self.originals(layout, &[(Arc::clone(page), layout.page_size())])?;
         let Some(bytes) = whole.into_iter().next().flatten() else {
-            return Err(StoreError::precondition("pages", "the page's bytes are lost"));
+            return Err(StoreError::precondition(wire::PAGES, "the page's bytes are lost"));
         };
         let host = self.host.tier();
         let mut slot = self.host.allocate(layout.page_bytes() as u64, self.durable, spent)?;

@@ -92,24 +92,8 @@ impl Tier for ArenaTier {
         self.emulated
     }
 
-    fn capacity_bytes(&self) -> u64 {
-        self.allocator.capacity()
-    }
-
-    fn used_bytes(&self) -> u64 {
-        self.allocator.used()
-    }
-
-    fn slots(&self) -> u64 {
-        self.allocator.live()
-    }
-
-    fn allocate(&self, len: u64) -> Result<Slot, TierError> {
-        self.allocator.allocate(len)
-    }
-
-    fn claim(&self, offset: u64, len: u64) -> Result<Slot, TierError> {
-        self.allocator.allocate_at(offset, len)
+    fn allocator(&self) -> &Arc<ExtentAllocator> {
+        &self.allocator
     }
 
     fn write(&self, slot: &mut Slot, offset: u64, src: &[u8]) -> Result<(), TierError> {

@@ -89,20 +89,8 @@ impl<T: Tier> Tier for FaultyTier<T> {
     fn emulated(&self) -> bool {
         self.inner.emulated()
     }
-    fn capacity_bytes(&self) -> u64 {
-        self.inner.capacity_bytes()
-    }
-    fn used_bytes(&self) -> u64 {
-        self.inner.used_bytes()
-    }
-    fn slots(&self) -> u64 {
-        self.inner.slots()
-    }
-    fn allocate(&self, len: u64) -> Result<Slot, TierError> {
-        self.inner.allocate(len)
-    }
-    fn claim(&self, offset: u64, len: u64) -> Result<Slot, TierError> {
-        self.inner.claim(offset, len)
+    fn allocator(&self) -> &Arc<crate::ExtentAllocator> {
+        self.inner.allocator()
     }
     fn write(&self, slot: &mut Slot, offset: u64, src: &[u8]) -> Result<(), TierError> {
         match self.write_fault(src.len(), slot.offset() + offset) {

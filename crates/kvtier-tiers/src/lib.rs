@@ -122,17 +122,29 @@ pub trait Tier: Send + Sync + fmt::Debug {
     /// True when this tier stands in for hardware that is absent (the emulated
     /// device); every output that reports on it says so.
     fn emulated(&self) -> bool;
-    fn capacity_bytes(&self) -> u64;
+    /// The allocator that carves this tier's capacity into slots.
+    fn allocator(&self) -> &Arc<ExtentAllocator>;
+    fn capacity_bytes(&self) -> u64 {
+        self.allocator().capacity()
+    }
     /// Bytes reserved by live slots, including alignment padding; never above
     /// the capacity.
-    fn used_bytes(&self) -> u64;
+    fn used_bytes(&self) -> u64 {
+        self.allocator().used()
+    }
     /// Number of live slots.
-    fn slots(&self) -> u64;
+    fn slots(&self) -> u64 {
+        self.allocator().live()
+    }
     /// Reserves a slot of `len` bytes, or says the tier is full.
-    fn allocate(&self, len: u64) -> Result<Slot, TierError>;
+    fn allocate(&self, len: u64) -> Result<Slot, TierError> {
+        self.allocator().allocate(len)
+    }
     /// Reserves exactly the slot at `offset` (one named by a manifest when
     /// recovering), or says why not.
-    fn claim(&self, offset: u64, len: u64) -> Result<Slot, TierError>;
+    fn claim(&self, offset: u64, len: u64) -> Result<Slot, TierError> {
+        self.allocator().allocate_at(offset, len)
+    }
     /// Copies `src` into the slot at `offset`.
     fn write(&self, slot: &mut Slot, offset: u64, src: &[u8]) -> Result<(), TierError>;
     /// Copies slot bytes at `offset` into `dst`.

@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use kvtier_core::policy::TokenStats;
-use kvtier_core::{Lane, Layout, PageState, SequenceKey};
+use kvtier_core::{Lane, Layout, PageState, SequenceKey, wire};
 
 use crate::page::{ShareKey, StoreLane};
 use crate::{StoreError, StoreResult};
@@ -75,10 +75,10 @@ impl Sequence {
         }
     }
 
-    pub(crate) fn check_layer(&self, field: &str, layer: u32) -> StoreResult<()> {
+    pub(crate) fn check_layer(&self, layer: u32) -> StoreResult<()> {
         if layer >= self.layout.num_layers() {
             return Err(StoreError::invalid(
-                field,
+                wire::LAYER,
                 format!("is {layer}, but the layout has {} layers", self.layout.num_layers()),
             ));
         }
@@ -87,8 +87,8 @@ impl Sequence {
 
     pub(crate) fn check_layers(&self, start: u32, count: u32) -> StoreResult<Range<u32>> {
         check_range(
-            "layer_start",
-            "layer_count",
+            wire::LAYER_START,
+            wire::LAYER_COUNT,
             start,
             count,
             self.layout.num_layers(),
@@ -98,8 +98,8 @@ impl Sequence {
 
     pub(crate) fn check_heads(&self, heads: HeadRange) -> StoreResult<Range<u32>> {
         check_range(
-            "kv_head_start",
-            "kv_head_count",
+            wire::KV_HEAD_START,
+            wire::KV_HEAD_COUNT,
             heads.start,
             heads.count,
             self.layout.num_kv_heads(),
@@ -125,8 +125,8 @@ impl Sequence {
 }
 
 fn check_range(
-    start_field: &str,
-    count_field: &str,
+    start_field: wire::Field,
+    count_field: wire::Field,
     start: u32,
     count: u32,
     limit: u32,

@@ -2,6 +2,7 @@
 //! `Persist` records, read back in batches and checked against their CRC,
 //! given up with a `Lost` or `Unpersist` record.
 
+use kvtier_core::wire;
 use std::sync::Arc;
 
 use kvtier_core::{ColdTier, Layout, PageState, Reason};
@@ -58,7 +59,10 @@ impl Durable {
     /// pages that moved or were copied.
     pub(crate) fn write_copies(&self, pages: &[Arc<PhysPage>], keep: Keep, reason: Reason) -> StoreResult<usize> {
         let Some(nvme) = self.nvme.as_ref() else {
-            return Err(StoreError::precondition("action", "the nvme tier is not configured"));
+            return Err(StoreError::precondition(
+                wire::ACTION,
+                "the nvme tier is not configured",
+            ));
         };
         let mut moved = 0;
         let mut pending = Vec::new();

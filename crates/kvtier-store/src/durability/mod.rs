@@ -60,10 +60,9 @@ mod record;
 mod recover;
 mod snapshot;
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kvtier_tiers::{LockError, Slot, Tier};
+use kvtier_tiers::{Slot, Tier};
 
 pub(crate) use copies::{CopyRead, Keep};
 pub(crate) use image::Image;
@@ -73,6 +72,7 @@ pub(crate) use persist::{created_records, gone_record, map_record, summary_recor
 pub(crate) use record::Record;
 pub use recover::Recovered;
 
+use crate::error::ManifestError;
 use crate::stats::Counters;
 use crate::{StoreError, StoreResult};
 use ids::PageIds;
@@ -86,31 +86,6 @@ pub enum Durability {
     /// Written to the OS before the acknowledgement, not synced: survives the
     /// process being killed, not power loss.
     Relaxed,
-}
-
-/// The manifest's failures, kept apart from the tiers' I/O errors.
-#[derive(Debug, thiserror::Error)]
-pub enum ManifestError {
-    #[error("manifest {op} failed on {path}: {source}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("manifest {path} cannot be read: {why}")]
-    Format { path: PathBuf, why: String },
-    #[error("the data directory is in use: {0}")]
-    InUse(LockError),
-}
-
-impl ManifestError {
-    pub(crate) fn io(op: &'static str, path: &Path, source: std::io::Error) -> Self {
-        Self::Io {
-            op,
-            path: path.to_owned(),
-            source,
-        }
-    }
 }
 
 /// What survives a restart: the manifest (when there is an NVMe tier),

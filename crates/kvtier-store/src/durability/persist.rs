@@ -2,6 +2,7 @@
 //! wrote would survive a restart, and the records that describe a
 //! sequence's logical pages.
 
+use kvtier_core::wire;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -33,7 +34,10 @@ impl Durable {
     /// row of those lanes is durable once this returns `Ok`.
     pub(crate) fn persist_lanes(&self, seq: &mut Sequence, lanes: &[usize]) -> StoreResult<Acknowledged> {
         let (Some(nvme), Some(manifest)) = (&self.nvme, &self.manifest) else {
-            return Err(StoreError::precondition("persist", "persisting needs the nvme tier"));
+            return Err(StoreError::precondition(
+                wire::PERSIST,
+                "persisting needs the nvme tier",
+            ));
         };
         let mut pages: BTreeMap<u64, Arc<PhysPage>> = BTreeMap::new();
         for &lane in lanes {

@@ -27,7 +27,7 @@ impl Durable {
         let mut copies: BTreeMap<u64, Record> = BTreeMap::new();
         for cell in catalog.cells() {
             let lanes = {
-                let seq = read(&cell);
+                let seq = cell.read_behind_writers();
                 if seq.dropped {
                     continue;
                 }
@@ -39,7 +39,7 @@ impl Durable {
                 seq.lanes.len()
             };
             for lane in 0..lanes {
-                let seq = read(&cell);
+                let seq = cell.read_behind_writers();
                 if seq.dropped {
                     break;
                 }

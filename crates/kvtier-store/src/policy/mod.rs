@@ -8,6 +8,7 @@
 
 mod attention;
 
+use kvtier_core::wire;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
@@ -141,7 +142,7 @@ fn score_lane(
     let scored = spec
         .scorer
         .score(&input, budget_pages)
-        .map_err(|e| StoreError::precondition("policy", format!("layer {layer} KV head {head}: {e}")))?;
+        .map_err(|e| StoreError::precondition(wire::POLICY_SPEC, format!("layer {layer} KV head {head}: {e}")))?;
     // Appends write into a partial last page: it is never a candidate.
     let l = &seq.lanes[lane];
     let partial_last = l

@@ -1,6 +1,7 @@
 //! FetchPages: pages by (layer, KV-head range, page list) with their state,
 //! in chunks of bounded size.
 
+use kvtier_core::wire;
 use kvtier_core::{LogicalPage, PageState, SequenceKey};
 
 use super::Store;
@@ -43,8 +44,8 @@ impl<'a> PageList<'a> {
     /// The protobuf field path of entry `j` of head `i`'s list.
     fn field(&self, i: usize, j: usize) -> String {
         match self {
-            PageList::PerHead(_) => format!("per_head_pages[{i}].pages[{j}]"),
-            _ => format!("pages[{j}]"),
+            PageList::PerHead(_) => wire::per_head_page(i, j),
+            _ => wire::PAGES.at(j),
         }
     }
 }
@@ -115,14 +116,14 @@ impl Store {
 
 /// The (KV head, lane) pairs a fetch reads, after checking its page lists.
 fn check_fetch(seq: &Sequence, req: &FetchPages<'_>) -> StoreResult<Vec<(u32, usize)>> {
-    seq.check_layer("layer", req.layer)?;
+    seq.check_layer(req.layer)?;
     let heads = seq.check_heads(req.heads)?;
     let lanes: Vec<(u32, usize)> = seq.lanes_of(req.layer, heads).collect();
     if let PageList::PerHead(lists) = req.pages
         && lists.len() != lanes.len()
     {
         return Err(StoreError::invalid(
-            "per_head_pages",
+            wire::PER_HEAD_PAGES,
             format!(
                 "has {} lists for {} KV heads; give one per head",
                 lists.len(),

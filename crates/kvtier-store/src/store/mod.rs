@@ -22,29 +22,37 @@
 //! # Lock order
 //!
 //! Every lock of the store, in the only order in which one is taken while
-//! another is held:
+//! another is held (a lock may be skipped, never taken after a later one):
 //!
-//! 1. a sequence's lock (`catalog`);
-//! 2. the map of sequences (`catalog`; a drop removes its sequence while
-//!    holding its lock);
-//! 3. the physical page table (`catalog`);
-//! 4. a physical page's placement lock (`PhysPage::place`);
-//! 5. the host cache's `migrating` (held across a migration's I/O; nothing
-//!    above it is held then but a sequence's lock);
-//! 6. the LRUs (`host`, `device`): one entry at a time, never a page lock
-//!    under them;
-//! 7. leases, the workers' queue, page ids;
-//! 8. the journal's file, then its record buffer (`durability`).
+//! 1. a sequence's lock (`catalog`): read for reads, write for changes;
+//! 2. the map of sequences (`catalog`): held only to find, add or remove
+//!    one (a drop removes its sequence while holding its lock);
+//! 3. the physical page table (`catalog`): bookkeeping only;
+//! 4. the host cache's `migrating` (`host.rs`): held across one migration's
+//!    NVMe writes, so that a second allocation waits for the first one's
+//!    room;
+//! 5. a physical page's placement lock (`PhysPage::place`), one at a time;
+//! 6. page ids (`durability/ids.rs`), then the journal's file, then its
+//!    record buffer (`durability/journal.rs`): records about a page are
+//!    appended while its placement (or its sequence's) lock is held, so the
+//!    journal orders them as the changes happened.
 //!
-//! A page lock is never held across I/O, except the in-place fill of an
-//! append (memory only). Calls that hold a sequence's lock across NVMe I/O:
+//! The LRUs (`host.rs`, `device/`), the leases and the workers' queue are
+//! leaves: held alone, for one update, never while a page's lock is held
+//! and never with another lock taken under them (a reader touches the LRU
+//! after releasing the page; migration and demotion pop one entry at a
+//! time, then take the page's lock).
+//!
+//! A page lock is never held across I/O (the in-place fill of an append
+//! writes memory only). Calls that hold a sequence's lock across NVMe I/O:
 //! writes (migrating to make room, persisting), selections and fetches
 //! (reading NVMe-only pages, swap-in), policies (reading pages for the
 //! attention of given queries). They hold it because the lane must not
 //! change under them: a write owns the lane's end, and a selection's pages
 //! must be the ones its bounds ranked. A sequence's I/O therefore delays
 //! only that sequence; the background migration, demotion and checkpoint
-//! never take a sequence's write lock.
+//! never take a sequence's write lock (a checkpoint takes each sequence's
+//! read lock for one lane at a time).
 
 mod fetch;
 mod policy;
@@ -73,7 +81,6 @@ use crate::lease::Leases;
 use crate::page::StorePage;
 use crate::reader::Reader;
 use crate::stats::{Counters, StateCounts, StatsSnapshot, TierStats};
-use crate::sync::read;
 use crate::{StoreError, StoreResult};
 
 /// Sizes and placement choices.
@@ -316,6 +323,12 @@ impl Store {
         self.host.forget(freed.iter().map(|p| p.id));
     }
 
+    /// Rewrites the manifest compactly now, as the store does by itself
+    /// once it passes `checkpoint_bytes` (nothing without an NVMe tier).
+    pub fn checkpoint(&self) {
+        self.durable.checkpoint(&self.catalog);
+    }
+
     /// Waits until background swap-ins and prefetches have finished (for
     /// benchmarks and tests that measure their effect).
     pub fn wait_idle(&self) {
@@ -326,7 +339,7 @@ impl Store {
         let cells = self.catalog.cells();
         let mut pages = StateCounts::default();
         for cell in &cells {
-            let seq = read(cell);
+            let seq = cell.read();
             for page in seq.lanes.iter().flat_map(|l| l.pages()) {
                 pages.add(crate::page::state_of(page));
             }

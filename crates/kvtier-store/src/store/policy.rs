@@ -3,6 +3,7 @@
 //! itself as the sequence grows, and the attention workers report.
 
 use kvtier_core::policy::{PolicyAction, PolicySpec, RegisteredPolicy, Trigger};
+use kvtier_core::wire;
 use kvtier_core::{ColdTier, Reason, SequenceKey};
 
 use super::Store;
@@ -47,7 +48,7 @@ impl Store {
                 Trigger::Now => self.run_policy(seq, req.spec, req.queries, Reason::Policy),
                 trigger => {
                     if trigger == Trigger::EveryTokens(0) {
-                        return Err(StoreError::invalid("every_tokens", "must be at least 1"));
+                        return Err(StoreError::invalid(wire::EVERY_TOKENS, "must be at least 1"));
                     }
                     seq.auto_policy = Some(RegisteredPolicy::new(req.spec.clone(), trigger));
                     Ok(PolicyOutcome::default())
@@ -68,12 +69,12 @@ impl Store {
 
     fn check_policy(&self, spec: &PolicySpec) -> StoreResult<()> {
         if spec.budget_tokens == 0 {
-            return Err(StoreError::invalid("budget_tokens", "must be at least 1"));
+            return Err(StoreError::invalid(wire::BUDGET_TOKENS, "must be at least 1"));
         }
         match spec.action {
-            PolicyAction::Summarize { rows: 0 } => Err(StoreError::invalid("summarize.rows", "must be at least 1")),
+            PolicyAction::Summarize { rows: 0 } => Err(StoreError::invalid(wire::SUMMARIZE_ROWS, "must be at least 1")),
             PolicyAction::Offload(ColdTier::Nvme) if self.durable.nvme().is_none() => Err(StoreError::precondition(
-                "offload.tier",
+                wire::OFFLOAD_TIER,
                 "the nvme tier is not configured",
             )),
             _ => Ok(()),
@@ -131,15 +132,15 @@ impl Store {
     /// Records one query's attention per KV head.
     pub fn report_attention(&self, key: &SequenceKey, req: ReportAttention<'_>) -> StoreResult<()> {
         if let Some(rho) = req.decay.filter(|r| !(*r > 0.0 && *r <= 1.0)) {
-            return Err(StoreError::invalid("decay", format!("is {rho}; must be in (0, 1]")));
+            return Err(StoreError::invalid(wire::DECAY, format!("is {rho}; must be in (0, 1]")));
         }
         self.catalog.write(key, |seq| {
-            seq.check_layer("layer", req.layer)?;
+            seq.check_layer(req.layer)?;
             let heads = seq.check_heads(req.heads)?;
             let page_size = seq.layout.page_size() as usize;
             let (field, weights) = match req.weights {
-                AttentionWeights::Tokens(w) => ("token_weights", w),
-                AttentionWeights::Pages(w) => ("page_weights", w),
+                AttentionWeights::Tokens(w) => (wire::TOKEN_WEIGHTS, w),
+                AttentionWeights::Pages(w) => (wire::PAGE_WEIGHTS, w),
             };
             if weights.is_empty() || !weights.len().is_multiple_of(heads.len()) {
                 return Err(StoreError::invalid(
@@ -193,7 +194,7 @@ fn check_queries(seq: &Sequence, req: &ApplyPolicy<'_>) -> StoreResult<()> {
     let layers = req.spec.layer_count as usize;
     if !req.queries.len().is_multiple_of(query_len * layers) {
         return Err(StoreError::invalid(
-            "queries",
+            wire::QUERIES,
             format!(
                 "holds {} floats, not the same whole number of queries of {query_len} \
                  (query heads × head_dim) for each of {layers} layers",
@@ -202,11 +203,11 @@ fn check_queries(seq: &Sequence, req: &ApplyPolicy<'_>) -> StoreResult<()> {
         ));
     }
     if let Some(i) = req.queries.iter().position(|q| !q.is_finite()) {
-        return Err(StoreError::invalid("queries", format!("value {i} is not finite")));
+        return Err(StoreError::invalid(wire::QUERIES, format!("value {i} is not finite")));
     }
     if req.trigger != Trigger::Now && !req.queries.is_empty() {
         return Err(StoreError::invalid(
-            "queries",
+            wire::QUERIES,
             "only a policy applied now takes queries; a registered one scores by reported attention",
         ));
     }

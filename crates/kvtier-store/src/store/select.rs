@@ -5,6 +5,7 @@
 
 use kvtier_core::score::score_column;
 use kvtier_core::select::{Aggregation, Budget, Shard, select};
+use kvtier_core::wire;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -142,7 +143,7 @@ impl Store {
     }
 
     fn select_locked(self: &Arc<Self>, seq: &Sequence, req: SelectPages<'_>) -> StoreResult<Selection> {
-        seq.check_layer("layer", req.layer)?;
+        seq.check_layer(req.layer)?;
         let heads = seq.check_heads(req.heads)?;
         check_request(seq, &req)?;
         let mut out = Selection {
@@ -427,7 +428,7 @@ fn check_request(seq: &Sequence, req: &SelectPages<'_>) -> StoreResult<()> {
     let expected = req.heads.count as usize * group * d;
     if req.queries.len() != expected {
         return Err(StoreError::invalid(
-            "queries",
+            wire::QUERIES,
             format!(
                 "holds {} f32 values, but {} KV heads × {group} query heads each × head_dim {d} = {expected}",
                 req.queries.len(),
@@ -437,7 +438,7 @@ fn check_request(seq: &Sequence, req: &SelectPages<'_>) -> StoreResult<()> {
     }
     if let Some(i) = req.queries.iter().position(|q| !q.is_finite()) {
         return Err(StoreError::invalid(
-            "queries",
+            wire::QUERIES,
             format!(
                 "element {i} (query head {} of the request, dim {}) is not finite",
                 i / d,
@@ -447,11 +448,11 @@ fn check_request(seq: &Sequence, req: &SelectPages<'_>) -> StoreResult<()> {
     }
     let b = req.budget;
     if b.pages == 0 {
-        return Err(StoreError::invalid("budget_pages", "must be at least 1"));
+        return Err(StoreError::invalid(wire::BUDGET_PAGES, "must be at least 1"));
     }
     if b.sinks + b.window > b.pages {
         return Err(StoreError::invalid(
-            "sink_pages",
+            wire::SINK_PAGES,
             format!(
                 "sink_pages ({}) + window_pages ({}) exceed budget_pages ({}); they count against the budget",
                 b.sinks, b.window, b.pages
@@ -461,13 +462,13 @@ fn check_request(seq: &Sequence, req: &SelectPages<'_>) -> StoreResult<()> {
     if let Some(s) = req.shard {
         if s.world == 0 || s.world > 4096 {
             return Err(StoreError::invalid(
-                "shard.world",
+                wire::SHARD_WORLD,
                 format!("is {}, must be in 1..=4096", s.world),
             ));
         }
         if s.rank >= s.world {
             return Err(StoreError::invalid(
-                "shard.rank",
+                wire::SHARD_RANK,
                 format!("is {}, must be below world ({})", s.rank, s.world),
             ));
         }

@@ -1,5 +1,6 @@
 //! Creating, dropping and describing sequences.
 
+use kvtier_core::wire;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
@@ -10,7 +11,7 @@ use crate::catalog::{Sequence, not_found};
 use crate::durability::{Record, created_records};
 use crate::page::StorePage;
 use crate::stats::{SequenceInfo, StateCounts, TierBytes};
-use crate::sync::{read, write};
+use crate::sync::read;
 use crate::{StoreError, StoreResult};
 
 /// A new sequence and how many leading pages it shares with earlier ones.
@@ -55,7 +56,7 @@ impl Store {
     /// Durable before it returns: a crash cannot bring the sequence back.
     pub fn drop_sequence(&self, key: &SequenceKey) -> StoreResult<()> {
         let cell = self.catalog.cell(key)?;
-        let mut seq = write(&cell);
+        let mut seq = cell.write();
         if seq.dropped {
             return Err(not_found(key));
         }
@@ -134,7 +135,7 @@ fn check_hashes(hashes: Vec<Vec<u8>>) -> StoreResult<Vec<Arc<[u8]>>> {
         .into_iter()
         .enumerate()
         .map(|(i, h)| {
-            let field = format!("prefix_hashes[{i}]");
+            let field = wire::PREFIX_HASHES.at(i);
             if h.is_empty() || h.len() > MAX_HASH_BYTES {
                 return Err(StoreError::invalid(
                     field,

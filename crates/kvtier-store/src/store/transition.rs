@@ -2,6 +2,7 @@
 //! page is checked against the state machine and every slot reserved before
 //! anything changes.
 
+use kvtier_core::wire;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -67,16 +68,16 @@ impl Store {
         summary_rows: u32,
         reason: Reason,
     ) -> StoreResult<()> {
-        let to = |t: &Target| {
-            t.from.apply(action).map_err(|e| {
+        // Every (from, to) the action makes, counted once it is done.
+        let mut made: BTreeMap<(usize, usize), (PageState, PageState, u64)> = BTreeMap::new();
+        for t in targets {
+            let to = t.from.apply(action).map_err(|e| {
                 StoreError::precondition(
-                    "action",
+                    wire::ACTION,
                     format!("layer {} KV head {} page {}: {e}", t.layer, t.head, t.page),
                 )
-            })
-        };
-        for t in targets {
-            to(t)?;
+            })?;
+            made.entry((t.from.index(), to.index())).or_insert((t.from, to, 0)).2 += 1;
         }
         if matches!(action, Action::Offload(_) | Action::Migrate(_)) {
             self.check_unpinned(seq, targets)?;
@@ -88,15 +89,8 @@ impl Store {
             Action::Summarize => self.summarize(seq, targets, summary_rows, reason)?,
             Action::Evict => self.evict(seq, targets, reason),
         }
-        let mut by_from = [0u64; PageState::COUNT];
-        for t in targets {
-            by_from[t.from.index()] += 1;
-        }
-        for from in PageState::ALL {
-            if by_from[from.index()] > 0 {
-                let to = from.apply(action).expect("checked above");
-                self.counters.transition(from, to, reason, by_from[from.index()]);
-            }
+        for (from, to, pages) in made.into_values() {
+            self.counters.transition(from, to, reason, pages);
         }
         Ok(())
     }
@@ -107,10 +101,16 @@ impl Store {
         let heads = seq.check_heads(req.heads)?;
         match req.action {
             Action::Offload(ColdTier::Nvme) | Action::Migrate(ColdTier::Nvme) if self.durable.nvme().is_none() => {
-                return Err(StoreError::precondition("action", "the nvme tier is not configured"));
+                return Err(StoreError::precondition(
+                    wire::ACTION,
+                    "the nvme tier is not configured",
+                ));
             }
             Action::Summarize if req.summary_rows == 0 => {
-                return Err(StoreError::invalid("summary_rows", "must be at least 1 to summarize"));
+                return Err(StoreError::invalid(
+                    wire::SUMMARIZE_ROWS,
+                    "must be at least 1 to summarize",
+                ));
             }
             _ => {}
         }
@@ -119,7 +119,7 @@ impl Store {
             for (i, p) in pages.iter().enumerate() {
                 if let Some(first) = seen.insert(*p, i) {
                     return Err(StoreError::invalid(
-                        format!("pages[{i}]"),
+                        wire::PAGES.at(i),
                         format!("repeats pages[{first}]"),
                     ));
                 }
@@ -144,25 +144,25 @@ impl Store {
             let pages: Vec<usize> = match req.pages {
                 PageSelection::Range { first, count: 0 } if first as usize <= held => (first as usize..held).collect(),
                 PageSelection::Range { first, count: 0 } => {
-                    return Err(out_of_range("first_page".into(), first as usize));
+                    return Err(out_of_range(wire::FIRST_PAGE.into(), first as usize));
                 }
                 PageSelection::Range { first, count } => {
                     let end = first as usize + count as usize;
                     if end > held {
-                        return Err(out_of_range("page_count".into(), end - 1));
+                        return Err(out_of_range(wire::PAGE_COUNT.into(), end - 1));
                     }
                     (first as usize..end).collect()
                 }
                 PageSelection::List(list) => {
                     if let Some((i, p)) = list.iter().enumerate().find(|(_, p)| **p as usize >= held) {
-                        return Err(out_of_range(format!("pages[{i}]"), *p as usize));
+                        return Err(out_of_range(wire::PAGES.at(i), *p as usize));
                     }
                     list.iter().map(|p| *p as usize).collect()
                 }
             };
             for page in pages {
                 let Some(logical) = seq.lanes[lane].page(page) else {
-                    return Err(out_of_range(format!("pages[{page}]"), page));
+                    return Err(out_of_range(wire::PAGES.at(page), page));
                 };
                 let from = state_of(logical);
                 targets.push(Target {
@@ -175,23 +175,35 @@ impl Store {
             }
         }
         if targets.is_empty() {
-            return Err(StoreError::invalid("page_count", "selects no pages"));
+            return Err(StoreError::invalid(wire::PAGE_COUNT, "selects no pages"));
         }
         Ok(targets)
     }
 
-    fn physical<'s>(seq: &'s Sequence, t: &Target) -> &'s crate::page::PageRef {
+    /// The physical page of a target the state machine admitted as holding
+    /// original bytes.
+    fn physical<'s>(seq: &'s Sequence, t: &Target) -> StoreResult<&'s crate::page::PageRef> {
         match seq.lanes[t.lane].page(t.page) {
-            Some(LogicalPage::Physical(r)) => r,
-            _ => unreachable!("the state machine admitted only pages with original bytes"),
+            Some(LogicalPage::Physical(r)) => Ok(r),
+            _ => Err(StoreError::Internal(format!(
+                "layer {} KV head {} page {} has no physical page",
+                t.layer, t.head, t.page
+            ))),
         }
     }
 
     /// Leased pages may not move.
     fn check_unpinned(&self, seq: &Sequence, targets: &[Target]) -> StoreResult<()> {
-        match targets.iter().find(|t| Self::physical(seq, t).page.pinned()) {
+        let mut pinned = None;
+        for t in targets {
+            if Self::physical(seq, t)?.page.pinned() {
+                pinned = Some(t);
+                break;
+            }
+        }
+        match pinned {
             Some(t) => Err(StoreError::precondition(
-                "action",
+                wire::ACTION,
                 format!(
                     "layer {} KV head {} page {} is leased or being swapped in; it cannot move now",
                     t.layer, t.head, t.page
@@ -201,17 +213,17 @@ impl Store {
         }
     }
 
-    fn pages_of(seq: &Sequence, targets: &[Target]) -> Vec<Arc<PhysPage>> {
+    fn pages_of(seq: &Sequence, targets: &[Target]) -> StoreResult<Vec<Arc<PhysPage>>> {
         targets
             .iter()
-            .map(|t| Arc::clone(&Self::physical(seq, t).page))
+            .map(|t| Self::physical(seq, t).map(|r| Arc::clone(&r.page)))
             .collect()
     }
 
     /// hot → cold(tier): make sure the backing copy exists in `tier`, then
     /// drop the device copy.
     fn offload(&self, seq: &Sequence, targets: &[Target], tier: ColdTier, reason: Reason) -> StoreResult<()> {
-        let pages = Self::pages_of(seq, targets);
+        let pages = Self::pages_of(seq, targets)?;
         let reader = self.reader();
         for page in &pages {
             reader.ensure_host(page, &seq.layout, reason, &mut MigrationTime::default())?;
@@ -228,7 +240,7 @@ impl Store {
 
     /// cold(a) → cold(b).
     fn migrate(&self, seq: &Sequence, targets: &[Target], tier: ColdTier, reason: Reason) -> StoreResult<()> {
-        let pages = Self::pages_of(seq, targets);
+        let pages = Self::pages_of(seq, targets)?;
         let reader = self.reader();
         match tier {
             ColdTier::Nvme => self.durable.write_copies(&pages, Keep::Nothing, reason).map(drop),
@@ -258,7 +270,7 @@ impl Store {
             .iter()
             .map(|_| self.device.allocate(len, &self.host))
             .collect::<Result<_, _>>()?;
-        let pages: Vec<(Arc<PhysPage>, u32)> = Self::pages_of(seq, targets)
+        let pages: Vec<(Arc<PhysPage>, u32)> = Self::pages_of(seq, targets)?
             .into_iter()
             .map(|p| (p, layout.page_size()))
             .collect();
@@ -284,7 +296,7 @@ impl Store {
     /// in and release the originals.
     fn summarize(&self, seq: &mut Sequence, targets: &[Target], rows: u32, reason: Reason) -> StoreResult<()> {
         let layout = Arc::clone(&seq.layout);
-        let pages: Vec<(Arc<PhysPage>, u32)> = Self::pages_of(seq, targets)
+        let pages: Vec<(Arc<PhysPage>, u32)> = Self::pages_of(seq, targets)?
             .into_iter()
             .zip(targets)
             .map(|(p, t)| (p, seq.lanes[t.lane].rows_in(t.page)))
@@ -294,7 +306,7 @@ impl Store {
         for original in originals {
             let Some(original) = original else {
                 return Err(StoreError::precondition(
-                    "pages",
+                    wire::PAGES,
                     "a page lost its bytes while being summarized",
                 ));
             };

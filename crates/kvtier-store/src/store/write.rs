@@ -6,6 +6,7 @@
 //! caching writes); copy the bytes; publish to the page table and the lanes;
 //! journal, and persist when asked.
 
+use kvtier_core::wire;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -105,13 +106,13 @@ struct KvRows<'a> {
 impl<'a> KvRows<'a> {
     fn new(layout: &Layout, heads: usize, tokens: u32, kv: &'a [u8]) -> StoreResult<Self> {
         if tokens == 0 {
-            return Err(StoreError::invalid("num_tokens", "must be at least 1"));
+            return Err(StoreError::invalid(wire::NUM_TOKENS, "must be at least 1"));
         }
         let (row, tokens) = (layout.row_bytes(), tokens as usize);
         let expected = heads as u128 * 2 * tokens as u128 * row as u128;
         if kv.len() as u128 != expected {
             return Err(StoreError::invalid(
-                "kv",
+                wire::KV,
                 format!(
                     "is {} bytes, but {heads} KV heads × 2 (K, V) × {tokens} tokens × head_dim {} × {} bytes ({}) = {expected}",
                     kv.len(),
@@ -127,7 +128,7 @@ impl<'a> KvRows<'a> {
             if let Some(i) = dtype.first_non_finite(rows.keys(h, 0..tokens)) {
                 let d = layout.head_dim() as usize;
                 return Err(StoreError::invalid(
-                    "kv",
+                    wire::KV,
                     format!(
                         "key of head {h} (of the message), token {}, dim {} is NaN or infinite; keys must be finite",
                         i / d,
@@ -286,7 +287,7 @@ impl Store {
     fn check_persist(&self, persist: bool) -> StoreResult<()> {
         if persist && !self.durable.can_persist() {
             return Err(StoreError::precondition(
-                "persist",
+                wire::PERSIST,
                 "persisting needs the nvme tier and its manifest",
             ));
         }
@@ -502,7 +503,7 @@ impl Store {
 /// Validates a put: it must start at the end of every lane in its range,
 /// on a page boundary.
 fn put_batch<'a>(seq: &Sequence, req: &PutPages<'a>) -> StoreResult<Batch<'a>> {
-    seq.check_layer("layer", req.layer)?;
+    seq.check_layer(req.layer)?;
     let heads = seq.check_heads(req.heads)?;
     let layout = Arc::clone(&seq.layout);
     let rows = KvRows::new(&layout, heads.len(), req.num_tokens, req.kv)?;
@@ -517,7 +518,7 @@ fn put_batch<'a>(seq: &Sequence, req: &PutPages<'a>) -> StoreResult<Batch<'a>> {
                 "its last page is partial; continue with AppendTokens".to_owned()
             };
             return Err(StoreError::precondition(
-                "first_page",
+                wire::FIRST_PAGE,
                 format!(
                     "is {}, but layer {} KV head {h} holds {tokens} tokens; {hint}",
                     req.first_page, req.layer
@@ -543,7 +544,7 @@ fn put_batch<'a>(seq: &Sequence, req: &PutPages<'a>) -> StoreResult<Batch<'a>> {
 /// pages, the lanes' tokens before, and how many rows fill the partial
 /// last pages.
 fn append_batch<'a>(seq: &Sequence, req: &AppendTokens<'a>) -> StoreResult<(Batch<'a>, u64, usize)> {
-    seq.check_layer("layer", req.layer)?;
+    seq.check_layer(req.layer)?;
     let heads = seq.check_heads(req.heads)?;
     let layout = Arc::clone(&seq.layout);
     let rows = KvRows::new(&layout, heads.len(), req.num_tokens, req.kv)?;
@@ -551,7 +552,7 @@ fn append_batch<'a>(seq: &Sequence, req: &AppendTokens<'a>) -> StoreResult<(Batc
     let tokens = seq.lanes[lanes[0].1].tokens();
     if let Some(&(h, lane)) = lanes.iter().find(|(_, lane)| seq.lanes[*lane].tokens() != tokens) {
         return Err(StoreError::precondition(
-            "kv_head_start",
+            wire::KV_HEAD_START,
             format!(
                 "layer {} KV heads {} and {h} hold different lengths ({tokens} and {} tokens); append to each head range separately",
                 req.layer,
@@ -562,7 +563,7 @@ fn append_batch<'a>(seq: &Sequence, req: &AppendTokens<'a>) -> StoreResult<(Batc
     }
     if let Some(expected) = req.expected_position.filter(|p| *p != tokens) {
         return Err(StoreError::precondition(
-            "position",
+            wire::POSITION,
             format!(
                 "is {expected}, but layer {} holds {tokens} tokens in these KV heads",
                 req.layer
@@ -578,7 +579,7 @@ fn append_batch<'a>(seq: &Sequence, req: &AppendTokens<'a>) -> StoreResult<(Batc
         })
     {
         return Err(StoreError::precondition(
-            "position",
+            wire::POSITION,
             format!(
                 "appending at {tokens} writes into page {} of layer {} KV head {h}, \
                  which no longer holds its original bytes",

@@ -94,7 +94,9 @@ impl NvmeTier {
         }
         let file = Arc::new(file);
         let engine = match config.engine {
-            EngineChoice::Psync => Engine::Psync(psync::Psync::start(Arc::clone(&file), config.queue_depth as usize)),
+            EngineChoice::Psync => Engine::Psync(
+                psync::Psync::start(Arc::clone(&file), config.queue_depth as usize).map_err(reserve_error)?,
+            ),
             EngineChoice::Uring => {
                 Engine::Uring(uring::Uring::start(Arc::clone(&file), config.queue_depth).map_err(reserve_error)?)
             }
@@ -103,7 +105,10 @@ impl NvmeTier {
                     Ok(ring) => Engine::Uring(ring),
                     Err(e) => {
                         tracing::warn!(error = %e, "io_uring is refused here; the nvme tier uses pread/pwrite threads");
-                        Engine::Psync(psync::Psync::start(Arc::clone(&file), config.queue_depth as usize))
+                        Engine::Psync(
+                            psync::Psync::start(Arc::clone(&file), config.queue_depth as usize)
+                                .map_err(reserve_error)?,
+                        )
                     }
                 }
             }
@@ -182,24 +187,8 @@ impl Tier for NvmeTier {
         false
     }
 
-    fn capacity_bytes(&self) -> u64 {
-        self.allocator.capacity()
-    }
-
-    fn used_bytes(&self) -> u64 {
-        self.allocator.used()
-    }
-
-    fn slots(&self) -> u64 {
-        self.allocator.live()
-    }
-
-    fn allocate(&self, len: u64) -> Result<Slot, TierError> {
-        self.allocator.allocate(len)
-    }
-
-    fn claim(&self, offset: u64, len: u64) -> Result<Slot, TierError> {
-        self.allocator.allocate_at(offset, len)
+    fn allocator(&self) -> &Arc<ExtentAllocator> {
+        &self.allocator
     }
 
     fn write(&self, slot: &mut Slot, offset: u64, src: &[u8]) -> Result<(), TierError> {

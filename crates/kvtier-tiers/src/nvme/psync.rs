@@ -16,19 +16,23 @@ pub(crate) struct Psync {
 }
 
 impl Psync {
-    pub(crate) fn start(file: Arc<File>, threads: usize) -> Self {
+    /// Starts `threads` I/O threads (at least one); an error if the OS
+    /// refuses one (those started stop again).
+    pub(crate) fn start(file: Arc<File>, threads: usize) -> std::io::Result<Self> {
         let (tx, rx) = channel::<IoOp>();
         let rx = Arc::new(Mutex::new(rx));
-        let workers = (0..threads.max(1))
-            .map(|i| {
-                let (file, rx) = (Arc::clone(&file), Arc::clone(&rx));
-                std::thread::Builder::new()
-                    .name(format!("kvtier-psync-{i}"))
-                    .spawn(move || worker(&file, &rx))
-                    .expect("spawning an I/O thread")
-            })
-            .collect();
-        Self { tx: Some(tx), workers }
+        let mut engine = Self {
+            tx: Some(tx),
+            workers: Vec::new(),
+        };
+        for i in 0..threads.max(1) {
+            let (file, rx) = (Arc::clone(&file), Arc::clone(&rx));
+            let worker = std::thread::Builder::new()
+                .name(format!("kvtier-psync-{i}"))
+                .spawn(move || worker(&file, &rx))?;
+            engine.workers.push(worker);
+        }
+        Ok(engine)
     }
 
     pub(crate) fn submit(&self, ops: Vec<IoOp>) {

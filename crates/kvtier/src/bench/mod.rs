@@ -21,7 +21,7 @@ pub(crate) enum BenchCommand {
     /// Batched swap-in to the device against one plain host-to-device copy.
     Swapin(swapin::SwapinBenchArgs),
     /// Decode steps through gRPC: step latency by miss class, bytes moved, plots.
-    Decode(decode::DecodeArgs),
+    Decode(Box<decode::DecodeArgs>),
     /// Replays a decode trace's page fetches through kvtier and, optionally, Redis.
     Fetch(fetch::FetchBenchArgs),
 }
@@ -31,7 +31,7 @@ pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Select(args) => select::run(args),
         BenchCommand::Tier(args) => tier::run(args),
         BenchCommand::Swapin(args) => swapin::run(args),
-        BenchCommand::Decode(args) => decode::run(args),
+        BenchCommand::Decode(args) => decode::run(*args),
         BenchCommand::Fetch(args) => fetch::run(args),
     }
 }

@@ -78,6 +78,10 @@ pub(crate) struct DecodeArgs {
     /// Swap-in deadline per SelectPages, microseconds (0: none).
     #[arg(long, default_value_t = 0)]
     deadline_us: u32,
+    /// With the in-process server: rewrite its manifest as a checkpoint
+    /// when the run reaches this step, to see what a checkpoint costs steps.
+    #[arg(long)]
+    checkpoint_at_step: Option<usize>,
     /// A running server instead of an in-process one.
     #[arg(long)]
     addr: Option<String>,
@@ -455,6 +459,7 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         rate: a.rate,
         prefetch_pages: a.prefetch_pages,
         deadline_us: a.deadline_us,
+        checkpoint_at_step: a.checkpoint_at_step,
         addr: a.addr.clone(),
         data_plane: "inline",
         record_trace: a.trace.is_some(),

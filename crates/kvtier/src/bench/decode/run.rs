@@ -38,6 +38,9 @@ pub(crate) struct RunConfig {
     pub(crate) rate: Option<f64>,
     pub(crate) prefetch_pages: u32,
     pub(crate) deadline_us: u32,
+    /// With the in-process server: rewrite the manifest as a checkpoint
+    /// when the run reaches this step (what a large manifest does by itself).
+    pub(crate) checkpoint_at_step: Option<usize>,
     pub(crate) addr: Option<String>,
     pub(crate) data_plane: &'static str,
     /// Keep every selection's page lists (for `--trace`).
@@ -131,6 +134,8 @@ pub(crate) struct Measured {
 /// A server for the run and how to reach it.
 struct Target {
     addr: String,
+    /// The in-process server's store.
+    store: Option<Arc<Store>>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     _dir: Option<tempfile::TempDir>,
 }
@@ -147,6 +152,7 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
     if let Some(addr) = &cfg.addr {
         return Ok(Target {
             addr: addr.clone(),
+            store: None,
             stop: None,
             _dir: None,
         });
@@ -179,7 +185,7 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
         metrics_listen: None,
         ..ServerConfig::default()
     };
-    let bound = BoundServer::bind(store, server).await?;
+    let bound = BoundServer::bind(Arc::clone(&store), server).await?;
     let addr = format!("http://{}", bound.grpc_addr());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(bound.serve(async {
@@ -187,6 +193,7 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
     }));
     Ok(Target {
         addr,
+        store: Some(store),
         stop: Some(stop),
         _dir: Some(dir),
     })
@@ -334,6 +341,17 @@ async fn decode(
     })
 }
 
+/// Rewrites the store's manifest once `at` steps are done, on a thread of
+/// its own (as the store's checkpoint thread would).
+fn checkpoint_at(store: Arc<Store>, done: Arc<Mutex<usize>>, at: usize) {
+    std::thread::spawn(move || {
+        while *done.lock().unwrap_or_else(|p| p.into_inner()) < at {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        store.checkpoint();
+    });
+}
+
 /// Prints a progress bar on stderr while steps run, when the run is long.
 fn progress_bar(done: Arc<Mutex<usize>>, total: usize) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
@@ -398,6 +416,9 @@ pub(crate) async fn run(cfg: RunConfig) -> anyhow::Result<Measured> {
             ))
         })
         .collect();
+    if let (Some(at), Some(store)) = (cfg.checkpoint_at_step, &target.store) {
+        checkpoint_at(Arc::clone(store), Arc::clone(&progress), at);
+    }
     let mut steps = Vec::new();
     let mut trace = Vec::new();
     let mut read = 0.0;

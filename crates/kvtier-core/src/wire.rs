@@ -1,0 +1,112 @@
+//! The request fields that errors name: one source for every error's field
+//! path, written as protobuf field paths of the `kvtier.v1` request messages
+//! that carry them (a oneof's name stands for whichever member is set). A
+//! test in `kvtier-server` (`tests/wire_fields.rs`) checks each against the
+//! proto's descriptor, so an error never names a field a client cannot find.
+
+/// A field path and the request messages (in `kvtier.v1`) that have it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Field {
+    pub path: &'static str,
+    pub requests: &'static [&'static str],
+}
+
+impl Field {
+    /// The path with an index into its (last, repeated) field: `pages[3]`.
+    pub fn at(self, index: usize) -> String {
+        format!("{}[{index}]", self.path)
+    }
+}
+
+impl From<Field> for String {
+    fn from(f: Field) -> Self {
+        f.path.to_owned()
+    }
+}
+
+const CREATE: &str = "CreateSequenceRequest";
+const GET: &str = "GetSequenceRequest";
+const DROP: &str = "DropSequenceRequest";
+const PUT: &str = "PutPagesRequest";
+const APPEND: &str = "AppendTokensRequest";
+const FETCH: &str = "FetchPagesRequest";
+const SELECT: &str = "SelectPagesRequest";
+const SET_STATE: &str = "SetPageStateRequest";
+const POLICY: &str = "ApplyPolicyRequest";
+const REPORT: &str = "ReportAttentionRequest";
+
+const KEYED: &[&str] = &[CREATE, GET, DROP, PUT, APPEND, FETCH, SELECT, SET_STATE, POLICY, REPORT];
+const ONE_LAYER: &[&str] = &[PUT, APPEND, FETCH, SELECT, REPORT];
+const LAYER_RANGE: &[&str] = &[SET_STATE, POLICY];
+const HEAD_RANGE: &[&str] = &[PUT, APPEND, FETCH, SELECT, SET_STATE, REPORT];
+const WRITES: &[&str] = &[PUT, APPEND];
+const ACTIONS: &[&str] = &[SET_STATE, POLICY];
+
+macro_rules! fields {
+    ($($name:ident = $path:literal in $requests:expr;)*) => {
+        $(pub const $name: Field = Field { path: $path, requests: $requests };)*
+        /// Every field an error may name.
+        pub const ALL: &[Field] = &[$($name),*];
+    };
+}
+
+fields! {
+    TENANT = "tenant" in KEYED;
+    SEQUENCE_ID = "sequence_id" in KEYED;
+    LAYOUT = "layout" in &[CREATE];
+    LAYOUT_NUM_LAYERS = "layout.num_layers" in &[CREATE];
+    LAYOUT_NUM_KV_HEADS = "layout.num_kv_heads" in &[CREATE];
+    LAYOUT_NUM_QUERY_HEADS = "layout.num_query_heads" in &[CREATE];
+    LAYOUT_HEAD_DIM = "layout.head_dim" in &[CREATE];
+    LAYOUT_DTYPE = "layout.dtype" in &[CREATE];
+    LAYOUT_PAGE_SIZE = "layout.page_size" in &[CREATE];
+    LAYOUT_LAYER_GROUPS = "layout.layer_groups" in &[CREATE];
+    PREFIX_HASHES = "prefix_hashes" in &[CREATE];
+    LAYER = "layer" in ONE_LAYER;
+    LAYER_START = "layer_start" in LAYER_RANGE;
+    LAYER_COUNT = "layer_count" in LAYER_RANGE;
+    KV_HEAD_START = "kv_head_start" in HEAD_RANGE;
+    KV_HEAD_COUNT = "kv_head_count" in HEAD_RANGE;
+    FIRST_PAGE = "first_page" in &[PUT, SET_STATE];
+    PAGE_COUNT = "page_count" in &[SET_STATE];
+    PAGES = "pages" in &[FETCH, SET_STATE];
+    PER_HEAD_PAGES = "per_head_pages" in &[FETCH];
+    PER_HEAD_PAGES_PAGES = "per_head_pages.pages" in &[FETCH];
+    MAX_CHUNK_BYTES = "max_chunk_bytes" in &[FETCH];
+    NUM_TOKENS = "num_tokens" in WRITES;
+    KV = "kv" in WRITES;
+    PERSIST = "persist" in WRITES;
+    POSITION = "position" in &[APPEND];
+    QUERIES = "queries" in &[SELECT, POLICY];
+    BUDGET_PAGES = "budget_pages" in &[SELECT];
+    SINK_PAGES = "sink_pages" in &[SELECT];
+    AGGREGATION = "aggregation" in &[SELECT];
+    SHARD_WORLD = "shard.world" in &[SELECT];
+    SHARD_RANK = "shard.rank" in &[SELECT];
+    SHARD_OWNERSHIP = "shard.ownership" in &[SELECT];
+    SHARD_SCOPE = "shard.scope" in &[SELECT];
+    INCLUDE_DATA = "include_data" in &[SELECT];
+    SWAP_IN = "swap_in" in &[SELECT];
+    DEADLINE_US = "deadline_us" in &[SELECT];
+    LEASE_MS = "lease_ms" in &[SELECT];
+    ACTION = "action" in ACTIONS;
+    OFFLOAD_TIER = "offload.tier" in ACTIONS;
+    MIGRATE_TIER = "migrate.tier" in &[SET_STATE];
+    SUMMARIZE_ROWS = "summarize.rows" in ACTIONS;
+    POLICY_SPEC = "policy" in &[POLICY];
+    POLICY_SCORER = "policy.scorer" in &[POLICY];
+    POLICY_SNAPKV_KERNEL = "policy.snapkv.kernel" in &[POLICY];
+    POLICY_PYRAMID_BETA = "policy.pyramid.beta" in &[POLICY];
+    POLICY_ADA_FLOOR = "policy.ada.floor" in &[POLICY];
+    BUDGET_TOKENS = "budget_tokens" in &[POLICY];
+    TRIGGER = "trigger" in &[POLICY];
+    EVERY_TOKENS = "every_tokens" in &[POLICY];
+    TOKEN_WEIGHTS = "token_weights" in &[REPORT];
+    PAGE_WEIGHTS = "page_weights" in &[REPORT];
+    DECAY = "decay" in &[REPORT];
+}
+
+/// `per_head_pages[head].pages[index]`.
+pub fn per_head_page(head: usize, index: usize) -> String {
+    format!("{}[{head}].pages[{index}]", PER_HEAD_PAGES.path)
+}
