@@ -19,7 +19,7 @@ use kvtier_core::select::Budget;
 use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, Reason, SequenceKey};
 use kvtier_store::{
     AppendTokens, ApplyPolicy, EngineChoice, FetchPages, HeadRange, NvmeConfig, PageContent, PageList, PageSelection,
-    PolicyAction, PolicySpec, PutPages, SelectPages, SetPageState, Store, StoreConfig, StoreError, Trigger,
+    PolicyAction, PolicySpec, PutOutcome, PutPages, SelectPages, SetPageState, Store, StoreConfig, StoreError, Trigger,
 };
 
 const LAYERS: u32 = 8;
@@ -139,6 +139,19 @@ impl Shared {
 
 fn heads() -> HeadRange {
     HeadRange { start: 0, count: HEADS }
+}
+
+/// Writes positions `0..tokens` of every head of `layer`.
+fn put_from_start(store: &Store, name: &str, layer: u32, tokens: u64, persist: bool) -> Result<PutOutcome, StoreError> {
+    let req = PutPages {
+        layer,
+        heads: heads(),
+        first_page: 0,
+        num_tokens: tokens as u32,
+        kv: &kv(name, layer, 0, tokens),
+        persist,
+    };
+    store.put_pages(&key(name), req)
 }
 
 fn fetch_and_check(shared: &Shared, name: &str, layer: u32) {
@@ -262,15 +275,7 @@ fn churn(shared: &Shared, rng: &mut Rng, name: &str) {
     }
     let tokens = 1 + rng.below(24);
     for layer in 0..LAYERS {
-        let req = PutPages {
-            layer,
-            heads: heads(),
-            first_page: 0,
-            num_tokens: tokens as u32,
-            kv: &kv(name, layer, 0, tokens),
-            persist: rng.chance(30),
-        };
-        shared.answer("put", store.put_pages(&key(name), req));
+        shared.answer("put", put_from_start(store, name, layer, tokens, rng.chance(30)));
     }
     let action = if rng.chance(50) {
         PolicyAction::Evict
@@ -354,15 +359,7 @@ fn concurrent_operations_on_tiny_tiers_neither_hang_nor_fail_nor_corrupt() {
     for name in HOT {
         store.create_sequence(key(name), layout(), vec![]).unwrap();
         for layer in 0..LAYERS {
-            let req = PutPages {
-                layer,
-                heads: heads(),
-                first_page: 0,
-                num_tokens: hot_tokens as u32,
-                kv: &kv(name, layer, 0, hot_tokens),
-                persist: true,
-            };
-            store.put_pages(&key(name), req).unwrap();
+            put_from_start(&store, name, layer, hot_tokens, true).unwrap();
         }
     }
     let shared = Arc::new(Shared {

@@ -13,7 +13,7 @@ mod sequence;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvtier_core::{LogicalPage, PageTableError, PhysicalPages, SequenceKey};
 
@@ -23,6 +23,11 @@ pub(crate) use sequence::{Sequence, Target};
 use crate::page::{PageRef, PhysPage, ShareKey, StorePage};
 use crate::sync::{lock, read, write};
 use crate::{StoreError, StoreResult};
+
+/// How long a checkpoint's snapshot lets waiting writers go first before
+/// each lane: longer than a woken writer takes to be scheduled on a busy
+/// machine, short enough that a stream of writers cannot hold it off.
+const YIELD_TO_WRITERS: Duration = Duration::from_millis(10);
 
 /// A sequence behind its lock, and how many writers wait for it.
 #[derive(Debug)]
@@ -56,8 +61,11 @@ impl Cell {
     /// leaves, but a reader that comes straight back can take the lock
     /// before the woken writer runs, again and again: an append waited out
     /// a whole checkpoint's snapshot that way (0.3–0.8 s at llama3-8b 32K).
+    /// Waits at most `YIELD_TO_WRITERS`, so that writers queueing on a busy
+    /// sequence one after another cannot starve the checkpoint either.
     pub(crate) fn read_behind_writers(&self) -> RwLockReadGuard<'_, Sequence> {
-        while self.writers.load(Ordering::Acquire) > 0 {
+        let deadline = Instant::now() + YIELD_TO_WRITERS;
+        while self.writers.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_micros(50));
         }
         read(&self.seq)

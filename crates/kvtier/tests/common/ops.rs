@@ -417,6 +417,19 @@ pub fn apply(model: &mut Model, planned: &Planned, answer: &Answer, acked: bool)
     // No tier had room (a full host tier holds summaries, which never
     // migrate): refused, and nothing may have changed.
     let full = acked && got == Some(Code::ResourceExhausted);
+    // Whether a write or change the plan deems `ok` (legal) took effect: an
+    // illegal one is refused, and a refused full one changed nothing.
+    let took_effect = |ok: bool| -> Result<bool, String> {
+        if !ok {
+            expect(Some(Code::FailedPrecondition))?;
+            return Ok(false);
+        }
+        if full {
+            return Ok(false);
+        }
+        expect(None)?;
+        Ok(true)
+    };
     match planned {
         Planned::Create { id, prefix, exists } => {
             if *exists {
@@ -442,13 +455,9 @@ pub fn apply(model: &mut Model, planned: &Planned, answer: &Answer, acked: bool)
             ok,
             ..
         } => {
-            if !ok {
-                return expect(Some(Code::FailedPrecondition));
-            }
-            if full {
+            if !took_effect(*ok)? {
                 return Ok(());
             }
-            expect(None)?;
             if let Ok((_, durability)) = answer {
                 let wanted = if *persist {
                     pb::Durability::Relaxed
@@ -469,13 +478,9 @@ pub fn apply(model: &mut Model, planned: &Planned, answer: &Answer, acked: bool)
             change,
             ok,
         } => {
-            if !ok {
-                return expect(Some(Code::FailedPrecondition));
-            }
-            if full {
+            if !took_effect(*ok)? {
                 return Ok(());
             }
-            expect(None)?;
             let fate = change.fate(pb::Reason::Explicit);
             model.changed(*id, *layer, heads.clone(), u64::from(*page), fate, answer.is_ok());
         }
