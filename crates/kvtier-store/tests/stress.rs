@@ -4,8 +4,8 @@
 //! not), explicit moves, policies and drops, most of them on a small hot
 //! set of pages. A watchdog fails the test, printing what every thread was
 //! doing, when no operation completes for a while; every byte read back
-//! must be the byte written at its position, and no call may answer
-//! `Internal`.
+//! must be the byte written at its position, no call may answer
+//! `Internal`, and once everything is dropped every tier is empty again.
 //!
 //! `KVTIER_STRESS_SECS` (default 30) sets how long it runs,
 //! `KVTIER_STRESS_THREADS` (default 8) how many threads.
@@ -19,7 +19,8 @@ use kvtier_core::select::Budget;
 use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, Reason, SequenceKey};
 use kvtier_store::{
     AppendTokens, ApplyPolicy, EngineChoice, FetchPages, HeadRange, NvmeConfig, PageContent, PageList, PageSelection,
-    PolicyAction, PolicySpec, PutOutcome, PutPages, SelectPages, SetPageState, Store, StoreConfig, StoreError, Trigger,
+    PolicyAction, PolicySpec, PutOutcome, PutPages, SelectPages, SetPageState, StatsSnapshot, Store, StoreConfig,
+    StoreError, Trigger,
 };
 
 const LAYERS: u32 = 8;
@@ -30,6 +31,8 @@ const PAGE_BYTES: u64 = 2 * PAGE as u64 * DIM as u64 * 2;
 /// Sequences every thread reads, selects and moves; each thread appends to
 /// its own layer of them.
 const HOT: [&str; 2] = ["hot0", "hot1"];
+/// The sequence all threads create, write and drop under one another.
+const CHURNED: &str = "churn";
 /// No operation completing for this long is a hang.
 const STALL: Duration = Duration::from_secs(20);
 
@@ -265,14 +268,12 @@ fn policy(shared: &Shared, rng: &mut Rng, name: &str, action: PolicyAction) {
 
 /// A thread's own sequence: created, written, evicted and summarised by a
 /// policy, read back, dropped.
+/// Creates, writes, runs a policy on, reads and drops a sequence that other
+/// threads churn too: each step may find it created, half written or
+/// dropped by another.
 fn churn(shared: &Shared, rng: &mut Rng, name: &str) {
     let store = &shared.store;
-    if shared
-        .answer("create", store.create_sequence(key(name), layout(), vec![]))
-        .is_none()
-    {
-        return;
-    }
+    shared.answer("create", store.create_sequence(key(name), layout(), vec![]));
     let tokens = 1 + rng.below(24);
     for layer in 0..LAYERS {
         shared.answer("put", put_from_start(store, name, layer, tokens, rng.chance(30)));
@@ -306,11 +307,7 @@ fn work(shared: Arc<Shared>, index: usize, hot_tokens: u64) {
             88..95 => "offload policy",
             _ => "churn",
         };
-        let on = if what == "churn" {
-            format!("churn{index}")
-        } else {
-            name.to_owned()
-        };
+        let on = if what == "churn" { CHURNED } else { name };
         *shared.doing[index].lock().unwrap() = (format!("{what} on {on}"), Instant::now());
         match what {
             "fetch" => fetch_and_check(&shared, name, any_layer),
@@ -319,7 +316,7 @@ fn work(shared: Arc<Shared>, index: usize, hot_tokens: u64) {
             "append" => fetch_and_check(&shared, name, any_layer),
             "move" => move_pages(&shared, &mut rng, name, hot_tokens / u64::from(PAGE)),
             "offload policy" => policy(&shared, &mut rng, name, PolicyAction::Offload(ColdTier::Host)),
-            _ => churn(&shared, &mut rng, &format!("churn{index}")),
+            _ => churn(&shared, &mut rng, CHURNED),
         }
         *shared.doing[index].lock().unwrap() = (format!("between operations, after {what}"), Instant::now());
         shared.done.fetch_add(1, Ordering::Relaxed);
@@ -416,6 +413,25 @@ fn concurrent_operations_on_tiny_tiers_neither_hang_nor_fail_nor_corrupt() {
         for layer in 0..LAYERS {
             fetch_and_check(&shared, name, layer);
         }
+    }
+    // Nothing leaks: once every sequence is dropped and the leases have
+    // expired, every tier is empty.
+    let store = &shared.store;
+    for name in HOT.into_iter().chain([CHURNED]) {
+        shared.answer("drop", store.drop_sequence(&key(name)));
+    }
+    store.checkpoint();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let empty = |s: &StatsSnapshot| s.leases == 0 && s.physical_pages == 0 && s.tiers.iter().all(|t| t.used_bytes == 0);
+    while !empty(&store.stats()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left = store.stats();
+    if !empty(&left) {
+        shared.fail(format!(
+            "left after dropping everything: {} leases, {} physical pages, tiers {:?}",
+            left.leases, left.physical_pages, left.tiers
+        ));
     }
     let failures = shared.failures.lock().unwrap();
     println!(
