@@ -2,8 +2,7 @@
 //! names the protobuf field.
 
 use kvtier_core::select::{Aggregation, Ownership, Scope, Shard};
-use kvtier_core::wire;
-use kvtier_core::{Action, ColdTier, DType, LayerGroup, Layout, LayoutSpec, PageState, Reason, SequenceKey};
+use kvtier_core::{Action, ColdTier, DType, LayerGroup, Layout, LayoutSpec, PageState, Reason, SequenceKey, wire};
 use kvtier_proto::v1 as pb;
 use kvtier_store::{HeadSelection, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierKind, TransitionCount};
 use tonic::Status;

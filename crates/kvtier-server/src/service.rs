@@ -1,11 +1,10 @@
 //! `kvtier.v1.KvTier` handlers: validate, convert, call the store on a
 //! blocking thread, map errors. No logic of their own.
 
-use kvtier_core::wire;
 use std::sync::Arc;
 
 use kvtier_core::select::{Aggregation, Budget, Shard};
-use kvtier_core::{Reason, SequenceKey};
+use kvtier_core::{Reason, SequenceKey, wire};
 use kvtier_proto::v1 as pb;
 use kvtier_proto::v1::kv_tier_server::KvTier;
 use kvtier_store::{

@@ -2,15 +2,14 @@
 //! or NVMe in one CRC-checked batch), promotion of NVMe-only pages back to
 //! host memory, and a host copy on demand for the writes that need one.
 
-use kvtier_core::wire;
 use std::sync::Arc;
 
-use kvtier_core::{Layout, LogicalPage, PageState, Reason};
+use kvtier_core::{Layout, LogicalPage, PageState, Reason, wire};
 use kvtier_tiers::{AlignedBuf, Tier};
 
 use crate::durability::{CopyRead, Durable};
 use crate::host::{HostCache, MigrationTime};
-use crate::page::{NvmeCopy, PhysPage, StoreLane, read_rows, rows_of};
+use crate::page::{NvmeCopy, PhysPage, StoreLane, read_rows, rows_of, write_rows};
 use crate::stats::Counters;
 use crate::sync::{read, write};
 use crate::{StoreError, StoreResult};
@@ -211,12 +210,9 @@ impl Reader<'_> {
         let Some(bytes) = whole.into_iter().next().flatten() else {
             return Err(StoreError::precondition(wire::PAGES, "the page's bytes are lost"));
         };
-        let host = self.host.tier();
         let mut slot = self.host.allocate(layout.page_bytes() as u64, self.durable, spent)?;
-        let v = layout.page_size() as usize * layout.row_bytes();
-        let (k, vals) = bytes.split_at(bytes.len() / 2);
-        host.write(&mut slot, 0, k)?;
-        host.write(&mut slot, v as u64, vals)?;
+        let (k, v) = bytes.split_at(bytes.len() / 2);
+        write_rows(&**self.host.tier(), &mut slot, layout, 0, k, v)?;
         let mut place = write(&page.place);
         if place.host.is_none() {
             let from = place.state();

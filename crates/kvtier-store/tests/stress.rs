@@ -266,13 +266,11 @@ fn policy(shared: &Shared, rng: &mut Rng, name: &str, action: PolicyAction) {
     shared.answer("apply_policy", shared.store.apply_policy(&key(name), req));
 }
 
-/// A thread's own sequence: created, written, evicted and summarised by a
-/// policy, read back, dropped.
-/// Creates, writes, runs a policy on, reads and drops a sequence that other
-/// threads churn too: each step may find it created, half written or
-/// dropped by another.
-fn churn(shared: &Shared, rng: &mut Rng, name: &str) {
-    let store = &shared.store;
+/// Creates, writes, runs a policy on, reads and drops the sequence all
+/// threads churn: each step may find it created, half written or dropped by
+/// another.
+fn churn(shared: &Shared, rng: &mut Rng) {
+    let (store, name) = (&shared.store, CHURNED);
     shared.answer("create", store.create_sequence(key(name), layout(), vec![]));
     let tokens = 1 + rng.below(24);
     for layer in 0..LAYERS {
@@ -316,7 +314,7 @@ fn work(shared: Arc<Shared>, index: usize, hot_tokens: u64) {
             "append" => fetch_and_check(&shared, name, any_layer),
             "move" => move_pages(&shared, &mut rng, name, hot_tokens / u64::from(PAGE)),
             "offload policy" => policy(&shared, &mut rng, name, PolicyAction::Offload(ColdTier::Host)),
-            _ => churn(&shared, &mut rng, CHURNED),
+            _ => churn(&shared, &mut rng),
         }
         *shared.doing[index].lock().unwrap() = (format!("between operations, after {what}"), Instant::now());
         shared.done.fetch_add(1, Ordering::Relaxed);

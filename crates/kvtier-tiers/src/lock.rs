@@ -83,7 +83,7 @@ impl LockFile {
     }
 }
 
-/// `pid 1234: kvtier serve --data-dir d, since 2026-11-30 15:27:55 UTC`.
+/// `pid 1234: kvtier serve --data-dir d, since Mon, 30 Nov 2026 15:27:55 GMT`.
 fn holder_description() -> String {
     let command = std::fs::read("/proc/self/cmdline")
         .map(|raw| {
@@ -94,31 +94,8 @@ fn holder_description() -> String {
                 .join(" ")
         })
         .unwrap_or_default();
-    let since = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    format!("pid {}: {command}, since {}", std::process::id(), utc(since))
-}
-
-/// Seconds since the epoch as `YYYY-MM-DD HH:MM:SS UTC` (the civil-from-days
-/// conversion of Howard Hinnant's date algorithms).
-fn utc(secs: u64) -> String {
-    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60
-    )
+    let since = httpdate::fmt_http_date(SystemTime::now());
+    format!("pid {}: {command}, since {since}", std::process::id())
 }
 
 #[cfg(test)]
@@ -135,12 +112,5 @@ mod tests {
         assert!(message.contains(&format!("pid {}", std::process::id())), "{message}");
         drop(first);
         LockFile::acquire(&path, Duration::ZERO).unwrap();
-    }
-
-    #[test]
-    fn utc_dates() {
-        assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
-        assert_eq!(utc(951_782_400), "2000-02-29 00:00:00 UTC");
-        assert_eq!(utc(1_795_965_275), "2026-11-29 15:14:35 UTC");
     }
 }

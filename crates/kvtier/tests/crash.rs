@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use common::model::{Findings, Model};
 use common::ops::{Op, Planned, apply, op, plan, send};
-use common::{FLAGS, Server};
+use common::{FLAGS, Server, env, seeded};
 use kvtier_client::{Client, pb};
 use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
@@ -35,13 +35,10 @@ struct Writer {
 
 impl Writer {
     fn new(index: u8, seed: u64) -> Self {
-        let mut bytes = [0u8; 32];
-        bytes[..8].copy_from_slice(&seed.to_le_bytes());
-        bytes[8] = index;
         Self {
             base: 3 * index,
             model: Model::default(),
-            runner: TestRunner::new_with_rng(Config::default(), TestRng::from_seed(RngAlgorithm::ChaCha, &bytes)),
+            runner: seeded(Config::default(), seed, index),
             acked: 0,
         }
     }
@@ -64,8 +61,7 @@ impl Writer {
             let answer = send(planned.clone(), client.clone()).await;
             let cut_off = answer.is_err() && killed.load(Ordering::Acquire);
             if let Err(e) = apply(&mut self.model, &planned, &answer, !cut_off) {
-                self.model.findings.other += 1;
-                self.model.findings.messages.push(e);
+                self.model.findings.violation(e);
             }
             if cut_off || killed.load(Ordering::Acquire) {
                 return self;
@@ -87,22 +83,17 @@ impl Writer {
     }
 }
 
-fn env(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_again_and_again_under_concurrent_writers_loses_nothing_acknowledged() {
-    let cycles = env("KVTIER_SOAK_CYCLES", 6);
-    let seed = env("KVTIER_SOAK_SEED", 1);
+    let cycles = env("KVTIER_SOAK_CYCLES").unwrap_or(6);
+    let seed = env("KVTIER_SOAK_SEED").unwrap_or(1);
     let mut rng = TestRunner::new_with_rng(
         Config::default(),
         TestRng::from_seed(RngAlgorithm::ChaCha, &[seed as u8; 32]),
     );
     let dir = tempfile::tempdir().unwrap();
-    let mut writers: Vec<Writer> = (0..env("KVTIER_SOAK_WRITERS", 4) as u8)
-        .map(|i| Writer::new(i, seed))
-        .collect();
+    let writer_count = env("KVTIER_SOAK_WRITERS").unwrap_or(4);
+    let mut writers: Vec<Writer> = (0..writer_count as u8).map(|i| Writer::new(i, seed)).collect();
     let started = Instant::now();
     for cycle in 0..cycles {
         let mut server = Server::start(dir.path(), &FLAGS);
@@ -148,7 +139,7 @@ async fn killed_again_and_again_under_concurrent_writers_loses_nothing_acknowled
     let (checkpoints, killed_mid_checkpoint) = common::checkpoints(dir.path());
     let report = serde_json::json!({
         "cycles": cycles,
-        "writers": env("KVTIER_SOAK_WRITERS", 4),
+        "writers": writer_count,
         "seed": seed,
         "seconds": started.elapsed().as_secs_f64(),
         "operations_acknowledged": acked,

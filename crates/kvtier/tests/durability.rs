@@ -6,10 +6,9 @@
 
 mod common;
 
-use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use common::Server;
+use common::{Server, corrupt_nvme};
 use kvtier_client::{Client, actions, layout, pb};
 
 const DIM: usize = 4;
@@ -110,11 +109,7 @@ async fn a_persist_makes_the_whole_lane_durable_memory_only_rows_before_it_inclu
             };
             assert_eq!(r.durability(), expected);
         }
-        if kill {
-            server.kill();
-        } else {
-            server.terminate();
-        }
+        server.stop(kill);
         let mut server = Server::start(dir.path(), &[]);
         let mut client = server.client().await;
         assert_eq!(client.get_sequence("s").await.unwrap().tokens, 9, "kill: {kill}");
@@ -141,15 +136,7 @@ async fn a_page_gone_for_a_failed_crc_stays_gone_for_that_reason_after_restarts(
     // Only the NVMe copies remain; page 0's is the file's first extent.
     let to_nvme = actions::offload_to_nvme();
     client.set_page_state("s", 0..1, 0..1, 0..2, to_nvme).await.unwrap();
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(dir.path().join("nvme.data"))
-        .unwrap();
-    let mut byte = [0u8];
-    file.read_exact_at(&mut byte, 10).unwrap();
-    file.write_all_at(&[byte[0] ^ 0x40], 10).unwrap();
-    file.sync_all().unwrap();
+    corrupt_nvme(dir.path(), 10, 0x40);
     let expect = |back: &[(u32, pb::PageState, Vec<u8>, pb::Reason)], when: &str| {
         assert_eq!(
             (back[0].1, back[0].3),
@@ -159,12 +146,8 @@ async fn a_page_gone_for_a_failed_crc_stays_gone_for_that_reason_after_restarts(
         assert_eq!(back[1].2, kv(&tokens(5..=8)), "page 1 {when}");
     };
     expect(&pages(&mut client, "s").await, "before the restart");
-    for restart in ["after a clean restart", "after a kill"] {
-        if restart.contains("kill") {
-            server.kill();
-        } else {
-            server.terminate();
-        }
+    for (kill, restart) in [(false, "after a clean restart"), (true, "after a kill")] {
+        server.stop(kill);
         server = Server::start(dir.path(), &[]);
         let mut client = server.client().await;
         expect(&pages(&mut client, "s").await, restart);

@@ -2,10 +2,9 @@
 //! `Persist` records, read back in batches and checked against their CRC,
 //! given up with a `Lost` or `Unpersist` record.
 
-use kvtier_core::wire;
 use std::sync::Arc;
 
-use kvtier_core::{ColdTier, Layout, PageState, Reason};
+use kvtier_core::{ColdTier, Layout, PageState, Reason, wire};
 use kvtier_tiers::{AlignedBuf, Slot, Tier, TierError};
 
 use super::{Durable, Record};
@@ -68,22 +67,16 @@ impl Durable {
         let mut pending = Vec::new();
         let mut bufs = Vec::new();
         for page in pages {
-            let mut place = write(&page.place);
+            // A read lock is enough to copy the bytes out: `install` takes
+            // the copy only if the page's version has not moved since.
+            let place = read(&page.place);
             if place.lost.is_some() {
                 continue;
             }
             if place.nvme.is_some() {
                 // Already current on NVMe: no I/O needed.
-                if place.host.is_some() {
-                    if keep == Keep::Nothing && !page.pinned() {
-                        let from = place.state();
-                        place.host = None;
-                        let to = place.state();
-                        drop(place);
-                        self.counters.counted(from, to, reason);
-                    }
-                    moved += 1;
-                }
+                drop(place);
+                moved += usize::from(self.settle_current(page, keep, reason));
                 continue;
             }
             let (tier, slot): (&dyn Tier, &Slot) = match (&place.host, &place.device) {
@@ -93,10 +86,12 @@ impl Durable {
             };
             let mut buf = AlignedBuf::zeroed(slot.len() as usize);
             tier.read(slot, 0, &mut buf)?;
+            let (version, rows) = (place.version, place.rows);
+            drop(place);
             pending.push(CopyJob {
                 page: Arc::clone(page),
-                version: place.version,
-                rows: place.rows,
+                version,
+                rows,
                 crc: page_crc(page.id, &buf),
             });
             bufs.push(buf);
@@ -136,11 +131,11 @@ impl Durable {
             crc,
         } = job;
         let (rows, crc) = (*rows, *crc);
+        let record = persist_record(page, slot.offset(), slot.len(), crc, rows, bytes);
         let mut place = write(&page.place);
         if place.version != *version || place.lost.is_some() || place.nvme.is_some() {
             return false;
         }
-        let record = persist_record(page, slot.offset(), slot.len(), crc, rows, bytes);
         let from = place.state();
         place.nvme = Some(NvmeCopy {
             slot: Arc::new(slot),
@@ -155,6 +150,23 @@ impl Durable {
         let to = place.state();
         drop(place);
         self.counters.counted(from, to, reason);
+        true
+    }
+
+    /// A page whose NVMe copy is current: drops its host copy unless asked
+    /// to keep it (or pinned). Whether it counts as moved or copied.
+    fn settle_current(&self, page: &PhysPage, keep: Keep, reason: Reason) -> bool {
+        let mut place = write(&page.place);
+        if place.lost.is_some() || place.nvme.is_none() || place.host.is_none() {
+            return false;
+        }
+        if keep == Keep::Nothing && !page.pinned() {
+            let from = place.state();
+            place.host = None;
+            let to = place.state();
+            drop(place);
+            self.counters.counted(from, to, reason);
+        }
         true
     }
 

@@ -42,11 +42,11 @@ impl PageIds {
     pub(crate) fn take(&self, n: u64, manifest: Option<&Manifest>) -> Result<Range<u64>, ManifestError> {
         let mut s = lock(&self.state);
         let start = s.next;
-        // 2^64 ids do not run out; saturating keeps it a plain addition.
+        // 2^64 ids do not run out; saturating keeps the arithmetic panic-free.
         let end = start.saturating_add(n);
         match manifest {
             Some(m) if end > s.end => {
-                let reserved = end + BLOCK;
+                let reserved = end.saturating_add(BLOCK);
                 m.append(vec![Record::Ids { next: reserved }]);
                 m.commit()?;
                 s.end = reserved;

@@ -93,15 +93,17 @@ impl Journal {
 
     pub(crate) fn append(&self, records: &[Record]) {
         if !records.is_empty() {
-            frame(records, &mut lock(&self.pending).bytes);
+            let framed = frame(records);
+            lock(&self.pending).bytes.extend_from_slice(&framed);
         }
     }
 
     /// Appends `records`, which stop referring to the extents `retired`:
     /// those are freed for reuse once the records are durable.
     pub(crate) fn append_retiring(&self, records: &[Record], retired: Vec<Arc<Slot>>) {
+        let framed = frame(records);
         let mut pending = lock(&self.pending);
-        frame(records, &mut pending.bytes);
+        pending.bytes.extend_from_slice(&framed);
         pending.retired.extend(retired);
     }
 
@@ -192,8 +194,7 @@ impl Journal {
 
     fn write_checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> io::Result<u64> {
         let tmp = self.path.with_extension("checkpoint");
-        let mut bytes = Vec::new();
-        frame(&snapshot(), &mut bytes);
+        let bytes = frame(&snapshot());
         let mut out = File::create(&tmp)?;
         out.write_all(&bytes)?;
         out.sync_all()?;

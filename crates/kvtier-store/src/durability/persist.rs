@@ -2,11 +2,10 @@
 //! wrote would survive a restart, and the records that describe a
 //! sequence's logical pages.
 
-use kvtier_core::wire;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kvtier_core::{LogicalPage, Reason};
+use kvtier_core::{LogicalPage, Reason, wire};
 
 use super::record::PageAt;
 use super::{Durability, Durable, Keep, Record};

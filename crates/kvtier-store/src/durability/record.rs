@@ -90,9 +90,9 @@ pub(crate) struct PageAt {
     pub(crate) rows: u32,
 }
 
-struct Writer(Vec<u8>);
+struct Writer<'a>(&'a mut Vec<u8>);
 
-impl Writer {
+impl Writer<'_> {
     fn u8(&mut self, v: u8) {
         self.0.push(v);
     }
@@ -164,12 +164,26 @@ impl Reader<'_> {
     }
 }
 
+/// A dtype's code on disk (fixed: the file outlives the enum's order).
 fn dtype_code(d: DType) -> u8 {
-    DType::ALL.iter().position(|x| *x == d).expect("every dtype is listed") as u8
+    match d {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::Bf16 => 2,
+    }
+}
+
+fn dtype_of(code: u8) -> Decoded<DType> {
+    match code {
+        0 => Ok(DType::F32),
+        1 => Ok(DType::F16),
+        2 => Ok(DType::Bf16),
+        _ => Err("unknown dtype"),
+    }
 }
 
 impl Record {
-    fn encode(&self, w: &mut Writer) {
+    fn encode(&self, w: &mut Writer<'_>) {
         match self {
             Record::Header { version } => {
                 w.u8(0);
@@ -267,7 +281,7 @@ impl Record {
                 let key = r.key()?;
                 let [num_layers, num_kv_heads, num_query_heads, head_dim, page_size] =
                     [r.u32()?, r.u32()?, r.u32()?, r.u32()?, r.u32()?];
-                let dtype = *DType::ALL.get(r.u8()? as usize).ok_or("unknown dtype")?;
+                let dtype = dtype_of(r.u8()?)?;
                 let groups = (0..r.u32()?)
                     .map(|_| {
                         Ok(LayerGroup {
@@ -329,15 +343,19 @@ impl Record {
     }
 }
 
-/// Appends the frames of `records` to `out`.
-pub(crate) fn frame(records: &[Record], out: &mut Vec<u8>) {
+/// The frames of `records`: each one's length and CRC32C, then its bytes.
+pub(crate) fn frame(records: &[Record]) -> Vec<u8> {
+    let mut out = Vec::new();
     for record in records {
-        let mut w = Writer(Vec::new());
-        record.encode(&mut w);
-        out.extend_from_slice(&(w.0.len() as u32).to_le_bytes());
-        out.extend_from_slice(&crc32c::crc32c(&w.0).to_le_bytes());
-        out.extend_from_slice(&w.0);
+        let start = out.len();
+        out.extend_from_slice(&[0; 8]);
+        record.encode(&mut Writer(&mut out));
+        let len = (out.len() - start - 8) as u32;
+        let crc = crc32c::crc32c(&out[start + 8..]);
+        out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+        out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
     }
+    out
 }
 
 /// The records of a manifest file up to the first torn or corrupt frame,
@@ -482,8 +500,7 @@ pub(crate) mod tests {
     fn records_round_trip_and_a_torn_tail_is_dropped() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("manifest");
-        let mut bytes = Vec::new();
-        frame(&records(), &mut bytes);
+        let mut bytes = frame(&records());
         std::fs::write(&path, &bytes).unwrap();
         let (back, valid) = read_file(&path).unwrap();
         assert_eq!((back, valid), (records(), bytes.len() as u64));
@@ -506,8 +523,7 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("manifest");
         for first in [Record::Header { version: 1 }, Record::Drop { key: key("a") }] {
-            let mut bytes = Vec::new();
-            frame(&[first], &mut bytes);
+            let bytes = frame(&[first]);
             std::fs::write(&path, &bytes).unwrap();
             let err = read_file(&path).unwrap_err().to_string();
             assert!(err.contains("format"), "{err}");

@@ -8,12 +8,11 @@
 
 mod attention;
 
-use kvtier_core::wire;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
 use kvtier_core::policy::{LaneInput, LanePlanInput, PageScores, PolicyAction, PolicySpec, dropped_mass, plan};
-use kvtier_core::{LogicalPage, PageState};
+use kvtier_core::{LogicalPage, PageState, wire};
 
 pub(crate) use attention::ensure_attention;
 
@@ -95,7 +94,8 @@ pub(crate) fn decide(
             });
         }
         if let Some(mass) = &lane_scored.mass {
-            let untouched: Vec<usize> = (0..mass.len()).filter(|p| !acted.contains(p)).collect();
+            // `acted` is in page order, as the candidates are.
+            let untouched: Vec<usize> = (0..mass.len()).filter(|p| acted.binary_search(p).is_err()).collect();
             dropped.push(dropped_mass(mass, &untouched));
         }
     }

@@ -1,8 +1,7 @@
 //! FetchPages: pages by (layer, KV-head range, page list) with their state,
 //! in chunks of bounded size.
 
-use kvtier_core::wire;
-use kvtier_core::{LogicalPage, PageState, SequenceKey};
+use kvtier_core::{LogicalPage, PageState, SequenceKey, wire};
 
 use super::Store;
 use crate::catalog::{HeadRange, Sequence};

@@ -362,6 +362,11 @@ impl Store {
     }
 }
 
+/// A span in whole microseconds, as timings report them.
+fn micros(d: std::time::Duration) -> u64 {
+    d.as_micros() as u64
+}
+
 fn default_manifest(nvme: &NvmeConfig) -> PathBuf {
     nvme.path.with_extension("manifest")
 }

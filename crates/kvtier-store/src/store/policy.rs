@@ -3,8 +3,7 @@
 //! itself as the sequence grows, and the attention workers report.
 
 use kvtier_core::policy::{PolicyAction, PolicySpec, RegisteredPolicy, Trigger};
-use kvtier_core::wire;
-use kvtier_core::{ColdTier, Reason, SequenceKey};
+use kvtier_core::{ColdTier, Reason, SequenceKey, wire};
 
 use super::Store;
 use crate::catalog::{HeadRange, Sequence};

@@ -5,15 +5,14 @@
 
 use kvtier_core::score::score_column;
 use kvtier_core::select::{Aggregation, Budget, Shard, select};
-use kvtier_core::wire;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_core::{DIGEST_CHUNK_PAGES, LogicalPage, PageState, Reason, SequenceKey};
+use kvtier_core::{DIGEST_CHUNK_PAGES, LogicalPage, PageState, Reason, SequenceKey, wire};
 
-use super::Store;
 use super::fetch::FetchedPage;
+use super::{Store, micros};
 use crate::catalog::{HeadRange, Sequence};
 use crate::device::SwapReport;
 use crate::page::{PhysPage, Pins, state_of};
@@ -116,10 +115,6 @@ pub struct Selection {
     pub timing: SelectTiming,
 }
 
-fn micros(since: Instant) -> u64 {
-    since.elapsed().as_micros() as u64
-}
-
 /// Where a selection spent its time, in microseconds (the swap-in's is in
 /// its report).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -138,7 +133,7 @@ impl Store {
     pub fn select_pages(self: &Arc<Self>, key: &SequenceKey, req: SelectPages<'_>) -> StoreResult<Selection> {
         let start = Instant::now();
         let mut selection = self.catalog.read(key, |seq| self.select_locked(seq, req))?;
-        selection.timing.store_us = micros(start);
+        selection.timing.store_us = micros(start.elapsed());
         Ok(selection)
     }
 
@@ -162,7 +157,7 @@ impl Store {
         for (i, &(h, lane)) in lanes.iter().enumerate() {
             rank_lane(seq, &req, i, (h, lane), &mut ranked, &mut out);
         }
-        out.timing.rank_us = micros(ranking);
+        out.timing.rank_us = micros(ranking.elapsed());
         let chosen: Vec<Arc<PhysPage>> = ranked.chosen.values().cloned().collect();
         self.device.note_used(&chosen);
         let mut timed_out = false;
@@ -186,7 +181,7 @@ impl Store {
         if req.with_data {
             let reading = Instant::now();
             self.read_selected(seq, &lanes, &ranked.chosen, &out.heads, &mut out.data)?;
-            out.timing.read_us = micros(reading);
+            out.timing.read_us = micros(reading.elapsed());
         }
         Ok(out)
     }

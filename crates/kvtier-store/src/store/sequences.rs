@@ -1,10 +1,9 @@
 //! Creating, dropping and describing sequences.
 
-use kvtier_core::wire;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use kvtier_core::{Layout, LogicalPage, PageState, Reason, SequenceKey};
+use kvtier_core::{Layout, LogicalPage, PageState, Reason, SequenceKey, wire};
 
 use super::Store;
 use crate::catalog::{Sequence, not_found};

@@ -2,11 +2,10 @@
 //! page is checked against the state machine and every slot reserved before
 //! anything changes.
 
-use kvtier_core::wire;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kvtier_core::{Action, ColdTier, LogicalPage, PageState, Reason, SequenceKey, Summary};
+use kvtier_core::{Action, ColdTier, LogicalPage, PageState, Reason, SequenceKey, Summary, wire};
 use kvtier_tiers::{Slot, TierError, TierKind};
 
 use super::Store;
@@ -194,23 +193,18 @@ impl Store {
 
     /// Leased pages may not move.
     fn check_unpinned(&self, seq: &Sequence, targets: &[Target]) -> StoreResult<()> {
-        let mut pinned = None;
         for t in targets {
             if Self::physical(seq, t)?.page.pinned() {
-                pinned = Some(t);
-                break;
+                return Err(StoreError::precondition(
+                    wire::ACTION,
+                    format!(
+                        "layer {} KV head {} page {} is leased or being swapped in; it cannot move now",
+                        t.layer, t.head, t.page
+                    ),
+                ));
             }
         }
-        match pinned {
-            Some(t) => Err(StoreError::precondition(
-                wire::ACTION,
-                format!(
-                    "layer {} KV head {} page {} is leased or being swapped in; it cannot move now",
-                    t.layer, t.head, t.page
-                ),
-            )),
-            None => Ok(()),
-        }
+        Ok(())
     }
 
     fn pages_of(seq: &Sequence, targets: &[Target]) -> StoreResult<Vec<Arc<PhysPage>>> {

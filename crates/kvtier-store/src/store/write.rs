@@ -6,15 +6,14 @@
 //! caching writes); copy the bytes; publish to the page table and the lanes;
 //! journal, and persist when asked.
 
-use kvtier_core::wire;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use kvtier_core::{DigestColumn, Layout, LogicalPage, Reason, SequenceKey};
+use kvtier_core::{DigestColumn, Layout, LogicalPage, Reason, SequenceKey, wire};
 use kvtier_tiers::Slot;
 
-use super::Store;
+use super::{Store, micros};
 use crate::catalog::{HeadRange, Sequence};
 use crate::durability::{Acknowledged, map_record};
 use crate::host::MigrationTime;
@@ -90,10 +89,6 @@ pub struct AppendTiming {
     pub policy_us: u64,
     /// The whole call in the store.
     pub store_us: u64,
-}
-
-fn micros(d: Duration) -> u64 {
-    d.as_micros() as u64
 }
 
 /// The K and V rows of one message, validated against the layout.
@@ -263,8 +258,10 @@ impl Store {
         // failure there changes nothing.
         self.copy_new(&batch, &mut planned)?;
         self.fill_partial(seq, &batch, &partial, fill)?;
-        for (h, &lane) in batch.lanes.iter().enumerate().filter(|_| fill > 0) {
-            seq.lanes[lane].extend_last(batch.rows.keys(h, 0..fill));
+        if fill > 0 {
+            for (h, &lane) in batch.lanes.iter().enumerate() {
+                seq.lanes[lane].extend_last(batch.rows.keys(h, 0..fill));
+            }
         }
         let published = self.publish(seq, &batch, planned)?;
         let journalling = Instant::now();
@@ -432,10 +429,7 @@ impl Store {
             let keys = batch.rows.keys(h, range.clone());
             let (r, shared) = match plan {
                 Planned::Shared(r) => (r, true),
-                Planned::New(page) => {
-                    let page = self.new_physical(page, &batch.layout, range.len(), keys)?;
-                    (page.0, page.1)
-                }
+                Planned::New(page) => self.new_physical(page, &batch.layout, range.len(), keys)?,
             };
             if shared {
                 out.shared += 1;

@@ -11,6 +11,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use kvtier_client::Client;
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 
 /// A running server. Dropping it kills it.
 pub struct Server {
@@ -32,8 +33,8 @@ pub const FLAGS: [&str; 6] = [
     "1",
 ];
 
-/// Small tiers, so that pages move between them; `extra` adds or overrides
-/// flags.
+/// Small tiers, so that pages move between them (what every server starts
+/// with unless its flags say otherwise).
 pub const SMALL_TIERS: [&str; 6] = [
     "--device-bytes",
     "1MiB",
@@ -44,7 +45,8 @@ pub const SMALL_TIERS: [&str; 6] = [
 ];
 
 impl Server {
-    /// Starts `kvtier serve` over `dir` on a free port (not waiting for it).
+    /// Starts `kvtier serve` over `dir` on a free port (not waiting for it);
+    /// `extra` adds flags or overrides those of [`SMALL_TIERS`].
     pub fn start(dir: &Path, extra: &[&str]) -> Self {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let log = dir.join(format!("serve-{port}.log"));
@@ -114,10 +116,12 @@ impl Server {
         );
     }
 
-    /// SIGKILL, mid-whatever.
-    pub fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    /// SIGKILL, mid-whatever (what dropping it does).
+    pub fn kill(self) {}
+
+    /// Killed or stopped cleanly.
+    pub fn stop(self, kill: bool) {
+        if kill { self.kill() } else { self.terminate() }
     }
 
     /// Waits for the process to exit by itself.
@@ -131,6 +135,34 @@ impl Server {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
+}
+
+/// A whole-number environment variable, when it is set.
+pub fn env(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+/// A proptest runner drawing from `seed`; each `stream` is independent.
+pub fn seeded(config: Config, seed: u64, stream: u8) -> TestRunner {
+    let mut bytes = [0u8; 32];
+    bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    bytes[8] = stream;
+    TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &bytes))
+}
+
+/// Flips the bits `mask` of byte `at` of the NVMe data file in `dir` (a
+/// disk that corrupted a block).
+pub fn corrupt_nvme(dir: &Path, at: u64, mask: u8) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join("nvme.data"))
+        .unwrap();
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, at).unwrap();
+    file.write_all_at(&[byte[0] ^ mask], at).unwrap();
+    file.sync_all().unwrap();
 }
 
 /// What the logs of every server started over `dir` say: checkpoints

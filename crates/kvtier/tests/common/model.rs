@@ -141,6 +141,12 @@ impl Findings {
         }
     }
 
+    /// Anything else the model rules out, described.
+    pub fn violation(&mut self, message: String) {
+        self.other += 1;
+        self.note(message);
+    }
+
     pub fn merge(&mut self, other: Findings) {
         self.durable_rows_lost += other.durable_rows_lost;
         self.wrong_bytes += other.wrong_bytes;
@@ -378,15 +384,13 @@ impl Model {
                 Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => {
                     let required = !crashed || self.seqs[&id].created <= self.committed;
                     if required {
-                        findings.other += 1;
-                        findings.note(format!("{id:?} is missing: {s:?}"));
+                        findings.violation(format!("{id:?} is missing: {s:?}"));
                     }
                     self.seqs.remove(&id);
                     continue;
                 }
                 Err(e) => {
-                    findings.other += 1;
-                    findings.note(format!("{id:?} could not be read: {e}"));
+                    findings.violation(format!("{id:?} could not be read: {e}"));
                     continue;
                 }
             }
@@ -395,15 +399,14 @@ impl Model {
                 let pages = match c.fetch_pages(&id.name(), layer, 0..HEADS, vec![]).await {
                     Ok(p) => p,
                     Err(e) => {
-                        findings.other += 1;
-                        findings.note(format!("{id:?} layer {layer}: fetch failed: {e}"));
+                        findings.violation(format!("{id:?} layer {layer}: fetch failed: {e}"));
                         continue;
                     }
                 };
+                let adopt = changes.filter(|&(c, _)| c == id).map(|(_, f)| f);
                 for h in 0..HEADS {
                     let lane = SeqModel::lane(layer, h);
                     let read: Vec<&pb::Page> = pages.iter().filter(|p| p.kv_head == h).collect();
-                    let adopt = changes.filter(|(c, _)| *c == id).map(|(_, f)| f);
                     self.check_lane(id, lane, &read, crashed, adopt, &mut findings);
                     for p in read.iter().filter(|p| p.state() == pb::PageState::Gone) {
                         *gone_seen.entry(p.gone_reason).or_default() += 1;
@@ -414,14 +417,12 @@ impl Model {
             let reported: BTreeMap<i32, u64> = match c.get_sequence(&id.name()).await {
                 Ok(info) => info.gone.iter().map(|g| (g.reason, g.pages)).collect(),
                 Err(e) => {
-                    findings.other += 1;
-                    findings.note(format!("{id:?} vanished while being read: {e}"));
+                    findings.violation(format!("{id:?} vanished while being read: {e}"));
                     continue;
                 }
             };
             if reported != gone_seen {
-                findings.other += 1;
-                findings.note(format!(
+                findings.violation(format!(
                     "{id:?}: GetSequence reports gone pages {reported:?}, FetchPages shows {gone_seen:?}"
                 ));
             }
@@ -439,7 +440,7 @@ impl Model {
         adopt: Option<Fate>,
         findings: &mut Findings,
     ) {
-        let seq = self.seqs[&id].clone();
+        let seq = &self.seqs[&id];
         let model = &seq.lanes[lane];
         let length: u64 = read.iter().map(|p| u64::from(p.tokens)).sum();
         let (low, high) = if crashed {
@@ -454,8 +455,7 @@ impl Model {
                 model.durable
             ));
         } else if length < low || length > high {
-            findings.other += 1;
-            findings.note(format!(
+            findings.violation(format!(
                 "{id:?} lane {lane}: {length} rows, the model allows {low}..={high}"
             ));
         }
@@ -465,8 +465,7 @@ impl Model {
             let rows = u64::from(page.tokens);
             let at = format!("{id:?} lane {lane} page {p}");
             if page.page as u64 != p || rows != PAGE.min(length - p * PAGE) {
-                findings.other += 1;
-                findings.note(format!("{at}: read as page {} with {rows} rows", page.page));
+                findings.violation(format!("{at}: read as page {} with {rows} rows", page.page));
             }
             let expected = model.fates.get(i).copied();
             let state = page.state();
@@ -477,7 +476,7 @@ impl Model {
             *findings.pages_by_state.entry(label).or_default() += 1;
             let seen = match state {
                 pb::PageState::Hot | pb::PageState::Cold => {
-                    if page.kv[..] != self.page_bytes(id, &seq, lane, p, rows)[..] {
+                    if page.kv[..] != self.page_bytes(id, seq, lane, p, rows)[..] {
                         findings.wrong_bytes += 1;
                         findings.note(format!("{at}: wrong bytes served"));
                     }
@@ -486,8 +485,7 @@ impl Model {
                 pb::PageState::Summary => {
                     let total: u64 = page.summary_counts.iter().map(|c| u64::from(*c)).sum();
                     if total != rows {
-                        findings.other += 1;
-                        findings.note(format!("{at}: a summary of {total} tokens in a page of {rows}"));
+                        findings.violation(format!("{at}: a summary of {total} tokens in a page of {rows}"));
                     }
                     Fate::Summary
                 }

@@ -12,14 +12,13 @@
 #[path = "../common/mod.rs"]
 mod common;
 
-use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use common::model::Model;
 use common::ops::{Op, Planned, apply, op, plan, send};
-use common::{FLAGS, Server};
+use common::{FLAGS, Server, corrupt_nvme, env, seeded};
 use kvtier_client::{Client, pb};
-use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
+use proptest::test_runner::{Config, TestCaseError, TestError};
 
 /// One case: a data directory, a server, a model.
 struct Case {
@@ -41,6 +40,18 @@ struct Stats {
     kills_mid_checkpoint: u64,
 }
 
+impl std::ops::AddAssign for Stats {
+    fn add_assign(&mut self, o: Self) {
+        self.cases += o.cases;
+        self.ops += o.ops;
+        self.clean_restarts += o.clean_restarts;
+        self.kills += o.kills;
+        self.kills_mid_op += o.kills_mid_op;
+        self.checkpoints += o.checkpoints;
+        self.kills_mid_checkpoint += o.kills_mid_checkpoint;
+    }
+}
+
 impl Case {
     async fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
@@ -59,11 +70,7 @@ impl Case {
     /// checks everything against the model.
     async fn restart(&mut self, kill: bool) {
         if let Some(server) = self.server.take() {
-            if kill {
-                server.kill();
-            } else {
-                server.terminate();
-            }
+            server.stop(kill);
         }
         let mut server = Server::start(self.dir.path(), &FLAGS);
         self.client = server.client().await;
@@ -87,16 +94,7 @@ impl Case {
                 self.restart(true).await;
             }
             Op::Corrupt { block, offset } => {
-                let file = std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(self.dir.path().join("nvme.data"))
-                    .unwrap();
-                let at = u64::from(*block) * 4096 + u64::from(*offset);
-                let mut byte = [0u8];
-                file.read_exact_at(&mut byte, at).unwrap();
-                file.write_all_at(&[byte[0] ^ 0x5a], at).unwrap();
-                file.sync_all().unwrap();
+                corrupt_nvme(self.dir.path(), u64::from(*block) * 4096 + u64::from(*offset), 0x5a);
                 self.model.corruptions += 1;
                 // Reading finds the page the block held (if only its NVMe
                 // copy is left); later restarts must keep it gone for that.
@@ -113,8 +111,7 @@ impl Case {
                 if let (Some(planned), Some(task)) = (planned, task) {
                     let answer = task.await.unwrap();
                     if let Err(e) = apply(&mut self.model, &planned, &answer, answer.is_ok()) {
-                        self.model.findings.other += 1;
-                        self.model.findings.messages.push(e);
+                        self.model.findings.violation(e);
                     }
                 }
                 self.restart(true).await;
@@ -125,8 +122,7 @@ impl Case {
                 };
                 let answer = send(planned.clone(), self.client.clone()).await;
                 if let Err(e) = apply(&mut self.model, &planned, &answer, true) {
-                    self.model.findings.other += 1;
-                    self.model.findings.messages.push(e);
+                    self.model.findings.violation(e);
                 }
                 if let (Planned::Policy { id, change, .. }, Ok(_)) = (&planned, &answer) {
                     // Which pages a policy picks is its business: adopt the
@@ -175,10 +171,6 @@ async fn run_case(ops: Vec<Op>) -> Result<Stats, String> {
     Ok(case.stats)
 }
 
-fn env(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|v| v.parse().ok())
-}
-
 #[test]
 fn random_operations_crashes_and_restarts_lose_nothing_acknowledged() {
     let cases = env("KVTIER_CRASH_CASES").unwrap_or(32) as u32;
@@ -195,9 +187,7 @@ fn random_operations_crashes_and_restarts_lose_nothing_acknowledged() {
         max_shrink_time: 10 * 60 * 1000,
         ..Config::default()
     };
-    let mut seed_bytes = [0u8; 32];
-    seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    let mut runner = TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes));
+    let mut runner = seeded(config, seed, 0);
     let total = std::sync::Mutex::new(Stats::default());
     let started = Instant::now();
     let result = runner.run(&proptest::collection::vec(op(), 10..40), |ops| {
@@ -207,14 +197,7 @@ fn random_operations_crashes_and_restarts_lose_nothing_acknowledged() {
             .build()
             .unwrap();
         let stats = runtime.block_on(run_case(ops)).map_err(TestCaseError::fail)?;
-        let mut t = total.lock().unwrap();
-        t.cases += stats.cases;
-        t.ops += stats.ops;
-        t.clean_restarts += stats.clean_restarts;
-        t.kills += stats.kills;
-        t.kills_mid_op += stats.kills_mid_op;
-        t.checkpoints += stats.checkpoints;
-        t.kills_mid_checkpoint += stats.kills_mid_checkpoint;
+        *total.lock().unwrap() += stats;
         Ok(())
     });
     let t = total.into_inner().unwrap();
