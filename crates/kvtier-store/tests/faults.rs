@@ -10,8 +10,8 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey};
 use kvtier_store::{
-    EngineChoice, FetchPages, HeadRange, NvmeConfig, PageContent, PageList, PageSelection, PutPages, SetPageState,
-    Store, StoreConfig, StoreError, TierError,
+    Durability, EngineChoice, FetchPages, HeadRange, NvmeConfig, PageContent, PageList, PageSelection, PutPages,
+    SetPageState, Store, StoreConfig, StoreError, TierError,
 };
 use kvtier_tiers::faults::{Faults, FaultyTier};
 use kvtier_tiers::{ArenaTier, NvmeTier};
@@ -49,12 +49,13 @@ fn nvme_config(path: &Path, capacity: u64) -> NvmeConfig {
 }
 
 /// A store with `host_pages` of host memory over a fault-injecting NVMe tier.
-fn faulty_store(dir: &Path, host_pages: u64) -> (Arc<Store>, Arc<Faults>) {
+fn faulty_store(dir: &Path, host_pages: u64, durability: Durability) -> (Arc<Store>, Arc<Faults>) {
     let faults = Faults::none();
     let nvme = NvmeTier::open(nvme_config(&dir.join("nvme.data"), 1 << 20)).unwrap();
     let config = StoreConfig {
         manifest_path: Some(dir.join("manifest")),
         promote_on_read: false,
+        durability,
         ..StoreConfig::default()
     };
     let store = Store::with_tiers(
@@ -137,7 +138,7 @@ fn consistent(store: &Store) -> usize {
 #[test]
 fn enospc_during_migration_refuses_the_write_and_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, faults) = faulty_store(dir.path(), 8);
+    let (store, faults) = faulty_store(dir.path(), 8, Durability::Relaxed);
     // Room on "disk" for 10 pages only.
     faults.writes_left.store(10 * PAGE_BYTES, Relaxed);
     let mut written = 0;
@@ -164,7 +165,7 @@ fn enospc_during_migration_refuses_the_write_and_loses_nothing() {
 #[test]
 fn eio_on_reads_turns_pages_gone_and_the_rest_keeps_serving() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, faults) = faulty_store(dir.path(), 64);
+    let (store, faults) = faulty_store(dir.path(), 64, Durability::Relaxed);
     put(&store, 0, 6, false).unwrap();
     set(&store, Action::Migrate(ColdTier::Nvme), 0, 3).unwrap();
     faults.read_eio.store(true, Relaxed);
@@ -186,7 +187,7 @@ fn eio_on_reads_turns_pages_gone_and_the_rest_keeps_serving() {
 #[test]
 fn eio_on_writes_fails_the_move_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, faults) = faulty_store(dir.path(), 64);
+    let (store, faults) = faulty_store(dir.path(), 64, Durability::Relaxed);
     put(&store, 0, 4, false).unwrap();
     faults.write_eio.store(true, Relaxed);
     let err = set(&store, Action::Migrate(ColdTier::Nvme), 0, 4).unwrap_err();
@@ -200,6 +201,25 @@ fn eio_on_writes_fails_the_move_and_changes_nothing() {
     faults.write_eio.store(false, Relaxed);
     set(&store, Action::Migrate(ColdTier::Nvme), 0, 4).unwrap();
     assert_eq!(consistent(&store), 5);
+}
+
+#[test]
+fn under_fsync_the_manifest_is_never_synced_ahead_of_the_data_it_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, faults) = faulty_store(dir.path(), 64, Durability::Fsync);
+    put(&store, 0, 2, false).unwrap();
+    // The manifest now names page 0's NVMe copy.
+    set(&store, Action::Migrate(ColdTier::Nvme), 0, 1).unwrap();
+    // From here the data file cannot be synced: the commit of an eviction,
+    // which syncs the manifest, must fail rather than sync it alone.
+    faults.write_eio.store(true, Relaxed);
+    let err = set(&store, Action::Evict, 1, 1).unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Manifest(_)) && err.to_string().contains("fdatasync"),
+        "{err}"
+    );
+    faults.write_eio.store(false, Relaxed);
+    assert_eq!(consistent(&store), 2);
 }
 
 /// Unmounts and removes the loop mount when the test ends.

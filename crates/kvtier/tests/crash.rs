@@ -22,7 +22,7 @@ use common::ops::{Op, Planned, apply, op, plan, send};
 use common::{FLAGS, Server, env, seeded};
 use kvtier_client::{Client, pb};
 use proptest::strategy::{Strategy, ValueTree};
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use proptest::test_runner::{Config, TestRunner};
 
 /// One writer: its own sequences (names from `base` on, in both tenants),
 /// their model, and its random source.
@@ -72,7 +72,7 @@ impl Writer {
                 // them leaves the rest as maybe changed.
                 let fate = change.map(|c| c.fate(pb::Reason::Policy));
                 let before = self.model.findings.clone();
-                self.model.check(&client, false, fate.map(|f| (*id, f))).await;
+                self.model.check(&client, false, fate.map(|f| (*id, *layer, f))).await;
                 if killed.load(Ordering::Acquire) {
                     self.model.findings = before;
                     self.model.policy_unsure(*id, *layer, fate);
@@ -87,10 +87,8 @@ impl Writer {
 async fn killed_again_and_again_under_concurrent_writers_loses_nothing_acknowledged() {
     let cycles = env("KVTIER_SOAK_CYCLES").unwrap_or(6);
     let seed = env("KVTIER_SOAK_SEED").unwrap_or(1);
-    let mut rng = TestRunner::new_with_rng(
-        Config::default(),
-        TestRng::from_seed(RngAlgorithm::ChaCha, &[seed as u8; 32]),
-    );
+    // Kill timing: a stream of its own, apart from the writers'.
+    let mut rng = seeded(Config::default(), seed, u8::MAX);
     let dir = tempfile::tempdir().unwrap();
     let writer_count = env("KVTIER_SOAK_WRITERS").unwrap_or(4);
     let mut writers: Vec<Writer> = (0..writer_count as u8).map(|i| Writer::new(i, seed)).collect();

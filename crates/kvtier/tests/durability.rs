@@ -81,7 +81,9 @@ async fn a_gone_page_at_a_checkpoint_never_hands_its_id_or_bytes_to_another_page
     );
     assert_eq!(a_pages[1].2, kv(&tokens(5..=8)), "a page 1");
     assert_eq!(a_pages[2].2, kv(&tokens(9..=12)), "a page 2");
-    for (page, state, bytes, _) in pages(&mut b, "b").await {
+    let b_pages = pages(&mut b, "b").await;
+    assert_eq!(b_pages.len(), 4, "b's pages");
+    for (page, state, bytes, _) in b_pages {
         assert_ne!(state, pb::PageState::Gone, "b page {page} was acknowledged durable");
         let first = 100 + 4 * page;
         assert_eq!(bytes, kv(&tokens(first..=first + 3)), "b page {page}");
@@ -188,5 +190,7 @@ async fn a_second_server_on_the_same_data_directory_is_refused_and_changes_nothi
     let mut server = Server::start(dir.path(), &[]);
     let mut client = server.client().await;
     let back = pages(&mut client, "s").await;
+    assert_eq!(back.len(), 2);
+    assert_eq!(back[0].2, kv(&tokens(1..=4)));
     assert_eq!(back[1].2, kv(&[5, 6]));
 }

@@ -6,7 +6,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use kvtier_tiers::Slot;
+use kvtier_tiers::{Slot, Tier};
 
 use super::record::{FORMAT_VERSION, Record, frame};
 use super::{Durability, ManifestError};
@@ -19,10 +19,16 @@ use crate::sync::lock;
 /// copy) is *retired* with that record and reused only once the record is as
 /// durable as the journal promises: reused earlier, a crash would replay the
 /// old record and point a page at another page's bytes.
+///
+/// Under [`Durability::Fsync`] the data file the records point into is
+/// synced before every sync of the journal: a synced record must never
+/// point at a copy whose bytes a power loss could still take.
 #[derive(Debug)]
 pub(crate) struct Journal {
     path: PathBuf,
     durability: Durability,
+    /// The tier whose extents `Persist` records name (the NVMe tier).
+    data: Option<Arc<dyn Tier>>,
     /// Appenders hold this lock only to copy their bytes in, never across
     /// I/O; it is the last lock in the store's order.
     pending: Mutex<Pending>,
@@ -69,6 +75,7 @@ impl Journal {
         let journal = Self {
             path: path.to_owned(),
             durability,
+            data: None,
             pending: Mutex::default(),
             file: Mutex::new(JournalFile {
                 file,
@@ -89,6 +96,19 @@ impl Journal {
 
     pub(crate) fn durability(&self) -> Durability {
         self.durability
+    }
+
+    /// Names the tier whose extents the records point into, synced before
+    /// the journal under `Fsync`.
+    pub(crate) fn set_data(&mut self, data: Arc<dyn Tier>) {
+        self.data = Some(data);
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        match &self.data {
+            Some(data) => data.sync().map_err(io::Error::other),
+            None => Ok(()),
+        }
     }
 
     pub(crate) fn append(&self, records: &[Record]) {
@@ -154,6 +174,7 @@ impl Journal {
             // Retired extents are worth a sync even when none was asked
             // for: until then they cannot be reused.
             Durability::Fsync if sync || !f.unsynced.is_empty() => {
+                self.sync_data()?;
                 f.file.sync_data()?;
                 f.unsynced.clear();
             }
@@ -202,12 +223,15 @@ impl Journal {
         self.flush_locked(&mut f, false)?;
         let tail = f.tail.take().unwrap_or_default();
         out.write_all(&tail)?;
+        if self.durability == Durability::Fsync {
+            // The snapshot and the tail name copies installed meanwhile.
+            self.sync_data()?;
+        }
         out.sync_all()?;
         std::fs::rename(&tmp, &self.path)?;
-        if let Some(dir) = self.path.parent() {
-            File::open(dir)?.sync_all()?;
-        }
-        let old = std::mem::replace(&mut f.file, OpenOptions::new().read(true).write(true).open(&self.path)?);
+        // From the rename on, the new file is the journal, whatever fails
+        // after it: records written to the replaced one would be lost.
+        let old = std::mem::replace(&mut f.file, out);
         f.len = (bytes.len() + tail.len()) as u64;
         f.checkpoint_len = bytes.len() as u64;
         let written = f.checkpoint_len;
@@ -215,6 +239,9 @@ impl Journal {
         // Closing the replaced file frees its blocks, which can take a while
         // for a large one: not under the lock that flushes wait for.
         drop(old);
+        if let Some(dir) = self.path.parent() {
+            File::open(dir)?.sync_all()?;
+        }
         Ok(written)
     }
 

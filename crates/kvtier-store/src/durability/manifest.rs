@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use kvtier_tiers::{LOCK_WAIT, LockFile, Slot};
+use kvtier_tiers::{LOCK_WAIT, LockFile, Slot, Tier};
 
 use super::image::{self, Image};
 use super::journal::Journal;
@@ -40,6 +40,11 @@ impl Manifest {
 
     pub(crate) fn durability(&self) -> Durability {
         self.journal.durability()
+    }
+
+    /// Names the NVMe tier the records point into (see [`Journal`]).
+    pub(crate) fn set_data(&mut self, nvme: Arc<dyn Tier>) {
+        self.journal.set_data(nvme);
     }
 
     pub(crate) fn append(&self, records: Vec<Record>) {

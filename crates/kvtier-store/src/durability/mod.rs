@@ -49,6 +49,9 @@
 //! - A persist gives every page of the written lanes from the lane's durable
 //!   watermark on a current NVMe copy before the records are flushed; the
 //!   acknowledgement comes after the flush (and the syncs under `fsync`).
+//! - Under `fsync` the NVMe data file is synced before every sync of the
+//!   manifest (and before a checkpoint replaces it): a synced record never
+//!   names a copy whose bytes a power loss could still take.
 
 mod copies;
 mod ids;
@@ -106,12 +109,15 @@ impl Durable {
     /// `next_page_id`: the first id never given out (from the recovered
     /// image, or 0).
     pub(crate) fn new(
-        manifest: Option<Manifest>,
+        mut manifest: Option<Manifest>,
         next_page_id: u64,
         tiers: [&Arc<dyn Tier>; 2],
         nvme: Option<Arc<dyn Tier>>,
         counters: Arc<Counters>,
     ) -> Self {
+        if let (Some(m), Some(nvme)) = (manifest.as_mut(), &nvme) {
+            m.set_data(Arc::clone(nvme));
+        }
         Self {
             manifest,
             nvme,

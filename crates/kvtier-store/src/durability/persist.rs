@@ -32,7 +32,7 @@ impl Durable {
     /// its end, then makes data and manifest durable as configured. Every
     /// row of those lanes is durable once this returns `Ok`.
     pub(crate) fn persist_lanes(&self, seq: &mut Sequence, lanes: &[usize]) -> StoreResult<Acknowledged> {
-        let (Some(nvme), Some(manifest)) = (&self.nvme, &self.manifest) else {
+        let (Some(_), Some(manifest)) = (&self.nvme, &self.manifest) else {
             return Err(StoreError::precondition(
                 wire::PERSIST,
                 "persisting needs the nvme tier",
@@ -57,9 +57,7 @@ impl Durable {
                 page.id
             )));
         }
-        if manifest.durability() == Durability::Fsync {
-            nvme.sync()?;
-        }
+        // Under fsync, the commit syncs the NVMe data before the manifest.
         manifest.commit().map_err(StoreError::Manifest)?;
         for &lane in lanes {
             let l = &seq.lanes[lane];

@@ -371,10 +371,11 @@ impl Model {
     /// server restarted after a kill or a stop, so unacknowledged work may
     /// be gone and in-flight work may have happened; the model then adopts
     /// what it read. Otherwise everything must match exactly. `changes`:
-    /// after a policy the model did not predict, the pages it changed
-    /// (original bytes to `changes`) are adopted too.
+    /// after a policy the model did not predict, (sequence, layer, fate):
+    /// the pages it changed there (original bytes to the fate) are adopted
+    /// too.
     /// Returns what this check found (also added to `findings`).
-    pub async fn check(&mut self, client: &Client, crashed: bool, changes: Option<(SeqId, Fate)>) -> Findings {
+    pub async fn check(&mut self, client: &Client, crashed: bool, changes: Option<(SeqId, u32, Fate)>) -> Findings {
         let mut findings = Findings::default();
         let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
         for id in ids {
@@ -403,7 +404,7 @@ impl Model {
                         continue;
                     }
                 };
-                let adopt = changes.filter(|&(c, _)| c == id).map(|(_, f)| f);
+                let adopt = changes.filter(|&(c, l, _)| c == id && l == layer).map(|(.., f)| f);
                 for h in 0..HEADS {
                     let lane = SeqModel::lane(layer, h);
                     let read: Vec<&pb::Page> = pages.iter().filter(|p| p.kv_head == h).collect();
@@ -464,7 +465,7 @@ impl Model {
             let p = i as u64;
             let rows = u64::from(page.tokens);
             let at = format!("{id:?} lane {lane} page {p}");
-            if page.page as u64 != p || rows != PAGE.min(length - p * PAGE) {
+            if page.page as u64 != p || rows != PAGE.min(length.saturating_sub(p * PAGE)) {
                 findings.violation(format!("{at}: read as page {} with {rows} rows", page.page));
             }
             let expected = model.fates.get(i).copied();

@@ -124,10 +124,11 @@ impl Case {
                 if let Err(e) = apply(&mut self.model, &planned, &answer, true) {
                     self.model.findings.violation(e);
                 }
-                if let (Planned::Policy { id, change, .. }, Ok(_)) = (&planned, &answer) {
+                if let (Planned::Policy { id, layer, change, .. }, Ok(_)) = (&planned, &answer) {
                     // Which pages a policy picks is its business: adopt the
-                    // changes it made, as long as they are its action's.
-                    let adopt = change.map(|c| (*id, c.fate(pb::Reason::Policy)));
+                    // changes it made on its layer, as long as they are its
+                    // action's.
+                    let adopt = change.map(|c| (*id, *layer, c.fate(pb::Reason::Policy)));
                     self.model.check(&self.client, false, adopt).await;
                 }
             }
