@@ -100,8 +100,9 @@ impl HostCache {
         if self.tier.used_bytes() <= high {
             return;
         }
-        while self.tier.used_bytes() > low {
-            let excess = self.tier.used_bytes() - low;
+        // Read once per round: a concurrent free may shrink `used` between
+        // two reads, and the excess must not underflow.
+        while let Some(excess) = self.tier.used_bytes().checked_sub(low).filter(|&e| e > 0) {
             let one = lock(&self.migrating);
             if !matches!(self.relieve_locked(excess, durable, &one), Ok(n) if n > 0) {
                 break;

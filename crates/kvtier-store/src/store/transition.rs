@@ -255,7 +255,7 @@ impl Store {
             return Err(StoreError::ResourceExhausted(TierError::Full {
                 tier: TierKind::Device,
                 requested: needed,
-                free: device.capacity_bytes() - device.used_bytes(),
+                free: device.capacity_bytes().saturating_sub(device.used_bytes()),
                 largest_free: 0,
                 capacity: device.capacity_bytes(),
             }));
