@@ -17,6 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // Payloads as `bytes::Bytes`: no copy between the HTTP/2 frames and
         // the store (2–3× the throughput of `Vec<u8>` here).
         .bytes(".kvtier.v1")
+        .codec_path("crate::codec::KvTierCodec")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -4,7 +4,8 @@ use std::ops::Range;
 
 use bytes::Bytes;
 use tokio_stream::StreamExt;
-use tonic::transport::{Channel, Endpoint};
+use tonic::metadata::AsciiMetadataValue;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::pb;
 use crate::pb::kv_tier_client::KvTierClient;
@@ -18,6 +19,8 @@ pub enum ClientError {
     Status(#[from] tonic::Status),
     #[error(transparent)]
     Pack(#[from] crate::PackError),
+    #[error("token: {0}")]
+    Token(String),
 }
 
 pub(crate) type Result<T> = std::result::Result<T, ClientError>;
@@ -51,6 +54,26 @@ pub struct Client {
     inner: KvTierClient<Channel>,
     tenant: String,
     persist: bool,
+    /// `Bearer <token>`, sent with every typed call.
+    authorization: Option<AsciiMetadataValue>,
+}
+
+/// How to reach a server that checks tokens or speaks TLS.
+#[derive(Debug, Clone, Default)]
+pub struct Connect {
+    /// Sent as `authorization: Bearer <token>` with every typed call.
+    pub token: Option<String>,
+    /// TLS (the address must be `https://...`); `None`: plaintext.
+    pub tls: Option<Tls>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Tls {
+    /// PEM certificates of the authorities the server's certificate must
+    /// chain to.
+    pub ca_pem: Vec<u8>,
+    /// The name the certificate must carry; default: the address's host.
+    pub domain: Option<String>,
 }
 
 impl Client {
@@ -59,14 +82,47 @@ impl Client {
     /// bounds what the server sends it: 16 KiB by default, a hand-off
     /// between threads per frame).
     pub async fn connect(addr: impl Into<String>) -> Result<Self> {
-        let channel = Endpoint::from_shared(addr.into())?
+        Self::connect_with(addr, Connect::default()).await
+    }
+
+    /// Connects with a token and/or TLS.
+    pub async fn connect_with(addr: impl Into<String>, options: Connect) -> Result<Self> {
+        let mut endpoint = Endpoint::from_shared(addr.into())?
             .initial_stream_window_size(Some(16 << 20))
             .initial_connection_window_size(Some(32 << 20))
             .max_frame_size((1 << 20) - 1)
-            .tcp_nodelay(true)
-            .connect()
-            .await?;
-        Ok(Self::from_channel(channel))
+            .tcp_nodelay(true);
+        if let Some(tls) = options.tls {
+            let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(tls.ca_pem));
+            if let Some(domain) = tls.domain {
+                config = config.domain_name(domain);
+            }
+            endpoint = endpoint.tls_config(config)?;
+        }
+        let client = Self::from_channel(endpoint.connect().await?);
+        match options.token {
+            Some(token) => client.with_token(&token),
+            None => Ok(client),
+        }
+    }
+
+    /// Sends `token` with every later typed call.
+    pub fn with_token(mut self, token: &str) -> Result<Self> {
+        let value = format!("Bearer {token}")
+            .parse()
+            .map_err(|_| ClientError::Token("must be printable ASCII".into()))?;
+        self.authorization = Some(value);
+        Ok(self)
+    }
+
+    /// `message` as a request carrying the client's token, for calls made
+    /// through [`Client::raw`].
+    pub fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        if let Some(auth) = &self.authorization {
+            request.metadata_mut().insert("authorization", auth.clone());
+        }
+        request
     }
 
     pub fn from_channel(channel: Channel) -> Self {
@@ -76,6 +132,7 @@ impl Client {
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
             tenant: String::new(),
             persist: false,
+            authorization: None,
         }
     }
 
@@ -92,7 +149,8 @@ impl Client {
         self
     }
 
-    /// The generated stub, for anything the typed calls do not cover.
+    /// The generated stub, for anything the typed calls do not cover (wrap
+    /// messages with [`Client::request`] to send the token).
     pub fn raw(&mut self) -> &mut KvTierClient<Channel> {
         &mut self.inner
     }
@@ -109,7 +167,7 @@ impl Client {
             layout: Some(layout),
             prefix_hashes,
         };
-        Ok(self.inner.create_sequence(req).await?.into_inner())
+        Ok(self.inner.create_sequence(self.request(req)).await?.into_inner())
     }
 
     pub async fn get_sequence(&mut self, sequence_id: &str) -> Result<pb::SequenceInfo> {
@@ -117,7 +175,7 @@ impl Client {
             tenant: self.tenant.clone(),
             sequence_id: sequence_id.to_owned(),
         };
-        Ok(self.inner.get_sequence(req).await?.into_inner())
+        Ok(self.inner.get_sequence(self.request(req)).await?.into_inner())
     }
 
     pub async fn drop_sequence(&mut self, sequence_id: &str) -> Result<()> {
@@ -125,7 +183,7 @@ impl Client {
             tenant: self.tenant.clone(),
             sequence_id: sequence_id.to_owned(),
         };
-        self.inner.drop_sequence(req).await?;
+        self.inner.drop_sequence(self.request(req)).await?;
         Ok(())
     }
 
@@ -169,7 +227,11 @@ impl Client {
 
     /// Streams many writes in one call (a whole prefill, layer by layer).
     pub async fn put_page_stream(&mut self, writes: Vec<pb::PutPagesRequest>) -> Result<pb::PutPagesResponse> {
-        Ok(self.inner.put_pages(tokio_stream::iter(writes)).await?.into_inner())
+        Ok(self
+            .inner
+            .put_pages(self.request(tokio_stream::iter(writes)))
+            .await?
+            .into_inner())
     }
 
     /// Appends `num_tokens` decode tokens of one layer for `kv_heads`. With
@@ -194,7 +256,7 @@ impl Client {
             position,
             persist: self.persist,
         };
-        Ok(self.inner.append_tokens(req).await?.into_inner())
+        Ok(self.inner.append_tokens(self.request(req)).await?.into_inner())
     }
 
     /// Reads pages (every page when `pages` is empty) of one layer for
@@ -223,7 +285,7 @@ impl Client {
         if req.tenant.is_empty() {
             req.tenant = self.tenant.clone();
         }
-        let mut stream = self.inner.fetch_pages(req).await?.into_inner();
+        let mut stream = self.inner.fetch_pages(self.request(req)).await?.into_inner();
         let mut pages = Vec::new();
         while let Some(chunk) = stream.next().await {
             pages.extend(chunk?.pages);
@@ -253,7 +315,7 @@ impl Client {
             pages: vec![],
             action: Some(action),
         };
-        Ok(self.inner.set_page_state(req).await?.into_inner().pages)
+        Ok(self.inner.set_page_state(self.request(req)).await?.into_inner().pages)
     }
 
     fn select_message(&self, sequence_id: &str, req: &SelectRequest) -> pb::SelectPagesRequest {
@@ -289,7 +351,7 @@ impl Client {
     /// prefetches what comes next, leases them and returns their bytes.
     pub async fn select_pages(&mut self, sequence_id: &str, req: &SelectRequest) -> Result<SelectResult> {
         let msg = self.select_message(sequence_id, req);
-        let mut stream = self.inner.select_pages(msg).await?.into_inner();
+        let mut stream = self.inner.select_pages(self.request(msg)).await?.into_inner();
         let mut out = SelectResult::default();
         while let Some(chunk) = stream.next().await {
             let chunk = chunk?;
@@ -315,12 +377,17 @@ impl Client {
     /// layer ahead, say) would select; returns the pages queued.
     pub async fn prefetch(&mut self, sequence_id: &str, req: &SelectRequest) -> Result<u32> {
         let msg = self.select_message(sequence_id, req);
-        Ok(self.inner.prefetch(msg).await?.into_inner().pages_queued)
+        Ok(self.inner.prefetch(self.request(msg)).await?.into_inner().pages_queued)
     }
 
     /// Ends a lease before it expires.
     pub async fn release_lease(&mut self, lease_id: u64) -> Result<()> {
-        self.inner.release_lease(pb::ReleaseLeaseRequest { lease_id }).await?;
+        self.inner
+            .release_lease(self.request(pb::ReleaseLeaseRequest {
+                lease_id,
+                tenant: self.tenant.clone(),
+            }))
+            .await?;
         Ok(())
     }
 
@@ -333,7 +400,7 @@ impl Client {
     ) -> Result<pb::ApplyPolicyResponse> {
         req.tenant = self.tenant.clone();
         req.sequence_id = sequence_id.to_owned();
-        Ok(self.inner.apply_policy(req).await?.into_inner())
+        Ok(self.inner.apply_policy(self.request(req)).await?.into_inner())
     }
 
     /// Reports one query's attention per KV head of `kv_heads` (a row of
@@ -356,12 +423,22 @@ impl Client {
             page_weights: vec![],
             decay,
         };
-        self.inner.report_attention(req).await?;
+        self.inner.report_attention(self.request(req)).await?;
         Ok(())
     }
 
+    /// The whole server's statistics (a tenant's token gets its tenant's).
     pub async fn stats(&mut self) -> Result<pb::Stats> {
-        Ok(self.inner.get_stats(pb::GetStatsRequest {}).await?.into_inner())
+        let req = self.request(pb::GetStatsRequest { tenant: None });
+        Ok(self.inner.get_stats(req).await?.into_inner())
+    }
+
+    /// The client's tenant's sequences and pages.
+    pub async fn tenant_stats(&mut self) -> Result<pb::Stats> {
+        let req = self.request(pb::GetStatsRequest {
+            tenant: Some(self.tenant.clone()),
+        });
+        Ok(self.inner.get_stats(req).await?.into_inner())
     }
 }
 

@@ -18,7 +18,7 @@ mod client;
 mod merge;
 mod pack;
 
-pub use client::{Client, ClientError, SelectRequest, SelectResult, actions, layout};
+pub use client::{Client, ClientError, Connect, SelectRequest, SelectResult, Tls, actions, layout};
 pub use kvtier_proto::v1 as pb;
 pub use merge::{Part, Partitioned};
 pub use pack::{Element, PackError, pack_kv, unpack_rows};

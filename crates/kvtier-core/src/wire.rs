@@ -34,8 +34,13 @@ const SELECT: &str = "SelectPagesRequest";
 const SET_STATE: &str = "SetPageStateRequest";
 const POLICY: &str = "ApplyPolicyRequest";
 const REPORT: &str = "ReportAttentionRequest";
+const RELEASE: &str = "ReleaseLeaseRequest";
+const STATS: &str = "GetStatsRequest";
 
 const KEYED: &[&str] = &[CREATE, GET, DROP, PUT, APPEND, FETCH, SELECT, SET_STATE, POLICY, REPORT];
+const TENANTED: &[&str] = &[
+    CREATE, GET, DROP, PUT, APPEND, FETCH, SELECT, SET_STATE, POLICY, REPORT, RELEASE, STATS,
+];
 const ONE_LAYER: &[&str] = &[PUT, APPEND, FETCH, SELECT, REPORT];
 const LAYER_RANGE: &[&str] = &[SET_STATE, POLICY];
 const HEAD_RANGE: &[&str] = &[PUT, APPEND, FETCH, SELECT, SET_STATE, REPORT];
@@ -51,7 +56,7 @@ macro_rules! fields {
 }
 
 fields! {
-    TENANT = "tenant" in KEYED;
+    TENANT = "tenant" in TENANTED;
     SEQUENCE_ID = "sequence_id" in KEYED;
     LAYOUT = "layout" in &[CREATE];
     LAYOUT_NUM_LAYERS = "layout.num_layers" in &[CREATE];
@@ -72,7 +77,7 @@ fields! {
     PAGES = "pages" in &[FETCH, SET_STATE];
     PER_HEAD_PAGES = "per_head_pages" in &[FETCH];
     PER_HEAD_PAGES_PAGES = "per_head_pages.pages" in &[FETCH];
-    MAX_CHUNK_BYTES = "max_chunk_bytes" in &[FETCH];
+    MAX_CHUNK_BYTES = "max_chunk_bytes" in &[FETCH, SELECT];
     NUM_TOKENS = "num_tokens" in WRITES;
     KV = "kv" in WRITES;
     PERSIST = "persist" in WRITES;

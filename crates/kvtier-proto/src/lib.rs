@@ -1,5 +1,7 @@
 //! Generated gRPC types and stubs for `kvtier.v1` (see `proto/kvtier/v1/kvtier.proto`).
 
+pub mod codec;
+
 #[allow(missing_debug_implementations, unreachable_pub, clippy::all, clippy::pedantic)]
 pub mod v1 {
     tonic::include_proto!("kvtier.v1");

@@ -189,6 +189,7 @@ fn transition_to_pb(t: &TransitionCount) -> pb::TransitionCount {
 
 pub(crate) fn stats_to_pb(s: &StatsSnapshot) -> pb::Stats {
     pb::Stats {
+        tenant: s.tenant.as_ref().map_or_else(String::new, |t| t.as_str().to_owned()),
         tiers: s
             .tiers
             .iter()

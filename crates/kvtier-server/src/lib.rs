@@ -1,7 +1,10 @@
 //! The kvtier gRPC server: `kvtier.v1.KvTier`, `grpc.health.v1.Health`,
 //! server reflection, and Prometheus metrics over HTTP.
 
+mod auth;
+mod chunk;
 mod convert;
+mod gate;
 mod metrics;
 mod policy;
 mod service;
@@ -9,6 +12,7 @@ mod status;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use kvtier_proto::v1::kv_tier_server::KvTierServer;
@@ -17,7 +21,10 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_stream::wrappers::TcpListenerStream;
 
-pub use service::KvTierService;
+pub use auth::{Auth, Grant, Token};
+
+use crate::gate::{Gate, GateConfig, InFlight};
+use crate::service::KvTierService;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
@@ -26,6 +33,21 @@ pub struct ServerConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// Largest message accepted or sent, in bytes.
     pub max_message_bytes: usize,
+    /// Request messages being received or handled at once, in bytes, over
+    /// all calls: more gets RESOURCE_EXHAUSTED instead of memory.
+    pub max_inflight_bytes: usize,
+    /// Bearer tokens; none: every caller may act for every tenant.
+    pub auth: Auth,
+    /// PEM certificate chain and private key; `None`: plaintext.
+    pub tls: Option<TlsFiles>,
+    /// Serve on a non-loopback address without tokens or without TLS.
+    pub insecure: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 impl Default for ServerConfig {
@@ -34,12 +56,58 @@ impl Default for ServerConfig {
             listen: ([127, 0, 0, 1], 50051).into(),
             metrics_listen: Some(([127, 0, 0, 1], 9464).into()),
             max_message_bytes: 64 << 20,
+            max_inflight_bytes: 1 << 30,
+            auth: Auth::default(),
+            tls: None,
+            insecure: false,
+        }
+    }
+}
+
+impl ServerConfig {
+    /// Refuses to expose the store beyond this machine unprotected (as
+    /// Redis's protected mode does): off loopback, the gRPC port needs
+    /// tokens and TLS, and the metrics port (which has neither) stays on
+    /// loopback, unless `insecure` says otherwise.
+    fn check_exposure(&self) -> Result<(), ServerError> {
+        if self.insecure {
+            return Ok(());
+        }
+        let missing = match (self.auth.enabled(), self.tls.is_some()) {
+            (true, true) => None,
+            (false, true) => Some("no auth tokens are configured"),
+            (true, false) => Some("TLS is not configured (tokens would cross the network in plaintext)"),
+            (false, false) => Some("neither auth tokens nor TLS are configured"),
+        };
+        if let Some(missing) = missing.filter(|_| !self.listen.ip().is_loopback()) {
+            return Err(ServerError::Exposed {
+                addr: self.listen,
+                why: missing.to_owned(),
+            });
+        }
+        match self.metrics_listen {
+            Some(addr) if !addr.ip().is_loopback() => Err(ServerError::Exposed {
+                addr,
+                why: "the metrics endpoint has no authentication".to_owned(),
+            }),
+            _ => Ok(()),
         }
     }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
+    #[error(
+        "refusing to listen on {addr}, which is not loopback: {why}. Configure tokens ([[auth.tokens]]) \
+         and TLS (--tls-cert, --tls-key), or pass --insecure to serve unprotected"
+    )]
+    Exposed { addr: SocketAddr, why: String },
+    #[error("reading TLS {what} {path}: {source}")]
+    TlsFile {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot listen on {addr}: {source}")]
     Bind { addr: SocketAddr, source: std::io::Error },
     #[error("gRPC server failed: {0}")]
@@ -80,6 +148,7 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
 
 impl BoundServer {
     pub async fn bind(store: Arc<Store>, config: ServerConfig) -> Result<Self, ServerError> {
+        config.check_exposure()?;
         let grpc = bind(config.listen).await?;
         let metrics = match config.metrics_listen {
             Some(addr) => Some(bind(addr).await?),
@@ -127,9 +196,21 @@ impl BoundServer {
         let reflection_v1 = reflection().build_v1()?;
         let reflection_v1alpha = reflection().build_v1alpha()?;
         let limit = self.config.max_message_bytes;
-        let kvtier = KvTierServer::new(KvTierService::new(Arc::clone(&self.store)))
+        let kvtier = KvTierServer::new(KvTierService::new(Arc::clone(&self.store), limit))
             .max_decoding_message_size(limit)
             .max_encoding_message_size(limit);
+        let kvtier = Gate::new(
+            kvtier,
+            Arc::new(GateConfig {
+                auth: self.config.auth.clone(),
+                max_message_bytes: limit,
+                in_flight: Arc::new(InFlight::new(self.config.max_inflight_bytes)),
+            }),
+        );
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = &self.config.tls {
+            builder = builder.tls_config(tls_config(tls)?)?;
+        }
 
         let metrics = self.metrics.map(|listener| {
             let router = metrics::router(Arc::clone(&self.store));
@@ -139,11 +220,13 @@ impl BoundServer {
         tracing::info!(
             grpc = %self.grpc.local_addr().map_err(ServerError::Metrics)?,
             metrics = ?self.config.metrics_listen,
+            tls = self.config.tls.is_some(),
+            auth = self.config.auth.enabled(),
             "serving kvtier.v1"
         );
         // Larger HTTP/2 windows and frames: the defaults cap one client at
         // about half of what loopback carries for megabyte messages.
-        tonic::transport::Server::builder()
+        builder
             .initial_stream_window_size(Some(16 << 20))
             .initial_connection_window_size(Some(32 << 20))
             .max_frame_size(Some((1 << 20) - 1))
@@ -163,4 +246,16 @@ impl BoundServer {
         tracing::info!("kvtier.v1 stopped");
         Ok(())
     }
+}
+
+fn tls_config(files: &TlsFiles) -> Result<tonic::transport::ServerTlsConfig, ServerError> {
+    let read = |what, path: &PathBuf| {
+        std::fs::read(path).map_err(|source| ServerError::TlsFile {
+            what,
+            path: path.clone(),
+            source,
+        })
+    };
+    let identity = tonic::transport::Identity::from_pem(read("certificate", &files.cert)?, read("key", &files.key)?);
+    Ok(tonic::transport::ServerTlsConfig::new().identity(identity))
 }

@@ -4,33 +4,54 @@
 use std::sync::Arc;
 
 use kvtier_core::select::{Aggregation, Budget, Shard};
-use kvtier_core::{Reason, SequenceKey, wire};
+use kvtier_core::{Reason, SequenceKey, TenantId, wire};
 use kvtier_proto::v1 as pb;
 use kvtier_proto::v1::kv_tier_server::KvTier;
 use kvtier_store::{
     AppendTokens, ApplyPolicy, AttentionWeights, FetchCursor, FetchPages, FetchedPage, HeadRange, PageContent,
-    PageList, PageSelection, PutPages, ReportAttention, SelectPages, SetPageState, Store, StoreError, StoreResult,
+    PageList, PageSelection, PutPages, ReportAttention, SelectPages, Selection, SetPageState, Store, StoreError,
+    StoreResult,
 };
+use prost::Message;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::convert;
-use crate::status::{invalid, to_status};
-
-/// Default and maximum page bytes per `FetchPages` response message.
-const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
-const MAX_CHUNK_BYTES: usize = 32 << 20;
+use crate::auth::Caller;
+use crate::status::{field_status, invalid, to_status};
+use crate::{chunk, convert};
 
 #[derive(Debug, Clone)]
-pub struct KvTierService {
+pub(crate) struct KvTierService {
     store: Arc<Store>,
+    /// The server's message limit, which no response message passes.
+    max_message_bytes: usize,
+}
+
+/// The caller the gate resolved, and the message.
+fn open<T>(request: Request<T>) -> Result<(Caller, T), Status> {
+    let caller = request
+        .extensions()
+        .get::<Caller>()
+        .cloned()
+        .ok_or_else(|| Status::internal("the call did not pass the gate"))?;
+    Ok((caller, request.into_inner()))
+}
+
+/// A request's sequence, if the caller may act for its tenant.
+fn key(caller: &Caller, tenant: &str, sequence_id: &str) -> Result<SequenceKey, Status> {
+    let key = convert::key(tenant, sequence_id)?;
+    caller.check_tenant(&key.tenant)?;
+    Ok(key)
 }
 
 impl KvTierService {
-    pub fn new(store: Arc<Store>) -> Self {
-        Self { store }
+    pub(crate) fn new(store: Arc<Store>, max_message_bytes: usize) -> Self {
+        Self {
+            store,
+            max_message_bytes,
+        }
     }
 
     /// Runs a store call on a blocking thread: copies of many megabytes must
@@ -122,44 +143,54 @@ fn page_to_pb(p: FetchedPage) -> pb::Page {
     page
 }
 
-/// One message straight from the handler when the read fits one chunk (no
-/// task, no channel: a fetch's latency is mostly hand-offs between threads),
-/// else chunks sent by a task as it reads them.
+/// The first chunk's messages straight from the handler (no task, no
+/// channel when the read fits one chunk: a fetch's latency is mostly
+/// hand-offs between threads), then chunks sent by a task as it reads them.
 type FetchStream = tokio_stream::adapters::Chain<
-    tokio_stream::Once<Result<pb::FetchPagesResponse, Status>>,
+    tokio_stream::Iter<std::vec::IntoIter<Result<pb::FetchPagesResponse, Status>>>,
     ReceiverStream<Result<pb::FetchPagesResponse, Status>>,
 >;
 type SelectStream = tokio_stream::Iter<std::vec::IntoIter<Result<pb::SelectPagesResponse, Status>>>;
 
-fn chunk_limit(max_chunk_bytes: u32) -> Result<usize, Status> {
-    match max_chunk_bytes as usize {
-        0 => Ok(DEFAULT_CHUNK_BYTES),
-        n if n > MAX_CHUNK_BYTES => Err(invalid(
-            wire::MAX_CHUNK_BYTES,
-            format!("is {n}, at most {MAX_CHUNK_BYTES} allowed"),
-        )),
-        n => Ok(n),
-    }
+/// A selection as response messages within `limit`: the totals with as
+/// many heads as fit, the remaining heads, then the pages' bytes.
+fn select_messages(selection: Selection, limit: usize) -> Result<Vec<pb::SelectPagesResponse>, Status> {
+    let first = pb::SelectPagesResponse {
+        heads: vec![],
+        pages_scored: selection.pages_scored,
+        digest_bytes: selection.digest_bytes,
+        pages: vec![],
+        swap: Some(convert::swap_to_pb(&selection.swap)),
+        prefetch_queued: selection.prefetch_queued,
+        lease_id: selection.lease.map_or(0, |(id, _)| id),
+        lease_expires_in_ms: selection.lease.map_or(0, |(_, at)| {
+            at.saturating_duration_since(std::time::Instant::now()).as_millis() as u64
+        }),
+        timing: Some(convert::timing_to_pb(&selection.timing)),
+    };
+    let heads = selection.heads.iter().map(convert::head_selection_to_pb).collect();
+    let mut head_runs = chunk::fit(heads, first.encoded_len(), limit, "KV head's selection")?.into_iter();
+    let data = chunk::fit(selection.data.into_iter().map(page_to_pb).collect(), 0, limit, "page")?;
+    let first = pb::SelectPagesResponse {
+        heads: head_runs.next().unwrap_or_default(),
+        ..first
+    };
+    let more_heads = head_runs.map(|heads| pb::SelectPagesResponse {
+        heads,
+        ..Default::default()
+    });
+    let pages = data.into_iter().map(|pages| pb::SelectPagesResponse {
+        pages,
+        ..Default::default()
+    });
+    Ok(std::iter::once(first).chain(more_heads).chain(pages).collect())
 }
 
-/// Splits pages into messages of at most `limit` page bytes (at least one
-/// page each).
-fn chunks(pages: Vec<pb::Page>, limit: usize) -> Vec<Vec<pb::Page>> {
-    let mut out: Vec<Vec<pb::Page>> = Vec::new();
-    let mut bytes = 0;
-    for page in pages {
-        match out.last_mut() {
-            Some(last) if !last.is_empty() && bytes + page.kv.len() <= limit => {
-                bytes += page.kv.len();
-                last.push(page);
-            }
-            _ => {
-                bytes = page.kv.len();
-                out.push(vec![page]);
-            }
-        }
-    }
-    out
+/// One chunk of fetched pages as response messages within `limit`.
+fn fetch_messages(pages: Vec<FetchedPage>, limit: usize) -> Result<Vec<pb::FetchPagesResponse>, Status> {
+    let pages = pages.into_iter().map(page_to_pb).collect();
+    let runs = chunk::fit(pages, 0, limit, "page")?;
+    Ok(runs.into_iter().map(|pages| pb::FetchPagesResponse { pages }).collect())
 }
 
 #[tonic::async_trait]
@@ -168,8 +199,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::CreateSequenceRequest>,
     ) -> Result<Response<pb::CreateSequenceResponse>, Status> {
-        let r = request.into_inner();
-        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let (caller, r) = open(request)?;
+        let key = key(&caller, &r.tenant, &r.sequence_id)?;
         let layout = convert::layout(r.layout)?;
         let hashes = r.prefix_hashes.into_iter().map(|h| h.to_vec()).collect();
         let created = self.call(move |s| s.create_sequence(key, layout, hashes)).await?;
@@ -183,8 +214,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::GetSequenceRequest>,
     ) -> Result<Response<pb::SequenceInfo>, Status> {
-        let r = request.into_inner();
-        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let (caller, r) = open(request)?;
+        let key = key(&caller, &r.tenant, &r.sequence_id)?;
         let info = self.call(move |s| s.sequence_info(&key)).await?;
         Ok(Response::new(convert::info_to_pb(&info)))
     }
@@ -193,8 +224,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::DropSequenceRequest>,
     ) -> Result<Response<pb::DropSequenceResponse>, Status> {
-        let r = request.into_inner();
-        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let (caller, r) = open(request)?;
+        let key = key(&caller, &r.tenant, &r.sequence_id)?;
         self.call(move |s| s.drop_sequence(&key)).await?;
         Ok(Response::new(pb::DropSequenceResponse {}))
     }
@@ -203,13 +234,13 @@ impl KvTier for KvTierService {
         &self,
         request: Request<Streaming<pb::PutPagesRequest>>,
     ) -> Result<Response<pb::PutPagesResponse>, Status> {
-        let mut stream = request.into_inner();
+        let (caller, mut stream) = open(request)?;
         let mut total = pb::PutPagesResponse::default();
         let mut weakest: Option<pb::Durability> = None;
         while let Some(r) = stream.message().await? {
             let write = total.writes;
             let numbered = |e: Status| Status::new(e.code(), format!("write {write}: {}", e.message()));
-            let key = convert::key(&r.tenant, &r.sequence_id).map_err(numbered)?;
+            let key = key(&caller, &r.tenant, &r.sequence_id).map_err(numbered)?;
             let outcome = self
                 .call(move |s| {
                     s.put_pages(
@@ -240,8 +271,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::AppendTokensRequest>,
     ) -> Result<Response<pb::AppendTokensResponse>, Status> {
-        let r = request.into_inner();
-        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let (caller, r) = open(request)?;
+        let key = key(&caller, &r.tenant, &r.sequence_id)?;
         let outcome = self
             .call(move |s| {
                 s.append_tokens(
@@ -268,9 +299,10 @@ impl KvTier for KvTierService {
     type FetchPagesStream = FetchStream;
 
     async fn fetch_pages(&self, request: Request<pb::FetchPagesRequest>) -> Result<Response<FetchStream>, Status> {
-        let r = Arc::new(request.into_inner());
-        let key = convert::key(&r.tenant, &r.sequence_id)?;
-        let max_bytes = chunk_limit(r.max_chunk_bytes)?;
+        let (caller, r) = open(request)?;
+        let r = Arc::new(r);
+        let key = key(&caller, &r.tenant, &r.sequence_id)?;
+        let max_bytes = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
         if !r.pages.is_empty() && !r.per_head_pages.is_empty() {
             return Err(invalid(
                 wire::PER_HEAD_PAGES,
@@ -278,30 +310,29 @@ impl KvTier for KvTierService {
             ));
         }
         let per_head: Arc<Vec<Vec<u32>>> = Arc::new(r.per_head_pages.iter().map(|l| l.pages.clone()).collect());
-        let chunk = move |store: &Store, key: &SequenceKey, r: &pb::FetchPagesRequest, per_head: &[Vec<u32>], from| {
-            let pages = match (r.pages.is_empty(), per_head.is_empty()) {
-                (false, _) => PageList::Same(&r.pages),
-                (true, false) => PageList::PerHead(per_head),
-                (true, true) => PageList::All,
+        let read_chunk =
+            move |store: &Store, key: &SequenceKey, r: &pb::FetchPagesRequest, per_head: &[Vec<u32>], from| {
+                let pages = match (r.pages.is_empty(), per_head.is_empty()) {
+                    (false, _) => PageList::Same(&r.pages),
+                    (true, false) => PageList::PerHead(per_head),
+                    (true, true) => PageList::All,
+                };
+                let req = FetchPages {
+                    layer: r.layer,
+                    heads: heads(r.kv_head_start, r.kv_head_count),
+                    pages,
+                    with_digests: r.include_digests,
+                };
+                store.fetch_chunk(key, req, from, max_bytes)
             };
-            let req = FetchPages {
-                layer: r.layer,
-                heads: heads(r.kv_head_start, r.kv_head_count),
-                pages,
-                with_digests: r.include_digests,
-            };
-            store.fetch_chunk(key, req, from, max_bytes)
-        };
         // The first chunk is read before the stream starts, so a bad request
         // fails the call itself rather than the stream.
         let (first, next) = {
             let (key, r, per_head) = (key.clone(), Arc::clone(&r), Arc::clone(&per_head));
-            self.call(move |s| chunk(s, &key, &r, &per_head, FetchCursor::default()))
+            self.call(move |s| read_chunk(s, &key, &r, &per_head, FetchCursor::default()))
                 .await?
         };
-        let first = pb::FetchPagesResponse {
-            pages: first.into_iter().map(page_to_pb).collect(),
-        };
+        let first = fetch_messages(first, max_bytes)?;
         let (tx, rx) = mpsc::channel(2);
         if let Some(mut from) = next {
             let store = Arc::clone(&self.store);
@@ -309,7 +340,7 @@ impl KvTier for KvTierService {
                 loop {
                     let (store, key, r, per_head) =
                         (Arc::clone(&store), key.clone(), Arc::clone(&r), Arc::clone(&per_head));
-                    let read = tokio::task::spawn_blocking(move || chunk(&store, &key, &r, &per_head, from)).await;
+                    let read = tokio::task::spawn_blocking(move || read_chunk(&store, &key, &r, &per_head, from)).await;
                     let (pages, next) = match read {
                         Ok(Ok(chunk)) => chunk,
                         Ok(Err(e)) => {
@@ -321,11 +352,17 @@ impl KvTier for KvTierService {
                             return;
                         }
                     };
-                    let msg = pb::FetchPagesResponse {
-                        pages: pages.into_iter().map(page_to_pb).collect(),
+                    let messages = match fetch_messages(pages, max_bytes) {
+                        Ok(messages) => messages,
+                        Err(e) => {
+                            let _ = tx.send(Err(e)).await;
+                            return;
+                        }
                     };
-                    if tx.send(Ok(msg)).await.is_err() {
-                        return; // the client went away
+                    for msg in messages {
+                        if tx.send(Ok(msg)).await.is_err() {
+                            return; // the client went away
+                        }
                     }
                     let Some(n) = next else { return };
                     from = n;
@@ -333,41 +370,28 @@ impl KvTier for KvTierService {
             });
         }
         Ok(Response::new(
-            tokio_stream::once(Ok(first)).chain(ReceiverStream::new(rx)),
+            tokio_stream::iter(first.into_iter().map(Ok).collect::<Vec<_>>()).chain(ReceiverStream::new(rx)),
         ))
     }
 
     type SelectPagesStream = SelectStream;
 
     async fn select_pages(&self, request: Request<pb::SelectPagesRequest>) -> Result<Response<SelectStream>, Status> {
-        let r = request.into_inner();
-        let key = convert::key(&r.tenant, &r.sequence_id)?;
-        let limit = chunk_limit(r.max_chunk_bytes)?;
+        let (caller, r) = open(request)?;
+        let key = key(&caller, &r.tenant, &r.sequence_id)?;
+        let limit = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
         let (queries, aggregation, shard) = selection_inputs(&r)?;
+        let tenant = key.tenant.clone();
         let selection = self
             .call(move |s| s.select_pages(&key, select_request(&r, &queries, aggregation, shard)))
             .await?;
-        let first = pb::SelectPagesResponse {
-            heads: selection.heads.iter().map(convert::head_selection_to_pb).collect(),
-            pages_scored: selection.pages_scored,
-            digest_bytes: selection.digest_bytes,
-            pages: vec![],
-            swap: Some(convert::swap_to_pb(&selection.swap)),
-            prefetch_queued: selection.prefetch_queued,
-            lease_id: selection.lease.map_or(0, |(id, _)| id),
-            lease_expires_in_ms: selection.lease.map_or(0, |(_, at)| {
-                at.saturating_duration_since(std::time::Instant::now()).as_millis() as u64
-            }),
-            timing: Some(convert::timing_to_pb(&selection.timing)),
-        };
-        let data = chunks(selection.data.into_iter().map(page_to_pb).collect(), limit);
-        let messages = std::iter::once(first)
-            .chain(data.into_iter().map(|pages| pb::SelectPagesResponse {
-                pages,
-                ..Default::default()
-            }))
-            .map(Ok)
-            .collect::<Vec<_>>();
+        let lease = selection.lease;
+        let messages = select_messages(selection, limit);
+        if let (Err(_), Some((id, _))) = (&messages, lease) {
+            // Refused after all: the lease is not handed out.
+            self.store.release_lease(&tenant, id);
+        }
+        let messages = messages?.into_iter().map(Ok).collect::<Vec<_>>();
         Ok(Response::new(tokio_stream::iter(messages)))
     }
 
@@ -375,8 +399,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::SelectPagesRequest>,
     ) -> Result<Response<pb::PrefetchResponse>, Status> {
-        let r = request.into_inner();
-        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let (caller, r) = open(request)?;
+        let key = key(&caller, &r.tenant, &r.sequence_id)?;
         for (set, field) in [
             (r.include_data, wire::INCLUDE_DATA.path),
             (r.swap_in, wire::SWAP_IN.path),
@@ -401,8 +425,11 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::ReleaseLeaseRequest>,
     ) -> Result<Response<pb::ReleaseLeaseResponse>, Status> {
-        let id = request.into_inner().lease_id;
-        if self.call(move |s| Ok(s.release_lease(id))).await? {
+        let (caller, r) = open(request)?;
+        let tenant = TenantId::parse(wire::TENANT.path, &r.tenant).map_err(field_status)?;
+        caller.check_tenant(&tenant)?;
+        let id = r.lease_id;
+        if self.call(move |s| Ok(s.release_lease(&tenant, id))).await? {
             Ok(Response::new(pb::ReleaseLeaseResponse {}))
         } else {
             Err(to_status(StoreError::NotFound {
@@ -415,8 +442,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::SetPageStateRequest>,
     ) -> Result<Response<pb::SetPageStateResponse>, Status> {
-        let r = request.into_inner();
-        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let (caller, r) = open(request)?;
+        let key = key(&caller, &r.tenant, &r.sequence_id)?;
         let (action, summary_rows) = convert::action(r.action)?;
         if !r.pages.is_empty() && (r.first_page != 0 || r.page_count != 0) {
             return Err(invalid(
@@ -454,8 +481,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::ApplyPolicyRequest>,
     ) -> Result<Response<pb::ApplyPolicyResponse>, Status> {
-        let r = request.into_inner();
-        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let (caller, r) = open(request)?;
+        let key = key(&caller, &r.tenant, &r.sequence_id)?;
         let Some((spec, trigger)) = crate::policy::spec(&r)? else {
             self.call(move |s| s.unregister_policy(&key)).await?;
             return Ok(Response::new(pb::ApplyPolicyResponse::default()));
@@ -484,8 +511,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::ReportAttentionRequest>,
     ) -> Result<Response<pb::ReportAttentionResponse>, Status> {
-        let r = request.into_inner();
-        let key = convert::key(&r.tenant, &r.sequence_id)?;
+        let (caller, r) = open(request)?;
+        let key = key(&caller, &r.tenant, &r.sequence_id)?;
         if r.token_weights.is_empty() == r.page_weights.is_empty() {
             return Err(invalid(
                 wire::TOKEN_WEIGHTS,
@@ -511,8 +538,19 @@ impl KvTier for KvTierService {
         Ok(Response::new(pb::ReportAttentionResponse {}))
     }
 
-    async fn get_stats(&self, _request: Request<pb::GetStatsRequest>) -> Result<Response<pb::Stats>, Status> {
-        let stats = self.call(|s| Ok(s.stats())).await?;
+    async fn get_stats(&self, request: Request<pb::GetStatsRequest>) -> Result<Response<pb::Stats>, Status> {
+        let (caller, r) = open(request)?;
+        let tenant = match (r.tenant, caller.own_tenant()) {
+            (Some(name), _) => {
+                let tenant = TenantId::parse(wire::TENANT.path, &name).map_err(field_status)?;
+                caller.check_tenant(&tenant)?;
+                Some(tenant)
+            }
+            (None, own) => own.cloned(),
+        };
+        let stats = self
+            .call(move |s| Ok(tenant.map_or_else(|| s.stats(), |t| s.tenant_stats(&t))))
+            .await?;
         Ok(Response::new(convert::stats_to_pb(&stats)))
     }
 }

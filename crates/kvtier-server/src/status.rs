@@ -28,3 +28,8 @@ pub(crate) fn field_status(e: FieldError) -> Status {
 pub(crate) fn invalid(field: impl Into<String>, message: impl Into<String>) -> Status {
     field_status(FieldError::new(field, message))
 }
+
+/// A request for something the caller's token does not cover.
+pub(crate) fn denied(field: &str, message: impl std::fmt::Display) -> Status {
+    Status::permission_denied(format!("{field}: {message}"))
+}

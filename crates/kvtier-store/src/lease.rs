@@ -1,24 +1,27 @@
 //! Leases: pages handed out by reference stay pinned (never demoted, moved
 //! or freed) until the holder releases them or the lease expires, so a
-//! client that vanishes cannot leak pins.
+//! client that vanishes cannot leak pins. A lease belongs to the tenant
+//! whose selection took it, and its id is random: one tenant can neither
+//! guess nor release another's.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
+
+use kvtier_core::TenantId;
 
 use crate::page::{PhysPage, Pins};
 use crate::sync::lock;
 
 #[derive(Debug, Default)]
 pub(crate) struct Leases {
-    next: AtomicU64,
     table: Mutex<HashMap<u64, Lease>>,
 }
 
 #[derive(Debug)]
 struct Lease {
+    tenant: TenantId,
     expires: Instant,
     _pins: Pins,
 }
@@ -27,23 +30,33 @@ struct Lease {
 pub const MAX_LEASE: Duration = Duration::from_secs(600);
 
 impl Leases {
-    /// Pins `pages` for `ttl` (capped at [`MAX_LEASE`]); returns the lease id.
-    pub(crate) fn grant(&self, pages: Vec<Arc<PhysPage>>, ttl: Duration) -> (u64, Instant) {
-        let id = self.next.fetch_add(1, Relaxed) + 1;
+    /// Pins `pages` for `ttl` (capped at [`MAX_LEASE`]) on behalf of
+    /// `tenant`; returns the lease id.
+    pub(crate) fn grant(&self, tenant: &TenantId, pages: Vec<Arc<PhysPage>>, ttl: Duration) -> (u64, Instant) {
         let expires = Instant::now() + ttl.min(MAX_LEASE);
-        lock(&self.table).insert(
-            id,
-            Lease {
-                expires,
-                _pins: Pins::new(pages),
-            },
-        );
-        (id, expires)
+        let lease = Lease {
+            tenant: tenant.clone(),
+            expires,
+            _pins: Pins::new(pages),
+        };
+        let mut table = lock(&self.table);
+        loop {
+            let id = random_id();
+            if let std::collections::hash_map::Entry::Vacant(slot) = table.entry(id) {
+                slot.insert(lease);
+                return (id, expires);
+            }
+        }
     }
 
-    /// Ends a lease early; false if it does not exist (any more).
-    pub(crate) fn release(&self, id: u64) -> bool {
-        lock(&self.table).remove(&id).is_some()
+    /// Ends one of `tenant`'s leases early; false if it has no such lease
+    /// (any more).
+    pub(crate) fn release(&self, tenant: &TenantId, id: u64) -> bool {
+        let mut table = lock(&self.table);
+        match table.get(&id) {
+            Some(lease) if lease.tenant == *tenant => table.remove(&id).is_some(),
+            _ => false,
+        }
     }
 
     /// Ends every lease past its expiry; returns how many.
@@ -56,5 +69,20 @@ impl Leases {
 
     pub(crate) fn active(&self) -> usize {
         lock(&self.table).len()
+    }
+}
+
+/// A nonzero id from the operating system's random source (0 means "no
+/// lease" on the wire).
+fn random_id() -> u64 {
+    loop {
+        let mut bytes = [0u8; 8];
+        // The OS random source fails only where it does not exist (no
+        // getrandom(2) and no /dev/urandom): no server can run there.
+        getrandom::getrandom(&mut bytes).expect("the operating system's random source");
+        let id = u64::from_le_bytes(bytes);
+        if id != 0 {
+            return id;
+        }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use kvtier_core::{Layout, PageState, Reason};
+use kvtier_core::{Layout, PageState, Reason, TenantId};
 use kvtier_tiers::{Tier, TierKind};
 
 /// Event counters, updated without locks.
@@ -112,6 +112,8 @@ impl TierStats {
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StatsSnapshot {
+    /// Whose view this is: one tenant's, or (`None`) the whole server's.
+    pub tenant: Option<TenantId>,
     pub tiers: Vec<TierStats>,
     /// Logical pages of all live sequences by state.
     pub pages: StateCounts,

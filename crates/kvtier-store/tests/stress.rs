@@ -207,7 +207,7 @@ fn select(shared: &Shared, rng: &mut Rng, name: &str, layer: u32) {
     if let Some((lease, _)) = selection.lease
         && rng.chance(50)
     {
-        shared.store.release_lease(lease);
+        shared.store.release_lease(&key(name).tenant, lease);
     }
 }
 

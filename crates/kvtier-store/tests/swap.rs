@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use kvtier_core::select::Budget;
-use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey};
+use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey, TenantId};
 use kvtier_store::{
     EngineChoice, FetchPages, HeadRange, Miss, NvmeConfig, PageContent, PageList, PageSelection, PutPages, SelectPages,
     SetPageState, Store, StoreConfig, StoreError,
@@ -256,8 +256,10 @@ fn leased_pages_do_not_move_until_released_or_expired() {
         "pinned pages were demoted"
     );
     // Released: they move again.
-    assert!(store.release_lease(lease));
-    assert!(!store.release_lease(lease), "a lease ends once");
+    let other = TenantId::parse("tenant", "other").unwrap();
+    assert!(!store.release_lease(&other, lease), "another tenant's lease");
+    assert!(store.release_lease(&key().tenant, lease));
+    assert!(!store.release_lease(&key().tenant, lease), "a lease ends once");
     set(&store, Action::Offload(ColdTier::Host), &[0]).unwrap();
 
     // A lease the client forgets expires by itself.

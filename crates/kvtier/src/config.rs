@@ -68,6 +68,12 @@ pub(crate) struct FileConfig {
     pub(crate) metrics_listen: Option<String>,
     pub(crate) data_dir: Option<PathBuf>,
     pub(crate) max_message_bytes: Option<ByteSize>,
+    pub(crate) max_inflight_bytes: Option<ByteSize>,
+    /// Serve off loopback without tokens or TLS.
+    pub(crate) insecure: Option<bool>,
+    pub(crate) tls: Option<TlsFileConfig>,
+    #[serde(default)]
+    pub(crate) auth: AuthFileConfig,
     /// `relaxed` or `fsync`.
     pub(crate) durability: Option<String>,
     /// Rewrite the manifest as a checkpoint past this size.
@@ -95,6 +101,61 @@ pub(crate) struct TierFileConfig {
     pub(crate) swap_in_path: Option<String>,
     /// `inclusive` or `exclusive`.
     pub(crate) device_cache: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct TlsFileConfig {
+    /// PEM certificate chain.
+    pub(crate) cert: PathBuf,
+    /// PEM private key.
+    pub(crate) key: PathBuf,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct AuthFileConfig {
+    #[serde(default)]
+    pub(crate) tokens: Vec<TokenFileConfig>,
+}
+
+/// One bearer token: for one tenant, or (`admin = true`) for all of them
+/// and for server-wide statistics.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct TokenFileConfig {
+    pub(crate) token: String,
+    pub(crate) tenant: Option<String>,
+    #[serde(default)]
+    pub(crate) admin: bool,
+}
+
+impl AuthFileConfig {
+    pub(crate) fn auth(&self) -> anyhow::Result<kvtier_server::Auth> {
+        use kvtier_server::{Auth, Grant, Token};
+        let mut tokens = Vec::new();
+        for (i, t) in self.tokens.iter().enumerate() {
+            let field = format!("auth.tokens[{i}]");
+            if t.token.len() < 16 {
+                anyhow::bail!("{field}.token: is {} characters, at least 16 needed", t.token.len());
+            }
+            let grant = match (&t.tenant, t.admin) {
+                (Some(tenant), false) => Grant::Tenant(
+                    kvtier_core::TenantId::parse(&format!("{field}.tenant"), tenant).map_err(anyhow::Error::msg)?,
+                ),
+                (None, true) => Grant::Admin,
+                _ => anyhow::bail!("{field}: give either tenant = \"...\" or admin = true"),
+            };
+            if tokens.iter().any(|other: &Token| other.secret == t.token) {
+                anyhow::bail!("{field}.token: the same token is configured twice");
+            }
+            tokens.push(Token {
+                secret: t.token.clone(),
+                grant,
+            });
+        }
+        Ok(Auth::new(tokens))
+    }
 }
 
 impl FileConfig {

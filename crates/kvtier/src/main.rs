@@ -21,7 +21,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the gRPC service (embedded defaults: loopback, tiers sized for this machine).
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Selection quality on a realkv dataset: recall, attention mass, output error, read sparsity.
     Eval(eval::EvalArgs),
     /// Benchmarks (`kvtier bench select`).
@@ -32,7 +32,7 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         // The in-process store's warnings (and, with KVTIER_LOG, more) reach
         // stderr; the reports go to stdout.
         Command::Eval(args) => {

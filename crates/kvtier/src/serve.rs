@@ -8,7 +8,7 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use kvtier_cuda::{CudaDeviceTier, PinnedHostTier, SwapPath};
-use kvtier_server::{BoundServer, ServerConfig};
+use kvtier_server::{BoundServer, ServerConfig, TlsFiles};
 use kvtier_store::{DeviceCache, Durability, EngineChoice, NvmeConfig, Store, StoreConfig, Tier};
 
 use crate::config::{ByteSize, FileConfig, default_nvme_bytes, default_tier_bytes};
@@ -57,6 +57,20 @@ pub(crate) struct ServeArgs {
     /// Largest gRPC message accepted or sent [default: 64MiB].
     #[arg(long, value_name = "SIZE")]
     max_message_bytes: Option<ByteSize>,
+    /// Request bytes held at once over all calls; more is refused with
+    /// RESOURCE_EXHAUSTED [default: 1GiB].
+    #[arg(long, value_name = "SIZE")]
+    max_inflight_bytes: Option<ByteSize>,
+    /// TLS certificate chain (PEM); with --tls-key, serves gRPC over TLS.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Serve on a non-loopback address without auth tokens or without TLS
+    /// (refused otherwise).
+    #[arg(long)]
+    insecure: bool,
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -110,6 +124,20 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             .max_message_bytes
             .or(file.max_message_bytes)
             .map_or(defaults.max_message_bytes, |b| b.0 as usize),
+        max_inflight_bytes: args
+            .max_inflight_bytes
+            .or(file.max_inflight_bytes)
+            .map_or(defaults.max_inflight_bytes, |b| b.0 as usize),
+        auth: file.auth.auth()?,
+        tls: match (args.tls_cert, args.tls_key, &file.tls) {
+            (Some(cert), Some(key), _) => Some(TlsFiles { cert, key }),
+            (_, _, Some(t)) => Some(TlsFiles {
+                cert: t.cert.clone(),
+                key: t.key.clone(),
+            }),
+            _ => None,
+        },
+        insecure: args.insecure || file.insecure.unwrap_or(false),
     };
     let defaults_store = StoreConfig::default();
     let store = StoreConfig {

@@ -64,6 +64,7 @@ mod write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use kvtier_core::{SequenceKey, TenantId};
 use kvtier_tiers::{ArenaTier, NvmeConfig, NvmeTier, Tier, TierKind};
 
 pub use fetch::{FetchCursor, FetchPages, FetchedPage, PageList};
@@ -336,25 +337,47 @@ impl Store {
     }
 
     pub fn stats(&self) -> StatsSnapshot {
-        let cells = self.catalog.cells();
-        let mut pages = StateCounts::default();
-        for cell in &cells {
-            let seq = cell.read();
-            for page in seq.lanes.iter().flat_map(|l| l.pages()) {
-                pages.add(crate::page::state_of(page));
-            }
-        }
+        let (sequences, pages) = self.count_pages(|_| true);
         let tiers = [Some(self.device.tier()), Some(self.host.tier()), self.durable.nvme()];
         let mut snapshot = StatsSnapshot {
             tiers: tiers.into_iter().flatten().map(|t| TierStats::of(&**t)).collect(),
             pages,
-            sequences: cells.len() as u64,
+            sequences,
             physical_pages: self.catalog.physical_pages(),
             ..StatsSnapshot::default()
         };
         snapshot.counters(&self.counters);
         snapshot.leases = self.leases.active() as u64;
         snapshot
+    }
+
+    /// One tenant's view: its sequences and their pages, nothing about the
+    /// tiers, the server's counters or other tenants.
+    pub fn tenant_stats(&self, tenant: &TenantId) -> StatsSnapshot {
+        let (sequences, pages) = self.count_pages(|key| key.tenant == *tenant);
+        StatsSnapshot {
+            tenant: Some(tenant.clone()),
+            pages,
+            sequences,
+            ..StatsSnapshot::default()
+        }
+    }
+
+    /// The live sequences whose key passes `select`, and their pages by state.
+    fn count_pages(&self, select: impl Fn(&SequenceKey) -> bool) -> (u64, StateCounts) {
+        let mut pages = StateCounts::default();
+        let mut sequences = 0;
+        for cell in self.catalog.cells() {
+            let seq = cell.read();
+            if seq.dropped || !select(&seq.key) {
+                continue;
+            }
+            sequences += 1;
+            for page in seq.lanes.iter().flat_map(|l| l.pages()) {
+                pages.add(crate::page::state_of(page));
+            }
+        }
+        (sequences, pages)
     }
 
     pub fn config(&self) -> &StoreConfig {

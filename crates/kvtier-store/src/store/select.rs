@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_core::{DIGEST_CHUNK_PAGES, LogicalPage, PageState, Reason, SequenceKey, wire};
+use kvtier_core::{DIGEST_CHUNK_PAGES, LogicalPage, PageState, Reason, SequenceKey, TenantId, wire};
 
 use super::fetch::FetchedPage;
 use super::{Store, micros};
@@ -175,7 +175,7 @@ impl Store {
             out.prefetch_queued = self.prefetch(next);
         }
         if let Some(ttl) = req.lease {
-            out.lease = Some(self.leases.grant(chosen, ttl));
+            out.lease = Some(self.leases.grant(&seq.key.tenant, chosen, ttl));
         }
         settle_states(seq, &lanes, &mut out.heads, req.swap_in.then_some(timed_out));
         if req.with_data {
@@ -213,10 +213,10 @@ impl Store {
         })
     }
 
-    /// Ends a lease before it expires; false if there is no such lease (any
-    /// more).
-    pub fn release_lease(&self, id: u64) -> bool {
-        self.leases.release(id)
+    /// Ends one of `tenant`'s leases before it expires; false if it has no
+    /// such lease (any more).
+    pub fn release_lease(&self, tenant: &TenantId, id: u64) -> bool {
+        self.leases.release(tenant, id)
     }
 
     /// Makes `pages` hot, inline or, with a deadline, on a worker while the

@@ -1,0 +1,123 @@
+//! Response messages within the message limit, protobuf framing included:
+//! a stock gRPC client refuses a message over its receive limit (4 MiB by
+//! default), and tonic refuses to send one over the server's.
+
+use kvtier_core::wire;
+use prost::Message;
+use prost::encoding::encoded_len_varint;
+use tonic::Status;
+
+use crate::status::invalid;
+
+/// Default and maximum encoded bytes per response message.
+const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
+const MAX_CHUNK_BYTES: usize = 32 << 20;
+
+/// The largest response message for a request's `max_chunk_bytes`, capped
+/// at the server's own limit.
+pub(crate) fn limit(max_chunk_bytes: u32, server_limit: usize) -> Result<usize, Status> {
+    let asked = match max_chunk_bytes as usize {
+        0 => DEFAULT_CHUNK_BYTES,
+        n if n > MAX_CHUNK_BYTES => {
+            return Err(invalid(
+                wire::MAX_CHUNK_BYTES,
+                format!("is {n}, at most {MAX_CHUNK_BYTES} allowed"),
+            ));
+        }
+        n => n,
+    };
+    Ok(asked.min(server_limit))
+}
+
+/// What one item of a repeated message field (field number below 16) adds
+/// to its message.
+fn field_len<T: Message>(item: &T) -> usize {
+    let len = item.encoded_len();
+    1 + encoded_len_varint(len as u64) + len
+}
+
+/// Splits `items` into runs, in order, such that a message of `base` bytes
+/// plus one run encodes to at most `limit` bytes. `what` names an item for
+/// the error when one alone does not fit.
+pub(crate) fn fit<T: Message>(items: Vec<T>, base: usize, limit: usize, what: &str) -> Result<Vec<Vec<T>>, Status> {
+    let mut runs: Vec<Vec<T>> = Vec::new();
+    let mut used = 0;
+    for item in items {
+        let len = field_len(&item);
+        if base + len > limit {
+            return Err(invalid(
+                wire::MAX_CHUNK_BYTES,
+                format!(
+                    "allows messages of {limit} bytes (the smaller of it and the server's max_message_bytes), \
+                     but one {what} alone takes {} bytes",
+                    base + len
+                ),
+            ));
+        }
+        match runs.last_mut() {
+            Some(run) if used + len <= limit => {
+                used += len;
+                run.push(item);
+            }
+            _ => {
+                used = base + len;
+                runs.push(vec![item]);
+            }
+        }
+    }
+    Ok(runs)
+}
+
+#[cfg(test)]
+mod tests {
+    use kvtier_proto::v1 as pb;
+
+    use super::*;
+
+    fn page(bytes: usize) -> pb::Page {
+        pb::Page {
+            kv_head: 3,
+            page: 70_000,
+            kv: vec![7u8; bytes].into(),
+            tokens: 16,
+            ..Default::default()
+        }
+    }
+
+    /// Every run's message encodes within the limit, for page sizes around
+    /// the points where the length prefixes grow, and nothing is lost.
+    #[test]
+    fn every_message_fits_and_every_page_is_kept() {
+        for limit in [300, 4096, 65_536, 1 << 20] {
+            for size in [0, 1, 100, 127, 128, 250, 4000, 16_383, 16_384, 60_000] {
+                let pages: Vec<pb::Page> = (0..40).map(|_| page(size)).collect();
+                let Ok(runs) = fit(pages, 0, limit, "page") else {
+                    assert!(
+                        field_len(&page(size)) > limit,
+                        "refused a page that fits: {size} in {limit}"
+                    );
+                    continue;
+                };
+                assert_eq!(runs.iter().map(Vec::len).sum::<usize>(), 40);
+                let last = runs.len() - 1;
+                for (i, run) in runs.into_iter().enumerate() {
+                    let n = run.len();
+                    let msg = pb::FetchPagesResponse { pages: run };
+                    assert!(
+                        msg.encoded_len() <= limit,
+                        "{} > {limit} ({n} pages of {size})",
+                        msg.encoded_len()
+                    );
+                    // Runs before the last are full: one more page would
+                    // not have fit.
+                    let mut bigger = msg.clone();
+                    bigger.pages.push(page(size));
+                    assert!(
+                        i == last || bigger.encoded_len() > limit,
+                        "run {i} of {n} pages could take another"
+                    );
+                }
+            }
+        }
+    }
+}
