@@ -488,3 +488,61 @@ async fn bad_selection_requests_name_their_field() {
     let status = client.raw().select_pages(raw).await.unwrap_err();
     assert!(status.message().starts_with("aggregation:"), "{}", status.message());
 }
+
+/// Keys at the ends of each dtype's range: every bound is finite and the
+/// ranking follows the true bounds. In f32, page 0's bound sums +inf and
+/// −inf (NaN, which ranked it last); its true bound, 0, is the best.
+#[tokio::test]
+async fn keys_at_the_ends_of_the_range_get_finite_bounds_that_rank() {
+    let server = TestServer::default().await;
+    let mut c = server.client().await;
+    for (i, (dtype, max)) in [
+        (pb::DType::DtypeF32, f32::MAX),
+        (pb::DType::DtypeF16, half::f16::MAX.to_f32()),
+        (pb::DType::DtypeBf16, half::bf16::MAX.to_f32()),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let name = format!("extremes-{i}");
+        c.create_sequence(&name, kvtier_client::layout(1, 1, 1, 2, dtype, 2), vec![])
+            .await
+            .unwrap();
+        // Page 0: both keys [max, -max]; page 1: both keys [-1, -1]. K then V.
+        let keys = [max, -max, max, -max, -1.0, -1.0, -1.0, -1.0];
+        let mut kv = Vec::new();
+        for page in keys.chunks(4) {
+            let bytes = |vals: &[f32]| -> Vec<u8> {
+                vals.iter()
+                    .flat_map(|&v| match dtype {
+                        pb::DType::DtypeF32 => v.to_le_bytes().to_vec(),
+                        pb::DType::DtypeF16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+                        _ => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                    })
+                    .collect()
+            };
+            kv.extend(bytes(page));
+            kv.extend(bytes(&[0.0; 4]));
+        }
+        // PutPages takes one head's K rows of all tokens then V rows: write
+        // page by page.
+        let half_page = kv.len() / 2;
+        c.put_pages(&name, 0, 0..1, 0, 2, kv[..half_page].to_vec().into())
+            .await
+            .unwrap();
+        c.put_pages(&name, 0, 0..1, 1, 2, kv[half_page..].to_vec().into())
+            .await
+            .unwrap();
+        let answer = c
+            .select_pages(&name, &SelectRequest::new(0, 0..1, vec![f32::MAX, f32::MAX], 1))
+            .await
+            .unwrap();
+        let chosen = &answer.heads[0].pages;
+        assert_eq!(chosen.len(), 1);
+        assert!(chosen[0].bound.is_finite(), "{dtype:?}: {chosen:?}");
+        assert_eq!(
+            chosen[0].page, 0,
+            "{dtype:?}: the page of true bound 0 over the one of -2·max"
+        );
+    }
+}

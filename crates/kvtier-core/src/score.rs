@@ -9,6 +9,11 @@
 //! query heads of the group. On x86-64 with AVX2 and F16C an explicit SIMD
 //! kernel runs (8 lanes, dtype conversion in registers); elsewhere a scalar
 //! kernel computes the same sums. The two differ only in summation order.
+//!
+//! Every score is finite for finite keys and queries: an f32 sum that
+//! overflows (keys or queries near ±3.4e38; a page with +inf and −inf terms
+//! would otherwise score NaN and rank last) is summed again in f64, where no
+//! product of two f32 values overflows, and saturated to the f32 range.
 
 use crate::DType;
 
@@ -72,6 +77,33 @@ pub fn score_column_with(
         }
         _ => scalar(dtype, head_dim, digests, queries, out),
     }
+    for (at, score) in out.iter_mut().enumerate() {
+        if !score.is_finite() {
+            *score = saturated(dtype, head_dim, digests, queries, at);
+        }
+    }
+}
+
+/// Score `at` (page `at / group`, query `at % group`) summed in f64 and
+/// saturated to the finite f32 range.
+fn saturated(dtype: DType, head_dim: usize, digests: &[u8], queries: &[f32], at: usize) -> f32 {
+    let group = queries.len() / head_dim;
+    let (page, j) = (at / group, at % group);
+    let row = head_dim * dtype.size();
+    let entry = &digests[page * 2 * row..(page + 1) * 2 * row];
+    let (mut min, mut max) = (vec![0f32; head_dim], vec![0f32; head_dim]);
+    decode(dtype, &entry[..row], &mut min);
+    decode(dtype, &entry[row..], &mut max);
+    let q = &queries[j * head_dim..(j + 1) * head_dim];
+    let sum: f64 = q
+        .iter()
+        .zip(min.iter().zip(&max))
+        .map(|(&q, (&lo, &hi))| {
+            let q = f64::from(q);
+            (q * f64::from(hi)).max(q * f64::from(lo))
+        })
+        .sum();
+    sum.clamp(-f64::from(f32::MAX), f64::from(f32::MAX)) as f32
 }
 
 fn scalar(dtype: DType, head_dim: usize, digests: &[u8], queries: &[f32], out: &mut [f32]) {
@@ -389,6 +421,80 @@ mod tests {
             score_column_with(Kernel::detect(), dtype, d, &digests, &queries, &mut simd);
             for (a, b) in scalar.iter().zip(&simd) {
                 prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
+            }
+        }
+    }
+
+    /// The largest finite value of `dtype`.
+    fn max_finite(dtype: DType) -> f32 {
+        match dtype {
+            DType::F32 => f32::MAX,
+            DType::F16 => half::f16::MAX.to_f32(),
+            DType::Bf16 => half::bf16::MAX.to_f32(),
+        }
+    }
+
+    proptest! {
+        /// Keys and queries at the ends of the range: every score finite,
+        /// and still at least the best key's score (saturated to f32).
+        #[test]
+        fn scores_stay_finite_at_the_extremes(
+            dtype in dtype(),
+            d in prop_oneof![1usize..20, Just(64usize), Just(128usize)],
+            pages in 1usize..5,
+            group in 1usize..4,
+            keys in proptest::collection::vec(0usize..6, 2048),
+            queries in proptest::collection::vec(0usize..6, 512),
+        ) {
+            let m = max_finite(dtype);
+            let key_values = [m, -m, m / 2.0, -m / 2.0, 0.0, 1.0];
+            let query_values = [f32::MAX, -f32::MAX, 1e30, -1.0, 0.0, 1.0];
+            let mut k = keys.iter().cycle().map(|&i| key_values[i]);
+            let stored: Vec<Vec<f32>> = (0..pages).map(|_| (0..4 * d).map(|_| k.next().unwrap()).collect()).collect();
+            let mut q = queries.iter().cycle().map(|&i| query_values[i]);
+            let queries: Vec<f32> = (0..group * d).map(|_| q.next().unwrap()).collect();
+            let mut column = DigestColumn::new(dtype, d);
+            for keys in &stored {
+                column.open_page(&encode(dtype, keys));
+            }
+            let whole: Vec<u8> = column.chunks().flatten().copied().collect();
+            for kernel in kernels() {
+                let mut out = vec![0f32; pages * group];
+                score_column_with(kernel, dtype, d, &whole, &queries, &mut out);
+                for (p, keys) in stored.iter().enumerate() {
+                    for (j, q) in queries.chunks_exact(d).enumerate() {
+                        let bound = out[p * group + j];
+                        prop_assert!(bound.is_finite(), "{kernel:?} {dtype} page {p} query {j}: {bound}");
+                        let best = keys
+                            .chunks_exact(d)
+                            .map(|k| k.iter().zip(q).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum::<f64>())
+                            .fold(f64::NEG_INFINITY, f64::max)
+                            .clamp(-f64::from(f32::MAX), f64::from(f32::MAX));
+                        // f32 rounding of a finite sum: γ_{d+1} of the terms' magnitudes.
+                        let magnitude: f64 = (0..d).map(|i| f64::from(q[i]).abs() * f64::from(m)).sum();
+                        let slack = (d as f64 + 1.0) * f64::from(f32::EPSILON) * magnitude;
+                        prop_assert!(
+                            f64::from(bound) >= best - slack,
+                            "{kernel:?} {dtype} page {p} query {j}: bound {bound} < best {best}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn opposite_infinite_terms_do_not_make_a_page_rank_last() {
+        // In f32, page 0 sums +inf and -inf (NaN); its true bound is 0,
+        // above page 1's -2.
+        for dtype in DType::ALL {
+            let m = max_finite(dtype);
+            let digests = encode(dtype, &[m, -m, m, -m, -1.0, -1.0, -1.0, -1.0]);
+            for kernel in kernels() {
+                let mut out = [0f32; 2];
+                score_column_with(kernel, dtype, 2, &digests, &[f32::MAX, f32::MAX], &mut out);
+                assert!(out.iter().all(|s| s.is_finite()), "{dtype} {kernel:?}: {out:?}");
+                assert!(out[0] > out[1], "{dtype} {kernel:?}: {out:?}");
             }
         }
     }

@@ -15,11 +15,16 @@ pub struct TestServer {
 
 impl TestServer {
     pub async fn start(store: StoreConfig) -> Self {
+        Self::start_with(store, ServerConfig::default()).await
+    }
+
+    /// A server with `config`, on a free loopback port, without metrics.
+    pub async fn start_with(store: StoreConfig, config: ServerConfig) -> Self {
         let store = Store::new(store).unwrap();
         let config = ServerConfig {
             listen: ([127, 0, 0, 1], 0).into(),
             metrics_listen: None,
-            ..ServerConfig::default()
+            ..config
         };
         let bound = BoundServer::bind(store, config).await.unwrap();
         let addr = bound.grpc_addr();
@@ -36,17 +41,21 @@ impl TestServer {
     }
 
     pub async fn default() -> Self {
-        Self::start(StoreConfig {
-            device_bytes: 16 << 20,
-            host_bytes: 64 << 20,
-            cache_writes_on_device: true,
-            ..StoreConfig::default()
-        })
-        .await
+        Self::start(small_store()).await
     }
 
     pub async fn client(&self) -> Client {
         Client::connect(format!("http://{}", self.addr)).await.unwrap()
+    }
+}
+
+/// The tiers of `TestServer::default`.
+pub fn small_store() -> StoreConfig {
+    StoreConfig {
+        device_bytes: 16 << 20,
+        host_bytes: 64 << 20,
+        cache_writes_on_device: true,
+        ..StoreConfig::default()
     }
 }
 

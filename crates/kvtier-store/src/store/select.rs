@@ -410,10 +410,18 @@ fn settle_states(seq: &Sequence, lanes: &[(u32, usize)], heads: &mut [HeadSelect
 }
 
 /// One score per page from `group` scores per page.
+/// One score per page from its group's: each scaled, then combined. Scaling
+/// first keeps a mean of scores near the top of the f32 range finite, and
+/// the result is saturated so that no rounding makes one infinite.
 fn fold(scores: &[f32], group: usize, combine: impl Fn(f32, f32) -> f32, scale: f32) -> Vec<f32> {
     scores
         .chunks_exact(group)
-        .map(|g| g[1..].iter().fold(g[0], |a, &b| combine(a, b)) * scale)
+        .map(|g| {
+            g[1..]
+                .iter()
+                .fold(g[0] * scale, |a, &b| combine(a, b * scale))
+                .clamp(-f32::MAX, f32::MAX)
+        })
         .collect()
 }
 

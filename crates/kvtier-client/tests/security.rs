@@ -1,0 +1,215 @@
+//! Tokens and TLS with a real rustls client: the right token works, a wrong
+//! or missing one is UNAUTHENTICATED, another tenant's sequence, lease or
+//! statistics are PERMISSION_DENIED (or, for a lease, not there), and a
+//! server refuses to listen off loopback unprotected.
+
+mod common;
+
+use common::{TestServer, small_store};
+use kvtier_client::{Client, ClientError, Connect, SelectRequest, Tls, pb};
+use kvtier_core::TenantId;
+use kvtier_server::{Auth, BoundServer, Grant, ServerConfig, ServerError, TlsFiles, Token};
+use kvtier_store::Store;
+use tonic::Code;
+
+const TOKEN_A: &str = "token-of-tenant-a-0123456789";
+const TOKEN_B: &str = "token-of-tenant-b-0123456789";
+const ADMIN: &str = "token-of-the-admin-0123456789";
+
+fn tls_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/tls")
+}
+
+fn secure_config() -> ServerConfig {
+    let tenant = |name| Grant::Tenant(TenantId::parse("tenant", name).unwrap());
+    ServerConfig {
+        auth: Auth::new(vec![
+            Token {
+                secret: TOKEN_A.into(),
+                grant: tenant("a"),
+            },
+            Token {
+                secret: TOKEN_B.into(),
+                grant: tenant("b"),
+            },
+            Token {
+                secret: ADMIN.into(),
+                grant: Grant::Admin,
+            },
+        ]),
+        tls: Some(TlsFiles {
+            cert: tls_dir().join("server.pem"),
+            key: tls_dir().join("server.key"),
+        }),
+        ..ServerConfig::default()
+    }
+}
+
+async fn connect(server: &TestServer, token: Option<&str>, tenant: &str) -> Client {
+    let options = Connect {
+        token: token.map(str::to_owned),
+        tls: Some(Tls {
+            ca_pem: std::fs::read(tls_dir().join("ca.pem")).unwrap(),
+            domain: Some("localhost".into()),
+        }),
+    };
+    Client::connect_with(format!("https://{}", server.addr), options)
+        .await
+        .unwrap()
+        .with_tenant(tenant)
+}
+
+fn code<T: std::fmt::Debug>(result: Result<T, ClientError>) -> (Code, String) {
+    match result {
+        Err(ClientError::Status(s)) => (s.code(), s.message().to_owned()),
+        other => panic!("expected a status, got {other:?}"),
+    }
+}
+
+fn layout() -> pb::Layout {
+    kvtier_client::layout(1, 1, 1, 4, pb::DType::DtypeF32, 4)
+}
+
+#[tokio::test]
+async fn tokens_over_tls_give_each_tenant_its_own_and_nothing_else() {
+    let server = TestServer::start_with(small_store(), secure_config()).await;
+    let mut a = connect(&server, Some(TOKEN_A), "a").await;
+    a.create_sequence("s", layout(), vec![]).await.unwrap();
+    a.put_pages("s", 0, 0..1, 0, 8, vec![0u8; 2 * 8 * 4 * 4].into())
+        .await
+        .unwrap();
+    let chosen = a
+        .select_pages(
+            "s",
+            &SelectRequest {
+                lease_ms: 60_000,
+                ..SelectRequest::new(0, 0..1, vec![1.0; 4], 1)
+            },
+        )
+        .await
+        .unwrap();
+    let (lease, _) = chosen.lease.expect("a lease");
+
+    // No token, a wrong token: UNAUTHENTICATED, for every call.
+    let mut anonymous = connect(&server, None, "a").await;
+    let (c, m) = code(anonymous.get_sequence("s").await);
+    assert_eq!(c, Code::Unauthenticated, "{m}");
+    let mut forger = connect(&server, Some("token-of-tenant-a-0123456780"), "a").await;
+    let (c, m) = code(forger.get_sequence("s").await);
+    assert_eq!(c, Code::Unauthenticated, "{m}");
+    let (c, _) = code(forger.stats().await);
+    assert_eq!(c, Code::Unauthenticated);
+
+    // Tenant b's token on tenant a's sequence, lease and statistics.
+    let mut b_as_a = connect(&server, Some(TOKEN_B), "a").await;
+    let (c, m) = code(b_as_a.get_sequence("s").await);
+    assert_eq!(c, Code::PermissionDenied, "{m}");
+    assert!(m.starts_with("tenant:"), "names the field: {m}");
+    let (c, _) = code(b_as_a.fetch_pages("s", 0, 0..1, vec![]).await);
+    assert_eq!(c, Code::PermissionDenied);
+    let (c, _) = code(b_as_a.drop_sequence("s").await);
+    assert_eq!(c, Code::PermissionDenied);
+    let (c, _) = code(b_as_a.release_lease(lease).await);
+    assert_eq!(c, Code::PermissionDenied);
+    let (c, _) = code(b_as_a.tenant_stats().await);
+    assert_eq!(c, Code::PermissionDenied);
+    // ... and as itself: a's lease is not b's to release, a's sequence not
+    // b's to see.
+    let mut b = connect(&server, Some(TOKEN_B), "b").await;
+    let (c, m) = code(b.release_lease(lease).await);
+    assert_eq!(c, Code::NotFound, "{m}");
+    let (c, _) = code(b.get_sequence("s").await);
+    assert_eq!(c, Code::NotFound);
+    let stats = b.stats().await.unwrap();
+    assert_eq!((stats.tenant.as_str(), stats.sequences), ("b", 0), "scoped to b");
+    assert!(stats.tiers.is_empty(), "a tenant does not see the server's tiers");
+
+    // Tenant a sees its own, and releases its own lease once.
+    let stats = a.stats().await.unwrap();
+    assert_eq!((stats.tenant.as_str(), stats.sequences), ("a", 1));
+    a.release_lease(lease).await.unwrap();
+    let (c, _) = code(a.release_lease(lease).await);
+    assert_eq!(c, Code::NotFound);
+
+    // The admin sees the whole server and may act for any tenant.
+    let mut admin = connect(&server, Some(ADMIN), "a").await;
+    let stats = admin.stats().await.unwrap();
+    assert_eq!((stats.tenant.as_str(), stats.sequences), ("", 1));
+    assert!(!stats.tiers.is_empty());
+    admin.get_sequence("s").await.unwrap();
+
+    // Nothing a refused call touched changed.
+    let info = a.get_sequence("s").await.unwrap();
+    assert_eq!(info.tokens, 8);
+}
+
+#[tokio::test]
+async fn lease_ids_are_not_sequential() {
+    let server = TestServer::default().await;
+    let mut c = server.client().await;
+    c.create_sequence("s", layout(), vec![]).await.unwrap();
+    c.put_pages("s", 0, 0..1, 0, 8, vec![0u8; 2 * 8 * 4 * 4].into())
+        .await
+        .unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..8 {
+        let req = SelectRequest {
+            lease_ms: 60_000,
+            ..SelectRequest::new(0, 0..1, vec![1.0; 4], 1)
+        };
+        ids.push(c.select_pages("s", &req).await.unwrap().lease.unwrap().0);
+    }
+    let close = ids.windows(2).filter(|w| w[0].abs_diff(w[1]) < 1 << 32).count();
+    assert_eq!(close, 0, "consecutive lease ids close together: {ids:?}");
+}
+
+#[tokio::test]
+async fn a_server_refuses_to_listen_off_loopback_unprotected() {
+    let exposed = |config: ServerConfig| ServerConfig {
+        listen: ([0, 0, 0, 0], 0).into(),
+        metrics_listen: None,
+        ..config
+    };
+    for (config, why) in [
+        (ServerConfig::default(), "neither"),
+        (
+            ServerConfig {
+                tls: None,
+                ..secure_config()
+            },
+            "TLS",
+        ),
+        (
+            ServerConfig {
+                auth: Auth::default(),
+                ..secure_config()
+            },
+            "tokens",
+        ),
+    ] {
+        let store = Store::new(small_store()).unwrap();
+        let err = BoundServer::bind(store, exposed(config)).await.unwrap_err();
+        assert!(matches!(err, ServerError::Exposed { .. }), "{err}");
+        let text = err.to_string();
+        assert!(text.contains("--insecure") && text.contains(why), "{text}");
+    }
+    // Protected, or explicitly insecure: it starts.
+    for config in [
+        secure_config(),
+        ServerConfig {
+            insecure: true,
+            ..ServerConfig::default()
+        },
+    ] {
+        let store = Store::new(small_store()).unwrap();
+        BoundServer::bind(store, exposed(config)).await.unwrap();
+    }
+    // Metrics have no authentication: off loopback only when insecure.
+    let store = Store::new(small_store()).unwrap();
+    let config = ServerConfig {
+        metrics_listen: Some(([0, 0, 0, 0], 0).into()),
+        ..secure_config()
+    };
+    let err = BoundServer::bind(store, config).await.unwrap_err();
+    assert!(err.to_string().contains("metrics"), "{err}");
+}
