@@ -4,7 +4,9 @@
 use kvtier_core::select::{Aggregation, Ownership, Scope, Shard};
 use kvtier_core::{Action, ColdTier, DType, LayerGroup, Layout, LayoutSpec, PageState, Reason, SequenceKey, wire};
 use kvtier_proto::v1 as pb;
-use kvtier_store::{HeadSelection, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierKind, TransitionCount};
+use kvtier_store::{
+    HeadSelection, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierKind, TransitionCount, Usage,
+};
 use tonic::Status;
 
 use crate::status::{field_status, invalid};
@@ -217,6 +219,26 @@ pub(crate) fn stats_to_pb(s: &StatsSnapshot) -> pb::Stats {
         prefetch_used: s.prefetch_used,
         prefetch_wasted: s.prefetch_wasted,
         leases: s.leases,
+        metadata_bytes: s.metadata_bytes,
+        metadata_limit_bytes: s.metadata_limit_bytes.unwrap_or(0),
+        usage: s.usage.as_ref().map(usage_to_pb),
+    }
+}
+
+fn usage_to_pb(u: &Usage) -> pb::TenantUsage {
+    let [device_bytes, host_bytes, nvme_bytes] = u.tier_bytes;
+    pb::TenantUsage {
+        sequences: u.sequences,
+        device_bytes,
+        host_bytes,
+        nvme_bytes,
+        quota: Some(pb::Quota {
+            sequences: u.quota.sequences,
+            metadata_bytes: u.quota.metadata_bytes,
+            device_bytes: u.quota.device_bytes,
+            host_bytes: u.quota.host_bytes,
+            nvme_bytes: u.quota.nvme_bytes,
+        }),
     }
 }
 

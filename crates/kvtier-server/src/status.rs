@@ -10,7 +10,7 @@ pub(crate) fn to_status(e: StoreError) -> Status {
         StoreError::NotFound { .. } => Code::NotFound,
         StoreError::AlreadyExists { .. } => Code::AlreadyExists,
         StoreError::FailedPrecondition(_) => Code::FailedPrecondition,
-        StoreError::ResourceExhausted(_) => Code::ResourceExhausted,
+        StoreError::ResourceExhausted(_) | StoreError::OverLimit(_) => Code::ResourceExhausted,
         StoreError::Unavailable(_) | StoreError::Manifest(_) => Code::Unavailable,
         StoreError::Internal(_) => Code::Internal,
     };

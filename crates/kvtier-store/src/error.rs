@@ -3,6 +3,8 @@ use std::path::{Path, PathBuf};
 use kvtier_core::FieldError;
 use kvtier_tiers::{LockError, TierError};
 
+use crate::accounts::OverLimit;
+
 /// Everything a store operation can refuse. Each variant has exactly one
 /// status code in the API; the server maps them in one exhaustive `match`.
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +24,10 @@ pub enum StoreError {
     /// No tier has room and nothing may be dropped to make it. Nothing changed.
     #[error("{0}")]
     ResourceExhausted(TierError),
+    /// A request would pass the metadata budget or its tenant's quota.
+    /// Nothing changed.
+    #[error("{0}")]
+    OverLimit(#[from] OverLimit),
     /// A tier's device failed the operation (EIO and the like). Nothing
     /// changed; a retry may succeed.
     #[error("{0}")]

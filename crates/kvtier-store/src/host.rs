@@ -14,10 +14,11 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use kvtier_core::Reason;
-use kvtier_tiers::{Slot, Tier, TierError};
+use kvtier_tiers::{Slot, Tier, TierError, TierKind};
 
+use crate::accounts::Account;
 use crate::durability::{Durable, Keep};
-use crate::page::PhysPage;
+use crate::page::{PhysPage, least_recent_of};
 use crate::sync::{lock, read};
 use crate::{StoreError, StoreResult};
 
@@ -58,10 +59,29 @@ impl HostCache {
         &self.tier
     }
 
-    /// A host slot of `len` bytes; when the host is full, least recently used
-    /// host pages migrate to NVMe first. Full only when both tiers are; a
-    /// failed migration (ENOSPC, EIO) is reported as itself.
-    pub(crate) fn allocate(&self, len: u64, durable: &Durable, spent: &mut MigrationTime) -> Result<Slot, TierError> {
+    /// A host slot of `len` bytes for one of `owner`'s pages. Past the
+    /// owner's host quota, its own least recently used pages migrate to NVMe
+    /// first (refused when none can); when the host is full, anyone's. Full
+    /// only when both tiers are; a failed migration (ENOSPC, EIO) is
+    /// reported as itself.
+    pub(crate) fn allocate(
+        &self,
+        len: u64,
+        durable: &Durable,
+        spent: &mut MigrationTime,
+        owner: &Arc<Account>,
+    ) -> StoreResult<Slot> {
+        while !owner.fits(TierKind::Host, len) && durable.nvme().is_some() {
+            let one = lock(&self.migrating);
+            if !matches!(self.relieve_locked(len, durable, &one, Some(owner)), Ok(n) if n > 0) {
+                break;
+            }
+        }
+        owner.slot(TierKind::Host, len, false, || self.allocate_room(len, durable, spent))
+    }
+
+    /// A host slot of `len` bytes, migrating anyone's pages for room.
+    fn allocate_room(&self, len: u64, durable: &Durable, spent: &mut MigrationTime) -> Result<Slot, TierError> {
         loop {
             match self.tier.allocate(len) {
                 Err(full @ TierError::Full { .. }) => {
@@ -72,7 +92,7 @@ impl HostCache {
                     let one = lock(&self.migrating);
                     spent.waited += waiting.elapsed();
                     let moving = Instant::now();
-                    let moved = self.relieve_locked(len, durable, &one);
+                    let moved = self.relieve_locked(len, durable, &one, None);
                     spent.moving += moving.elapsed();
                     drop(one);
                     match moved {
@@ -104,20 +124,32 @@ impl HostCache {
         // two reads, and the excess must not underflow.
         while let Some(excess) = self.tier.used_bytes().checked_sub(low).filter(|&e| e > 0) {
             let one = lock(&self.migrating);
-            if !matches!(self.relieve_locked(excess, durable, &one), Ok(n) if n > 0) {
+            if !matches!(self.relieve_locked(excess, durable, &one, None), Ok(n) if n > 0) {
                 break;
             }
         }
     }
 
-    /// Migrates least recently used host pages to NVMe until about `bytes`
-    /// (at least one batch) are free; returns the pages migrated.
-    fn relieve_locked(&self, bytes: u64, durable: &Durable, _migrating: &MutexGuard<'_, ()>) -> StoreResult<usize> {
+    /// Migrates least recently used host pages (of `owner` only, if given)
+    /// to NVMe until about `bytes` (at least one batch) are free; returns
+    /// the pages migrated.
+    fn relieve_locked(
+        &self,
+        bytes: u64,
+        durable: &Durable,
+        _migrating: &MutexGuard<'_, ()>,
+        owner: Option<&Arc<Account>>,
+    ) -> StoreResult<usize> {
         let mut victims = Vec::new();
         let mut skipped = Vec::new();
         let mut freed = 0u64;
+        let mut candidates = owner.map(|o| least_recent_of(&self.lru, o, 4 * MIGRATION_BATCH).into_iter());
         while (freed < bytes || victims.len() < MIGRATION_BATCH) && victims.len() < 4 * MIGRATION_BATCH {
-            let Some((_, weak)) = lock(&self.lru).pop_lru() else {
+            let next = match &mut candidates {
+                None => lock(&self.lru).pop_lru().map(|(_, weak)| weak),
+                Some(ids) => ids.find_map(|id| lock(&self.lru).pop(&id)),
+            };
+            let Some(weak) = next else {
                 break;
             };
             let Some(page) = weak.upgrade() else { continue };

@@ -6,6 +6,7 @@
 //! comment maps each operation and each component to its file, and states
 //! the one lock order).
 
+mod accounts;
 mod catalog;
 mod device;
 mod durability;
@@ -19,6 +20,7 @@ mod stats;
 mod store;
 mod sync;
 
+pub use accounts::{Limits, OverLimit, Quota, Usage};
 pub use catalog::HeadRange;
 pub use device::SwapReport;
 pub use durability::{Acknowledged, Durability, Recovered};

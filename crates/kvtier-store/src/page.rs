@@ -1,10 +1,13 @@
 //! Physical pages and their placement across tiers.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use kvtier_core::{ColdTier, Lane, Layout, LogicalPage, PageState, PhysId, Reason, TenantId};
 use kvtier_tiers::{Slot, Tier, TierError};
+
+use crate::accounts::Account;
+use crate::sync::lock;
 
 /// The bytes of one page of one lane: K rows `[page_size][head_dim]` at
 /// offset 0, V rows at `page_size · row_bytes`. Partial pages use the same
@@ -24,10 +27,19 @@ pub(crate) struct PhysPage {
     pub(crate) pins: AtomicU32,
     /// Promoted by a prefetch and not yet used by a selection.
     pub(crate) prefetched: AtomicBool,
+    /// The tenant whose quotas its slots count against (pages are shared
+    /// only within a tenant).
+    pub(crate) owner: Arc<Account>,
 }
 
 impl PhysPage {
-    pub(crate) fn new(id: u64, layout: Arc<Layout>, digest: Option<Box<[u8]>>, place: Placement) -> Self {
+    pub(crate) fn new(
+        id: u64,
+        layout: Arc<Layout>,
+        digest: Option<Box<[u8]>>,
+        place: Placement,
+        owner: Arc<Account>,
+    ) -> Self {
         Self {
             id,
             layout,
@@ -35,12 +47,41 @@ impl PhysPage {
             place: RwLock::new(place),
             pins: AtomicU32::new(0),
             prefetched: AtomicBool::new(false),
+            owner,
         }
     }
 
     pub(crate) fn pinned(&self) -> bool {
         self.pins.load(Ordering::Acquire) > 0
     }
+}
+
+/// The ids of up to `n` of `owner`'s pages in a page LRU, least recently
+/// used first: one pass over the LRU, for a tenant past its quota.
+pub(crate) fn least_recent_of(
+    lru: &Mutex<lru::LruCache<u64, Weak<PhysPage>>>,
+    owner: &Arc<Account>,
+    n: usize,
+) -> Vec<u64> {
+    // The pages seen are dropped after the LRU's lock: the last reference
+    // to a page may go here, and freeing its slots takes other locks.
+    let mut seen = Vec::new();
+    let mut ids = Vec::new();
+    {
+        let lru = lock(lru);
+        for (id, weak) in lru.iter().rev() {
+            let Some(page) = weak.upgrade() else { continue };
+            if owner.owns(&page) {
+                ids.push(*id);
+            }
+            seen.push(page);
+            if ids.len() == n {
+                break;
+            }
+        }
+    }
+    drop(seen);
+    ids
 }
 
 /// Pins pages for as long as it lives.

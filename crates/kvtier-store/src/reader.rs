@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use kvtier_core::{Layout, LogicalPage, PageState, Reason, wire};
-use kvtier_tiers::{AlignedBuf, Tier};
+use kvtier_tiers::{AlignedBuf, Tier, TierKind};
 
 use crate::durability::{CopyRead, Durable};
 use crate::host::{HostCache, MigrationTime};
@@ -176,8 +176,9 @@ impl Reader<'_> {
     fn promote(&self, layout: &Layout, pages: Vec<(Arc<PhysPage>, AlignedBuf, u64)>) {
         let host = self.host.tier();
         for (page, buf, version) in pages {
-            let Ok(mut slot) = host.allocate(layout.page_bytes() as u64) else {
-                return;
+            let len = layout.page_bytes() as u64;
+            let Ok(mut slot) = page.owner.slot(TierKind::Host, len, false, || host.allocate(len)) else {
+                continue;
             };
             if host.write(&mut slot, 0, &buf[..layout.page_bytes()]).is_err() {
                 continue;
@@ -210,7 +211,9 @@ impl Reader<'_> {
         let Some(bytes) = whole.into_iter().next().flatten() else {
             return Err(StoreError::precondition(wire::PAGES, "the page's bytes are lost"));
         };
-        let mut slot = self.host.allocate(layout.page_bytes() as u64, self.durable, spent)?;
+        let mut slot = self
+            .host
+            .allocate(layout.page_bytes() as u64, self.durable, spent, &page.owner)?;
         let (k, v) = bytes.split_at(bytes.len() / 2);
         write_rows(&**self.host.tier(), &mut slot, layout, 0, k, v)?;
         let mut place = write(&page.place);

@@ -4,6 +4,8 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use kvtier_core::{Layout, PageState, Reason, TenantId};
+
+use crate::accounts::Usage;
 use kvtier_tiers::{Tier, TierKind};
 
 /// Event counters, updated without locks.
@@ -114,6 +116,12 @@ impl TierStats {
 pub struct StatsSnapshot {
     /// Whose view this is: one tenant's, or (`None`) the whole server's.
     pub tenant: Option<TenantId>,
+    /// Metadata charged, and the limit it is charged against (the server's
+    /// budget, or the tenant's quota; `None`: no limit).
+    pub metadata_bytes: u64,
+    pub metadata_limit_bytes: Option<u64>,
+    /// In a tenant's view: what it holds and may hold.
+    pub usage: Option<Usage>,
     pub tiers: Vec<TierStats>,
     /// Logical pages of all live sequences by state.
     pub pages: StateCounts,

@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::{TierError, TierKind};
@@ -31,6 +32,9 @@ pub struct Slot {
     len: u64,
     reserved: u64,
     allocator: Arc<ExtentAllocator>,
+    /// A counter this slot's reserved bytes are in while it lives (a
+    /// tenant's bytes in this tier, say).
+    meter: Option<Arc<AtomicU64>>,
 }
 
 impl ExtentAllocator {
@@ -99,6 +103,7 @@ impl ExtentAllocator {
             len,
             reserved,
             allocator: Arc::clone(self),
+            meter: None,
         })
     }
 
@@ -138,6 +143,7 @@ impl ExtentAllocator {
             len,
             reserved,
             allocator: Arc::clone(self),
+            meter: None,
         })
     }
 
@@ -182,6 +188,16 @@ impl Slot {
         self.reserved
     }
 
+    /// Counts this slot in `meter` until it is dropped. The caller has
+    /// already added `self.reserved()` to it (so that it could refuse
+    /// first); a slot already metered leaves its old meter.
+    pub fn metered(mut self, meter: Arc<AtomicU64>) -> Self {
+        if let Some(old) = self.meter.replace(meter) {
+            old.fetch_sub(self.reserved, Ordering::AcqRel);
+        }
+        self
+    }
+
     /// True if `allocator` issued this slot.
     pub fn is_from(&self, allocator: &Arc<ExtentAllocator>) -> bool {
         Arc::ptr_eq(&self.allocator, allocator)
@@ -203,6 +219,9 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
+        if let Some(meter) = &self.meter {
+            meter.fetch_sub(self.reserved, Ordering::AcqRel);
+        }
         self.allocator.free(self.offset, self.reserved);
     }
 }

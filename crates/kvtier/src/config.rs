@@ -74,6 +74,8 @@ pub(crate) struct FileConfig {
     pub(crate) tls: Option<TlsFileConfig>,
     #[serde(default)]
     pub(crate) auth: AuthFileConfig,
+    #[serde(default)]
+    pub(crate) limits: LimitsFileConfig,
     /// `relaxed` or `fsync`.
     pub(crate) durability: Option<String>,
     /// Rewrite the manifest as a checkpoint past this size.
@@ -101,6 +103,59 @@ pub(crate) struct TierFileConfig {
     pub(crate) swap_in_path: Option<String>,
     /// `inclusive` or `exclusive`.
     pub(crate) device_cache: Option<String>,
+}
+
+/// The metadata budget and tenants' quotas.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LimitsFileConfig {
+    pub(crate) metadata_bytes: Option<ByteSize>,
+    #[serde(default)]
+    pub(crate) default_quota: QuotaFileConfig,
+    #[serde(default)]
+    pub(crate) tenants: std::collections::BTreeMap<String, QuotaFileConfig>,
+}
+
+#[derive(Debug, Default, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct QuotaFileConfig {
+    pub(crate) sequences: Option<u64>,
+    pub(crate) metadata_bytes: Option<ByteSize>,
+    pub(crate) device_bytes: Option<ByteSize>,
+    pub(crate) host_bytes: Option<ByteSize>,
+    pub(crate) nvme_bytes: Option<ByteSize>,
+}
+
+impl QuotaFileConfig {
+    fn quota(self) -> kvtier_store::Quota {
+        kvtier_store::Quota {
+            sequences: self.sequences,
+            metadata_bytes: self.metadata_bytes.map(|b| b.0),
+            device_bytes: self.device_bytes.map(|b| b.0),
+            host_bytes: self.host_bytes.map(|b| b.0),
+            nvme_bytes: self.nvme_bytes.map(|b| b.0),
+        }
+    }
+}
+
+impl LimitsFileConfig {
+    /// The limits, with `metadata_bytes` from a flag overriding the file's.
+    pub(crate) fn limits(&self, metadata_bytes: Option<ByteSize>) -> anyhow::Result<kvtier_store::Limits> {
+        let defaults = kvtier_store::Limits::default();
+        let mut tenants = std::collections::BTreeMap::new();
+        for (name, quota) in &self.tenants {
+            let tenant =
+                kvtier_core::TenantId::parse(&format!("limits.tenants.{name}"), name).map_err(anyhow::Error::msg)?;
+            tenants.insert(tenant, quota.quota());
+        }
+        Ok(kvtier_store::Limits {
+            metadata_bytes: metadata_bytes
+                .or(self.metadata_bytes)
+                .map_or(defaults.metadata_bytes, |b| b.0),
+            default_quota: self.default_quota.quota(),
+            tenants,
+        })
+    }
 }
 
 #[derive(Debug, Deserialize)]

@@ -57,6 +57,10 @@ pub(crate) struct ServeArgs {
     /// Largest gRPC message accepted or sent [default: 64MiB].
     #[arg(long, value_name = "SIZE")]
     max_message_bytes: Option<ByteSize>,
+    /// Resident metadata of all sequences (lanes, page tables, digests,
+    /// statistics); more is refused with RESOURCE_EXHAUSTED [default: 1GiB].
+    #[arg(long, value_name = "SIZE")]
+    metadata_bytes: Option<ByteSize>,
     /// Request bytes held at once over all calls; more is refused with
     /// RESOURCE_EXHAUSTED [default: 1GiB].
     #[arg(long, value_name = "SIZE")]
@@ -175,6 +179,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             Some("exclusive") => DeviceCache::Exclusive,
             Some(other) => bail!("device_cache: {other:?} is not one of inclusive, exclusive"),
         },
+        limits: file.limits.limits(args.metadata_bytes)?,
     };
     let data_dir = args
         .data_dir

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use kvtier_core::policy::TokenStats;
 use kvtier_core::{Lane, Layout, PageState, SequenceKey, wire};
 
+use crate::accounts::Charge;
 use crate::page::{ShareKey, StoreLane};
 use crate::{StoreError, StoreResult};
 use kvtier_core::policy::RegisteredPolicy;
@@ -29,6 +30,8 @@ pub(crate) struct Sequence {
     /// current NVMe copy or no original bytes (a full page's copy stays
     /// current, since nothing changes a full page). A persist starts here.
     pub(crate) persisted: Vec<usize>,
+    /// The metadata it is charged for; refunded when it is dropped.
+    pub(crate) charge: Charge,
 }
 
 /// A page named by a request or a policy, located.
@@ -58,7 +61,8 @@ impl HeadRange {
 }
 
 impl Sequence {
-    pub(crate) fn new(key: SequenceKey, layout: Arc<Layout>, hashes: Vec<Arc<[u8]>>) -> Self {
+    /// A sequence with no pages; `charge` covers what it costs.
+    pub(crate) fn new(key: SequenceKey, layout: Arc<Layout>, hashes: Vec<Arc<[u8]>>, charge: Charge) -> Self {
         let lanes: Vec<_> = (0..layout.num_lanes())
             .map(|_| Lane::new(layout.dtype(), layout.head_dim() as usize, layout.page_size()))
             .collect();
@@ -72,6 +76,7 @@ impl Sequence {
             attention: Vec::new(),
             auto_policy: None,
             persisted,
+            charge,
         }
     }
 

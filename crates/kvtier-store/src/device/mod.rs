@@ -18,13 +18,15 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 
 use kvtier_core::{PageState, Reason};
-use kvtier_tiers::{Slot, Tier, TierError};
+use kvtier_tiers::{Slot, Tier, TierError, TierKind};
 
 pub use swapin::SwapReport;
 pub(crate) use workers::Workers;
 
+use crate::StoreResult;
+use crate::accounts::Account;
 use crate::host::HostCache;
-use crate::page::PhysPage;
+use crate::page::{PhysPage, least_recent_of};
 use crate::stats::Counters;
 use crate::sync::{lock, read, write};
 
@@ -57,24 +59,36 @@ impl HotSet {
         &self.workers
     }
 
-    /// A device slot of `len` bytes, demoting least recently used hot pages
-    /// while the device is full. Demotion only drops the device copy (the
-    /// backing copy stays), so nothing is lost.
-    pub(crate) fn allocate(&self, len: u64, host: &HostCache) -> Result<Slot, TierError> {
-        loop {
-            match self.tier.allocate(len) {
-                Err(TierError::Full { .. }) if self.demote_lru(host) => continue,
-                other => return other,
+    /// A device slot of `len` bytes for one of `owner`'s pages, demoting
+    /// least recently used hot pages: the owner's own while it is past its
+    /// device quota (refused when none is left), anyone's while the device
+    /// is full. Demotion only drops the device copy (the backing copy
+    /// stays), so nothing is lost.
+    pub(crate) fn allocate(&self, len: u64, host: &HostCache, owner: &Arc<Account>) -> StoreResult<Slot> {
+        while !owner.fits(TierKind::Device, len) && self.demote_lru(host, Some(owner)) {}
+        owner.slot(TierKind::Device, len, false, || {
+            loop {
+                match self.tier.allocate(len) {
+                    Err(TierError::Full { .. }) if self.demote_lru(host, None) => continue,
+                    other => return other,
+                }
             }
-        }
+        })
     }
 
-    /// Demotes the least recently used hot page that is not pinned; false
-    /// when none is left.
-    fn demote_lru(&self, host: &HostCache) -> bool {
+    /// Demotes the least recently used hot page (of `owner`, if given) that
+    /// is not pinned; false when none is left.
+    fn demote_lru(&self, host: &HostCache, owner: Option<&Arc<Account>>) -> bool {
         let mut pinned = Vec::new();
         let demoted = loop {
-            let Some((id, weak)) = lock(&self.lru).pop_lru() else {
+            // Pinned pages stay out of the LRU until the end: never found twice.
+            let next = match owner {
+                None => lock(&self.lru).pop_lru(),
+                Some(owner) => least_recent_of(&self.lru, owner, 1)
+                    .first()
+                    .and_then(|id| lock(&self.lru).pop_entry(id)),
+            };
+            let Some((id, weak)) = next else {
                 break false;
             };
             // A page freed since it was cached has already released its slot.
@@ -119,7 +133,9 @@ impl HotSet {
         }
         let version = place.version;
         drop(place);
-        let Ok(mut slot) = host.tier().allocate(bytes.len() as u64) else {
+        // Past the owner's host quota if need be: demotion must not stall.
+        let len = bytes.len() as u64;
+        let Ok(mut slot) = page.owner.slot(TierKind::Host, len, true, || host.tier().allocate(len)) else {
             return false;
         };
         if host.tier().write(&mut slot, 0, &bytes).is_err() {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use kvtier_core::{ColdTier, Layout, PageState, Reason, wire};
-use kvtier_tiers::{AlignedBuf, Slot, Tier, TierError};
+use kvtier_tiers::{AlignedBuf, Slot, Tier, TierError, TierKind};
 
 use super::{Durable, Record};
 use crate::page::{NvmeCopy, PhysPage};
@@ -96,12 +96,30 @@ impl Durable {
             });
             bufs.push(buf);
         }
-        let slots: Vec<Slot> = bufs
-            .iter()
-            .map(|b| self.allocate(&**nvme, b.len() as u64))
-            .collect::<Result<_, _>>()?;
-        let mut written = Vec::with_capacity(slots.len());
-        for done in nvme.write_many(slots.into_iter().zip(bufs).collect()) {
+        let mut jobs = Vec::with_capacity(pending.len());
+        let mut writes = Vec::with_capacity(pending.len());
+        for (job, buf) in pending.into_iter().zip(bufs) {
+            let len = buf.len() as u64;
+            match job
+                .page
+                .owner
+                .slot(TierKind::Nvme, len, false, || self.allocate(&**nvme, len))
+            {
+                Ok(slot) => {
+                    jobs.push(job);
+                    writes.push((slot, buf));
+                }
+                // Migrating, a tenant past its NVMe quota keeps its pages in
+                // memory while the others' move.
+                Err(StoreError::OverLimit(e)) if keep == Keep::Nothing => {
+                    tracing::debug!(page = job.page.id, error = %e, "not migrated");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let pending = jobs;
+        let mut written = Vec::with_capacity(writes.len());
+        for done in nvme.write_many(writes) {
             let d = done.wait().map_err(|e| {
                 StoreError::Unavailable(TierError::Io {
                     op: "write",

@@ -6,9 +6,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvtier_core::{Layout, LogicalPage, Reason};
+use kvtier_tiers::TierKind;
 
 use super::Durable;
 use super::image::{CopyImage, Image, PageImage, PageKind};
+use crate::accounts::{Account, Accounts, cost};
 use crate::catalog::{Catalog, Sequence};
 use crate::page::{NvmeCopy, PageRef, PhysPage, Placement, StorePage, SummaryPage};
 
@@ -30,27 +32,41 @@ struct Rebuild<'a> {
     /// Each physical page is built once and shared by every logical page
     /// that maps it.
     built: HashMap<u64, Option<PageRef>>,
+    /// Metadata of the physical pages built (a shared one counts once) and
+    /// of summaries, for the sequence being rebuilt.
+    extra: u64,
     report: Recovered,
 }
 
 impl Durable {
-    /// Rebuilds the sequences of `image` into `catalog`.
-    pub(crate) fn recover(&self, image: Image, catalog: &Catalog) -> Recovered {
+    /// Rebuilds the sequences of `image` into `catalog`, each charged to
+    /// `accounts` whatever the limits (what was acknowledged comes back).
+    pub(crate) fn recover(&self, image: Image, catalog: &Catalog, accounts: &Arc<Accounts>) -> Recovered {
         let mut r = Rebuild {
             copies: &image.copies,
             catalog,
             built: HashMap::new(),
+            extra: 0,
             report: Recovered::default(),
         };
         for rec in image.sequences {
-            let mut seq = Sequence::new(rec.key, rec.layout, rec.hashes);
+            let hashes: Vec<Vec<u8>> = rec.hashes.iter().map(|h| h.to_vec()).collect();
+            let charge = accounts
+                .open(&rec.key, cost::sequence(&rec.key, &rec.layout, &hashes), true)
+                .expect("forced charges have no limit");
+            let mut seq = Sequence::new(rec.key, rec.layout, rec.hashes, charge);
+            let mut logical = 0u64;
+            r.extra = 0;
             for (lane, pages) in rec.lanes.into_iter().enumerate() {
+                logical += pages.len() as u64;
                 for (p, page) in pages.into_iter().enumerate() {
                     let (rows, digest) = (page.rows, page.digest.clone());
                     let logical = self.recover_page(&mut r, &seq, (lane, p), page);
                     seq.lanes[lane].push_known(logical, rows, &digest);
                 }
             }
+            let pages = cost::pages(&seq.layout, logical, 0) + r.extra;
+            seq.charge.force(pages);
             r.report.sequences += 1;
             catalog.insert_recovered(seq);
         }
@@ -76,12 +92,15 @@ impl Durable {
                         let adopted = r
                             .copies
                             .get(&phys)
-                            .and_then(|copy| self.claim(phys, copy, &seq.layout))
+                            .and_then(|copy| self.claim(phys, copy, &seq.layout, seq.charge.account()))
                             .and_then(|physical| {
                                 // A page is shared only with the digest that attaching needs.
                                 let share = share.filter(|_| physical.digest.is_some());
                                 catalog.adopt(physical, share).ok()
                             });
+                        if adopted.is_some() {
+                            r.extra += cost::pages(&seq.layout, 0, 1);
+                        }
                         let out = adopted.as_ref().map(|a| PageRef {
                             id: a.id,
                             page: Arc::clone(&a.page),
@@ -98,9 +117,10 @@ impl Durable {
                     None => LogicalPage::Gone(Reason::Integrity),
                 }
             }
-            PageKind::Summary { reason, counts, kv } => match self.host_copy(&kv) {
+            PageKind::Summary { reason, counts, kv } => match self.host_copy(&kv, seq.charge.account()) {
                 Some(slot) => {
                     report.summaries += 1;
+                    r.extra += cost::summary(counts.len() as u64);
                     LogicalPage::Summary(SummaryPage { counts, slot, reason })
                 }
                 None => {
@@ -117,9 +137,10 @@ impl Durable {
 
     /// Physical page `phys` with its NVMe extent claimed; `None` (lost) if
     /// the extent cannot be claimed.
-    fn claim(&self, phys: u64, copy: &CopyImage, layout: &Arc<Layout>) -> Option<Arc<PhysPage>> {
+    fn claim(&self, phys: u64, copy: &CopyImage, layout: &Arc<Layout>, owner: &Arc<Account>) -> Option<Arc<PhysPage>> {
         let nvme = self.nvme.as_ref()?;
-        let slot = match nvme.claim(copy.offset, copy.len) {
+        // Recovered whatever the quotas are now: it was acknowledged.
+        let slot = match owner.slot(TierKind::Nvme, copy.len, true, || nvme.claim(copy.offset, copy.len)) {
             Ok(slot) => slot,
             Err(e) => {
                 tracing::error!(page = phys, error = %e, "manifest extent cannot be claimed; page lost");
@@ -141,12 +162,19 @@ impl Durable {
         };
         let digest = (copy.rows == layout.page_size() && copy.digest.len() == 2 * layout.row_bytes())
             .then(|| copy.digest.clone().into_boxed_slice());
-        Some(Arc::new(PhysPage::new(phys, Arc::clone(layout), digest, place)))
+        Some(Arc::new(PhysPage::new(
+            phys,
+            Arc::clone(layout),
+            digest,
+            place,
+            Arc::clone(owner),
+        )))
     }
 
     /// A host slot holding `bytes`.
-    fn host_copy(&self, bytes: &[u8]) -> Option<kvtier_tiers::Slot> {
-        let mut slot = self.host.allocate(bytes.len() as u64).ok()?;
+    fn host_copy(&self, bytes: &[u8], owner: &Account) -> Option<kvtier_tiers::Slot> {
+        let len = bytes.len() as u64;
+        let mut slot = owner.slot(TierKind::Host, len, true, || self.host.allocate(len)).ok()?;
         self.host.write(&mut slot, 0, bytes).ok()?;
         Some(slot)
     }

@@ -4,6 +4,7 @@
 use kvtier_core::policy::{KeyRow, TokenStats, add_attention};
 
 use crate::StoreResult;
+use crate::accounts::cost;
 use crate::catalog::Sequence;
 use crate::reader::{PageContent, Reader};
 
@@ -84,9 +85,25 @@ pub(super) fn sum_rows(rows: &[Vec<f32>], tokens: usize) -> Vec<f64> {
     out
 }
 
-/// Attention statistics exist once anything reports them.
-pub(crate) fn ensure_attention(seq: &mut Sequence) {
-    if seq.attention.is_empty() {
-        seq.attention = vec![TokenStats::new(); seq.lanes.len()];
+/// Makes room in the attention statistics of `lanes` for `tokens`
+/// positions, charged first (statistics exist, for every lane, once
+/// anything reports them); refused, with nothing changed, past a limit.
+pub(crate) fn ensure_attention(seq: &mut Sequence, lanes: &[usize], tokens: usize) -> StoreResult<()> {
+    let new = seq.attention.is_empty();
+    let fresh = TokenStats::new();
+    let mut bytes = if new {
+        cost::attention(&fresh, seq.lanes.len() as u64, 0, true)
+    } else {
+        0
+    };
+    for &lane in lanes {
+        let stats = seq.attention.get(lane).unwrap_or(&fresh);
+        let more = tokens.saturating_sub(stats.tokens()) as u64;
+        bytes += cost::attention(stats, 1, more, false);
     }
+    seq.charge.grow(bytes)?;
+    if new {
+        seq.attention = vec![fresh; seq.lanes.len()];
+    }
+    Ok(())
 }

@@ -127,7 +127,7 @@ fn score_lane(
             .map(|s| attention::padded(s.accumulated(), tokens))
     } else {
         let rows = attention::of_queries(seq, reader, head, lane, queries)?;
-        ensure_attention(seq);
+        ensure_attention(seq, &[lane], tokens)?;
         for row in &rows {
             seq.attention[lane].record(row, None);
         }

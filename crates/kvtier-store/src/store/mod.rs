@@ -74,6 +74,7 @@ pub use sequences::Created;
 pub use transition::{PageSelection, SetPageState, TransitionOutcome};
 pub use write::{AppendOutcome, AppendTiming, AppendTokens, PutOutcome, PutPages};
 
+use crate::accounts::{Accounts, Limits};
 use crate::catalog::Catalog;
 use crate::device::HotSet;
 use crate::durability::{Durability, Durable, Image, Manifest};
@@ -114,6 +115,8 @@ pub struct StoreConfig {
     /// Rewrite the manifest as a checkpoint once it is past this size (and
     /// has doubled since the last checkpoint).
     pub checkpoint_bytes: u64,
+    /// The metadata budget and per-tenant quotas.
+    pub limits: Limits,
 }
 
 impl Default for StoreConfig {
@@ -130,6 +133,7 @@ impl Default for StoreConfig {
             durability: Durability::Relaxed,
             manifest_path: None,
             checkpoint_bytes: 64 << 20,
+            limits: Limits::default(),
         }
     }
 }
@@ -148,6 +152,8 @@ pub struct Store {
     device: HotSet,
     durable: Durable,
     leases: Leases,
+    /// The metadata budget, tenants' quotas and what each tenant holds.
+    accounts: Arc<Accounts>,
     counters: Arc<Counters>,
 }
 
@@ -252,11 +258,12 @@ impl Store {
             catalog: Catalog::default(),
             durable,
             leases: Leases::default(),
+            accounts: Accounts::new(config.limits.clone()),
             counters,
             config,
         });
         if let Some((path, image)) = image {
-            let recovered = store.durable.recover(image, &store.catalog);
+            let recovered = store.durable.recover(image, &store.catalog, &store.accounts);
             tracing::info!(
                 manifest = %path.display(),
                 sequences = recovered.sequences,
@@ -344,6 +351,8 @@ impl Store {
             pages,
             sequences,
             physical_pages: self.catalog.physical_pages(),
+            metadata_bytes: self.accounts.metadata_bytes(),
+            metadata_limit_bytes: Some(self.accounts.metadata_budget()),
             ..StatsSnapshot::default()
         };
         snapshot.counters(&self.counters);
@@ -355,10 +364,14 @@ impl Store {
     /// tiers, the server's counters or other tenants.
     pub fn tenant_stats(&self, tenant: &TenantId) -> StatsSnapshot {
         let (sequences, pages) = self.count_pages(|key| key.tenant == *tenant);
+        let usage = self.accounts.usage(tenant);
         StatsSnapshot {
             tenant: Some(tenant.clone()),
             pages,
             sequences,
+            metadata_bytes: usage.metadata_bytes,
+            metadata_limit_bytes: usage.quota.metadata_bytes,
+            usage: Some(usage),
             ..StatsSnapshot::default()
         }
     }

@@ -170,7 +170,11 @@ impl Store {
                     format!("rows of {n} weights, but layer {} holds {limit} {what}", req.layer),
                 ));
             }
-            ensure_attention(seq);
+            let recorded = match req.weights {
+                AttentionWeights::Tokens(_) => n,
+                AttentionWeights::Pages(_) => (n * page_size).min(tokens),
+            };
+            ensure_attention(seq, &lanes, recorded)?;
             for (row, lane) in weights.chunks_exact(n).zip(lanes) {
                 let stats = &mut seq.attention[lane];
                 match req.weights {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use kvtier_core::{Layout, LogicalPage, PageState, Reason, SequenceKey, wire};
 
 use super::Store;
+use crate::accounts::cost;
 use crate::catalog::{Sequence, not_found};
 use crate::durability::{Record, created_records};
 use crate::page::StorePage;
@@ -33,12 +34,20 @@ impl Store {
         layout: Layout,
         prefix_hashes: Vec<Vec<u8>>,
     ) -> StoreResult<Created> {
+        let cost = cost::sequence(&key, &layout, &prefix_hashes);
         let hashes = check_hashes(prefix_hashes)?;
         if self.catalog.contains(&key) {
             return Err(already_exists(&key));
         }
-        let mut seq = Sequence::new(key.clone(), Arc::new(layout), hashes);
+        // Charged before anything is allocated: a refusal allocates nothing.
+        let charge = self.accounts.open(&key, cost, false)?;
+        let mut seq = Sequence::new(key.clone(), Arc::new(layout), hashes, charge);
         let attached_pages = self.catalog.attach_prefix(&mut seq);
+        let attached = cost::pages(&seq.layout, attached_pages * seq.lanes.len() as u64, 0);
+        if let Err(e) = seq.charge.grow(attached) {
+            self.release_pages(&mut seq);
+            return Err(e.into());
+        }
         let info = self.info_of(&seq);
         let inserted = self.catalog.insert(seq, |seq| {
             self.durable.journal(|| created_records(seq, attached_pages as usize));

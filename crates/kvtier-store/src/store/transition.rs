@@ -9,6 +9,7 @@ use kvtier_core::{Action, ColdTier, LogicalPage, PageState, Reason, SequenceKey,
 use kvtier_tiers::{Slot, TierError, TierKind};
 
 use super::Store;
+use crate::accounts::cost;
 use crate::catalog::{HeadRange, Sequence, Target};
 use crate::durability::{Keep, gone_record, summary_record};
 use crate::host::MigrationTime;
@@ -262,7 +263,7 @@ impl Store {
         }
         let slots: Vec<Slot> = targets
             .iter()
-            .map(|_| self.device.allocate(len, &self.host))
+            .map(|_| self.device.allocate(len, &self.host, seq.charge.account()))
             .collect::<Result<_, _>>()?;
         let pages: Vec<(Arc<PhysPage>, u32)> = Self::pages_of(seq, targets)?
             .into_iter()
@@ -289,6 +290,16 @@ impl Store {
     /// hot | cold → summary: compute and store every summary, then swap them
     /// in and release the originals.
     fn summarize(&self, seq: &mut Sequence, targets: &[Target], rows: u32, reason: Reason) -> StoreResult<()> {
+        let bytes = cost::summary(u64::from(rows)) * targets.len() as u64;
+        seq.charge.grow(bytes)?;
+        let summarized = self.summarize_charged(seq, targets, rows, reason);
+        if summarized.is_err() {
+            seq.charge.shrink(bytes);
+        }
+        summarized
+    }
+
+    fn summarize_charged(&self, seq: &mut Sequence, targets: &[Target], rows: u32, reason: Reason) -> StoreResult<()> {
         let layout = Arc::clone(&seq.layout);
         let pages: Vec<(Arc<PhysPage>, u32)> = Self::pages_of(seq, targets)?
             .into_iter()
@@ -297,6 +308,7 @@ impl Store {
             .collect();
         let originals = self.reader().originals(&layout, &pages)?;
         let mut summaries = Vec::with_capacity(targets.len());
+        let owner = Arc::clone(seq.charge.account());
         for original in originals {
             let Some(original) = original else {
                 return Err(StoreError::precondition(
@@ -307,7 +319,9 @@ impl Store {
             let (keys, values) = original.split_at(original.len() / 2);
             let summary = Summary::chunk_means(layout.dtype(), layout.head_dim() as usize, keys, values, rows);
             let len = summary.kv.len() as u64;
-            let mut slot = self.host.allocate(len, &self.durable, &mut MigrationTime::default())?;
+            let mut slot = self
+                .host
+                .allocate(len, &self.durable, &mut MigrationTime::default(), &owner)?;
             self.host.tier().write(&mut slot, 0, &summary.kv)?;
             summaries.push((
                 SummaryPage {

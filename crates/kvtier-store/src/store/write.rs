@@ -14,6 +14,7 @@ use kvtier_core::{DigestColumn, Layout, LogicalPage, Reason, SequenceKey, wire};
 use kvtier_tiers::Slot;
 
 use super::{Store, micros};
+use crate::accounts::{Account, cost};
 use crate::catalog::{HeadRange, Sequence};
 use crate::durability::{Acknowledged, map_record};
 use crate::host::MigrationTime;
@@ -150,6 +151,8 @@ impl<'a> KvRows<'a> {
 /// `ranges` (the message's token rows it holds), lane-major.
 struct Batch<'a> {
     layout: Arc<Layout>,
+    /// The sequence's tenant, whose quotas the new pages count against.
+    owner: Arc<Account>,
     rows: KvRows<'a>,
     lanes: Vec<usize>,
     ranges: Vec<Range<usize>>,
@@ -188,6 +191,16 @@ impl Store {
     fn put_locked(&self, seq: &mut Sequence, req: PutPages<'_>) -> StoreResult<PutOutcome> {
         self.check_persist(req.persist)?;
         let batch = put_batch(seq, &req)?;
+        let pages = (batch.lanes.len() * batch.ranges.len()) as u64;
+        // Every page charged as a new physical one; what turns out shared
+        // is refunded once published.
+        charged(seq, cost::pages(&batch.layout, pages, pages), |seq| {
+            let outcome = self.put_charged(seq, &req, &batch)?;
+            Ok((outcome, cost::pages(&batch.layout, 0, outcome.pages_shared)))
+        })
+    }
+
+    fn put_charged(&self, seq: &mut Sequence, req: &PutPages<'_>, batch: &Batch<'_>) -> StoreResult<PutOutcome> {
         // Share what is already stored under its prefix hash.
         let mut wanted = Vec::with_capacity(batch.lanes.len() * batch.ranges.len());
         for &lane in &batch.lanes {
@@ -201,12 +214,12 @@ impl Store {
                 });
             }
         }
-        let mut planned = self.reserve(&batch, wanted, &mut MigrationTime::default())?;
-        if let Err(e) = self.copy_new(&batch, &mut planned) {
+        let mut planned = self.reserve(batch, wanted, &mut MigrationTime::default())?;
+        if let Err(e) = self.copy_new(batch, &mut planned) {
             self.release_planned(planned);
             return Err(e);
         }
-        let published = self.publish(seq, &batch, planned)?;
+        let published = self.publish(seq, batch, planned)?;
         let durability = self.finish_write(seq, &batch.lanes, &published.mapped, req.persist)?;
         Counters::add(&self.counters.pages_written, published.written);
         Counters::add(&self.counters.pages_shared, published.shared);
@@ -236,6 +249,20 @@ impl Store {
     fn append_locked(&self, seq: &mut Sequence, req: AppendTokens<'_>) -> StoreResult<AppendOutcome> {
         self.check_persist(req.persist)?;
         let (batch, tokens, fill) = append_batch(seq, &req)?;
+        let pages = (batch.lanes.len() * batch.ranges.len()) as u64;
+        charged(seq, cost::pages(&batch.layout, pages, pages), |seq| {
+            Ok((self.append_charged(seq, &req, &batch, tokens, fill)?, 0))
+        })
+    }
+
+    fn append_charged(
+        &self,
+        seq: &mut Sequence,
+        req: &AppendTokens<'_>,
+        batch: &Batch<'_>,
+        tokens: u64,
+        fill: usize,
+    ) -> StoreResult<AppendOutcome> {
         let mut timing = AppendTiming::default();
         let mut migration = MigrationTime::default();
         let reserving = Instant::now();
@@ -250,20 +277,20 @@ impl Store {
             reader.ensure_host(page, &batch.layout, Reason::Demand, &mut migration)?;
         }
         let wanted = (0..batch.lanes.len() * batch.ranges.len()).map(|_| Err(None)).collect();
-        let mut planned = self.reserve(&batch, wanted, &mut migration)?;
+        let mut planned = self.reserve(batch, wanted, &mut migration)?;
         timing.reserve_us = micros(reserving.elapsed());
         timing.migration_wait_us = micros(migration.waited);
         timing.migration_us = micros(migration.moving);
         // The new pages first: their slots are this write's alone, so a
         // failure there changes nothing.
-        self.copy_new(&batch, &mut planned)?;
-        self.fill_partial(seq, &batch, &partial, fill)?;
+        self.copy_new(batch, &mut planned)?;
+        self.fill_partial(seq, batch, &partial, fill)?;
         if fill > 0 {
             for (h, &lane) in batch.lanes.iter().enumerate() {
                 seq.lanes[lane].extend_last(batch.rows.keys(h, 0..fill));
             }
         }
-        let published = self.publish(seq, &batch, planned)?;
+        let published = self.publish(seq, batch, planned)?;
         let journalling = Instant::now();
         let durability = self.finish_write(seq, &batch.lanes, &published.mapped, req.persist)?;
         timing.durability_us = micros(journalling.elapsed());
@@ -311,14 +338,17 @@ impl Store {
                 let plan = match wanted.next() {
                     None => break None,
                     Some(Ok(r)) => Planned::Shared(r),
-                    Some(Err(key)) => match (ids.next(), self.host.allocate(len, &self.durable, migration)) {
+                    Some(Err(key)) => match (
+                        ids.next(),
+                        self.host.allocate(len, &self.durable, migration, &batch.owner),
+                    ) {
                         (Some(id), Ok(host)) => Planned::New(NewPage {
                             id,
                             host,
                             device: None,
                             key,
                         }),
-                        (_, Err(e)) => break Some(e.into()),
+                        (_, Err(e)) => break Some(e),
                         (None, Ok(_)) => break Some(StoreError::Internal("fewer page ids than pages".into())),
                     },
                 };
@@ -344,7 +374,7 @@ impl Store {
         for i in (0..per_lane).rev() {
             for h in 0..batch.lanes.len() {
                 if let Some(Planned::New(page)) = planned.get_mut(h * per_lane + i) {
-                    match self.device.allocate(len, &self.host) {
+                    match self.device.allocate(len, &self.host, &batch.owner) {
                         Ok(slot) => page.device = Some(slot),
                         Err(_) => return,
                     }
@@ -429,7 +459,7 @@ impl Store {
             let keys = batch.rows.keys(h, range.clone());
             let (r, shared) = match plan {
                 Planned::Shared(r) => (r, true),
-                Planned::New(page) => self.new_physical(page, &batch.layout, range.len(), keys)?,
+                Planned::New(page) => self.new_physical(page, batch, range.len(), keys)?,
             };
             if shared {
                 out.shared += 1;
@@ -453,20 +483,21 @@ impl Store {
     /// A new physical page from its reserved storage, registered (under its
     /// share key, when it has one: if another sequence stored the same
     /// prefix meanwhile, that page is used and this one is freed).
-    fn new_physical(
-        &self,
-        page: NewPage,
-        layout: &Arc<Layout>,
-        rows: usize,
-        keys: &[u8],
-    ) -> StoreResult<(PageRef, bool)> {
+    fn new_physical(&self, page: NewPage, batch: &Batch<'_>, rows: usize, keys: &[u8]) -> StoreResult<(PageRef, bool)> {
+        let layout = &batch.layout;
         let digest = page.key.as_ref().map(|_| {
             let mut digest = DigestColumn::new(layout.dtype(), layout.head_dim() as usize);
             digest.open_page(keys);
             Box::from(digest.entry(0))
         });
         let place = Placement::new(page.device, page.host, rows as u32);
-        let physical = Arc::new(PhysPage::new(page.id, Arc::clone(layout), digest, place));
+        let physical = Arc::new(PhysPage::new(
+            page.id,
+            Arc::clone(layout),
+            digest,
+            place,
+            Arc::clone(&batch.owner),
+        ));
         self.host.touch([&physical]);
         self.catalog.publish(physical, page.key)
     }
@@ -496,6 +527,27 @@ impl Store {
 
 /// Validates a put: it must start at the end of every lane in its range,
 /// on a page boundary.
+/// Runs a write with `bytes` more metadata charged to its sequence: refused
+/// before anything happens when that passes a limit, refunded when the
+/// write fails, and less the refund the write returns with its outcome.
+fn charged<T>(
+    seq: &mut Sequence,
+    bytes: u64,
+    write: impl FnOnce(&mut Sequence) -> StoreResult<(T, u64)>,
+) -> StoreResult<T> {
+    seq.charge.grow(bytes)?;
+    match write(seq) {
+        Ok((outcome, refund)) => {
+            seq.charge.shrink(refund);
+            Ok(outcome)
+        }
+        Err(e) => {
+            seq.charge.shrink(bytes);
+            Err(e)
+        }
+    }
+}
+
 fn put_batch<'a>(seq: &Sequence, req: &PutPages<'a>) -> StoreResult<Batch<'a>> {
     seq.check_layer(req.layer)?;
     let heads = seq.check_heads(req.heads)?;
@@ -527,6 +579,7 @@ fn put_batch<'a>(seq: &Sequence, req: &PutPages<'a>) -> StoreResult<Batch<'a>> {
     Ok(Batch {
         lanes: seq.lanes_of(req.layer, heads).map(|(_, lane)| lane).collect(),
         layout,
+        owner: Arc::clone(seq.charge.account()),
         rows,
         ranges,
     })
@@ -594,6 +647,7 @@ fn append_batch<'a>(seq: &Sequence, req: &AppendTokens<'a>) -> StoreResult<(Batc
     let batch = Batch {
         lanes: lanes.into_iter().map(|(_, lane)| lane).collect(),
         layout,
+        owner: Arc::clone(seq.charge.account()),
         rows,
         ranges,
     };

@@ -1,0 +1,403 @@
+//! What the store's resident metadata costs, the server-wide budget it is
+//! charged against, and per-tenant quotas.
+//!
+//! Metadata is what a sequence keeps in process memory besides page bytes:
+//! its lanes, page tables, digests, summaries' row counts and policy
+//! statistics. Each is charged when it is created (before the allocation, so
+//! that a refused request allocates nothing) and refunded when its sequence
+//! is dropped. The costs are the sizes of the structures themselves plus a
+//! fixed allowance per allocation for what the allocator and the maps add,
+//! an estimate documented with each constant; pages that go gone keep their
+//! charge until the sequence is dropped (their table entry and digest stay).
+//!
+//! A tenant's page bytes per tier are counted as its pages' slots come and
+//! go; a quota on one refuses the allocation that would pass it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::mem::size_of;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kvtier_core::policy::TokenStats;
+use kvtier_core::{Layout, SequenceKey, TenantId};
+use kvtier_tiers::{Slot, TierKind};
+
+use crate::catalog::Sequence;
+use crate::page::{PhysPage, StoreLane, StorePage};
+use crate::sync::lock;
+use crate::{StoreError, StoreResult};
+
+/// Per physical page beyond the struct: its `Arc`, its entry in the page
+/// table and in one LRU (a hash-map slot and a list node each).
+const PHYSICAL_PAGE_EXTRA: u64 = 16 + 64 + 64;
+/// Per sequence beyond the struct: its cell, lock and entry in the map.
+const SEQUENCE_EXTRA: u64 = 128;
+/// Per prefix hash beyond its bytes: the `Arc` header and the pointer.
+const HASH_EXTRA: u64 = 32;
+
+/// What one tenant may hold. `None`: no limit of that kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Quota {
+    pub sequences: Option<u64>,
+    pub metadata_bytes: Option<u64>,
+    pub device_bytes: Option<u64>,
+    pub host_bytes: Option<u64>,
+    pub nvme_bytes: Option<u64>,
+}
+
+impl Quota {
+    fn tier(&self, kind: TierKind) -> Option<u64> {
+        match kind {
+            TierKind::Device => self.device_bytes,
+            TierKind::Host => self.host_bytes,
+            TierKind::Nvme => self.nvme_bytes,
+        }
+    }
+}
+
+/// The metadata budget of the whole server and the quotas of its tenants.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Resident metadata of all sequences together.
+    pub metadata_bytes: u64,
+    /// The quota of a tenant not named in `tenants`.
+    pub default_quota: Quota,
+    pub tenants: BTreeMap<TenantId, Quota>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            metadata_bytes: 1 << 30,
+            default_quota: Quota::default(),
+            tenants: BTreeMap::new(),
+        }
+    }
+}
+
+/// A request that would pass a limit. Nothing was charged.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{holder} holds {used} {unit} and this needs {asked} more, over its limit of {limit} ({setting})")]
+pub struct OverLimit {
+    /// `the server's metadata` or `tenant "a"'s host bytes`.
+    pub holder: String,
+    pub unit: &'static str,
+    pub used: u64,
+    pub asked: u64,
+    pub limit: u64,
+    /// The configuration key that sets the limit.
+    pub setting: &'static str,
+}
+
+/// Adds `n` to a counter unless that passes `limit`; refused, it returns
+/// what was in use.
+fn take(counter: &AtomicU64, n: u64, limit: Option<u64>) -> Result<(), u64> {
+    let mut used = counter.load(Ordering::Relaxed);
+    loop {
+        let next = used.saturating_add(n);
+        if limit.is_some_and(|l| next > l) {
+            return Err(used);
+        }
+        match counter.compare_exchange_weak(used, next, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => return Ok(()),
+            Err(now) => used = now,
+        }
+    }
+}
+
+fn give(counter: &AtomicU64, n: u64) {
+    counter.fetch_sub(n, Ordering::AcqRel);
+}
+
+fn get(counter: &AtomicU64) -> u64 {
+    counter.load(Ordering::Relaxed)
+}
+
+/// What one tenant holds now.
+#[derive(Debug)]
+pub(crate) struct Account {
+    tenant: TenantId,
+    quota: Quota,
+    sequences: AtomicU64,
+    metadata: AtomicU64,
+    /// Page bytes per tier (indexed like `TierKind::ALL`); each slot of the
+    /// tenant's pages holds the one of its tier, and leaves it when freed.
+    tiers: [Arc<AtomicU64>; 3],
+}
+
+/// A tenant's usage, as statistics report it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub sequences: u64,
+    pub metadata_bytes: u64,
+    /// Page bytes per tier, indexed like `TierKind::ALL`.
+    pub tier_bytes: [u64; 3],
+    pub quota: Quota,
+}
+
+impl Account {
+    fn over(
+        &self,
+        what: &str,
+        unit: &'static str,
+        used: u64,
+        asked: u64,
+        limit: Option<u64>,
+        setting: &'static str,
+    ) -> OverLimit {
+        OverLimit {
+            holder: format!("tenant {:?}'s {what}", self.tenant.as_str()),
+            unit,
+            used,
+            asked,
+            limit: limit.unwrap_or(u64::MAX),
+            setting,
+        }
+    }
+
+    /// A slot of `len` bytes in `kind` for one of this tenant's pages, made
+    /// by `allocate` once the tenant's quota there admits it (`force`: past
+    /// the quota); it counts against the tenant until it is dropped.
+    pub(crate) fn slot<E>(
+        &self,
+        kind: TierKind,
+        len: u64,
+        force: bool,
+        allocate: impl FnOnce() -> Result<Slot, E>,
+    ) -> StoreResult<Slot>
+    where
+        StoreError: From<E>,
+    {
+        self.admit(kind, len, force)?;
+        match allocate() {
+            Ok(slot) => Ok(self.meter(kind, slot, len)),
+            Err(e) => {
+                give(self.gauge(kind), len);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Whether `len` more bytes in `kind` fit the quota, without taking them.
+    pub(crate) fn fits(&self, kind: TierKind, len: u64) -> bool {
+        self.quota
+            .tier(kind)
+            .is_none_or(|q| get(self.gauge(kind)).saturating_add(len) <= q)
+    }
+
+    fn admit(&self, kind: TierKind, len: u64, force: bool) -> Result<(), OverLimit> {
+        let limit = self.quota.tier(kind);
+        take(self.gauge(kind), len, limit.filter(|_| !force)).map_err(|used| {
+            let setting = match kind {
+                TierKind::Device => "quota device_bytes",
+                TierKind::Host => "quota host_bytes",
+                TierKind::Nvme => "quota nvme_bytes",
+            };
+            self.over(&format!("{} bytes", kind.name()), "bytes", used, len, limit, setting)
+        })
+    }
+
+    /// A slot allocated for `len` admitted bytes, counted from now on (its
+    /// reservation may round `len` up).
+    fn meter(&self, kind: TierKind, slot: Slot, len: u64) -> Slot {
+        let gauge = self.gauge(kind);
+        gauge.fetch_add(slot.reserved().saturating_sub(len), Ordering::AcqRel);
+        give(gauge, len.saturating_sub(slot.reserved()));
+        slot.metered(Arc::clone(gauge))
+    }
+
+    fn gauge(&self, kind: TierKind) -> &Arc<AtomicU64> {
+        &self.tiers[TierKind::ALL
+            .iter()
+            .position(|k| *k == kind)
+            .expect("every kind is in ALL")]
+    }
+
+    /// Whether `page` is one of this tenant's.
+    pub(crate) fn owns(self: &Arc<Self>, page: &PhysPage) -> bool {
+        Arc::ptr_eq(self, &page.owner)
+    }
+
+    pub(crate) fn usage(&self) -> Usage {
+        Usage {
+            sequences: get(&self.sequences),
+            metadata_bytes: get(&self.metadata),
+            tier_bytes: std::array::from_fn(|i| get(&self.tiers[i])),
+            quota: self.quota,
+        }
+    }
+}
+
+/// Every tenant's account and the server-wide metadata budget.
+#[derive(Debug)]
+pub(crate) struct Accounts {
+    limits: Limits,
+    metadata: AtomicU64,
+    tenants: Mutex<HashMap<TenantId, Arc<Account>>>,
+}
+
+impl Accounts {
+    pub(crate) fn new(limits: Limits) -> Arc<Self> {
+        Arc::new(Self {
+            limits,
+            metadata: AtomicU64::new(0),
+            tenants: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub(crate) fn account(&self, tenant: &TenantId) -> Arc<Account> {
+        let mut tenants = lock(&self.tenants);
+        let account = tenants.entry(tenant.clone()).or_insert_with(|| {
+            Arc::new(Account {
+                tenant: tenant.clone(),
+                quota: self
+                    .limits
+                    .tenants
+                    .get(tenant)
+                    .copied()
+                    .unwrap_or(self.limits.default_quota),
+                sequences: AtomicU64::new(0),
+                metadata: AtomicU64::new(0),
+                tiers: Default::default(),
+            })
+        });
+        Arc::clone(account)
+    }
+
+    /// The metadata the whole server holds.
+    pub(crate) fn metadata_bytes(&self) -> u64 {
+        get(&self.metadata)
+    }
+
+    pub(crate) fn metadata_budget(&self) -> u64 {
+        self.limits.metadata_bytes
+    }
+
+    pub(crate) fn usage(&self, tenant: &TenantId) -> Usage {
+        self.account(tenant).usage()
+    }
+
+    /// Opens the charge of a new sequence: one sequence and its base
+    /// metadata, or the limit it would pass. `force` charges past the
+    /// limits (recovery brings back what was acknowledged, whatever the
+    /// limits are now).
+    pub(crate) fn open(self: &Arc<Self>, key: &SequenceKey, bytes: u64, force: bool) -> Result<Charge, OverLimit> {
+        let account = self.account(&key.tenant);
+        let limit = |l: Option<u64>| l.filter(|_| !force);
+        take(&account.sequences, 1, limit(account.quota.sequences)).map_err(|used| {
+            account.over(
+                "sequences",
+                "sequences",
+                used,
+                1,
+                account.quota.sequences,
+                "quota sequences",
+            )
+        })?;
+        // Dropped on refusal, which gives the sequence back.
+        let mut charge = Charge {
+            accounts: Arc::clone(self),
+            account,
+            bytes: 0,
+        };
+        charge.grow_inner(bytes, force)?;
+        charge.bytes = bytes;
+        Ok(charge)
+    }
+}
+
+/// The metadata one sequence is charged for, refunded (with the sequence
+/// itself) when it is dropped.
+#[derive(Debug)]
+pub(crate) struct Charge {
+    accounts: Arc<Accounts>,
+    account: Arc<Account>,
+    bytes: u64,
+}
+
+impl Charge {
+    /// Charges `n` more bytes, or refuses with the limit it would pass.
+    pub(crate) fn grow(&mut self, n: u64) -> Result<(), OverLimit> {
+        self.grow_inner(n, false)?;
+        self.bytes += n;
+        Ok(())
+    }
+
+    /// Charges `n` more bytes whatever the limits.
+    pub(crate) fn force(&mut self, n: u64) {
+        self.grow_inner(n, true).expect("forced charges have no limit");
+        self.bytes += n;
+    }
+
+    /// Refunds `n` of the bytes charged (a write that failed after charging).
+    pub(crate) fn shrink(&mut self, n: u64) {
+        let n = n.min(self.bytes);
+        give(&self.accounts.metadata, n);
+        give(&self.account.metadata, n);
+        self.bytes -= n;
+    }
+
+    pub(crate) fn account(&self) -> &Arc<Account> {
+        &self.account
+    }
+
+    fn grow_inner(&self, n: u64, force: bool) -> Result<(), OverLimit> {
+        let budget = self.accounts.limits.metadata_bytes;
+        take(&self.accounts.metadata, n, (!force).then_some(budget)).map_err(|used| OverLimit {
+            holder: "the server's metadata".into(),
+            unit: "bytes",
+            used,
+            asked: n,
+            limit: budget,
+            setting: "metadata_bytes",
+        })?;
+        let quota = self.account.quota.metadata_bytes;
+        if let Err(used) = take(&self.account.metadata, n, quota.filter(|_| !force)) {
+            give(&self.accounts.metadata, n);
+            return Err(self
+                .account
+                .over("metadata", "bytes", used, n, quota, "quota metadata_bytes"));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.shrink(self.bytes);
+        give(&self.account.sequences, 1);
+    }
+}
+
+/// What each kind of metadata costs, in bytes.
+pub(crate) mod cost {
+    use super::*;
+
+    /// A sequence with no pages: its struct, key, prefix hashes and lanes.
+    pub(crate) fn sequence(key: &SequenceKey, layout: &Layout, hashes: &[Vec<u8>]) -> u64 {
+        let lanes = (layout.num_lanes() * (size_of::<StoreLane>() + size_of::<usize>())) as u64;
+        let hashes: u64 = hashes.iter().map(|h| h.len() as u64 + HASH_EXTRA).sum();
+        let key = (key.tenant.as_str().len() + key.sequence.as_str().len()) as u64;
+        size_of::<Sequence>() as u64 + SEQUENCE_EXTRA + key + hashes + lanes
+    }
+
+    /// `logical` new pages in the lanes' tables (entry and digest), of which
+    /// `physical` are new physical pages.
+    pub(crate) fn pages(layout: &Layout, logical: u64, physical: u64) -> u64 {
+        // A digest entry is a min row and a max row in the key dtype.
+        let entry = (size_of::<StorePage>() + 2 * layout.row_bytes()) as u64;
+        logical * entry + physical * (size_of::<PhysPage>() as u64 + PHYSICAL_PAGE_EXTRA)
+    }
+
+    /// Policy statistics of `lanes` lanes growing by `tokens` positions
+    /// each (`new`: the lanes get their statistics now).
+    pub(crate) fn attention(stats: &TokenStats, lanes: u64, tokens: u64, new: bool) -> u64 {
+        let base = if new { size_of::<TokenStats>() as u64 } else { 0 };
+        lanes * (base + tokens * stats.bytes_per_token() as u64)
+    }
+
+    /// A summary's row counts.
+    pub(crate) fn summary(rows: u64) -> u64 {
+        rows * size_of::<u32>() as u64
+    }
+}
