@@ -157,7 +157,9 @@ impl Account {
 
     /// A slot of `len` bytes in `kind` for one of this tenant's pages, made
     /// by `allocate` once the tenant's quota there admits it (`force`: past
-    /// the quota); it counts against the tenant until it is dropped.
+    /// the quota); it counts against the tenant, at the size it reserves in
+    /// the tier (`len` rounded up to the tier's granule), until it is
+    /// dropped.
     pub(crate) fn slot<E>(
         &self,
         kind: TierKind,
@@ -169,13 +171,21 @@ impl Account {
         StoreError: From<E>,
     {
         self.admit(kind, len, force)?;
-        match allocate() {
-            Ok(slot) => Ok(self.meter(kind, slot, len)),
+        let slot = match allocate() {
+            Ok(slot) => slot,
             Err(e) => {
                 give(self.gauge(kind), len);
-                Err(e.into())
+                return Err(e.into());
             }
+        };
+        // The granule's rounding counts too; refused, the slot is freed as
+        // it drops here.
+        let rounding = slot.reserved().saturating_sub(len);
+        if let Err(e) = self.admit(kind, rounding, force) {
+            give(self.gauge(kind), len);
+            return Err(e.into());
         }
+        Ok(slot.metered(Arc::clone(self.gauge(kind))))
     }
 
     /// Whether `len` more bytes in `kind` fit the quota, without taking them.
@@ -195,15 +205,6 @@ impl Account {
             };
             self.over(&format!("{} bytes", kind.name()), "bytes", used, len, limit, setting)
         })
-    }
-
-    /// A slot allocated for `len` admitted bytes, counted from now on (its
-    /// reservation may round `len` up).
-    fn meter(&self, kind: TierKind, slot: Slot, len: u64) -> Slot {
-        let gauge = self.gauge(kind);
-        gauge.fetch_add(slot.reserved().saturating_sub(len), Ordering::AcqRel);
-        give(gauge, len.saturating_sub(slot.reserved()));
-        slot.metered(Arc::clone(gauge))
     }
 
     fn gauge(&self, kind: TierKind) -> &Arc<AtomicU64> {
