@@ -95,7 +95,8 @@ pub fn select(scores: &[f32], budget: Budget, shard: Option<Shard>) -> Vec<usize
 fn top(scores: &[f32], candidate: impl Fn(usize) -> bool, budget: Budget) -> Vec<usize> {
     let n = scores.len();
     let forced = |p: usize| p < budget.sinks || p + budget.window >= n;
-    let mut chosen = Vec::with_capacity(budget.pages);
+    // The budget comes from the request: a client may ask for billions.
+    let mut chosen = Vec::with_capacity(budget.pages.min(n));
     let mut rest: Vec<(f32, u32)> = Vec::with_capacity(n);
     for p in (0..n).filter(|&p| candidate(p)) {
         if forced(p) {

@@ -1,0 +1,285 @@
+//! A seeded fuzzer over the whole gRPC surface, against a real server with
+//! all three tiers (the NVMe one on a real file) and small limits.
+//!
+//! It sends valid requests of every method (so that sequences exist and
+//! hold pages), the same requests mutated field by field at the protobuf
+//! wire level (edge values, off-by-one lengths, fields dropped, repeated,
+//! added or mistyped, nested messages mutated in turn), raw byte mutations
+//! and broken gRPC framing. Every answer must be a status the API documents
+//! for a client's mistake or a refusal: never INTERNAL or UNKNOWN, never a
+//! hang (each call has a watchdog). At the end every lease is released and
+//! every sequence it created is dropped, and the server must hold nothing:
+//! no sequence, page, lease, metadata or memory-tier byte.
+//!
+//! `KVTIER_FUZZ_CALLS` (default 5000) and `KVTIER_FUZZ_SEED` (default: from
+//! the clock, printed) size and replay a run; `KVTIER_FUZZ_OUT` names a file
+//! for the run's counts as JSON. `bench/fuzz.sh` runs it long.
+
+#[path = "../common/mod.rs"]
+mod common;
+mod corpus;
+mod rng;
+mod wire;
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::{Duration, Instant};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use common::TestServer;
+use http_body_util::BodyExt;
+use kvtier_client::pb;
+use kvtier_server::ServerConfig;
+use kvtier_store::{EngineChoice, Limits, NvmeConfig, Quota, StoreConfig};
+use prost::Message;
+use tonic::Code;
+use tonic::codegen::{Service, http};
+use tonic::transport::Channel;
+
+use corpus::{Corpus, METHODS};
+use rng::Rng;
+
+/// Longest any call may take before the run counts it as a hang.
+const WATCHDOG: Duration = Duration::from_secs(20);
+
+/// Codes that mean a bug, whatever the request.
+const NEVER: [Code; 4] = [Code::Internal, Code::Unknown, Code::DataLoss, Code::DeadlineExceeded];
+
+struct Answer {
+    code: Code,
+    message: String,
+    /// The response messages, unframed.
+    messages: Vec<Bytes>,
+}
+
+fn frame(message: &[u8]) -> Bytes {
+    let mut out = BytesMut::new();
+    out.put_u8(0);
+    out.put_u32(message.len() as u32);
+    out.put_slice(message);
+    out.freeze()
+}
+
+fn unframe(mut body: Bytes) -> Vec<Bytes> {
+    let mut out = Vec::new();
+    while body.len() >= 5 {
+        let len = u32::from_be_bytes(body[1..5].try_into().unwrap()) as usize;
+        if body.len() < 5 + len {
+            break;
+        }
+        out.push(body.slice(5..5 + len));
+        body = body.slice(5 + len..);
+    }
+    out
+}
+
+async fn call(channel: &mut Channel, path: &str, body: Bytes) -> Answer {
+    let request = http::Request::builder()
+        .method("POST")
+        .uri(format!("http://localhost{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(tonic::body::Body::new(http_body_util::Full::new(body)))
+        .unwrap();
+    let exchange = async {
+        std::future::poll_fn(|cx| channel.poll_ready(cx)).await.unwrap();
+        let response = channel.call(request).await.expect("the server answers");
+        let (parts, body) = response.into_parts();
+        let collected = body.collect().await.expect("a whole response body");
+        let trailers = collected.trailers().cloned().unwrap_or_default();
+        let header = |name: &str| {
+            parts
+                .headers
+                .get(name)
+                .or_else(|| trailers.get(name))
+                .map(|v| v.to_str().unwrap_or_default().to_owned())
+        };
+        let code = Code::from_i32(header("grpc-status").expect("a grpc-status").parse().unwrap());
+        Answer {
+            code,
+            message: header("grpc-message").unwrap_or_default(),
+            messages: unframe(collected.to_bytes()),
+        }
+    };
+    match tokio::time::timeout(WATCHDOG, exchange).await {
+        Ok(answer) => answer,
+        Err(_) => panic!("{path}: no answer in {WATCHDOG:?}: a hang"),
+    }
+}
+
+/// What a run did, per method and code.
+#[derive(Default)]
+struct Counts {
+    calls: BTreeMap<String, BTreeMap<String, u64>>,
+    kinds: BTreeMap<&'static str, u64>,
+}
+
+impl Counts {
+    fn add(&mut self, method: &str, kind: &'static str, code: Code) {
+        *self
+            .calls
+            .entry(method.to_owned())
+            .or_default()
+            .entry(format!("{code:?}"))
+            .or_default() += 1;
+        *self.kinds.entry(kind).or_default() += 1;
+    }
+
+    fn json(&self, seed: u64, calls: u64, seconds: f64) -> String {
+        let methods: Vec<String> = self
+            .calls
+            .iter()
+            .map(|(m, codes)| {
+                let codes: Vec<String> = codes.iter().map(|(c, n)| format!("\"{c}\": {n}")).collect();
+                format!("    \"{m}\": {{{}}}", codes.join(", "))
+            })
+            .collect();
+        let kinds: Vec<String> = self.kinds.iter().map(|(k, n)| format!("\"{k}\": {n}")).collect();
+        format!(
+            "{{\n  \"seed\": {seed},\n  \"calls\": {calls},\n  \"seconds\": {seconds:.1},\n  \"kinds\": {{{}}},\n  \"methods\": {{\n{}\n  }}\n}}\n",
+            kinds.join(", "),
+            methods.join(",\n")
+        )
+    }
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+#[tokio::test]
+async fn no_request_crashes_hangs_or_leaks() {
+    let calls = env_u64("KVTIER_FUZZ_CALLS").unwrap_or(5000);
+    let seed = env_u64("KVTIER_FUZZ_SEED").unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    });
+    println!("fuzz: seed {seed}, {calls} calls (KVTIER_FUZZ_SEED={seed} replays this run)");
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start_with(
+        StoreConfig {
+            device_bytes: 256 << 10,
+            host_bytes: 1 << 20,
+            nvme: Some(NvmeConfig {
+                path: dir.path().join("nvme"),
+                capacity: 16 << 20,
+                engine: EngineChoice::Auto,
+                queue_depth: 8,
+                direct: true,
+            }),
+            manifest_path: Some(dir.path().join("manifest")),
+            limits: Limits {
+                metadata_bytes: 8 << 20,
+                default_quota: Quota {
+                    sequences: Some(64),
+                    ..Quota::default()
+                },
+                ..Limits::default()
+            },
+            ..StoreConfig::default()
+        },
+        ServerConfig {
+            max_message_bytes: 256 << 10,
+            max_inflight_bytes: 1 << 20,
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+    let mut channel = Channel::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let corpus = Corpus::new();
+    let mut rng = Rng::new(seed);
+    let mut counts = Counts::default();
+    let mut created: HashSet<(String, String)> = HashSet::new();
+    let mut leases: HashSet<(String, u64)> = HashSet::new();
+    let mut failures = Vec::new();
+    let started = Instant::now();
+    for i in 0..calls {
+        let method = *rng.pick(&METHODS);
+        let (kind, body, sent) = corpus.request(&mut rng, method);
+        let path = if kind == "unknown-method" {
+            format!("/kvtier.v1.KvTier/{method}Nope")
+        } else {
+            format!("/kvtier.v1.KvTier/{method}")
+        };
+        let answer = call(&mut channel, &path, body).await;
+        counts.add(method, kind, answer.code);
+        let expected_unimplemented = kind == "unknown-method";
+        if NEVER.contains(&answer.code) || (answer.code == Code::Unimplemented) != expected_unimplemented {
+            failures.push(format!(
+                "call {i} ({kind} {method}): {:?} {}",
+                answer.code, answer.message
+            ));
+            if failures.len() >= 10 {
+                break;
+            }
+        }
+        if answer.code != Code::Ok {
+            continue;
+        }
+        // Track what must be given back at the end.
+        match (method, sent.as_deref().map(Bytes::copy_from_slice)) {
+            ("CreateSequence", Some(m)) => {
+                let r = pb::CreateSequenceRequest::decode(m).unwrap();
+                created.insert((r.tenant, r.sequence_id));
+            }
+            ("SelectPages", Some(m)) => {
+                let r = pb::SelectPagesRequest::decode(m).unwrap();
+                for msg in &answer.messages {
+                    let lease = pb::SelectPagesResponse::decode(msg.clone()).unwrap().lease_id;
+                    if lease != 0 {
+                        leases.insert((r.tenant.clone(), lease));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    println!("{}", counts.json(seed, calls, seconds));
+    if let Ok(path) = std::env::var("KVTIER_FUZZ_OUT") {
+        std::fs::write(path, counts.json(seed, calls, seconds)).unwrap();
+    }
+    assert!(failures.is_empty(), "seed {seed}:\n{}", failures.join("\n"));
+
+    // Everything given back, nothing may be left.
+    let mut client = server.client().await;
+    for (tenant, id) in leases {
+        let _ = client.clone().with_tenant(tenant).release_lease(id).await;
+    }
+    for (tenant, id) in created {
+        let _ = client.clone().with_tenant(tenant).drop_sequence(&id).await;
+    }
+    let stats = client.stats().await.unwrap();
+    let memory_used: u64 = stats
+        .tiers
+        .iter()
+        .filter(|t| t.tier != pb::Tier::Nvme as i32)
+        .map(|t| t.used_bytes)
+        .sum();
+    assert_eq!(
+        (
+            stats.sequences,
+            stats.physical_pages,
+            stats.leases,
+            stats.metadata_bytes,
+            memory_used
+        ),
+        (0, 0, 0, 0, 0),
+        "seed {seed}: left after giving everything back: {stats:?}"
+    );
+    // And it still serves a valid round trip.
+    let layout = kvtier_client::layout(1, 1, 1, 4, pb::DType::DtypeF32, 4);
+    client.create_sequence("after", layout, vec![]).await.unwrap();
+    let kv: Vec<u8> = (0..2 * 4 * 4 * 4).map(|i| i as u8).collect();
+    client
+        .put_pages("after", 0, 0..1, 0, 4, kv.clone().into())
+        .await
+        .unwrap();
+    let pages = client.fetch_pages("after", 0, 0..1, vec![]).await.unwrap();
+    assert_eq!(pages[0].kv.as_ref(), &kv[..]);
+}
