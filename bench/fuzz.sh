@@ -16,7 +16,7 @@ mkdir -p "$out"
 cargo test --release --locked -q -p kvtier-client --test fuzz --no-run
 for seed in ${seeds[@]}; do
   echo "::: seed $seed, $calls calls"
-  KVTIER_FUZZ_SEED=$seed KVTIER_FUZZ_CALLS=$calls KVTIER_FUZZ_OUT="$out/$seed.json" \
+  KVTIER_FUZZ_SEED=$seed KVTIER_FUZZ_CALLS=$calls KVTIER_FUZZ_OUT="$PWD/$out/$seed.json" \
     cargo test --release --locked -q -p kvtier-client --test fuzz -- --nocapture
 done
 python3 - "$out" "$calls" <<'PY' > bench/results/fuzz.md

@@ -310,3 +310,58 @@ async fn no_response_passes_the_servers_limit_whatever_the_request_asks() {
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().starts_with("max_chunk_bytes:"), "{}", err.message());
 }
+
+/// Responses share the server's in-flight bytes with requests: concurrent
+/// large fetches wait for one another and all complete; a selection whose
+/// data could not fit at all is refused before anything is read.
+#[tokio::test]
+async fn responses_wait_for_room_in_flight_and_one_that_cannot_fit_is_refused() {
+    let server = TestServer::start_with(
+        kvtier_store::StoreConfig {
+            host_bytes: 64 << 20,
+            ..small_store()
+        },
+        ServerConfig {
+            max_message_bytes: 64 << 10,
+            max_inflight_bytes: 256 << 10,
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+    let mut client = server.client().await;
+    // 1 MiB in one layer: 2 heads × 1024 tokens × 64 dims × f32 × K and V.
+    let shape = (2, 64, 16, 1024);
+    let (heads, head_dim, page_size, tokens) = shape;
+    client
+        .create_sequence("s", layout(1, heads, head_dim, page_size), vec![])
+        .await
+        .unwrap();
+    fill(&mut client, shape, 32 << 10).await;
+    let total = (2 * heads * tokens * head_dim * 4) as usize;
+    let fetches = (0..8).map(|_| {
+        let mut c = client.clone();
+        tokio::spawn(async move {
+            let pages = c.fetch_pages("s", 0, 0..heads, vec![]).await.unwrap();
+            pages.iter().map(|p| p.kv.len()).sum::<usize>()
+        })
+    });
+    for fetch in fetches.collect::<Vec<_>>() {
+        assert_eq!(fetch.await.unwrap(), total);
+    }
+    let everything = SelectRequest {
+        include_data: true,
+        ..SelectRequest::new(0, 0..heads, vec![0.5; (heads * head_dim) as usize], tokens / page_size)
+    };
+    match client.select_pages("s", &everything).await {
+        Err(ClientError::Status(s)) => {
+            assert_eq!(s.code(), Code::ResourceExhausted);
+            assert!(s.message().contains("max_inflight_bytes"), "{}", s.message());
+        }
+        other => panic!("{other:?}"),
+    }
+    let one = SelectRequest {
+        include_data: true,
+        ..SelectRequest::new(0, 0..heads, vec![0.5; (heads * head_dim) as usize], 1)
+    };
+    assert_eq!(client.select_pages("s", &one).await.unwrap().pages.len() as u32, heads);
+}

@@ -8,12 +8,12 @@
 //! INTERNAL, which the proto keeps for server bugs. Here an oversized
 //! message is RESOURCE_EXHAUSTED and a malformed body INVALID_ARGUMENT, both
 //! before tonic buffers a byte of the message, and every message is charged
-//! to the server's in-flight request budget until its call ends.
+//! to the server's in-flight bytes (`inflight.rs`) until the next one
+//! arrives or its call ends.
 
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes};
@@ -24,6 +24,7 @@ use tonic::codegen::{Service, http};
 use tonic::server::NamedService;
 
 use crate::auth::{Auth, Caller};
+use crate::inflight::{Held, InFlight};
 
 /// The one client-streaming method: zero messages is a valid request.
 const PUT_PAGES: &str = "/kvtier.v1.KvTier/PutPages";
@@ -31,68 +32,21 @@ const PUT_PAGES: &str = "/kvtier.v1.KvTier/PutPages";
 /// The gRPC message header: a compression flag and a big-endian length.
 const HEADER: usize = 5;
 
-/// Bytes of request messages being received or handled, across all calls.
-#[derive(Debug)]
-pub(crate) struct InFlight {
-    used: AtomicUsize,
-    limit: usize,
-}
-
-impl InFlight {
-    pub(crate) fn new(limit: usize) -> Self {
-        Self {
-            used: AtomicUsize::new(0),
-            limit,
-        }
-    }
-
-    fn take(&self, bytes: usize) -> Result<(), Status> {
-        let mut used = self.used.load(Ordering::Relaxed);
-        loop {
-            let next = used.saturating_add(bytes);
-            if next > self.limit {
-                return Err(Status::resource_exhausted(format!(
-                    "the server holds {used} bytes of requests in flight, and a message of {bytes} more \
-                     would pass its limit of {} (max_inflight_bytes); retry",
-                    self.limit
-                )));
-            }
-            match self
-                .used
-                .compare_exchange_weak(used, next, Ordering::AcqRel, Ordering::Relaxed)
-            {
-                Ok(_) => return Ok(()),
-                Err(now) => used = now,
-            }
-        }
-    }
-
-    fn give(&self, bytes: usize) {
-        self.used.fetch_sub(bytes, Ordering::AcqRel);
-    }
-}
-
 /// The in-flight bytes one call holds: its current message's. Released when
 /// the next message of the stream arrives, and when both the body and the
 /// call are done (a decoded message's bytes live as long as the handler).
 #[derive(Debug)]
 struct Charge {
     in_flight: Arc<InFlight>,
-    bytes: AtomicUsize,
+    held: Mutex<Option<Held>>,
 }
 
 impl Charge {
     fn set(&self, bytes: usize) -> Result<(), Status> {
-        self.in_flight.give(self.bytes.swap(0, Ordering::AcqRel));
-        self.in_flight.take(bytes)?;
-        self.bytes.store(bytes, Ordering::Release);
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        *held = None;
+        *held = Some(self.in_flight.try_hold(bytes)?);
         Ok(())
-    }
-}
-
-impl Drop for Charge {
-    fn drop(&mut self) {
-        self.in_flight.give(*self.bytes.get_mut());
     }
 }
 
@@ -142,7 +96,7 @@ where
         parts.extensions.insert::<Caller>(caller);
         let charge = Arc::new(Charge {
             in_flight: Arc::clone(&self.config.in_flight),
-            bytes: AtomicUsize::new(0),
+            held: Mutex::new(None),
         });
         let body = Checked {
             inner: body,

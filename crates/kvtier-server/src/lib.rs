@@ -3,8 +3,10 @@
 
 mod auth;
 mod chunk;
+mod conn;
 mod convert;
 mod gate;
+mod inflight;
 mod metrics;
 mod policy;
 mod service;
@@ -19,11 +21,11 @@ use kvtier_proto::v1::kv_tier_server::KvTierServer;
 use kvtier_store::Store;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub use auth::{Auth, Grant, Token};
 
-use crate::gate::{Gate, GateConfig, InFlight};
+use crate::gate::{Gate, GateConfig};
+use crate::inflight::InFlight;
 use crate::service::KvTierService;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,9 +35,11 @@ pub struct ServerConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// Largest message accepted or sent, in bytes.
     pub max_message_bytes: usize,
-    /// Request messages being received or handled at once, in bytes, over
-    /// all calls: more gets RESOURCE_EXHAUSTED instead of memory.
+    /// Request and response messages held at once over all calls, in bytes:
+    /// a request past it gets RESOURCE_EXHAUSTED, a response waits for room.
     pub max_inflight_bytes: usize,
+    /// Open connections; more wait in the listen backlog.
+    pub max_connections: usize,
     /// Bearer tokens; none: every caller may act for every tenant.
     pub auth: Auth,
     /// PEM certificate chain and private key; `None`: plaintext.
@@ -57,6 +61,7 @@ impl Default for ServerConfig {
             metrics_listen: Some(([127, 0, 0, 1], 9464).into()),
             max_message_bytes: 64 << 20,
             max_inflight_bytes: 1 << 30,
+            max_connections: 64,
             auth: Auth::default(),
             tls: None,
             insecure: false,
@@ -65,11 +70,19 @@ impl Default for ServerConfig {
 }
 
 impl ServerConfig {
-    /// Refuses to expose the store beyond this machine unprotected (as
+    /// Refuses limits that cannot work, and to expose the store beyond this
+    /// machine unprotected (as
     /// Redis's protected mode does): off loopback, the gRPC port needs
     /// tokens and TLS, and the metrics port (which has neither) stays on
     /// loopback, unless `insecure` says otherwise.
-    fn check_exposure(&self) -> Result<(), ServerError> {
+    fn check(&self) -> Result<(), ServerError> {
+        if self.max_inflight_bytes / 2 < self.max_message_bytes || self.max_connections == 0 {
+            return Err(ServerError::Config(format!(
+                "max_inflight_bytes ({}) must hold two messages of max_message_bytes ({}): one request \
+                 and one response; and max_connections ({}) must be at least 1",
+                self.max_inflight_bytes, self.max_message_bytes, self.max_connections
+            )));
+        }
         if self.insecure {
             return Ok(());
         }
@@ -102,6 +115,8 @@ pub enum ServerError {
          and TLS (--tls-cert, --tls-key), or pass --insecure to serve unprotected"
     )]
     Exposed { addr: SocketAddr, why: String },
+    #[error("{0}")]
+    Config(String),
     #[error("reading TLS {what} {path}: {source}")]
     TlsFile {
         what: &'static str,
@@ -116,18 +131,6 @@ pub enum ServerError {
     Metrics(std::io::Error),
     #[error("reflection service: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
-}
-
-/// Accepted connections with Nagle's algorithm off. `Server::tcp_nodelay`
-/// applies only to listeners tonic binds itself; without this, small
-/// responses wait for delayed ACKs (tens of milliseconds per call).
-fn incoming(listener: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    use tokio_stream::StreamExt;
-    TcpListenerStream::new(listener).map(|conn| {
-        let conn = conn?;
-        conn.set_nodelay(true)?;
-        Ok(conn)
-    })
 }
 
 /// A server whose sockets are bound (so tests can ask for port 0 and read
@@ -148,7 +151,7 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
 
 impl BoundServer {
     pub async fn bind(store: Arc<Store>, config: ServerConfig) -> Result<Self, ServerError> {
-        config.check_exposure()?;
+        config.check()?;
         let grpc = bind(config.listen).await?;
         let metrics = match config.metrics_listen {
             Some(addr) => Some(bind(addr).await?),
@@ -196,7 +199,9 @@ impl BoundServer {
         let reflection_v1 = reflection().build_v1()?;
         let reflection_v1alpha = reflection().build_v1alpha()?;
         let limit = self.config.max_message_bytes;
-        let kvtier = KvTierServer::new(KvTierService::new(Arc::clone(&self.store), limit))
+        let in_flight = InFlight::new(self.config.max_inflight_bytes);
+        let service = KvTierService::new(Arc::clone(&self.store), limit, Arc::clone(&in_flight));
+        let kvtier = KvTierServer::new(service)
             .max_decoding_message_size(limit)
             .max_encoding_message_size(limit);
         let kvtier = Gate::new(
@@ -204,7 +209,7 @@ impl BoundServer {
             Arc::new(GateConfig {
                 auth: self.config.auth.clone(),
                 max_message_bytes: limit,
-                in_flight: Arc::new(InFlight::new(self.config.max_inflight_bytes)),
+                in_flight,
             }),
         );
         let mut builder = tonic::transport::Server::builder();
@@ -235,7 +240,7 @@ impl BoundServer {
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .add_service(kvtier)
-            .serve_with_incoming_shutdown(incoming(self.grpc), stopped(stop_rx))
+            .serve_with_incoming_shutdown(conn::incoming(self.grpc, self.config.max_connections), stopped(stop_rx))
             .await?;
         if let Some(metrics) = metrics {
             match metrics.await {

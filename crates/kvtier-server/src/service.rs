@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kvtier_core::select::{Aggregation, Budget, Shard};
-use kvtier_core::{Reason, SequenceKey, TenantId, wire};
+use kvtier_core::{Layout, Reason, SequenceKey, TenantId, wire};
 use kvtier_proto::v1 as pb;
 use kvtier_proto::v1::kv_tier_server::KvTier;
 use kvtier_store::{
@@ -19,6 +19,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::Caller;
+use crate::inflight::{Held, Holding, InFlight};
 use crate::status::{field_status, invalid, to_status};
 use crate::{chunk, convert};
 
@@ -27,6 +28,8 @@ pub(crate) struct KvTierService {
     store: Arc<Store>,
     /// The server's message limit, which no response message passes.
     max_message_bytes: usize,
+    /// What response data holds in memory until it is sent.
+    in_flight: Arc<InFlight>,
 }
 
 /// The caller the gate resolved, and the message.
@@ -47,10 +50,11 @@ fn key(caller: &Caller, tenant: &str, sequence_id: &str) -> Result<SequenceKey, 
 }
 
 impl KvTierService {
-    pub(crate) fn new(store: Arc<Store>, max_message_bytes: usize) -> Self {
+    pub(crate) fn new(store: Arc<Store>, max_message_bytes: usize, in_flight: Arc<InFlight>) -> Self {
         Self {
             store,
             max_message_bytes,
+            in_flight,
         }
     }
 
@@ -143,14 +147,42 @@ fn page_to_pb(p: FetchedPage) -> pb::Page {
     page
 }
 
+/// Response messages, each with the in-flight bytes it holds until sent.
+type Held_<T> = Result<(T, Option<Held>), Status>;
 /// The first chunk's messages straight from the handler (no task, no
 /// channel when the read fits one chunk: a fetch's latency is mostly
 /// hand-offs between threads), then chunks sent by a task as it reads them.
-type FetchStream = tokio_stream::adapters::Chain<
-    tokio_stream::Iter<std::vec::IntoIter<Result<pb::FetchPagesResponse, Status>>>,
-    ReceiverStream<Result<pb::FetchPagesResponse, Status>>,
+type FetchStream = Holding<
+    tokio_stream::adapters::Chain<
+        tokio_stream::Iter<std::vec::IntoIter<Held_<pb::FetchPagesResponse>>>,
+        ReceiverStream<Held_<pb::FetchPagesResponse>>,
+    >,
 >;
-type SelectStream = tokio_stream::Iter<std::vec::IntoIter<Result<pb::SelectPagesResponse, Status>>>;
+type SelectStream = Holding<tokio_stream::Iter<std::vec::IntoIter<Held_<pb::SelectPagesResponse>>>>;
+
+/// Messages with `held` attached to the last: a chunk's bytes are held
+/// until its last message is handed on.
+fn holding<T>(messages: Vec<T>, held: Held) -> Vec<Held_<T>> {
+    let last = messages.len().saturating_sub(1);
+    let mut held = Some(held);
+    messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| Ok((m, if i == last { held.take() } else { None })))
+        .collect()
+}
+
+/// The most page bytes a selection with data can return: its budget per
+/// KV head (per query head, with that aggregation), at most every page of
+/// the longest lane, for each KV head asked.
+fn selection_bound(r: &pb::SelectPagesRequest, aggregation: Aggregation, (layout, tokens): (Layout, u64)) -> usize {
+    let per_head = match aggregation {
+        Aggregation::PerQueryHead => u64::from(r.budget_pages) * u64::from(layout.group_size()),
+        Aggregation::Max | Aggregation::Mean => u64::from(r.budget_pages),
+    };
+    let pages = per_head.min(tokens.div_ceil(u64::from(layout.page_size())));
+    (pages * u64::from(r.kv_head_count) * layout.page_bytes() as u64) as usize
+}
 
 /// A selection as response messages within `limit`: the totals with as
 /// many heads as fit, the remaining heads, then the pages' bytes.
@@ -184,6 +216,68 @@ fn select_messages(selection: Selection, limit: usize) -> Result<Vec<pb::SelectP
         ..Default::default()
     });
     Ok(std::iter::once(first).chain(more_heads).chain(pages).collect())
+}
+
+/// A fetch being streamed.
+struct FetchJob {
+    key: SequenceKey,
+    request: pb::FetchPagesRequest,
+    per_head: Vec<Vec<u32>>,
+    max_bytes: usize,
+}
+
+impl FetchJob {
+    fn read(&self, store: &Store, from: FetchCursor) -> StoreResult<(Vec<FetchedPage>, Option<FetchCursor>)> {
+        let r = &self.request;
+        let pages = match (r.pages.is_empty(), self.per_head.is_empty()) {
+            (false, _) => PageList::Same(&r.pages),
+            (true, false) => PageList::PerHead(&self.per_head),
+            (true, true) => PageList::All,
+        };
+        let req = FetchPages {
+            layer: r.layer,
+            heads: heads(r.kv_head_start, r.kv_head_count),
+            pages,
+            with_digests: r.include_digests,
+        };
+        store.fetch_chunk(&self.key, req, from, self.max_bytes)
+    }
+}
+
+/// The chunks of a fetch after the first, each read once the server has
+/// room for it in flight, until the last or until the client goes away.
+async fn send_chunks(
+    store: Arc<Store>,
+    in_flight: Arc<InFlight>,
+    job: Arc<FetchJob>,
+    mut from: FetchCursor,
+    tx: mpsc::Sender<Held_<pb::FetchPagesResponse>>,
+) {
+    loop {
+        let read = async {
+            let held = in_flight.hold("a fetch chunk", job.max_bytes).await?;
+            let (store, reader) = (Arc::clone(&store), Arc::clone(&job));
+            let (pages, next) = tokio::task::spawn_blocking(move || reader.read(&store, from))
+                .await
+                .map_err(|e| Status::internal(format!("store task failed: {e}")))?
+                .map_err(to_status)?;
+            Ok::<_, Status>((holding(fetch_messages(pages, job.max_bytes)?, held), next))
+        };
+        let (messages, next) = match read.await {
+            Ok(chunk) => chunk,
+            Err(e) => {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+        };
+        for msg in messages {
+            if tx.send(msg).await.is_err() {
+                return; // the client went away
+            }
+        }
+        let Some(n) = next else { return };
+        from = n;
+    }
 }
 
 /// One chunk of fetched pages as response messages within `limit`.
@@ -300,7 +394,6 @@ impl KvTier for KvTierService {
 
     async fn fetch_pages(&self, request: Request<pb::FetchPagesRequest>) -> Result<Response<FetchStream>, Status> {
         let (caller, r) = open(request)?;
-        let r = Arc::new(r);
         let key = key(&caller, &r.tenant, &r.sequence_id)?;
         let max_bytes = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
         if !r.pages.is_empty() && !r.per_head_pages.is_empty() {
@@ -309,69 +402,28 @@ impl KvTier for KvTierService {
                 "give either pages or per_head_pages, not both",
             ));
         }
-        let per_head: Arc<Vec<Vec<u32>>> = Arc::new(r.per_head_pages.iter().map(|l| l.pages.clone()).collect());
-        let read_chunk =
-            move |store: &Store, key: &SequenceKey, r: &pb::FetchPagesRequest, per_head: &[Vec<u32>], from| {
-                let pages = match (r.pages.is_empty(), per_head.is_empty()) {
-                    (false, _) => PageList::Same(&r.pages),
-                    (true, false) => PageList::PerHead(per_head),
-                    (true, true) => PageList::All,
-                };
-                let req = FetchPages {
-                    layer: r.layer,
-                    heads: heads(r.kv_head_start, r.kv_head_count),
-                    pages,
-                    with_digests: r.include_digests,
-                };
-                store.fetch_chunk(key, req, from, max_bytes)
-            };
+        let job = Arc::new(FetchJob {
+            key,
+            per_head: r.per_head_pages.iter().map(|l| l.pages.clone()).collect(),
+            request: r,
+            max_bytes,
+        });
         // The first chunk is read before the stream starts, so a bad request
         // fails the call itself rather than the stream.
+        let held = self.in_flight.hold("a fetch chunk", max_bytes).await?;
         let (first, next) = {
-            let (key, r, per_head) = (key.clone(), Arc::clone(&r), Arc::clone(&per_head));
-            self.call(move |s| read_chunk(s, &key, &r, &per_head, FetchCursor::default()))
-                .await?
+            let job = Arc::clone(&job);
+            self.call(move |s| job.read(s, FetchCursor::default())).await?
         };
-        let first = fetch_messages(first, max_bytes)?;
-        let (tx, rx) = mpsc::channel(2);
-        if let Some(mut from) = next {
-            let store = Arc::clone(&self.store);
-            tokio::spawn(async move {
-                loop {
-                    let (store, key, r, per_head) =
-                        (Arc::clone(&store), key.clone(), Arc::clone(&r), Arc::clone(&per_head));
-                    let read = tokio::task::spawn_blocking(move || read_chunk(&store, &key, &r, &per_head, from)).await;
-                    let (pages, next) = match read {
-                        Ok(Ok(chunk)) => chunk,
-                        Ok(Err(e)) => {
-                            let _ = tx.send(Err(to_status(e))).await;
-                            return;
-                        }
-                        Err(e) => {
-                            let _ = tx.send(Err(Status::internal(format!("store task failed: {e}")))).await;
-                            return;
-                        }
-                    };
-                    let messages = match fetch_messages(pages, max_bytes) {
-                        Ok(messages) => messages,
-                        Err(e) => {
-                            let _ = tx.send(Err(e)).await;
-                            return;
-                        }
-                    };
-                    for msg in messages {
-                        if tx.send(Ok(msg)).await.is_err() {
-                            return; // the client went away
-                        }
-                    }
-                    let Some(n) = next else { return };
-                    from = n;
-                }
-            });
+        let first = holding(fetch_messages(first, max_bytes)?, held);
+        let (tx, rx) = mpsc::channel(1);
+        if let Some(from) = next {
+            let (store, in_flight) = (Arc::clone(&self.store), Arc::clone(&self.in_flight));
+            tokio::spawn(send_chunks(store, in_flight, job, from, tx));
         }
-        Ok(Response::new(
-            tokio_stream::iter(first.into_iter().map(Ok).collect::<Vec<_>>()).chain(ReceiverStream::new(rx)),
-        ))
+        Ok(Response::new(Holding::new(
+            tokio_stream::iter(first).chain(ReceiverStream::new(rx)),
+        )))
     }
 
     type SelectPagesStream = SelectStream;
@@ -382,6 +434,19 @@ impl KvTier for KvTierService {
         let limit = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
         let (queries, aggregation, shard) = selection_inputs(&r)?;
         let tenant = key.tenant.clone();
+        // The data's room in flight, at most what the selection can choose,
+        // is taken before the store reads any of it.
+        let held = match r.include_data {
+            true => {
+                let bound = {
+                    let (key, r) = (key.clone(), r.clone());
+                    self.call(move |s| Ok(selection_bound(&r, aggregation, s.shape(&key)?)))
+                        .await?
+                };
+                Some(self.in_flight.hold("a selection's data", bound).await?)
+            }
+            false => None,
+        };
         let selection = self
             .call(move |s| s.select_pages(&key, select_request(&r, &queries, aggregation, shard)))
             .await?;
@@ -391,8 +456,11 @@ impl KvTier for KvTierService {
             // Refused after all: the lease is not handed out.
             self.store.release_lease(&tenant, id);
         }
-        let messages = messages?.into_iter().map(Ok).collect::<Vec<_>>();
-        Ok(Response::new(tokio_stream::iter(messages)))
+        let mut messages: Vec<Held_<pb::SelectPagesResponse>> = messages?.into_iter().map(|m| Ok((m, None))).collect();
+        if let Some(Ok((_, last))) = messages.last_mut() {
+            *last = held;
+        }
+        Ok(Response::new(Holding::new(tokio_stream::iter(messages))))
     }
 
     async fn prefetch(

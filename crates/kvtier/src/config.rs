@@ -69,6 +69,7 @@ pub(crate) struct FileConfig {
     pub(crate) data_dir: Option<PathBuf>,
     pub(crate) max_message_bytes: Option<ByteSize>,
     pub(crate) max_inflight_bytes: Option<ByteSize>,
+    pub(crate) max_connections: Option<usize>,
     /// Serve off loopback without tokens or TLS.
     pub(crate) insecure: Option<bool>,
     pub(crate) tls: Option<TlsFileConfig>,

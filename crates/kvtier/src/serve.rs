@@ -61,10 +61,14 @@ pub(crate) struct ServeArgs {
     /// statistics); more is refused with RESOURCE_EXHAUSTED [default: 1GiB].
     #[arg(long, value_name = "SIZE")]
     metadata_bytes: Option<ByteSize>,
-    /// Request bytes held at once over all calls; more is refused with
-    /// RESOURCE_EXHAUSTED [default: 1GiB].
+    /// Request and response bytes held at once over all calls: a request
+    /// past it is refused with RESOURCE_EXHAUSTED, a response waits for room
+    /// [default: 1GiB].
     #[arg(long, value_name = "SIZE")]
     max_inflight_bytes: Option<ByteSize>,
+    /// Open connections at once; more wait in the listen backlog [default: 64].
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
     /// TLS certificate chain (PEM); with --tls-key, serves gRPC over TLS.
     #[arg(long, value_name = "FILE", requires = "tls_key")]
     tls_cert: Option<PathBuf>,
@@ -132,6 +136,10 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             .max_inflight_bytes
             .or(file.max_inflight_bytes)
             .map_or(defaults.max_inflight_bytes, |b| b.0 as usize),
+        max_connections: args
+            .max_connections
+            .or(file.max_connections)
+            .unwrap_or(defaults.max_connections),
         auth: file.auth.auth()?,
         tls: match (args.tls_cert, args.tls_key, &file.tls) {
             (Some(cert), Some(key), _) => Some(TlsFiles { cert, key }),

@@ -85,6 +85,15 @@ impl Store {
         self.release(pages);
     }
 
+    /// A sequence's layout and the positions of its longest lane: what
+    /// sizing a read needs, without the cost of [`Store::sequence_info`].
+    pub fn shape(&self, key: &SequenceKey) -> StoreResult<(Layout, u64)> {
+        self.catalog.read(key, |seq| {
+            let tokens = seq.lanes.iter().map(|l| l.tokens()).max().unwrap_or(0);
+            Ok(((*seq.layout).clone(), tokens))
+        })
+    }
+
     pub fn sequence_info(&self, key: &SequenceKey) -> StoreResult<SequenceInfo> {
         self.catalog.read(key, |seq| Ok(self.info_of(seq)))
     }

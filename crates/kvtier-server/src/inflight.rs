@@ -1,0 +1,114 @@
+//! The bytes of messages in flight across all calls, bounded by
+//! `max_inflight_bytes`: the memory the server spends on calls besides its
+//! tiers and metadata. Half of it is for requests, half for responses, so
+//! that neither can starve the other.
+//!
+//! A request message is charged when its header arrives, before tonic
+//! buffers it, and refused at once when there is no room (its bytes are
+//! already on their way; holding the connection would only stall it). A
+//! response message is charged before the store reads its data, and waits
+//! for room: responses go out as others finish, so a burst of large reads
+//! queues instead of piling up in memory.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_stream::Stream;
+use tonic::Status;
+
+/// Permits are KiB, so that a `u32` of them covers any message.
+const UNIT: usize = 1024;
+
+#[derive(Debug)]
+pub(crate) struct InFlight {
+    requests: Arc<Semaphore>,
+    responses: Arc<Semaphore>,
+    /// Bytes of each half.
+    half: usize,
+}
+
+/// Bytes held in flight until dropped.
+#[derive(Debug)]
+pub(crate) struct Held {
+    _permit: OwnedSemaphorePermit,
+}
+
+fn units(bytes: usize) -> u32 {
+    u32::try_from(bytes.div_ceil(UNIT)).unwrap_or(u32::MAX)
+}
+
+impl InFlight {
+    pub(crate) fn new(limit: usize) -> Arc<Self> {
+        let half = (limit / 2).min((Semaphore::MAX_PERMITS / UNIT).saturating_mul(UNIT));
+        Arc::new(Self {
+            requests: Arc::new(Semaphore::new(half / UNIT)),
+            responses: Arc::new(Semaphore::new(half / UNIT)),
+            half,
+        })
+    }
+
+    /// Room for a request message now, or a refusal.
+    pub(crate) fn try_hold(&self, bytes: usize) -> Result<Held, Status> {
+        Arc::clone(&self.requests)
+            .try_acquire_many_owned(units(bytes))
+            .map(|p| Held { _permit: p })
+            .map_err(|_| {
+                Status::resource_exhausted(format!(
+                    "the requests in flight leave no room for one of {bytes} bytes (they may hold \
+                     {} bytes, half of max_inflight_bytes); retry",
+                    self.half
+                ))
+            })
+    }
+
+    /// Room for `bytes` of a response, once other responses leave it.
+    pub(crate) async fn hold(&self, what: &str, bytes: usize) -> Result<Held, Status> {
+        if units(bytes) as usize > self.half / UNIT {
+            return Err(Status::resource_exhausted(format!(
+                "{what} of {bytes} bytes is more than responses may hold in flight at once \
+                 ({} bytes, half of max_inflight_bytes)",
+                self.half
+            )));
+        }
+        Arc::clone(&self.responses)
+            .acquire_many_owned(units(bytes))
+            .await
+            .map(|p| Held { _permit: p })
+            .map_err(|_| Status::unavailable("the server is shutting down"))
+    }
+}
+
+/// A response stream whose items carry the bytes they hold: an item's are
+/// released when the next item is asked for (tonic has encoded it and handed
+/// it on by then), or when the stream ends or is dropped.
+#[derive(Debug)]
+pub(crate) struct Holding<S> {
+    inner: S,
+    last: Option<Held>,
+}
+
+impl<S> Holding<S> {
+    pub(crate) fn new(inner: S) -> Self {
+        Self { inner, last: None }
+    }
+}
+
+impl<S, T> Stream for Holding<S>
+where
+    S: Stream<Item = Result<(T, Option<Held>), Status>> + Unpin,
+{
+    type Item = Result<T, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<T, Status>>> {
+        self.last = None;
+        let next = ready!(Pin::new(&mut self.inner).poll_next(cx));
+        Poll::Ready(next.map(|item| {
+            item.map(|(message, held)| {
+                self.last = held;
+                message
+            })
+        }))
+    }
+}
