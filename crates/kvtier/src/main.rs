@@ -1,5 +1,6 @@
 //! `kvtier`: the tiered KV-cache store for LLM inference.
 
+mod alloc;
 mod bench;
 mod config;
 mod eval;

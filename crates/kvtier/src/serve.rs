@@ -116,6 +116,7 @@ fn parse_metrics(value: &str) -> anyhow::Result<Option<SocketAddr>> {
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     init_logging(args.log_format, "info");
+    crate::alloc::tune();
     let file = match &args.config {
         Some(path) => FileConfig::load(path)?,
         None => FileConfig::default(),
