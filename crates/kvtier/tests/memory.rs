@@ -59,7 +59,7 @@ async fn hostile(mut c: Client, kind: usize, stop: Arc<AtomicBool>, calls: Arc<A
                 let _ = c.create_sequence(&format!("{name}-huge"), huge, vec![]).await;
                 let mid = kvtier_client::layout(64, 64, 64, 128, pb::DType::DtypeF16, 16);
                 let _ = c.create_sequence(&name, mid, vec![]).await;
-                if i % 3 == 0 {
+                if i.is_multiple_of(3) {
                     let _ = c.drop_sequence(&format!("k0-{}", i - 2)).await;
                 }
             }
@@ -110,7 +110,7 @@ async fn hostile(mut c: Client, kind: usize, stop: Arc<AtomicBool>, calls: Arc<A
                         let weights = vec![0.01f32; 8 * 16 * step];
                         let _ = c.report_attention(&name, 0, 0..8, weights, 0.0).await;
                     }
-                    if i % 2 == 0 {
+                    if i.is_multiple_of(2) {
                         let _ = c.drop_sequence(&name).await;
                     }
                 }
