@@ -73,6 +73,18 @@ pub(crate) fn render(s: &StatsSnapshot) -> String {
         "Live slots (pages and summaries) of a tier.",
         &tier(|t| t.slots),
     );
+    family(
+        "kvtier_metadata_bytes",
+        "gauge",
+        "Resident metadata charged (lanes, page tables, digests, summaries' counts, policy statistics).",
+        &[(String::new(), s.metadata_bytes)],
+    );
+    family(
+        "kvtier_metadata_limit_bytes",
+        "gauge",
+        "The metadata budget (metadata_bytes).",
+        &[(String::new(), s.metadata_limit_bytes.unwrap_or(0))],
+    );
     let pages: Vec<_> = PageState::ALL
         .iter()
         .map(|st| (format!("{{state=\"{}\"}}", state_label(*st)), s.pages.get(*st)))

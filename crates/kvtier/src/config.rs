@@ -291,5 +291,51 @@ mod tests {
         let example: FileConfig = toml::from_str(include_str!("../../../kvtier.example.toml")).unwrap();
         assert_eq!(example.tiers.host_bytes, Some(ByteSize(8 << 30)));
         assert_eq!(example.metrics_listen.as_deref(), Some("127.0.0.1:9464"));
+        // And with every commented key on.
+        let uncommented: String = include_str!("../../../kvtier.example.toml")
+            .lines()
+            .map(|l| {
+                l.strip_prefix("# ")
+                    .filter(|l| !l.contains(' ') || l.contains('=') || l.starts_with('['))
+                    .unwrap_or(l)
+            })
+            .filter(|l| !l.starts_with("kvtier serve") && !l.starts_with("Every key") && !l.starts_with("nvme_path"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let all: FileConfig = toml::from_str(&uncommented).unwrap();
+        assert_eq!(all.auth.tokens.len(), 2);
+        assert!(all.tls.is_some());
+        let limits = all.limits.limits(None).unwrap();
+        assert_eq!(limits.default_quota.sequences, Some(10_000));
+        let a = kvtier_core::TenantId::parse("t", "a").unwrap();
+        assert_eq!(limits.tenants[&a].host_bytes, Some(2 << 30));
+        assert!(all.auth.auth().unwrap().enabled());
+    }
+
+    #[test]
+    fn tokens_are_long_unique_and_either_a_tenants_or_the_admins() {
+        let auth = |text: &str| {
+            toml::from_str::<FileConfig>(text)
+                .unwrap()
+                .auth
+                .auth()
+                .map_err(|e| e.to_string())
+        };
+        let long = "0123456789abcdef";
+        let err = auth("[[auth.tokens]]\ntoken = \"short\"\ntenant = \"a\"").unwrap_err();
+        assert!(err.starts_with("auth.tokens[0].token:"), "{err}");
+        let err = auth(&format!(
+            "[[auth.tokens]]\ntoken = \"{long}\"\ntenant = \"a\"\nadmin = true"
+        ))
+        .unwrap_err();
+        assert!(err.starts_with("auth.tokens[0]:"), "{err}");
+        let err = auth(&format!("[[auth.tokens]]\ntoken = \"{long}\"")).unwrap_err();
+        assert!(err.contains("either tenant"), "{err}");
+        let twice = format!(
+            "[[auth.tokens]]\ntoken = \"{long}\"\ntenant = \"a\"\n[[auth.tokens]]\ntoken = \"{long}\"\nadmin = true"
+        );
+        assert!(auth(&twice).unwrap_err().starts_with("auth.tokens[1].token:"));
+        let err = auth(&format!("[[auth.tokens]]\ntoken = \"{long}\"\ntenant = \"no spaces\"")).unwrap_err();
+        assert!(err.contains("auth.tokens[0].tenant"), "{err}");
     }
 }

@@ -108,6 +108,7 @@ async fn serve_with_defaults_answers_health_reflection_and_metrics() {
         body.contains("kvtier_tier_capacity_bytes{tier=\"device\",backend=\"emulated\",emulated=\"true\"}"),
         "{body}"
     );
+    assert!(body.contains("kvtier_metadata_limit_bytes 1073741824"), "{body}");
 
     // SIGTERM: a graceful stop with exit status 0.
     let pid = server.0.id().to_string();
@@ -128,4 +129,31 @@ async fn serve_with_defaults_answers_health_reflection_and_metrics() {
         "the emulated device is announced:\n{log}"
     );
     assert!(log.contains("SIGTERM"), "{log}");
+}
+
+/// Off loopback without tokens and TLS, the binary refuses to start and
+/// says which flag allows it.
+#[test]
+fn serve_refuses_to_listen_off_loopback_unprotected() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "serve",
+            "--listen",
+            "0.0.0.0:0",
+            "--metrics-listen",
+            "off",
+            "--nvme-bytes",
+            "0",
+        ])
+        .args(["--data-dir", dir.path().to_str().unwrap()])
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "it started:\n{stderr}");
+    assert!(
+        stderr.contains("--insecure") && stderr.contains("0.0.0.0"),
+        "the refusal names the address and the flag:\n{stderr}"
+    );
 }
