@@ -4,77 +4,20 @@
 
 mod common;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
+use common::raw::{self, frame, message};
 use common::{TestServer, small_store};
-use http_body_util::BodyExt;
 use kvtier_client::pb::kv_tier_client::KvTierClient;
 use kvtier_client::{ClientError, SelectRequest, pb};
 use kvtier_server::ServerConfig;
 use prost::Message;
 use tonic::Code;
-use tonic::codegen::{Service, http};
 use tonic::transport::Channel;
 
-/// Sends `body` as the request body of `method`, framing and all, and
-/// returns the call's status.
+/// Sends `body` as the request body of `method` and returns the status.
 async fn raw_call(channel: &mut Channel, method: &str, body: Bytes) -> (Code, String) {
-    let request = http::Request::builder()
-        .method("POST")
-        .uri(format!("http://localhost/kvtier.v1.KvTier/{method}"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(tonic::body::Body::new(http_body_util::Full::new(body)))
-        .unwrap();
-    std::future::poll_fn(|cx| channel.poll_ready(cx)).await.unwrap();
-    let response = channel.call(request).await.unwrap();
-    let (parts, body) = response.into_parts();
-    let collected = body.collect().await.unwrap();
-    let trailers = collected.trailers().cloned().unwrap_or_default();
-    let status = parts
-        .headers
-        .get("grpc-status")
-        .or_else(|| trailers.get("grpc-status"))
-        .expect("a grpc-status");
-    let message = parts
-        .headers
-        .get("grpc-message")
-        .or_else(|| trailers.get("grpc-message"))
-        .map(|m| percent_decode(m.to_str().unwrap()))
-        .unwrap_or_default();
-    (Code::from_i32(status.to_str().unwrap().parse().unwrap()), message)
-}
-
-fn percent_decode(s: &str) -> String {
-    let mut out = Vec::new();
-    let bytes = s.as_bytes();
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%'
-            && i + 2 < bytes.len()
-            && let Ok(b) = u8::from_str_radix(&s[i + 1..i + 3], 16)
-        {
-            out.push(b);
-            i += 3;
-            continue;
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// One gRPC message: flag, length, bytes.
-fn framed(flag: u8, len: u32, payload: &[u8]) -> Bytes {
-    let mut out = BytesMut::new();
-    out.put_u8(flag);
-    out.put_u32(len);
-    out.put_slice(payload);
-    out.freeze()
-}
-
-fn message(m: &impl Message) -> Bytes {
-    let bytes = m.encode_to_vec();
-    framed(0, bytes.len() as u32, &bytes)
+    let answer = raw::call(channel, &format!("/kvtier.v1.KvTier/{method}"), body).await;
+    (answer.code, answer.message)
 }
 
 async fn channel(server: &TestServer) -> Channel {
@@ -110,23 +53,23 @@ async fn malformed_bodies_are_invalid_arguments_and_oversize_is_resource_exhaust
     let cases: Vec<(&str, Bytes, Code, &str)> = vec![
         (
             "GetSequence",
-            framed(0, 12, &garbage),
+            frame(0, 12, &garbage),
             Code::InvalidArgument,
             "does not decode",
         ),
         (
             "CreateSequence",
-            framed(0, 3, &[0x0a, 0x05, 0x61]),
+            frame(0, 3, &[0x0a, 0x05, 0x61]),
             Code::InvalidArgument,
             "does not decode",
         ),
         (
             "GetSequence",
-            framed(7, 0, &[]),
+            frame(7, 0, &[]),
             Code::InvalidArgument,
             "compression flag",
         ),
-        ("GetSequence", framed(1, 0, &[]), Code::InvalidArgument, "compressed"),
+        ("GetSequence", frame(1, 0, &[]), Code::InvalidArgument, "compressed"),
         (
             "GetSequence",
             valid.slice(..valid.len() - 1),
@@ -138,19 +81,19 @@ async fn malformed_bodies_are_invalid_arguments_and_oversize_is_resource_exhaust
         ("GetSequence", two.into(), Code::InvalidArgument, "more than one"),
         (
             "PutPages",
-            framed(0, 12, &garbage),
+            frame(0, 12, &garbage),
             Code::InvalidArgument,
             "does not decode",
         ),
         (
             "GetSequence",
-            framed(0, (64 << 10) + 1, &[]),
+            frame(0, (64 << 10) + 1, &[]),
             Code::ResourceExhausted,
             "limit",
         ),
         (
             "PutPages",
-            framed(0, 1 << 30, &[0; 100]),
+            frame(0, 1 << 30, &[0; 100]),
             Code::ResourceExhausted,
             "limit",
         ),

@@ -1,6 +1,8 @@
 //! A real server on loopback for each test, and deterministic test data.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod raw;
+
 use std::net::SocketAddr;
 
 use kvtier_client::{Client, pb};

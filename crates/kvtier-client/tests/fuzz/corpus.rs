@@ -5,6 +5,7 @@ use bytes::Bytes;
 use kvtier_client::pb;
 use prost::Message;
 
+use crate::common::raw::frame;
 use crate::rng::Rng;
 use crate::wire;
 
@@ -354,7 +355,7 @@ impl Corpus {
             }
             bodies.push(m);
         }
-        let mut body: Vec<u8> = bodies.iter().flat_map(|m| crate::frame(m)).collect();
+        let mut body: Vec<u8> = bodies.iter().flat_map(|m| frame(0, m.len() as u32, m)).collect();
         if kind == "bad-framing" {
             match rng.below(4) {
                 0 => body[0] = 1 + rng.below(255) as u8,

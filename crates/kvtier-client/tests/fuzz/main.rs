@@ -24,15 +24,14 @@ mod wire;
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use common::TestServer;
-use http_body_util::BodyExt;
+use common::raw::{self, Answer};
 use kvtier_client::pb;
 use kvtier_server::ServerConfig;
 use kvtier_store::{EngineChoice, Limits, NvmeConfig, Quota, StoreConfig};
 use prost::Message;
 use tonic::Code;
-use tonic::codegen::{Service, http};
 use tonic::transport::Channel;
 
 use corpus::{Corpus, METHODS};
@@ -44,63 +43,9 @@ const WATCHDOG: Duration = Duration::from_secs(20);
 /// Codes that mean a bug, whatever the request.
 const NEVER: [Code; 4] = [Code::Internal, Code::Unknown, Code::DataLoss, Code::DeadlineExceeded];
 
-struct Answer {
-    code: Code,
-    message: String,
-    /// The response messages, unframed.
-    messages: Vec<Bytes>,
-}
-
-fn frame(message: &[u8]) -> Bytes {
-    let mut out = BytesMut::new();
-    out.put_u8(0);
-    out.put_u32(message.len() as u32);
-    out.put_slice(message);
-    out.freeze()
-}
-
-fn unframe(mut body: Bytes) -> Vec<Bytes> {
-    let mut out = Vec::new();
-    while body.len() >= 5 {
-        let len = u32::from_be_bytes(body[1..5].try_into().unwrap()) as usize;
-        if body.len() < 5 + len {
-            break;
-        }
-        out.push(body.slice(5..5 + len));
-        body = body.slice(5 + len..);
-    }
-    out
-}
-
+/// The call, or a panic if it takes longer than the watchdog allows.
 async fn call(channel: &mut Channel, path: &str, body: Bytes) -> Answer {
-    let request = http::Request::builder()
-        .method("POST")
-        .uri(format!("http://localhost{path}"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(tonic::body::Body::new(http_body_util::Full::new(body)))
-        .unwrap();
-    let exchange = async {
-        std::future::poll_fn(|cx| channel.poll_ready(cx)).await.unwrap();
-        let response = channel.call(request).await.expect("the server answers");
-        let (parts, body) = response.into_parts();
-        let collected = body.collect().await.expect("a whole response body");
-        let trailers = collected.trailers().cloned().unwrap_or_default();
-        let header = |name: &str| {
-            parts
-                .headers
-                .get(name)
-                .or_else(|| trailers.get(name))
-                .map(|v| v.to_str().unwrap_or_default().to_owned())
-        };
-        let code = Code::from_i32(header("grpc-status").expect("a grpc-status").parse().unwrap());
-        Answer {
-            code,
-            message: header("grpc-message").unwrap_or_default(),
-            messages: unframe(collected.to_bytes()),
-        }
-    };
-    match tokio::time::timeout(WATCHDOG, exchange).await {
+    match tokio::time::timeout(WATCHDOG, raw::call(channel, path, body)).await {
         Ok(answer) => answer,
         Err(_) => panic!("{path}: no answer in {WATCHDOG:?}: a hang"),
     }
