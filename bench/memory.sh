@@ -26,7 +26,7 @@ run() { # run <label> [kinds]
   echo
   echo "Server: device 16 MiB (emulated), host 32 MiB, NVMe 256 MiB, metadata budget 32 MiB,"
   echo "in flight 32 MiB, messages up to 4 MiB, 48 connections. Bound asserted: tiers + 1.5 ×"
-  echo "metadata + 2 × in flight + 96 MiB = 256 MiB. Kinds: 0 sequences at the layout maxima"
+  echo "metadata + 3 × in flight + 96 MiB = 288 MiB. Kinds: 0 sequences at the layout maxima"
   echo "and mid-sized ones until refused; 1, 2 largest writes, then the whole sequence fetched"
   echo "and selected with data; 3 oversized requests; 4 appends with growing attention statistics."
   echo

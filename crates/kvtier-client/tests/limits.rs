@@ -308,3 +308,29 @@ async fn responses_wait_for_room_in_flight_and_one_that_cannot_fit_is_refused() 
     };
     assert_eq!(client.select_pages("s", &one).await.unwrap().pages.len() as u32, heads);
 }
+
+/// Past max_connections a new connection is closed at once: its calls fail
+/// fast instead of hanging, and the connections already open still work.
+#[tokio::test]
+async fn past_max_connections_new_ones_are_closed_not_left_hanging() {
+    let server = TestServer::start_with(
+        small_store(),
+        ServerConfig {
+            max_connections: 1,
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+    let mut first = server.client().await;
+    first.stats().await.unwrap();
+    let second = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        match kvtier_client::Client::connect(format!("http://{}", server.addr)).await {
+            Ok(mut c) => c.stats().await.map(|_| ()).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await
+    .expect("a refused connection fails fast");
+    assert!(second.is_err(), "a second connection was served");
+    first.stats().await.unwrap();
+}

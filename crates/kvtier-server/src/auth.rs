@@ -54,10 +54,13 @@ impl Auth {
         let header = headers
             .get("authorization")
             .ok_or_else(|| Status::unauthenticated("this server needs `authorization: Bearer <token>`"))?;
+        // The scheme is case-insensitive (RFC 9110).
         let presented = header
             .to_str()
             .ok()
-            .and_then(|h| h.strip_prefix("Bearer "))
+            .and_then(|h| h.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim())
             .ok_or_else(|| Status::unauthenticated("the authorization header is not `Bearer <token>`"))?;
         // Every token is compared, each in time independent of where it
         // differs, so that timing tells nothing about any of them.

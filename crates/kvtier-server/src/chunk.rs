@@ -29,6 +29,22 @@ pub(crate) fn limit(max_chunk_bytes: u32, server_limit: usize) -> Result<usize, 
     Ok(asked.min(server_limit))
 }
 
+/// Refuses a limit that one page of `page_bytes` cannot fit in (with room
+/// to spare for its message's other fields), before anything is read.
+pub(crate) fn check_page_fits(page_bytes: usize, limit: usize) -> Result<(), Status> {
+    const FIELDS: usize = 64;
+    if page_bytes + FIELDS > limit {
+        return Err(invalid(
+            wire::MAX_CHUNK_BYTES,
+            format!(
+                "allows messages of {limit} bytes (the smaller of it and the server's max_message_bytes), \
+                 but one page of this layout takes {page_bytes} bytes and its fields"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// What one item of a repeated message field (field number below 16) adds
 /// to its message.
 fn field_len<T: Message>(item: &T) -> usize {

@@ -32,20 +32,43 @@ const PUT_PAGES: &str = "/kvtier.v1.KvTier/PutPages";
 /// The gRPC message header: a compression flag and a big-endian length.
 const HEADER: usize = 5;
 
-/// The in-flight bytes one call holds: its current message's. Released when
-/// the next message of the stream arrives, and when both the body and the
-/// call are done (a decoded message's bytes live as long as the handler).
+/// The in-flight bytes one call holds: its current message's, charged as
+/// they arrive (a header alone claims nothing, so a client that announces
+/// large messages and sends nothing holds nothing). Released when the next
+/// message of the stream starts, and when the body, the call and whatever
+/// keeps the request beyond it (a fetch streaming its chunks) are done: a
+/// decoded message's bytes live as long as its request.
 #[derive(Debug)]
 struct Charge {
     in_flight: Arc<InFlight>,
     held: Mutex<Option<Held>>,
 }
 
+/// A request's in-flight bytes, for a handler that keeps the request past
+/// its own return.
+#[derive(Debug, Clone)]
+pub(crate) struct RequestBytes {
+    _charge: Arc<Charge>,
+}
+
 impl Charge {
-    fn set(&self, bytes: usize) -> Result<(), Status> {
-        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        *held = None;
-        *held = Some(self.in_flight.try_hold(bytes)?);
+    fn held(&self) -> std::sync::MutexGuard<'_, Option<Held>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A new message starts: the previous one's bytes are decoded by now.
+    fn start(&self) {
+        *self.held() = None;
+    }
+
+    /// `n` more bytes of the current message arrived.
+    fn add(&self, n: usize) -> Result<(), Status> {
+        let more = self.in_flight.try_hold(n)?;
+        let mut held = self.held();
+        match held.as_mut() {
+            Some(h) => h.merge(more),
+            None => *held = Some(more),
+        }
         Ok(())
     }
 }
@@ -98,6 +121,9 @@ where
             in_flight: Arc::clone(&self.config.in_flight),
             held: Mutex::new(None),
         });
+        parts.extensions.insert(RequestBytes {
+            _charge: Arc::clone(&charge),
+        });
         let body = Checked {
             inner: body,
             limit: self.config.max_message_bytes,
@@ -139,6 +165,7 @@ impl Checked {
         while !data.is_empty() {
             if self.left > 0 {
                 let n = self.left.min(data.len());
+                self.charge.add(n)?;
                 self.left -= n;
                 data.advance(n);
                 continue;
@@ -183,7 +210,7 @@ impl Checked {
                 "a unary request carries more than one message",
             ));
         }
-        self.charge.set(len)?;
+        self.charge.start();
         self.left = len;
         Ok(())
     }

@@ -32,7 +32,14 @@ pub(crate) struct InFlight {
 /// Bytes held in flight until dropped.
 #[derive(Debug)]
 pub(crate) struct Held {
-    _permit: OwnedSemaphorePermit,
+    permit: OwnedSemaphorePermit,
+}
+
+impl Held {
+    /// Holds `other`'s bytes too.
+    pub(crate) fn merge(&mut self, other: Held) {
+        self.permit.merge(other.permit);
+    }
 }
 
 fn units(bytes: usize) -> u32 {
@@ -43,8 +50,10 @@ impl InFlight {
     pub(crate) fn new(limit: usize) -> Arc<Self> {
         let half = (limit / 2).min((Semaphore::MAX_PERMITS / UNIT).saturating_mul(UNIT));
         Arc::new(Self {
-            requests: Arc::new(Semaphore::new(half / UNIT)),
-            responses: Arc::new(Semaphore::new(half / UNIT)),
+            // Rounded up like every charge, so that a message of exactly the
+            // half always fits.
+            requests: Arc::new(Semaphore::new(half.div_ceil(UNIT))),
+            responses: Arc::new(Semaphore::new(half.div_ceil(UNIT))),
             half,
         })
     }
@@ -53,10 +62,10 @@ impl InFlight {
     pub(crate) fn try_hold(&self, bytes: usize) -> Result<Held, Status> {
         Arc::clone(&self.requests)
             .try_acquire_many_owned(units(bytes))
-            .map(|p| Held { _permit: p })
+            .map(|permit| Held { permit })
             .map_err(|_| {
                 Status::resource_exhausted(format!(
-                    "the requests in flight leave no room for one of {bytes} bytes (they may hold \
+                    "the requests in flight leave no room for {bytes} more bytes (they may hold \
                      {} bytes, half of max_inflight_bytes); retry",
                     self.half
                 ))
@@ -65,7 +74,7 @@ impl InFlight {
 
     /// Room for `bytes` of a response, once other responses leave it.
     pub(crate) async fn hold(&self, what: &str, bytes: usize) -> Result<Held, Status> {
-        if units(bytes) as usize > self.half / UNIT {
+        if units(bytes) as usize > self.half.div_ceil(UNIT) {
             return Err(Status::resource_exhausted(format!(
                 "{what} of {bytes} bytes is more than responses may hold in flight at once \
                  ({} bytes, half of max_inflight_bytes)",
@@ -75,7 +84,7 @@ impl InFlight {
         Arc::clone(&self.responses)
             .acquire_many_owned(units(bytes))
             .await
-            .map(|p| Held { _permit: p })
+            .map(|permit| Held { permit })
             .map_err(|_| Status::unavailable("the server is shutting down"))
     }
 }

@@ -38,7 +38,7 @@ pub struct ServerConfig {
     /// Request and response messages held at once over all calls, in bytes:
     /// a request past it gets RESOURCE_EXHAUSTED, a response waits for room.
     pub max_inflight_bytes: usize,
-    /// Open connections; more wait in the listen backlog.
+    /// Open connections; more are closed as they arrive.
     pub max_connections: usize,
     /// Bearer tokens; none: every caller may act for every tenant.
     pub auth: Auth,
@@ -61,7 +61,7 @@ impl Default for ServerConfig {
             metrics_listen: Some(([127, 0, 0, 1], 9464).into()),
             max_message_bytes: 64 << 20,
             max_inflight_bytes: 1 << 30,
-            max_connections: 64,
+            max_connections: 256,
             auth: Auth::default(),
             tls: None,
             insecure: false,
@@ -231,7 +231,11 @@ impl BoundServer {
         );
         // Larger HTTP/2 windows and frames: the defaults cap one client at
         // about half of what loopback carries for megabyte messages.
+        // Keepalive pings find peers that vanished without closing, and
+        // free their connection slots.
         builder
+            .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+            .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
             .initial_stream_window_size(Some(16 << 20))
             .initial_connection_window_size(Some(32 << 20))
             .max_frame_size(Some((1 << 20) - 1))

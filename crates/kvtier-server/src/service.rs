@@ -19,6 +19,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::Caller;
+use crate::gate::RequestBytes;
 use crate::inflight::{Held, Holding, InFlight};
 use crate::status::{field_status, invalid, to_status};
 use crate::{chunk, convert};
@@ -175,13 +176,16 @@ fn holding<T>(messages: Vec<T>, held: Held) -> Vec<Held_<T>> {
 /// The most page bytes a selection with data can return: its budget per
 /// KV head (per query head, with that aggregation), at most every page of
 /// the longest lane, for each KV head asked.
+/// Heads the layout does not have count as none: the store refuses them.
 fn selection_bound(r: &pb::SelectPagesRequest, aggregation: Aggregation, (layout, tokens): (Layout, u64)) -> usize {
     let per_head = match aggregation {
         Aggregation::PerQueryHead => u64::from(r.budget_pages) * u64::from(layout.group_size()),
         Aggregation::Max | Aggregation::Mean => u64::from(r.budget_pages),
     };
     let pages = per_head.min(tokens.div_ceil(u64::from(layout.page_size())));
-    (pages * u64::from(r.kv_head_count) * layout.page_bytes() as u64) as usize
+    let heads = u64::from(r.kv_head_count.min(layout.num_kv_heads()));
+    let bytes = pages.saturating_mul(heads).saturating_mul(layout.page_bytes() as u64);
+    usize::try_from(bytes).unwrap_or(usize::MAX)
 }
 
 /// A selection as response messages within `limit`: the totals with as
@@ -220,6 +224,7 @@ fn select_messages(selection: Selection, limit: usize) -> Result<Vec<pb::SelectP
 
 /// A fetch being streamed.
 struct FetchJob {
+    _request_bytes: Option<RequestBytes>,
     key: SequenceKey,
     request: pb::FetchPagesRequest,
     per_head: Vec<Vec<u32>>,
@@ -254,8 +259,13 @@ async fn send_chunks(
     tx: mpsc::Sender<Held_<pb::FetchPagesResponse>>,
 ) {
     loop {
+        // A stream whose client went away waits for nothing.
+        let held = tokio::select! {
+            held = in_flight.hold("a fetch chunk", job.max_bytes) => held,
+            () = tx.closed() => return,
+        };
         let read = async {
-            let held = in_flight.hold("a fetch chunk", job.max_bytes).await?;
+            let held = held?;
             let (store, reader) = (Arc::clone(&store), Arc::clone(&job));
             let (pages, next) = tokio::task::spawn_blocking(move || reader.read(&store, from))
                 .await
@@ -393,6 +403,8 @@ impl KvTier for KvTierService {
     type FetchPagesStream = FetchStream;
 
     async fn fetch_pages(&self, request: Request<pb::FetchPagesRequest>) -> Result<Response<FetchStream>, Status> {
+        // The request lives as long as its stream, and so does its charge.
+        let request_bytes = request.extensions().get::<RequestBytes>().cloned();
         let (caller, r) = open(request)?;
         let key = key(&caller, &r.tenant, &r.sequence_id)?;
         let max_bytes = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
@@ -403,6 +415,7 @@ impl KvTier for KvTierService {
             ));
         }
         let job = Arc::new(FetchJob {
+            _request_bytes: request_bytes,
             key,
             per_head: r.per_head_pages.iter().map(|l| l.pages.clone()).collect(),
             request: r,
@@ -438,11 +451,16 @@ impl KvTier for KvTierService {
         // is taken before the store reads any of it.
         let held = match r.include_data {
             true => {
-                let bound = {
+                let (page_bytes, bound) = {
                     let (key, r) = (key.clone(), r.clone());
-                    self.call(move |s| Ok(selection_bound(&r, aggregation, s.shape(&key)?)))
-                        .await?
+                    self.call(move |s| {
+                        let shape = s.shape(&key)?;
+                        Ok((shape.0.page_bytes(), selection_bound(&r, aggregation, shape)))
+                    })
+                    .await?
                 };
+                // Refused before the selection moves anything.
+                chunk::check_page_fits(page_bytes, limit)?;
                 Some(self.in_flight.hold("a selection's data", bound).await?)
             }
             false => None,

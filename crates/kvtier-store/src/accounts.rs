@@ -216,7 +216,7 @@ impl Account {
 
     /// Whether `page` is one of this tenant's.
     pub(crate) fn owns(self: &Arc<Self>, page: &PhysPage) -> bool {
-        Arc::ptr_eq(self, &page.owner)
+        Arc::ptr_eq(self, page.owner())
     }
 
     pub(crate) fn usage(&self) -> Usage {
@@ -251,12 +251,7 @@ impl Accounts {
         let account = tenants.entry(tenant.clone()).or_insert_with(|| {
             Arc::new(Account {
                 tenant: tenant.clone(),
-                quota: self
-                    .limits
-                    .tenants
-                    .get(tenant)
-                    .copied()
-                    .unwrap_or(self.limits.default_quota),
+                quota: self.quota(tenant),
                 sequences: AtomicU64::new(0),
                 metadata: AtomicU64::new(0),
                 tiers: Default::default(),
@@ -274,8 +269,38 @@ impl Accounts {
         self.limits.metadata_bytes
     }
 
+    /// What `tenant` holds; asking makes no account (tenant names are the
+    /// client's to choose).
     pub(crate) fn usage(&self, tenant: &TenantId) -> Usage {
-        self.account(tenant).usage()
+        match lock(&self.tenants).get(tenant) {
+            Some(account) => account.usage(),
+            None => Usage {
+                quota: self.quota(tenant),
+                ..Usage::default()
+            },
+        }
+    }
+
+    fn quota(&self, tenant: &TenantId) -> Quota {
+        self.limits
+            .tenants
+            .get(tenant)
+            .copied()
+            .unwrap_or(self.limits.default_quota)
+    }
+
+    /// Forgets `account` once nothing else refers to it and it holds
+    /// nothing, so that the map holds only tenants with something stored.
+    fn forget_if_idle(&self, account: &Arc<Account>) {
+        let mut tenants = lock(&self.tenants);
+        // The map's reference and the caller's.
+        let idle = Arc::strong_count(account) == 2
+            && get(&account.sequences) == 0
+            && get(&account.metadata) == 0
+            && account.tiers.iter().all(|t| get(t) == 0);
+        if idle && tenants.get(&account.tenant).is_some_and(|a| Arc::ptr_eq(a, account)) {
+            tenants.remove(&account.tenant);
+        }
     }
 
     /// Opens the charge of a new sequence: one sequence and its base
@@ -342,6 +367,21 @@ impl Charge {
         &self.account
     }
 
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Moves `n` of the bytes charged into a new page's own charge.
+    pub(crate) fn split(&mut self, n: u64) -> PageCharge {
+        let n = n.min(self.bytes);
+        self.bytes -= n;
+        PageCharge {
+            accounts: Arc::clone(&self.accounts),
+            account: Arc::clone(&self.account),
+            bytes: n,
+        }
+    }
+
     fn grow_inner(&self, n: u64, force: bool) -> Result<(), OverLimit> {
         let budget = self.accounts.limits.metadata_bytes;
         take(&self.accounts.metadata, n, (!force).then_some(budget)).map_err(|used| OverLimit {
@@ -363,10 +403,49 @@ impl Charge {
     }
 }
 
+/// The metadata of one physical page, held by the page itself: refunded
+/// when the page is freed, whichever sequence made it and however many
+/// share it.
+#[derive(Debug)]
+pub(crate) struct PageCharge {
+    accounts: Arc<Accounts>,
+    account: Arc<Account>,
+    bytes: u64,
+}
+
+impl PageCharge {
+    /// The tenant whose quotas the page's slots count against.
+    pub(crate) fn owner(&self) -> &Arc<Account> {
+        &self.account
+    }
+}
+
+impl Drop for PageCharge {
+    fn drop(&mut self) {
+        give(&self.accounts.metadata, self.bytes);
+        give(&self.account.metadata, self.bytes);
+        self.accounts.forget_if_idle(&self.account);
+    }
+}
+
+impl Accounts {
+    /// A page's charge of `bytes`, past every limit (recovery).
+    pub(crate) fn page_charge(self: &Arc<Self>, account: &Arc<Account>, bytes: u64) -> PageCharge {
+        take(&self.metadata, bytes, None).expect("no limit");
+        take(&account.metadata, bytes, None).expect("no limit");
+        PageCharge {
+            accounts: Arc::clone(self),
+            account: Arc::clone(account),
+            bytes,
+        }
+    }
+}
+
 impl Drop for Charge {
     fn drop(&mut self) {
         self.shrink(self.bytes);
         give(&self.account.sequences, 1);
+        self.accounts.forget_if_idle(&self.account);
     }
 }
 
@@ -387,7 +466,13 @@ pub(crate) mod cost {
     pub(crate) fn pages(layout: &Layout, logical: u64, physical: u64) -> u64 {
         // A digest entry is a min row and a max row in the key dtype.
         let entry = (size_of::<StorePage>() + 2 * layout.row_bytes()) as u64;
-        logical * entry + physical * (size_of::<PhysPage>() as u64 + PHYSICAL_PAGE_EXTRA)
+        logical * entry + physical * physical_page()
+    }
+
+    /// One physical page: its struct, its `Arc`, its page-table and LRU
+    /// entries (charged to the page itself, see [`PageCharge`]).
+    pub(crate) fn physical_page() -> u64 {
+        size_of::<PhysPage>() as u64 + PHYSICAL_PAGE_EXTRA
     }
 
     /// Policy statistics of `lanes` lanes growing by `tokens` positions

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use kvtier_core::{ColdTier, Lane, Layout, LogicalPage, PageState, PhysId, Reason, TenantId};
 use kvtier_tiers::{Slot, Tier, TierError};
 
-use crate::accounts::Account;
+use crate::accounts::{Account, PageCharge};
 use crate::sync::lock;
 
 /// The bytes of one page of one lane: K rows `[page_size][head_dim]` at
@@ -27,9 +27,9 @@ pub(crate) struct PhysPage {
     pub(crate) pins: AtomicU32,
     /// Promoted by a prefetch and not yet used by a selection.
     pub(crate) prefetched: AtomicBool,
-    /// The tenant whose quotas its slots count against (pages are shared
-    /// only within a tenant).
-    pub(crate) owner: Arc<Account>,
+    /// Its metadata, charged to the tenant whose quotas its slots count
+    /// against too (pages are shared only within a tenant).
+    charge: PageCharge,
 }
 
 impl PhysPage {
@@ -38,7 +38,7 @@ impl PhysPage {
         layout: Arc<Layout>,
         digest: Option<Box<[u8]>>,
         place: Placement,
-        owner: Arc<Account>,
+        charge: PageCharge,
     ) -> Self {
         Self {
             id,
@@ -47,8 +47,13 @@ impl PhysPage {
             place: RwLock::new(place),
             pins: AtomicU32::new(0),
             prefetched: AtomicBool::new(false),
-            owner,
+            charge,
         }
+    }
+
+    /// The tenant the page belongs to.
+    pub(crate) fn owner(&self) -> &Arc<Account> {
+        self.charge.owner()
     }
 
     pub(crate) fn pinned(&self) -> bool {

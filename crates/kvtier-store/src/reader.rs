@@ -177,7 +177,7 @@ impl Reader<'_> {
         let host = self.host.tier();
         for (page, buf, version) in pages {
             let len = layout.page_bytes() as u64;
-            let Ok(mut slot) = page.owner.slot(TierKind::Host, len, false, || host.allocate(len)) else {
+            let Ok(mut slot) = page.owner().slot(TierKind::Host, len, false, || host.allocate(len)) else {
                 continue;
             };
             if host.write(&mut slot, 0, &buf[..layout.page_bytes()]).is_err() {
@@ -213,7 +213,7 @@ impl Reader<'_> {
         };
         let mut slot = self
             .host
-            .allocate(layout.page_bytes() as u64, self.durable, spent, &page.owner)?;
+            .allocate(layout.page_bytes() as u64, self.durable, spent, page.owner())?;
         let (k, v) = bytes.split_at(bytes.len() / 2);
         write_rows(&**self.host.tier(), &mut slot, layout, 0, k, v)?;
         let mut place = write(&page.place);

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, Reason, SequenceKey, TenantId};
 use kvtier_store::{
     AppendTokens, AttentionWeights, EngineChoice, FetchPages, HeadRange, Limits, NvmeConfig, PageContent, PageList,
-    PageSelection, Quota, ReportAttention, SetPageState, Store, StoreConfig, StoreError, Usage,
+    PageSelection, PutPages, Quota, ReportAttention, SetPageState, Store, StoreConfig, StoreError, Usage,
 };
 use proptest::prelude::*;
 
@@ -60,16 +60,24 @@ fn quota() -> impl Strategy<Value = Quota> {
 
 #[derive(Debug, Clone)]
 enum Op {
+    /// With `chain`, the first two pages have prefix hashes: full pages put
+    /// there are shared between the tenant's chained sequences.
     Create {
         t: usize,
         seq: usize,
+        chain: bool,
+    },
+    /// One full page per head where the lanes end.
+    Put {
+        t: usize,
+        seq: usize,
+        layer: u32,
     },
     Append {
         t: usize,
         seq: usize,
         layer: u32,
         tokens: u32,
-        seed: u32,
     },
     Set {
         t: usize,
@@ -92,9 +100,10 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let (t, seq) = (0..2usize, 0..SEQS);
     prop_oneof![
-        2 => (t.clone(), seq.clone()).prop_map(|(t, seq)| Op::Create { t, seq }),
-        3 => (t.clone(), seq.clone(), 0..LAYERS, 1u32..10, any::<u32>())
-            .prop_map(|(t, seq, layer, tokens, seed)| Op::Append { t, seq, layer, tokens, seed }),
+        2 => (t.clone(), seq.clone(), any::<bool>()).prop_map(|(t, seq, chain)| Op::Create { t, seq, chain }),
+        3 => (t.clone(), seq.clone(), 0..LAYERS).prop_map(|(t, seq, layer)| Op::Put { t, seq, layer }),
+        2 => (t.clone(), seq.clone(), 0..LAYERS, 1u32..10)
+            .prop_map(|(t, seq, layer, tokens)| Op::Append { t, seq, layer, tokens }),
         1 => (t.clone(), seq.clone(), 0..LAYERS, 0u32..4, 0u8..4)
             .prop_map(|(t, seq, layer, first, action)| Op::Set { t, seq, layer, first, action }),
         1 => (t.clone(), seq.clone(), 0..LAYERS).prop_map(|(t, seq, layer)| Op::Report { t, seq, layer }),
@@ -106,10 +115,30 @@ fn op() -> impl Strategy<Value = Op> {
 /// layer, head); `None` for a row whose page was evicted.
 type Lanes = HashMap<(usize, usize, u32, u32), Vec<Option<(Vec<u8>, Vec<u8>)>>>;
 
-fn row(seed: u32, i: usize) -> Vec<u8> {
+/// A K (or V) row, the same wherever a tenant writes position `i` of
+/// (layer, head): pages shared under a prefix hash hold what each sequence
+/// would have written.
+fn row(t: usize, layer: u32, head: u32, i: usize, value: bool) -> Vec<u8> {
+    let base = (t * 1000 + layer as usize * 100 + head as usize * 10 + usize::from(value)) as f32;
     (0..DIM)
-        .flat_map(|d| ((seed as f32) + (i * DIM + d) as f32 * 0.25).to_le_bytes())
+        .flat_map(|d| (base + (i * DIM + d) as f32 * 0.25).to_le_bytes())
         .collect()
+}
+
+/// Rows `from..from + n` of every head, as a write sends them (per head, K
+/// rows then V rows), and per head as the model keeps them.
+type Rows = Vec<Option<(Vec<u8>, Vec<u8>)>>;
+fn rows(t: usize, layer: u32, from: usize, n: usize) -> (Vec<u8>, Vec<Rows>) {
+    let mut kv = Vec::new();
+    let mut per_head = Vec::new();
+    for h in 0..HEADS {
+        let k: Vec<Vec<u8>> = (from..from + n).map(|i| row(t, layer, h, i, false)).collect();
+        let v: Vec<Vec<u8>> = (from..from + n).map(|i| row(t, layer, h, i, true)).collect();
+        kv.extend(k.concat());
+        kv.extend(v.concat());
+        per_head.push(k.into_iter().zip(v).map(Some).collect());
+    }
+    (kv, per_head)
 }
 
 /// What a refusal must leave as it was: the tenant's sequences, metadata
@@ -123,30 +152,56 @@ fn observe(store: &Store, t: usize) -> (u64, u64, u64) {
 
 fn apply(store: &Store, lanes: &mut Lanes, op: &Op) -> Result<(), TestCaseError> {
     let t = match op {
-        Op::Create { t, .. } | Op::Append { t, .. } | Op::Set { t, .. } | Op::Report { t, .. } | Op::Drop { t, .. } => {
-            *t
-        }
+        Op::Create { t, .. }
+        | Op::Put { t, .. }
+        | Op::Append { t, .. }
+        | Op::Set { t, .. }
+        | Op::Report { t, .. }
+        | Op::Drop { t, .. } => *t,
     };
     let before = observe(store, t);
     let result = match op {
-        Op::Create { t, seq } => store.create_sequence(key(*t, *seq), layout(), vec![]).map(|_| ()),
-        Op::Append {
-            t,
-            seq,
-            layer,
-            tokens,
-            seed,
-        } => {
-            let n = *tokens as usize;
-            let mut kv = Vec::new();
-            let mut rows = Vec::new();
-            for h in 0..HEADS {
-                let k: Vec<Vec<u8>> = (0..n).map(|i| row(seed.wrapping_add(h), i)).collect();
-                let v: Vec<Vec<u8>> = (0..n).map(|i| row(seed.wrapping_add(h + 100), i)).collect();
-                kv.extend(k.concat());
-                kv.extend(v.concat());
-                rows.push(k.into_iter().zip(v).map(Some).collect::<Vec<_>>());
+        Op::Create { t, seq, chain } => {
+            let hashes = if *chain {
+                vec![vec![1u8; 8], vec![2u8; 8]]
+            } else {
+                vec![]
+            };
+            let created = store.create_sequence(key(*t, *seq), layout(), hashes);
+            if let Ok(c) = &created {
+                for layer in 0..LAYERS {
+                    let (_, attached) = rows(*t, layer, 0, c.attached_pages as usize * PAGE);
+                    for (h, rows) in attached.into_iter().enumerate() {
+                        lanes.insert((*t, *seq, layer, h as u32), rows);
+                    }
+                }
             }
+            created.map(|_| ())
+        }
+        Op::Put { t, seq, layer } => {
+            let at = lanes.get(&(*t, *seq, *layer, 0)).map_or(0, Vec::len);
+            let (kv, written) = rows(*t, *layer, at, PAGE);
+            let done = store.put_pages(
+                &key(*t, *seq),
+                PutPages {
+                    layer: *layer,
+                    heads: HeadRange { start: 0, count: HEADS },
+                    first_page: (at / PAGE) as u32,
+                    num_tokens: PAGE as u32,
+                    kv: &kv,
+                    persist: false,
+                },
+            );
+            if done.is_ok() {
+                for (h, rows) in written.into_iter().enumerate() {
+                    lanes.entry((*t, *seq, *layer, h as u32)).or_default().extend(rows);
+                }
+            }
+            done.map(|_| ())
+        }
+        Op::Append { t, seq, layer, tokens } => {
+            let at = lanes.get(&(*t, *seq, *layer, 0)).map_or(0, Vec::len);
+            let (kv, rows) = rows(*t, *layer, at, *tokens as usize);
             let done = store.append_tokens(
                 &key(*t, *seq),
                 AppendTokens {
@@ -298,7 +353,7 @@ proptest! {
 
     #[test]
     fn quotas_and_the_budget_hold_under_any_run(
-        ops in proptest::collection::vec(op(), 1..60),
+        ops in proptest::collection::vec(op(), 1..80),
         quota in quota(),
         nvme in any::<bool>(),
     ) {

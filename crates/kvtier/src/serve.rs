@@ -66,7 +66,7 @@ pub(crate) struct ServeArgs {
     /// [default: 1GiB].
     #[arg(long, value_name = "SIZE")]
     max_inflight_bytes: Option<ByteSize>,
-    /// Open connections at once; more wait in the listen backlog [default: 64].
+    /// Open connections at once; more are closed as they arrive [default: 256].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
     /// TLS certificate chain (PEM); with --tls-key, serves gRPC over TLS.

@@ -30,6 +30,10 @@ use crate::page::{PhysPage, least_recent_of};
 use crate::stats::Counters;
 use crate::sync::{lock, read, write};
 
+/// How many of a tenant's least recently used hot pages one scan of the LRU
+/// collects when the tenant is past its device quota.
+const DEMOTION_CANDIDATES: usize = 64;
+
 #[derive(Debug)]
 pub(crate) struct HotSet {
     tier: Arc<dyn Tier>,
@@ -80,13 +84,13 @@ impl HotSet {
     /// is not pinned; false when none is left.
     fn demote_lru(&self, host: &HostCache, owner: Option<&Arc<Account>>) -> bool {
         let mut pinned = Vec::new();
+        // One pass over the LRU finds the owner's candidates (pinned ones are
+        // skipped below, so a batch, not one).
+        let mut candidates = owner.map(|o| least_recent_of(&self.lru, o, DEMOTION_CANDIDATES).into_iter());
         let demoted = loop {
-            // Pinned pages stay out of the LRU until the end: never found twice.
-            let next = match owner {
+            let next = match &mut candidates {
                 None => lock(&self.lru).pop_lru(),
-                Some(owner) => least_recent_of(&self.lru, owner, 1)
-                    .first()
-                    .and_then(|id| lock(&self.lru).pop_entry(id)),
+                Some(ids) => ids.find_map(|id| lock(&self.lru).pop_entry(&id)),
             };
             let Some((id, weak)) = next else {
                 break false;
@@ -135,7 +139,10 @@ impl HotSet {
         drop(place);
         // Past the owner's host quota if need be: demotion must not stall.
         let len = bytes.len() as u64;
-        let Ok(mut slot) = page.owner.slot(TierKind::Host, len, true, || host.tier().allocate(len)) else {
+        let Ok(mut slot) = page
+            .owner()
+            .slot(TierKind::Host, len, true, || host.tier().allocate(len))
+        else {
             return false;
         };
         if host.tier().write(&mut slot, 0, &bytes).is_err() {

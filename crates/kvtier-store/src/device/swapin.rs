@@ -88,7 +88,7 @@ impl HotSet {
         let mut staged = Vec::new();
         for ((page, version), bytes) in pages.iter().zip(versions).zip(originals) {
             let Some(bytes) = bytes else { continue };
-            let Ok(slot) = self.allocate(bytes.len() as u64, reader.host, &page.owner) else {
+            let Ok(slot) = self.allocate(bytes.len() as u64, reader.host, page.owner()) else {
                 break;
             };
             staged.push((page, version, bytes, slot));

@@ -102,7 +102,7 @@ impl Durable {
             let len = buf.len() as u64;
             match job
                 .page
-                .owner
+                .owner()
                 .slot(TierKind::Nvme, len, false, || self.allocate(&**nvme, len))
             {
                 Ok(slot) => {

@@ -10,7 +10,7 @@ use kvtier_tiers::TierKind;
 
 use super::Durable;
 use super::image::{CopyImage, Image, PageImage, PageKind};
-use crate::accounts::{Account, Accounts, cost};
+use crate::accounts::{Account, Accounts, PageCharge, cost};
 use crate::catalog::{Catalog, Sequence};
 use crate::page::{NvmeCopy, PageRef, PhysPage, Placement, StorePage, SummaryPage};
 
@@ -32,9 +32,10 @@ struct Rebuild<'a> {
     /// Each physical page is built once and shared by every logical page
     /// that maps it.
     built: HashMap<u64, Option<PageRef>>,
-    /// Metadata of the physical pages built (a shared one counts once) and
-    /// of summaries, for the sequence being rebuilt.
+    /// Metadata of the summaries of the sequence being rebuilt (a physical
+    /// page carries its own).
     extra: u64,
+    accounts: &'a Arc<Accounts>,
     report: Recovered,
 }
 
@@ -47,6 +48,7 @@ impl Durable {
             catalog,
             built: HashMap::new(),
             extra: 0,
+            accounts,
             report: Recovered::default(),
         };
         for rec in image.sequences {
@@ -92,15 +94,15 @@ impl Durable {
                         let adopted = r
                             .copies
                             .get(&phys)
-                            .and_then(|copy| self.claim(phys, copy, &seq.layout, seq.charge.account()))
+                            .and_then(|copy| {
+                                let charge = r.accounts.page_charge(seq.charge.account(), cost::physical_page());
+                                self.claim(phys, copy, &seq.layout, charge)
+                            })
                             .and_then(|physical| {
                                 // A page is shared only with the digest that attaching needs.
                                 let share = share.filter(|_| physical.digest.is_some());
                                 catalog.adopt(physical, share).ok()
                             });
-                        if adopted.is_some() {
-                            r.extra += cost::pages(&seq.layout, 0, 1);
-                        }
                         let out = adopted.as_ref().map(|a| PageRef {
                             id: a.id,
                             page: Arc::clone(&a.page),
@@ -137,10 +139,13 @@ impl Durable {
 
     /// Physical page `phys` with its NVMe extent claimed; `None` (lost) if
     /// the extent cannot be claimed.
-    fn claim(&self, phys: u64, copy: &CopyImage, layout: &Arc<Layout>, owner: &Arc<Account>) -> Option<Arc<PhysPage>> {
+    fn claim(&self, phys: u64, copy: &CopyImage, layout: &Arc<Layout>, charge: PageCharge) -> Option<Arc<PhysPage>> {
         let nvme = self.nvme.as_ref()?;
         // Recovered whatever the quotas are now: it was acknowledged.
-        let slot = match owner.slot(TierKind::Nvme, copy.len, true, || nvme.claim(copy.offset, copy.len)) {
+        let slot = match charge
+            .owner()
+            .slot(TierKind::Nvme, copy.len, true, || nvme.claim(copy.offset, copy.len))
+        {
             Ok(slot) => slot,
             Err(e) => {
                 tracing::error!(page = phys, error = %e, "manifest extent cannot be claimed; page lost");
@@ -162,13 +167,7 @@ impl Durable {
         };
         let digest = (copy.rows == layout.page_size() && copy.digest.len() == 2 * layout.row_bytes())
             .then(|| copy.digest.clone().into_boxed_slice());
-        Some(Arc::new(PhysPage::new(
-            phys,
-            Arc::clone(layout),
-            digest,
-            place,
-            Arc::clone(owner),
-        )))
+        Some(Arc::new(PhysPage::new(phys, Arc::clone(layout), digest, place, charge)))
     }
 
     /// A host slot holding `bytes`.

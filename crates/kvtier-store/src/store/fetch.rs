@@ -89,7 +89,7 @@ impl Store {
     ) -> StoreResult<(Vec<FetchedPage>, Option<FetchCursor>)> {
         self.catalog.read(key, |seq| {
             let lanes = check_fetch(seq, &req)?;
-            let (chosen, bytes, cursor) = chunk(seq, &req, &lanes, from, max_bytes);
+            let (chosen, cursor) = chunk(seq, &req, &lanes, from, max_bytes);
             let mut hot = Vec::new();
             let items: Vec<(&StoreLane, usize)> = chosen.iter().map(|&(_, l, p)| (&seq.lanes[l], p)).collect();
             let read_back = self.reader().contents(&seq.layout, &items, &mut hot)?;
@@ -106,6 +106,13 @@ impl Store {
                 })
                 .collect();
             self.device.touch(hot);
+            let bytes: usize = out
+                .iter()
+                .map(|p| match &p.content {
+                    PageContent::Original(kv) | PageContent::Summary { kv, .. } => kv.len(),
+                    PageContent::Gone(_) => 0,
+                })
+                .sum();
             Counters::add(&self.counters.bytes_read, bytes as u64);
             let more = cursor.head < lanes.len();
             Ok((out, more.then_some(cursor)))
@@ -146,16 +153,20 @@ fn check_fetch(seq: &Sequence, req: &FetchPages<'_>) -> StoreResult<Vec<(u32, us
     Ok(lanes)
 }
 
+/// What a fetched page costs beyond its bytes: its `FetchedPage` and its
+/// message's fields, about.
+const PAGE_OVERHEAD: usize = 64;
+
 /// The (KV head, lane, page) a chunk reads from `from` on, stopping before
-/// its page bytes would pass `max_bytes` (at least one page); their bytes,
-/// and where the next chunk starts.
+/// what they cost would pass `max_bytes` (at least one page), and where the
+/// next chunk starts.
 fn chunk(
     seq: &Sequence,
     req: &FetchPages<'_>,
     lanes: &[(u32, usize)],
     from: FetchCursor,
     max_bytes: usize,
-) -> (Vec<(u32, usize, usize)>, usize, FetchCursor) {
+) -> (Vec<(u32, usize, usize)>, FetchCursor) {
     let mut chosen = Vec::new();
     let mut bytes = 0usize;
     let mut cursor = from;
@@ -165,13 +176,23 @@ fn chunk(
         let count = list.map_or(lane.num_pages(), <[u32]>::len);
         while cursor.index < count {
             let p = list.map_or(cursor.index as u32, |pages| pages[cursor.index]) as usize;
-            let size = match lane.page(p) {
-                Some(LogicalPage::Physical(_)) => 2 * lane.rows_in(p) as usize * seq.layout.row_bytes(),
-                Some(LogicalPage::Summary(s)) => s.slot.len() as usize,
-                Some(LogicalPage::Gone(_)) | None => 0,
+            // Every page costs something in memory and on the wire, gone
+            // ones too (a list naming one gone page millions of times must
+            // still come in chunks); digests and summaries' counts count.
+            let digest = if req.with_digests {
+                2 * seq.layout.row_bytes()
+            } else {
+                0
             };
+            let size = PAGE_OVERHEAD
+                + digest
+                + match lane.page(p) {
+                    Some(LogicalPage::Physical(_)) => 2 * lane.rows_in(p) as usize * seq.layout.row_bytes(),
+                    Some(LogicalPage::Summary(s)) => s.slot.len() as usize + 4 * s.counts.len(),
+                    Some(LogicalPage::Gone(_)) | None => 0,
+                };
             if !chosen.is_empty() && bytes + size > max_bytes {
-                return (chosen, bytes, cursor);
+                return (chosen, cursor);
             }
             bytes += size;
             chosen.push((h, lane_index, p));
@@ -182,5 +203,5 @@ fn chunk(
             index: 0,
         };
     }
-    (chosen, bytes, cursor)
+    (chosen, cursor)
 }

@@ -14,7 +14,7 @@ use kvtier_core::{DigestColumn, Layout, LogicalPage, Reason, SequenceKey, wire};
 use kvtier_tiers::Slot;
 
 use super::{Store, micros};
-use crate::accounts::{Account, cost};
+use crate::accounts::{Account, PageCharge, cost};
 use crate::catalog::{HeadRange, Sequence};
 use crate::durability::{Acknowledged, map_record};
 use crate::host::MigrationTime;
@@ -181,6 +181,8 @@ struct Published {
     mapped: Vec<(usize, usize, u64)>,
     written: u64,
     shared: u64,
+    /// Pages made new for this write (some may have turned out shared).
+    new_pages: u64,
 }
 
 impl Store {
@@ -191,16 +193,22 @@ impl Store {
     fn put_locked(&self, seq: &mut Sequence, req: PutPages<'_>) -> StoreResult<PutOutcome> {
         self.check_persist(req.persist)?;
         let batch = put_batch(seq, &req)?;
-        let pages = (batch.lanes.len() * batch.ranges.len()) as u64;
-        // Every page charged as a new physical one; what turns out shared
-        // is refunded once published.
-        charged(seq, cost::pages(&batch.layout, pages, pages), |seq| {
-            let outcome = self.put_charged(seq, &req, &batch)?;
-            Ok((outcome, cost::pages(&batch.layout, 0, outcome.pages_shared)))
+        let published = charged(seq, &batch, |seq| self.put_new(seq, &req, &batch))?;
+        // Published: a failure from here on (persisting) leaves the pages,
+        // and their charge, in place.
+        let durability = self.finish_write(seq, &batch.lanes, &published.mapped, req.persist)?;
+        Counters::add(&self.counters.pages_written, published.written);
+        Counters::add(&self.counters.pages_shared, published.shared);
+        Counters::add(&self.counters.bytes_written, req.kv.len() as u64);
+        Ok(PutOutcome {
+            pages_written: published.written,
+            pages_shared: published.shared,
+            durability,
         })
     }
 
-    fn put_charged(&self, seq: &mut Sequence, req: &PutPages<'_>, batch: &Batch<'_>) -> StoreResult<PutOutcome> {
+    /// Reserves, copies and publishes a put's pages.
+    fn put_new(&self, seq: &mut Sequence, req: &PutPages<'_>, batch: &Batch<'_>) -> StoreResult<Published> {
         // Share what is already stored under its prefix hash.
         let mut wanted = Vec::with_capacity(batch.lanes.len() * batch.ranges.len());
         for &lane in &batch.lanes {
@@ -219,16 +227,7 @@ impl Store {
             self.release_planned(planned);
             return Err(e);
         }
-        let published = self.publish(seq, batch, planned)?;
-        let durability = self.finish_write(seq, &batch.lanes, &published.mapped, req.persist)?;
-        Counters::add(&self.counters.pages_written, published.written);
-        Counters::add(&self.counters.pages_shared, published.shared);
-        Counters::add(&self.counters.bytes_written, req.kv.len() as u64);
-        Ok(PutOutcome {
-            pages_written: published.written,
-            pages_shared: published.shared,
-            durability,
-        })
+        self.publish(seq, batch, planned)
     }
 
     pub fn append_tokens(&self, key: &SequenceKey, req: AppendTokens<'_>) -> StoreResult<AppendOutcome> {
@@ -249,21 +248,34 @@ impl Store {
     fn append_locked(&self, seq: &mut Sequence, req: AppendTokens<'_>) -> StoreResult<AppendOutcome> {
         self.check_persist(req.persist)?;
         let (batch, tokens, fill) = append_batch(seq, &req)?;
-        let pages = (batch.lanes.len() * batch.ranges.len()) as u64;
-        charged(seq, cost::pages(&batch.layout, pages, pages), |seq| {
-            Ok((self.append_charged(seq, &req, &batch, tokens, fill)?, 0))
+        let mut timing = AppendTiming::default();
+        let published = charged(seq, &batch, |seq| self.append_new(seq, &batch, fill, &mut timing))?;
+        let journalling = Instant::now();
+        let durability = self.finish_write(seq, &batch.lanes, &published.mapped, req.persist)?;
+        timing.durability_us = micros(journalling.elapsed());
+        Counters::add(&self.counters.pages_written, published.written);
+        Counters::add(
+            &self.counters.tokens_appended,
+            u64::from(req.num_tokens) * batch.lanes.len() as u64,
+        );
+        Counters::add(&self.counters.bytes_written, req.kv.len() as u64);
+        Ok(AppendOutcome {
+            tokens: tokens + u64::from(req.num_tokens),
+            pages_opened: published.written,
+            durability,
+            timing,
         })
     }
 
-    fn append_charged(
+    /// Fills the partial pages, then reserves, copies and publishes the new
+    /// ones.
+    fn append_new(
         &self,
         seq: &mut Sequence,
-        req: &AppendTokens<'_>,
         batch: &Batch<'_>,
-        tokens: u64,
         fill: usize,
-    ) -> StoreResult<AppendOutcome> {
-        let mut timing = AppendTiming::default();
+        timing: &mut AppendTiming,
+    ) -> StoreResult<Published> {
         let mut migration = MigrationTime::default();
         let reserving = Instant::now();
         // The partial pages are written in place, in memory. They stay
@@ -290,22 +302,7 @@ impl Store {
                 seq.lanes[lane].extend_last(batch.rows.keys(h, 0..fill));
             }
         }
-        let published = self.publish(seq, batch, planned)?;
-        let journalling = Instant::now();
-        let durability = self.finish_write(seq, &batch.lanes, &published.mapped, req.persist)?;
-        timing.durability_us = micros(journalling.elapsed());
-        Counters::add(&self.counters.pages_written, published.written);
-        Counters::add(
-            &self.counters.tokens_appended,
-            u64::from(req.num_tokens) * batch.lanes.len() as u64,
-        );
-        Counters::add(&self.counters.bytes_written, req.kv.len() as u64);
-        Ok(AppendOutcome {
-            tokens: tokens + u64::from(req.num_tokens),
-            pages_opened: published.written,
-            durability,
-            timing,
-        })
+        self.publish(seq, batch, planned)
     }
 
     fn check_persist(&self, persist: bool) -> StoreResult<()> {
@@ -459,7 +456,11 @@ impl Store {
             let keys = batch.rows.keys(h, range.clone());
             let (r, shared) = match plan {
                 Planned::Shared(r) => (r, true),
-                Planned::New(page) => self.new_physical(page, batch, range.len(), keys)?,
+                Planned::New(page) => {
+                    out.new_pages += 1;
+                    let charge = seq.charge.split(cost::physical_page());
+                    self.new_physical(page, batch, range.len(), keys, charge)?
+                }
             };
             if shared {
                 out.shared += 1;
@@ -483,7 +484,14 @@ impl Store {
     /// A new physical page from its reserved storage, registered (under its
     /// share key, when it has one: if another sequence stored the same
     /// prefix meanwhile, that page is used and this one is freed).
-    fn new_physical(&self, page: NewPage, batch: &Batch<'_>, rows: usize, keys: &[u8]) -> StoreResult<(PageRef, bool)> {
+    fn new_physical(
+        &self,
+        page: NewPage,
+        batch: &Batch<'_>,
+        rows: usize,
+        keys: &[u8],
+        charge: PageCharge,
+    ) -> StoreResult<(PageRef, bool)> {
         let layout = &batch.layout;
         let digest = page.key.as_ref().map(|_| {
             let mut digest = DigestColumn::new(layout.dtype(), layout.head_dim() as usize);
@@ -491,13 +499,7 @@ impl Store {
             Box::from(digest.entry(0))
         });
         let place = Placement::new(page.device, page.host, rows as u32);
-        let physical = Arc::new(PhysPage::new(
-            page.id,
-            Arc::clone(layout),
-            digest,
-            place,
-            Arc::clone(&batch.owner),
-        ));
+        let physical = Arc::new(PhysPage::new(page.id, Arc::clone(layout), digest, place, charge));
         self.host.touch([&physical]);
         self.catalog.publish(physical, page.key)
     }
@@ -527,25 +529,27 @@ impl Store {
 
 /// Validates a put: it must start at the end of every lane in its range,
 /// on a page boundary.
-/// Runs a write with `bytes` more metadata charged to its sequence: refused
-/// before anything happens when that passes a limit, refunded when the
-/// write fails, and less the refund the write returns with its outcome.
-fn charged<T>(
+/// Runs a write's publishing part with its pages' metadata charged first,
+/// each page as a new physical one: refused before anything happens when
+/// that passes a limit, refunded when the write fails; as the write
+/// publishes, a new page's physical part moves to the page itself (see
+/// `PageCharge`) and a shared page's is refunded.
+fn charged(
     seq: &mut Sequence,
-    bytes: u64,
-    write: impl FnOnce(&mut Sequence) -> StoreResult<(T, u64)>,
-) -> StoreResult<T> {
+    batch: &Batch<'_>,
+    write: impl FnOnce(&mut Sequence) -> StoreResult<Published>,
+) -> StoreResult<Published> {
+    let pages = (batch.lanes.len() * batch.ranges.len()) as u64;
+    let bytes = cost::pages(&batch.layout, pages, pages);
+    let before = seq.charge.bytes();
     seq.charge.grow(bytes)?;
-    match write(seq) {
-        Ok((outcome, refund)) => {
-            seq.charge.shrink(refund);
-            Ok(outcome)
-        }
-        Err(e) => {
-            seq.charge.shrink(bytes);
-            Err(e)
-        }
+    let published = write(seq);
+    match &published {
+        Ok(p) => seq.charge.shrink(cost::pages(&batch.layout, 0, pages - p.new_pages)),
+        // What has not moved to pages published before the failure.
+        Err(_) => seq.charge.shrink(seq.charge.bytes().saturating_sub(before)),
     }
+    published
 }
 
 fn put_batch<'a>(seq: &Sequence, req: &PutPages<'a>) -> StoreResult<Batch<'a>> {
