@@ -3,9 +3,11 @@
 //! checked after every step against a simple independent model. Catches lost
 //! or corrupted bytes, leaked slots and refcount mistakes.
 
+mod common;
+
 use std::collections::HashMap;
 
-use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey};
+use kvtier_core::{Action, ColdTier, DType, Layout, PageState, Reason, SequenceKey};
 use kvtier_store::{
     AppendTokens, FetchPages, HeadRange, PageContent, PageList, PageSelection, PutPages, SetPageState, Store,
     StoreConfig, StoreError,
@@ -22,16 +24,7 @@ const DEVICE_PAGES: u64 = 10;
 const SEQS: usize = 3;
 
 fn layout() -> Layout {
-    Layout::new(LayoutSpec {
-        num_layers: LAYERS,
-        num_kv_heads: HEADS,
-        num_query_heads: HEADS,
-        head_dim: DIM as u32,
-        dtype: DType::F32,
-        page_size: PAGE as u32,
-        layer_groups: vec![],
-    })
-    .unwrap()
+    common::layout(DType::F32, LAYERS, HEADS, DIM as u32, PAGE as u32)
 }
 
 fn key(seq: usize) -> SequenceKey {

@@ -1,15 +1,18 @@
 //! Property test of the metadata budget and tenants' quotas: random runs of
-//! creates, appends, swap-ins, offloads, evictions, attention reports and
-//! drops by a limited tenant and an unlimited one, over real host memory
+//! creates (some with prefix chains, so that pages are shared), puts,
+//! appends, swap-ins, offloads, evictions, attention reports and drops by a
+//! limited tenant and an unlimited one, over real host memory
 //! and (half the runs) a real NVMe file. After every step: no tenant holds
 //! more than its quotas in any tier, in metadata or in sequences, and the
 //! server no more metadata than its budget; a refusal changed nothing; every
 //! row still held reads back bit-exact. Once everything is dropped, every
 //! count is back to zero.
 
+mod common;
+
 use std::collections::HashMap;
 
-use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, Reason, SequenceKey, TenantId};
+use kvtier_core::{Action, ColdTier, DType, Layout, Reason, SequenceKey, TenantId};
 use kvtier_store::{
     AppendTokens, AttentionWeights, EngineChoice, FetchPages, HeadRange, Limits, NvmeConfig, PageContent, PageList,
     PageSelection, PutPages, Quota, ReportAttention, SetPageState, Store, StoreConfig, StoreError, Usage,
@@ -26,16 +29,7 @@ const SEQS: usize = 3;
 const TENANTS: [&str; 2] = ["limited", "free"];
 
 fn layout() -> Layout {
-    Layout::new(LayoutSpec {
-        num_layers: LAYERS,
-        num_kv_heads: HEADS,
-        num_query_heads: HEADS,
-        head_dim: DIM as u32,
-        dtype: DType::F32,
-        page_size: PAGE as u32,
-        layer_groups: vec![],
-    })
-    .unwrap()
+    common::layout(DType::F32, LAYERS, HEADS, DIM as u32, PAGE as u32)
 }
 
 fn tenant(t: usize) -> TenantId {

@@ -10,13 +10,15 @@
 //! `KVTIER_STRESS_SECS` (default 30) sets how long it runs,
 //! `KVTIER_STRESS_THREADS` (default 8) how many threads.
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvtier_core::policy::{Allocator, Scorer};
 use kvtier_core::select::Budget;
-use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, Reason, SequenceKey};
+use kvtier_core::{Action, ColdTier, DType, Layout, Reason, SequenceKey};
 use kvtier_store::{
     AppendTokens, ApplyPolicy, EngineChoice, FetchPages, HeadRange, NvmeConfig, PageContent, PageList, PageSelection,
     PolicyAction, PolicySpec, PutOutcome, PutPages, SelectPages, SetPageState, StatsSnapshot, Store, StoreConfig,
@@ -37,16 +39,7 @@ const CHURNED: &str = "churn";
 const STALL: Duration = Duration::from_secs(20);
 
 fn layout() -> Layout {
-    Layout::new(LayoutSpec {
-        num_layers: LAYERS,
-        num_kv_heads: HEADS,
-        num_query_heads: HEADS,
-        head_dim: DIM as u32,
-        dtype: DType::F16,
-        page_size: PAGE,
-        layer_groups: vec![],
-    })
-    .unwrap()
+    common::layout(DType::F16, LAYERS, HEADS, DIM as u32, PAGE)
 }
 
 fn key(name: &str) -> SequenceKey {
