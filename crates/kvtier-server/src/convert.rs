@@ -5,11 +5,16 @@ use kvtier_core::select::{Aggregation, Ownership, Scope, Shard};
 use kvtier_core::{Action, ColdTier, DType, LayerGroup, Layout, LayoutSpec, PageState, Reason, SequenceKey, wire};
 use kvtier_proto::v1 as pb;
 use kvtier_store::{
-    HeadSelection, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierKind, TransitionCount, Usage,
+    HeadRange, HeadSelection, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierKind, TransitionCount, Usage,
 };
 use tonic::Status;
 
 use crate::status::{field_status, invalid};
+
+/// KV heads `start..start + count`.
+pub(crate) fn heads(start: u32, count: u32) -> HeadRange {
+    HeadRange { start, count }
+}
 
 pub(crate) fn key(tenant: &str, sequence_id: &str) -> Result<SequenceKey, Status> {
     SequenceKey::parse(tenant, sequence_id).map_err(field_status)

@@ -9,6 +9,7 @@ mod gate;
 mod inflight;
 mod metrics;
 mod policy;
+mod responses;
 mod service;
 mod status;
 

@@ -5,35 +5,26 @@
 //! its lanes, page tables, digests, summaries' row counts and policy
 //! statistics. Each is charged when it is created (before the allocation, so
 //! that a refused request allocates nothing) and refunded when its sequence
-//! is dropped. The costs are the sizes of the structures themselves plus a
-//! fixed allowance per allocation for what the allocator and the maps add,
-//! an estimate documented with each constant; pages that go gone keep their
-//! charge until the sequence is dropped (their table entry and digest stay).
+//! is dropped (a physical page carries its own charge, refunded when the
+//! page is freed). What each costs is in `cost.rs`; pages that go gone keep
+//! their charge until the sequence is dropped (their table entry and digest
+//! stay).
 //!
 //! A tenant's page bytes per tier are counted as its pages' slots come and
 //! go; a quota on one refuses the allocation that would pass it.
 
+pub(crate) mod cost;
+
 use std::collections::{BTreeMap, HashMap};
-use std::mem::size_of;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use kvtier_core::policy::TokenStats;
-use kvtier_core::{Layout, SequenceKey, TenantId};
+use kvtier_core::{SequenceKey, TenantId};
 use kvtier_tiers::{Slot, TierKind};
 
-use crate::catalog::Sequence;
-use crate::page::{PhysPage, StoreLane, StorePage};
+use crate::page::PhysPage;
 use crate::sync::lock;
 use crate::{StoreError, StoreResult};
-
-/// Per physical page beyond the struct: its `Arc`, its entry in the page
-/// table and in one LRU (a hash-map slot and a list node each).
-const PHYSICAL_PAGE_EXTRA: u64 = 16 + 64 + 64;
-/// Per sequence beyond the struct: its cell, lock and entry in the map.
-const SEQUENCE_EXTRA: u64 = 128;
-/// Per prefix hash beyond its bytes: the `Arc` header and the pointer.
-const HASH_EXTRA: u64 = 32;
 
 /// What one tenant may hold. `None`: no limit of that kind.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -446,44 +437,5 @@ impl Drop for Charge {
         self.shrink(self.bytes);
         give(&self.account.sequences, 1);
         self.accounts.forget_if_idle(&self.account);
-    }
-}
-
-/// What each kind of metadata costs, in bytes.
-pub(crate) mod cost {
-    use super::*;
-
-    /// A sequence with no pages: its struct, key, prefix hashes and lanes.
-    pub(crate) fn sequence(key: &SequenceKey, layout: &Layout, hashes: &[Vec<u8>]) -> u64 {
-        let lanes = (layout.num_lanes() * (size_of::<StoreLane>() + size_of::<usize>())) as u64;
-        let hashes: u64 = hashes.iter().map(|h| h.len() as u64 + HASH_EXTRA).sum();
-        let key = (key.tenant.as_str().len() + key.sequence.as_str().len()) as u64;
-        size_of::<Sequence>() as u64 + SEQUENCE_EXTRA + key + hashes + lanes
-    }
-
-    /// `logical` new pages in the lanes' tables (entry and digest), of which
-    /// `physical` are new physical pages.
-    pub(crate) fn pages(layout: &Layout, logical: u64, physical: u64) -> u64 {
-        // A digest entry is a min row and a max row in the key dtype.
-        let entry = (size_of::<StorePage>() + 2 * layout.row_bytes()) as u64;
-        logical * entry + physical * physical_page()
-    }
-
-    /// One physical page: its struct, its `Arc`, its page-table and LRU
-    /// entries (charged to the page itself, see [`PageCharge`]).
-    pub(crate) fn physical_page() -> u64 {
-        size_of::<PhysPage>() as u64 + PHYSICAL_PAGE_EXTRA
-    }
-
-    /// Policy statistics of `lanes` lanes growing by `tokens` positions
-    /// each (`new`: the lanes get their statistics now).
-    pub(crate) fn attention(stats: &TokenStats, lanes: u64, tokens: u64, new: bool) -> u64 {
-        let base = if new { size_of::<TokenStats>() as u64 } else { 0 };
-        lanes * (base + tokens * stats.bytes_per_token() as u64)
-    }
-
-    /// A summary's row counts.
-    pub(crate) fn summary(rows: u64) -> u64 {
-        rows * size_of::<u32>() as u64
     }
 }
