@@ -2,6 +2,7 @@
 //! server reflection, and Prometheus metrics over HTTP.
 
 mod auth;
+mod blocking;
 mod chunk;
 mod conn;
 mod convert;

@@ -13,9 +13,9 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
+use crate::blocking::blocking;
 use crate::gate::RequestBytes;
 use crate::inflight::{Held, Holding, InFlight};
-use crate::status::to_status;
 use crate::{chunk, convert};
 
 pub(crate) fn page_to_pb(p: FetchedPage) -> pb::Page {
@@ -55,9 +55,8 @@ pub(crate) type SelectStream = Holding<tokio_stream::Iter<std::vec::IntoIter<Hel
 
 /// Messages with `held` attached to the last: a chunk's bytes are held
 /// until its last message is handed on.
-pub(crate) fn holding<T>(messages: Vec<T>, held: Held) -> Vec<Held_<T>> {
+pub(crate) fn holding<T>(messages: Vec<T>, mut held: Option<Held>) -> Vec<Held_<T>> {
     let last = messages.len().saturating_sub(1);
-    let mut held = Some(held);
     messages
         .into_iter()
         .enumerate()
@@ -70,16 +69,17 @@ pub(crate) fn holding<T>(messages: Vec<T>, held: Held) -> Vec<Held_<T>> {
 /// the longest lane, for each KV head asked.
 /// Heads the layout does not have count as none: the store refuses them.
 pub(crate) fn selection_bound(
-    r: &pb::SelectPagesRequest,
+    budget_pages: u32,
+    kv_heads: u32,
     aggregation: Aggregation,
     (layout, tokens): (Layout, u64),
 ) -> usize {
     let per_head = match aggregation {
-        Aggregation::PerQueryHead => u64::from(r.budget_pages) * u64::from(layout.group_size()),
-        Aggregation::Max | Aggregation::Mean => u64::from(r.budget_pages),
+        Aggregation::PerQueryHead => u64::from(budget_pages) * u64::from(layout.group_size()),
+        Aggregation::Max | Aggregation::Mean => u64::from(budget_pages),
     };
     let pages = per_head.min(tokens.div_ceil(u64::from(layout.page_size())));
-    let heads = u64::from(r.kv_head_count.min(layout.num_kv_heads()));
+    let heads = u64::from(kv_heads.min(layout.num_kv_heads()));
     let bytes = pages.saturating_mul(heads).saturating_mul(layout.page_bytes() as u64);
     usize::try_from(bytes).unwrap_or(usize::MAX)
 }
@@ -166,12 +166,9 @@ pub(crate) async fn send_chunks(
         };
         let read = async {
             let held = held?;
-            let (store, reader) = (Arc::clone(&store), Arc::clone(&job));
-            let (pages, next) = tokio::task::spawn_blocking(move || reader.read(&store, from))
-                .await
-                .map_err(|e| Status::internal(format!("store task failed: {e}")))?
-                .map_err(to_status)?;
-            Ok::<_, Status>((holding(fetch_messages(pages, job.max_bytes)?, held), next))
+            let reader = Arc::clone(&job);
+            let (pages, next) = blocking(Arc::clone(&store), move |s| reader.read(s, from)).await?;
+            Ok::<_, Status>((holding(fetch_messages(pages, job.max_bytes)?, Some(held)), next))
         };
         let (messages, next) = match read.await {
             Ok(chunk) => chunk,

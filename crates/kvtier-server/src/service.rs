@@ -17,10 +17,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::Caller;
+use crate::blocking::blocking;
 use crate::gate::RequestBytes;
 use crate::inflight::{Holding, InFlight};
 use crate::responses::{
-    FetchJob, FetchStream, Held_, SelectStream, fetch_messages, holding, select_messages, selection_bound, send_chunks,
+    FetchJob, FetchStream, SelectStream, fetch_messages, holding, select_messages, selection_bound, send_chunks,
 };
 use crate::status::{field_status, invalid, to_status};
 use crate::{chunk, convert};
@@ -51,6 +52,13 @@ fn key(caller: &Caller, tenant: &str, sequence_id: &str) -> Result<SequenceKey, 
     Ok(key)
 }
 
+/// A request's tenant, if the caller may act for it.
+fn tenant(caller: &Caller, name: &str) -> Result<TenantId, Status> {
+    let tenant = TenantId::parse(wire::TENANT.path, name).map_err(field_status)?;
+    caller.check_tenant(&tenant)?;
+    Ok(tenant)
+}
+
 impl KvTierService {
     pub(crate) fn new(store: Arc<Store>, max_message_bytes: usize, in_flight: Arc<InFlight>) -> Self {
         Self {
@@ -60,18 +68,12 @@ impl KvTierService {
         }
     }
 
-    /// Runs a store call on a blocking thread: copies of many megabytes must
-    /// not stall the runtime's workers.
     async fn call<T, F>(&self, f: F) -> Result<T, Status>
     where
         T: Send + 'static,
         F: FnOnce(&Arc<Store>) -> StoreResult<T> + Send + 'static,
     {
-        let store = Arc::clone(&self.store);
-        tokio::task::spawn_blocking(move || f(&store))
-            .await
-            .map_err(|e| Status::internal(format!("store task failed: {e}")))?
-            .map_err(to_status)
+        blocking(Arc::clone(&self.store), f).await
     }
 }
 
@@ -231,7 +233,7 @@ impl KvTier for KvTierService {
     async fn fetch_pages(&self, request: Request<pb::FetchPagesRequest>) -> Result<Response<FetchStream>, Status> {
         // The request lives as long as its stream, and so does its charge.
         let request_bytes = request.extensions().get::<RequestBytes>().cloned();
-        let (caller, r) = open(request)?;
+        let (caller, mut r) = open(request)?;
         let key = key(&caller, &r.tenant, &r.sequence_id)?;
         let max_bytes = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
         if !r.pages.is_empty() && !r.per_head_pages.is_empty() {
@@ -243,7 +245,10 @@ impl KvTier for KvTierService {
         let job = Arc::new(FetchJob {
             _request_bytes: request_bytes,
             key,
-            per_head: r.per_head_pages.iter().map(|l| l.pages.clone()).collect(),
+            per_head: std::mem::take(&mut r.per_head_pages)
+                .into_iter()
+                .map(|l| l.pages)
+                .collect(),
             request: r,
             max_bytes,
         });
@@ -254,7 +259,7 @@ impl KvTier for KvTierService {
             let job = Arc::clone(&job);
             self.call(move |s| job.read(s, FetchCursor::default())).await?
         };
-        let first = holding(fetch_messages(first, max_bytes)?, held);
+        let first = holding(fetch_messages(first, max_bytes)?, Some(held));
         let (tx, rx) = mpsc::channel(1);
         if let Some(from) = next {
             let (store, in_flight) = (Arc::clone(&self.store), Arc::clone(&self.in_flight));
@@ -278,10 +283,10 @@ impl KvTier for KvTierService {
         let held = match r.include_data {
             true => {
                 let (page_bytes, bound) = {
-                    let (key, r) = (key.clone(), r.clone());
+                    let (key, budget, heads) = (key.clone(), r.budget_pages, r.kv_head_count);
                     self.call(move |s| {
                         let shape = s.shape(&key)?;
-                        Ok((shape.0.page_bytes(), selection_bound(&r, aggregation, shape)))
+                        Ok((shape.0.page_bytes(), selection_bound(budget, heads, aggregation, shape)))
                     })
                     .await?
                 };
@@ -300,11 +305,9 @@ impl KvTier for KvTierService {
             // Refused after all: the lease is not handed out.
             self.store.release_lease(&tenant, id);
         }
-        let mut messages: Vec<Held_<pb::SelectPagesResponse>> = messages?.into_iter().map(|m| Ok((m, None))).collect();
-        if let Some(Ok((_, last))) = messages.last_mut() {
-            *last = held;
-        }
-        Ok(Response::new(Holding::new(tokio_stream::iter(messages))))
+        Ok(Response::new(Holding::new(tokio_stream::iter(holding(
+            messages?, held,
+        )))))
     }
 
     async fn prefetch(
@@ -338,8 +341,7 @@ impl KvTier for KvTierService {
         request: Request<pb::ReleaseLeaseRequest>,
     ) -> Result<Response<pb::ReleaseLeaseResponse>, Status> {
         let (caller, r) = open(request)?;
-        let tenant = TenantId::parse(wire::TENANT.path, &r.tenant).map_err(field_status)?;
-        caller.check_tenant(&tenant)?;
+        let tenant = tenant(&caller, &r.tenant)?;
         let id = r.lease_id;
         if self.call(move |s| Ok(s.release_lease(&tenant, id))).await? {
             Ok(Response::new(pb::ReleaseLeaseResponse {}))
@@ -453,11 +455,7 @@ impl KvTier for KvTierService {
     async fn get_stats(&self, request: Request<pb::GetStatsRequest>) -> Result<Response<pb::Stats>, Status> {
         let (caller, r) = open(request)?;
         let tenant = match (r.tenant, caller.own_tenant()) {
-            (Some(name), _) => {
-                let tenant = TenantId::parse(wire::TENANT.path, &name).map_err(field_status)?;
-                caller.check_tenant(&tenant)?;
-                Some(tenant)
-            }
+            (Some(name), _) => Some(tenant(&caller, &name)?),
             (None, own) => own.cloned(),
         };
         let stats = self

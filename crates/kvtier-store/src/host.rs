@@ -10,7 +10,7 @@
 //! is held for a whole migration, so that a second allocation waits for
 //! the first one's room instead of finding its victims taken.
 
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvtier_core::Reason;
@@ -18,7 +18,7 @@ use kvtier_tiers::{Slot, Tier, TierError, TierKind};
 
 use crate::accounts::Account;
 use crate::durability::{Durable, Keep};
-use crate::page::{PhysPage, least_recent_of};
+use crate::page::{LruVictims, PageLru, PhysPage};
 use crate::sync::{lock, read};
 use crate::{StoreError, StoreResult};
 
@@ -36,7 +36,7 @@ pub(crate) struct MigrationTime {
 #[derive(Debug)]
 pub(crate) struct HostCache {
     tier: Arc<dyn Tier>,
-    lru: Mutex<lru::LruCache<u64, Weak<PhysPage>>>,
+    lru: PageLru,
     migrating: Mutex<()>,
     /// Above this share of capacity the background migrates ...
     high: f64,
@@ -143,13 +143,9 @@ impl HostCache {
         let mut victims = Vec::new();
         let mut skipped = Vec::new();
         let mut freed = 0u64;
-        let mut candidates = owner.map(|o| least_recent_of(&self.lru, o, 4 * MIGRATION_BATCH).into_iter());
+        let mut candidates = LruVictims::new(&self.lru, owner, 4 * MIGRATION_BATCH);
         while (freed < bytes || victims.len() < MIGRATION_BATCH) && victims.len() < 4 * MIGRATION_BATCH {
-            let next = match &mut candidates {
-                None => lock(&self.lru).pop_lru().map(|(_, weak)| weak),
-                Some(ids) => ids.find_map(|id| lock(&self.lru).pop(&id)),
-            };
-            let Some(weak) = next else {
+            let Some((_, weak)) = candidates.pop() else {
                 break;
             };
             let Some(page) = weak.upgrade() else { continue };

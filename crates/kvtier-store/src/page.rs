@@ -61,13 +61,38 @@ impl PhysPage {
     }
 }
 
+/// A cache's least-recently-used order of its pages (the host cache's, the
+/// device's), keyed by page id.
+pub(crate) type PageLru = Mutex<lru::LruCache<u64, Weak<PhysPage>>>;
+
+/// Takes a page LRU's entries out, least recently used first: any page, or
+/// only `owner`'s (a tenant past its quota makes room from its own pages).
+#[derive(Debug)]
+pub(crate) struct LruVictims<'a> {
+    lru: &'a PageLru,
+    /// The owner's candidates, found in one pass over the LRU.
+    owned: Option<std::vec::IntoIter<u64>>,
+}
+
+impl<'a> LruVictims<'a> {
+    /// With an owner, up to `n` of its pages are candidates.
+    pub(crate) fn new(lru: &'a PageLru, owner: Option<&Arc<Account>>, n: usize) -> Self {
+        let owned = owner.map(|o| least_recent_of(lru, o, n).into_iter());
+        Self { lru, owned }
+    }
+
+    /// The next entry, taken out of the LRU.
+    pub(crate) fn pop(&mut self) -> Option<(u64, Weak<PhysPage>)> {
+        match &mut self.owned {
+            None => lock(self.lru).pop_lru(),
+            Some(ids) => ids.find_map(|id| lock(self.lru).pop_entry(&id)),
+        }
+    }
+}
+
 /// The ids of up to `n` of `owner`'s pages in a page LRU, least recently
 /// used first: one pass over the LRU, for a tenant past its quota.
-pub(crate) fn least_recent_of(
-    lru: &Mutex<lru::LruCache<u64, Weak<PhysPage>>>,
-    owner: &Arc<Account>,
-    n: usize,
-) -> Vec<u64> {
+fn least_recent_of(lru: &PageLru, owner: &Arc<Account>, n: usize) -> Vec<u64> {
     // The pages seen are dropped after the LRU's lock: the last reference
     // to a page may go here, and freeing its slots takes other locks.
     let mut seen = Vec::new();

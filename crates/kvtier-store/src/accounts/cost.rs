@@ -20,9 +20,9 @@ const SEQUENCE_EXTRA: u64 = 128;
 /// Per prefix hash beyond its bytes: the `Arc` header and the pointer.
 const HASH_EXTRA: u64 = 32;
 /// A sequence with no pages: its struct, key, prefix hashes and lanes.
-pub(crate) fn sequence(key: &SequenceKey, layout: &Layout, hashes: &[Vec<u8>]) -> u64 {
+pub(crate) fn sequence(key: &SequenceKey, layout: &Layout, hashes: &[impl AsRef<[u8]>]) -> u64 {
     let lanes = (layout.num_lanes() * (size_of::<StoreLane>() + size_of::<usize>())) as u64;
-    let hashes: u64 = hashes.iter().map(|h| h.len() as u64 + HASH_EXTRA).sum();
+    let hashes: u64 = hashes.iter().map(|h| h.as_ref().len() as u64 + HASH_EXTRA).sum();
     let key = (key.tenant.as_str().len() + key.sequence.as_str().len()) as u64;
     size_of::<Sequence>() as u64 + SEQUENCE_EXTRA + key + hashes + lanes
 }

@@ -349,8 +349,7 @@ impl Charge {
     /// Refunds `n` of the bytes charged (a write that failed after charging).
     pub(crate) fn shrink(&mut self, n: u64) {
         let n = n.min(self.bytes);
-        give(&self.accounts.metadata, n);
-        give(&self.account.metadata, n);
+        self.accounts.give_metadata(&self.account, n);
         self.bytes -= n;
     }
 
@@ -374,23 +373,7 @@ impl Charge {
     }
 
     fn grow_inner(&self, n: u64, force: bool) -> Result<(), OverLimit> {
-        let budget = self.accounts.limits.metadata_bytes;
-        take(&self.accounts.metadata, n, (!force).then_some(budget)).map_err(|used| OverLimit {
-            holder: "the server's metadata".into(),
-            unit: "bytes",
-            used,
-            asked: n,
-            limit: budget,
-            setting: "metadata_bytes",
-        })?;
-        let quota = self.account.quota.metadata_bytes;
-        if let Err(used) = take(&self.account.metadata, n, quota.filter(|_| !force)) {
-            give(&self.accounts.metadata, n);
-            return Err(self
-                .account
-                .over("metadata", "bytes", used, n, quota, "quota metadata_bytes"));
-        }
-        Ok(())
+        self.accounts.take_metadata(&self.account, n, force)
     }
 }
 
@@ -413,17 +396,41 @@ impl PageCharge {
 
 impl Drop for PageCharge {
     fn drop(&mut self) {
-        give(&self.accounts.metadata, self.bytes);
-        give(&self.account.metadata, self.bytes);
+        self.accounts.give_metadata(&self.account, self.bytes);
         self.accounts.forget_if_idle(&self.account);
     }
 }
 
 impl Accounts {
+    /// Charges `n` bytes of metadata to the server and to `account`, or
+    /// refuses with the limit it would pass (`force`: none).
+    fn take_metadata(&self, account: &Account, n: u64, force: bool) -> Result<(), OverLimit> {
+        let budget = self.limits.metadata_bytes;
+        take(&self.metadata, n, (!force).then_some(budget)).map_err(|used| OverLimit {
+            holder: "the server's metadata".into(),
+            unit: "bytes",
+            used,
+            asked: n,
+            limit: budget,
+            setting: "metadata_bytes",
+        })?;
+        let quota = account.quota.metadata_bytes;
+        if let Err(used) = take(&account.metadata, n, quota.filter(|_| !force)) {
+            give(&self.metadata, n);
+            return Err(account.over("metadata", "bytes", used, n, quota, "quota metadata_bytes"));
+        }
+        Ok(())
+    }
+
+    fn give_metadata(&self, account: &Account, n: u64) {
+        give(&self.metadata, n);
+        give(&account.metadata, n);
+    }
+
     /// A page's charge of `bytes`, past every limit (recovery).
     pub(crate) fn page_charge(self: &Arc<Self>, account: &Arc<Account>, bytes: u64) -> PageCharge {
-        take(&self.metadata, bytes, None).expect("no limit");
-        take(&account.metadata, bytes, None).expect("no limit");
+        self.take_metadata(account, bytes, true)
+            .expect("forced charges have no limit");
         PageCharge {
             accounts: Arc::clone(self),
             account: Arc::clone(account),

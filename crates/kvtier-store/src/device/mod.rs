@@ -15,7 +15,7 @@ mod swapin;
 mod workers;
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 
 use kvtier_core::{PageState, Reason};
 use kvtier_tiers::{Slot, Tier, TierError, TierKind};
@@ -26,7 +26,7 @@ pub(crate) use workers::Workers;
 use crate::StoreResult;
 use crate::accounts::Account;
 use crate::host::HostCache;
-use crate::page::{PhysPage, least_recent_of};
+use crate::page::{LruVictims, PageLru, PhysPage};
 use crate::stats::Counters;
 use crate::sync::{lock, read, write};
 
@@ -37,7 +37,7 @@ const DEMOTION_CANDIDATES: usize = 64;
 #[derive(Debug)]
 pub(crate) struct HotSet {
     tier: Arc<dyn Tier>,
-    lru: Mutex<lru::LruCache<u64, Weak<PhysPage>>>,
+    lru: PageLru,
     /// A swap-in moves the page instead of copying it.
     exclusive: bool,
     workers: Arc<Workers>,
@@ -84,15 +84,10 @@ impl HotSet {
     /// is not pinned; false when none is left.
     fn demote_lru(&self, host: &HostCache, owner: Option<&Arc<Account>>) -> bool {
         let mut pinned = Vec::new();
-        // One pass over the LRU finds the owner's candidates (pinned ones are
-        // skipped below, so a batch, not one).
-        let mut candidates = owner.map(|o| least_recent_of(&self.lru, o, DEMOTION_CANDIDATES).into_iter());
+        // An owner's candidates come as a batch: pinned ones are skipped below.
+        let mut candidates = LruVictims::new(&self.lru, owner, DEMOTION_CANDIDATES);
         let demoted = loop {
-            let next = match &mut candidates {
-                None => lock(&self.lru).pop_lru(),
-                Some(ids) => ids.find_map(|id| lock(&self.lru).pop_entry(&id)),
-            };
-            let Some((id, weak)) = next else {
+            let Some((id, weak)) = candidates.pop() else {
                 break false;
             };
             // A page freed since it was cached has already released its slot.

@@ -52,9 +52,8 @@ impl Durable {
             report: Recovered::default(),
         };
         for rec in image.sequences {
-            let hashes: Vec<Vec<u8>> = rec.hashes.iter().map(|h| h.to_vec()).collect();
             let charge = accounts
-                .open(&rec.key, cost::sequence(&rec.key, &rec.layout, &hashes), true)
+                .open(&rec.key, cost::sequence(&rec.key, &rec.layout, &rec.hashes), true)
                 .expect("forced charges have no limit");
             let mut seq = Sequence::new(rec.key, rec.layout, rec.hashes, charge);
             let mut logical = 0u64;

@@ -409,7 +409,6 @@ fn settle_states(seq: &Sequence, lanes: &[(u32, usize)], heads: &mut [HeadSelect
     }
 }
 
-/// One score per page from `group` scores per page.
 /// One score per page from its group's: each scaled, then combined. Scaling
 /// first keeps a mean of scores near the top of the f32 range finite, and
 /// the result is saturated so that no rounding makes one infinite.
