@@ -128,6 +128,32 @@ async fn concurrent_clients_share_move_and_free_without_losing_a_byte() {
         ..StoreConfig::default()
     })
     .await;
+    // Each prompt's pages 1 and 2 stay stored under their hashes all along
+    // (page 0 under another), so that every worker's prompt write shares
+    // them however the workers interleave: on a loaded machine they can run
+    // one after another, each dropping its prompt before the next stores it.
+    let mut holder = server.client().await;
+    let layout = || kvtier_client::layout(LAYERS, HEADS, 4, HEAD_DIM as u32, DTYPE, PAGE as u32);
+    for chain in 1..=2u64 {
+        let name = format!("holder{chain}");
+        let hashes = (0..3)
+            .map(|p| {
+                Bytes::from(if p == 0 {
+                    format!("holder{chain}-0")
+                } else {
+                    format!("prompt{chain}-{p}")
+                })
+            })
+            .collect();
+        holder.create_sequence(&name, layout(), hashes).await.unwrap();
+        for layer in 0..LAYERS {
+            let kv = message(chain, layer, 0..3 * PAGE);
+            holder
+                .put_pages(&name, layer, 0..HEADS, 0, 3 * PAGE as u32, kv)
+                .await
+                .unwrap();
+        }
+    }
     let mut tasks = Vec::new();
     for id in 0..6 {
         let client = server.client().await;
@@ -135,6 +161,9 @@ async fn concurrent_clients_share_move_and_free_without_losing_a_byte() {
     }
     for t in tasks {
         t.await.unwrap();
+    }
+    for chain in 1..=2 {
+        holder.drop_sequence(&format!("holder{chain}")).await.unwrap();
     }
     let mut client = server.client().await;
     let stats = client.stats().await.unwrap();
