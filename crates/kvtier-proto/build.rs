@@ -8,7 +8,10 @@ use prost::Message;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
     let proto = root.join("kvtier/v1/kvtier.proto");
-    println!("cargo:rerun-if-changed={}", proto.display());
+    let echo = root.join("kvtier/bench/v1/echo.proto");
+    for file in [&proto, &echo] {
+        println!("cargo:rerun-if-changed={}", file.display());
+    }
     let fds = protox::compile([&proto], [&root])?;
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     // For the reflection service.
@@ -19,5 +22,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .bytes(".kvtier.v1")
         .codec_path("crate::codec::KvTierCodec")
         .compile_fds(fds)?;
+    // The benchmark's floor, kept out of the descriptor set reflection serves.
+    tonic_prost_build::configure()
+        .bytes(".kvtier.bench")
+        .compile_fds(protox::compile([&echo], [&root])?)?;
     Ok(())
 }

@@ -7,5 +7,12 @@ pub mod v1 {
     tonic::include_proto!("kvtier.v1");
 }
 
+/// The bare unary echo `kvtier bench fetch` measures kvtier's fixed cost
+/// against (`proto/kvtier/bench/v1/echo.proto`).
+#[allow(missing_debug_implementations, unreachable_pub, clippy::all, clippy::pedantic)]
+pub mod bench {
+    tonic::include_proto!("kvtier.bench.v1");
+}
+
 /// The encoded file descriptor set of `kvtier.v1`, for server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kvtier_descriptor.bin"));

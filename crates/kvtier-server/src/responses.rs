@@ -84,6 +84,14 @@ pub(crate) fn selection_bound(
     usize::try_from(bytes).unwrap_or(usize::MAX)
 }
 
+/// The digest bytes a selection of `kv_heads` heads scans: every page's
+/// min and max rows.
+pub(crate) fn digests_scanned(kv_heads: u32, (layout, tokens): &(Layout, u64)) -> usize {
+    let heads = kv_heads.min(layout.num_kv_heads());
+    let pages = tokens.div_ceil(u64::from(layout.page_size())) * u64::from(heads);
+    usize::try_from(pages.saturating_mul(2 * layout.row_bytes() as u64)).unwrap_or(usize::MAX)
+}
+
 /// A selection as response messages within `limit`: the totals with as
 /// many heads as fit, the remaining heads, then the pages' bytes.
 pub(crate) fn select_messages(selection: Selection, limit: usize) -> Result<Vec<pb::SelectPagesResponse>, Status> {
@@ -128,6 +136,19 @@ pub(crate) struct FetchJob {
 }
 
 impl FetchJob {
+    /// The most page bytes the fetch reads: the pages it lists (every
+    /// page, when it lists none) of the heads it names, whole.
+    pub(crate) fn bound(&self, (layout, tokens): (Layout, u64)) -> usize {
+        let r = &self.request;
+        let heads = r.kv_head_count.min(layout.num_kv_heads());
+        let pages = match (r.pages.is_empty(), self.per_head.is_empty()) {
+            (false, _) => r.pages.len() as u64 * u64::from(heads),
+            (true, false) => self.per_head.iter().map(|l| l.len() as u64).sum(),
+            (true, true) => tokens.div_ceil(u64::from(layout.page_size())) * u64::from(heads),
+        };
+        usize::try_from(pages.saturating_mul(layout.page_bytes() as u64)).unwrap_or(usize::MAX)
+    }
+
     pub(crate) fn read(
         &self,
         store: &Store,

@@ -17,11 +17,12 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::Caller;
-use crate::blocking::blocking;
+use crate::blocking::{blocking, sized};
 use crate::gate::RequestBytes;
 use crate::inflight::{Holding, InFlight};
 use crate::responses::{
-    FetchJob, FetchStream, SelectStream, fetch_messages, holding, select_messages, selection_bound, send_chunks,
+    FetchJob, FetchStream, SelectStream, digests_scanned, fetch_messages, holding, select_messages, selection_bound,
+    send_chunks,
 };
 use crate::status::{field_status, invalid, to_status};
 use crate::{chunk, convert};
@@ -255,9 +256,13 @@ impl KvTier for KvTierService {
         // The first chunk is read before the stream starts, so a bad request
         // fails the call itself rather than the stream.
         let held = self.in_flight.hold("a fetch chunk", max_bytes).await?;
+        let bound = job.bound(self.store.shape(&job.key).map_err(to_status)?);
         let (first, next) = {
             let job = Arc::clone(&job);
-            self.call(move |s| job.read(s, FetchCursor::default())).await?
+            sized(&self.store, bound.min(max_bytes), move |s| {
+                job.read(s, FetchCursor::default())
+            })
+            .await?
         };
         let first = holding(fetch_messages(first, max_bytes)?, Some(held));
         let (tx, rx) = mpsc::channel(1);
@@ -280,25 +285,23 @@ impl KvTier for KvTierService {
         let tenant = key.tenant.clone();
         // The data's room in flight, at most what the selection can choose,
         // is taken before the store reads any of it.
+        let shape = self.store.shape(&key).map_err(to_status)?;
+        let scanned = digests_scanned(r.kv_head_count, &shape);
         let held = match r.include_data {
             true => {
-                let (page_bytes, bound) = {
-                    let (key, budget, heads) = (key.clone(), r.budget_pages, r.kv_head_count);
-                    self.call(move |s| {
-                        let shape = s.shape(&key)?;
-                        Ok((shape.0.page_bytes(), selection_bound(budget, heads, aggregation, shape)))
-                    })
-                    .await?
-                };
+                let bound = selection_bound(r.budget_pages, r.kv_head_count, aggregation, (shape.0.clone(), shape.1));
                 // Refused before the selection moves anything.
-                chunk::check_page_fits(page_bytes, limit)?;
-                Some(self.in_flight.hold("a selection's data", bound).await?)
+                chunk::check_page_fits(shape.0.page_bytes(), limit)?;
+                Some((bound, self.in_flight.hold("a selection's data", bound).await?))
             }
             false => None,
         };
-        let selection = self
-            .call(move |s| s.select_pages(&key, select_request(&r, &queries, aggregation, shard)))
-            .await?;
+        let work = scanned.saturating_add(held.as_ref().map_or(0, |(bound, _)| *bound));
+        let held = held.map(|(_, held)| held);
+        let selection = sized(&self.store, work, move |s| {
+            s.select_pages(&key, select_request(&r, &queries, aggregation, shard))
+        })
+        .await?;
         let lease = selection.lease;
         let messages = select_messages(selection, limit);
         if let (Err(_), Some((id, _))) = (&messages, lease) {

@@ -82,6 +82,12 @@ struct Report {
     /// Redis p50 / kvtier p50 and the same at p99 (above 1: kvtier is faster).
     ratio_p50: Option<f64>,
     ratio_p99: Option<f64>,
+    /// A bare tonic unary echo, each call alternating with kvtier's empty
+    /// call: the floor any gRPC call pays here.
+    echo_p50_us: u64,
+    echo_p99_us: u64,
+    /// kvtier's empty call p50 / the echo's p50 (1 is the floor).
+    empty_over_echo_p50: f64,
 }
 
 fn side(latencies: &[u64], floor: &[u64], bytes: u64, seconds: f64) -> Side {
@@ -126,9 +132,11 @@ fn read_trace(path: &PathBuf) -> anyhow::Result<(TraceHeader, Shape, Vec<TraceEn
 
 pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
     let (header, shape, entries) = read_trace(&args.trace)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let echo_server = super::echo::start()?;
     let report = runtime.block_on(async {
-        let kvtier = replay_kvtier(args.addr.as_deref(), &header, &shape, &entries).await?;
+        let (kvtier, echo) = replay_kvtier(args.addr.as_deref(), &header, &shape, &entries, &echo_server).await?;
+        let echo = super::decode::histogram(echo.into_iter());
         let redis = match &args.redis {
             Some(addr) => Some(replay_redis(addr, &header, &shape, &entries).await?),
             None => None,
@@ -148,6 +156,9 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
             fetches: entries.len(),
             ratio_p50: ratio(|s| s.p50_us),
             ratio_p99: ratio(|s| s.p99_us),
+            echo_p50_us: echo.value_at_quantile(0.5),
+            echo_p99_us: echo.value_at_quantile(0.99),
+            empty_over_echo_p50: kvtier.floor_p50_us as f64 / echo.value_at_quantile(0.5).max(1) as f64,
             kvtier,
             redis,
         })
@@ -171,6 +182,10 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
             )
         };
         line("kvtier", &report.kvtier);
+        println!(
+            "   echo: bare tonic unary p50 {} µs p99 {} µs; kvtier's empty call {:.2}× of it",
+            report.echo_p50_us, report.echo_p99_us, report.empty_over_echo_p50
+        );
         if let Some(r) = &report.redis {
             line("redis", r);
             println!(
@@ -219,13 +234,15 @@ async fn kvtier_client(
 }
 
 /// Loads every page of the trace's sequences, then fetches each entry's
-/// pages with one `FetchPages` (per-head lists).
+/// pages with one `FetchPages` (per-head lists). Also returns the echo
+/// floor's latencies, measured alternately with kvtier's empty calls.
 async fn replay_kvtier(
     addr: Option<&str>,
     h: &TraceHeader,
     shape: &Shape,
     entries: &[TraceEntry],
-) -> anyhow::Result<Side> {
+    echo_server: &super::echo::EchoServerHandle,
+) -> anyhow::Result<(Side, Vec<u64>)> {
     let (mut client, stop) = kvtier_client(addr, h, shape).await?;
     let name = |s: usize| format!("fetch-{}-{s}", std::process::id());
     // Messages of at most ~16 MiB; the bytes do not matter, their size does.
@@ -252,8 +269,11 @@ async fn replay_kvtier(
         ..Default::default()
     };
     let mut floor = Vec::with_capacity(FLOOR_CALLS);
+    let mut echo = Vec::with_capacity(FLOOR_CALLS);
+    let mut echo_client = super::echo::client(echo_server).await?;
     let no_pages = vec![Vec::new(); shape.kv_heads as usize];
     for _ in 0..FLOOR_CALLS {
+        echo.push(super::echo::call(&mut echo_client).await?);
         let req = fetch(0, 0, &no_pages);
         let t = Instant::now();
         client.fetch(req).await?;
@@ -276,7 +296,7 @@ async fn replay_kvtier(
     if let Some(stop) = stop {
         let _ = stop.send(());
     }
-    Ok(side(&latencies, &floor, bytes, seconds))
+    Ok((side(&latencies, &floor, bytes, seconds), echo))
 }
 
 /// A minimal RESP client: enough for pipelined SETs and MGET.

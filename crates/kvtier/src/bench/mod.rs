@@ -2,6 +2,7 @@
 //! Compare ratios measured in the same run; these machines are noisy.
 
 mod decode;
+mod echo;
 mod fetch;
 mod plot;
 mod select;
