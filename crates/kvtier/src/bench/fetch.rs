@@ -202,12 +202,13 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
 const FLOOR_CALLS: usize = 2000;
 
 /// A kvtier server for the replay: the one at `addr`, or an in-process one
-/// holding every page in host memory.
+/// holding every page in host memory, on a runtime of its own as
+/// `kvtier serve` would be (the replay's client runs on one thread).
 async fn kvtier_client(
     addr: Option<&str>,
     h: &TraceHeader,
     shape: &Shape,
-) -> anyhow::Result<(Client, Option<oneshot::Sender<()>>)> {
+) -> anyhow::Result<(Client, Option<InProcess>)> {
     if let Some(addr) = addr {
         return Ok((Client::connect(addr.to_owned()).await?, None));
     }
@@ -224,13 +225,41 @@ async fn kvtier_client(
         metrics_listen: None,
         ..ServerConfig::default()
     };
-    let bound = BoundServer::bind(store, server).await?;
-    let client = Client::connect(format!("http://{}", bound.grpc_addr())).await?;
     let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(bound.serve(async {
-        let _ = stopped.await;
-    }));
-    Ok((client, Some(stop)))
+    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        let served = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(anyhow::Error::from)
+            .and_then(|runtime| {
+                runtime.block_on(async {
+                    let bound = BoundServer::bind(store, server).await?;
+                    let _ = bound_tx.send(Ok(bound.grpc_addr()));
+                    bound
+                        .serve(async {
+                            let _ = stopped.await;
+                        })
+                        .await?;
+                    anyhow::Ok(())
+                })
+            });
+        if let Err(e) = served {
+            let _ = bound_tx.send(Err(e));
+        }
+    });
+    let addr = tokio::task::spawn_blocking(move || bound_rx.recv())
+        .await?
+        .context("the in-process server ended")??;
+    let client = Client::connect(format!("http://{addr}")).await?;
+    Ok((client, Some(InProcess { stop, thread })))
+}
+
+/// An in-process server, stopped and joined at the end of the replay.
+#[derive(Debug)]
+struct InProcess {
+    stop: oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
 }
 
 /// Loads every page of the trace's sequences, then fetches each entry's
@@ -293,8 +322,10 @@ async fn replay_kvtier(
     for s in 0..h.sequences {
         client.drop_sequence(&name(s)).await?;
     }
-    if let Some(stop) = stop {
-        let _ = stop.send(());
+    if let Some(server) = stop {
+        let _ = server.stop.send(());
+        drop(client);
+        let _ = tokio::task::spawn_blocking(move || server.thread.join()).await;
     }
     Ok((side(&latencies, &floor, bytes, seconds), echo))
 }
