@@ -10,6 +10,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use crate::pb;
 use crate::pb::kv_tier_client::KvTierClient;
 use crate::pb::set_page_state_request::Action;
+use crate::shm::{ShmError, ShmRegion};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -113,6 +114,22 @@ impl Client {
             .map_err(|_| ClientError::Token("must be printable ASCII".into()))?;
         self.authorization = Some(value);
         Ok(self)
+    }
+
+    /// Registers a new shared-memory region of `bytes` for this client's
+    /// tenant, with its token, at the server's shm socket (`--shm-socket`;
+    /// it must run on this machine).
+    pub async fn register_shm(
+        &self,
+        socket: &std::path::Path,
+        bytes: usize,
+    ) -> std::result::Result<ShmRegion, ShmError> {
+        let token = self
+            .authorization
+            .as_ref()
+            .and_then(|a| a.to_str().ok())
+            .and_then(|a| a.strip_prefix("Bearer "));
+        ShmRegion::register(socket, bytes, &self.tenant, token).await
     }
 
     /// `message` as a request carrying the client's token, for calls made
@@ -344,6 +361,7 @@ impl Client {
                 .map_or(0, |d| d.as_micros().clamp(1, u128::from(u32::MAX)) as u32),
             prefetch_pages: req.prefetch_pages,
             lease_ms: req.lease_ms,
+            shm: req.shm,
         }
     }
 
@@ -463,6 +481,9 @@ pub struct SelectRequest {
     pub prefetch_pages: u32,
     /// Pin the chosen pages this long (0: no lease).
     pub lease_ms: u32,
+    /// With `include_data`: the pages' bytes go to this window of a
+    /// registered [`crate::ShmRegion`] instead of the messages.
+    pub shm: Option<pb::ShmWindow>,
 }
 
 impl SelectRequest {
@@ -482,6 +503,7 @@ impl SelectRequest {
             deadline: None,
             prefetch_pages: 0,
             lease_ms: 0,
+            shm: None,
         }
     }
 }

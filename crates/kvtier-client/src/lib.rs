@@ -17,11 +17,13 @@
 mod client;
 mod merge;
 mod pack;
+mod shm;
 
 pub use client::{Client, ClientError, Connect, SelectRequest, SelectResult, Tls, actions, layout};
 pub use kvtier_proto::v1 as pb;
 pub use merge::{Part, Partitioned};
 pub use pack::{Element, PackError, pack_kv, unpack_rows};
+pub use shm::{ShmError, ShmRegion};
 
 /// The README's client example, compiled as a doctest so it stays true.
 #[doc = include_str!("../../../README.md")]

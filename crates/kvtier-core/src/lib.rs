@@ -12,6 +12,7 @@ pub mod ids;
 pub mod lane;
 pub mod layout;
 pub mod page_table;
+pub mod parallel;
 pub mod policy;
 pub mod score;
 pub mod select;

@@ -94,6 +94,10 @@ fields! {
     SWAP_IN = "swap_in" in &[SELECT];
     DEADLINE_US = "deadline_us" in &[SELECT];
     LEASE_MS = "lease_ms" in &[SELECT];
+    SHM = "shm" in &[FETCH, SELECT];
+    SHM_REGION_ID = "shm.region_id" in &[FETCH, SELECT];
+    SHM_OFFSET = "shm.offset" in &[FETCH, SELECT];
+    SHM_LENGTH = "shm.length" in &[FETCH, SELECT];
     ACTION = "action" in ACTIONS;
     OFFLOAD_TIER = "offload.tier" in ACTIONS;
     MIGRATE_TIER = "migrate.tier" in &[SET_STATE];

@@ -62,6 +62,20 @@ impl Auth {
             .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
             .map(|(_, token)| token.trim())
             .ok_or_else(|| Status::unauthenticated("the authorization header is not `Bearer <token>`"))?;
+        self.holder(presented)
+    }
+
+    /// The caller presenting `token` where no header carries it (the
+    /// shared-memory socket); an empty token is none.
+    pub(crate) fn caller_with_token(&self, token: &str) -> Result<Caller, Status> {
+        match (self.enabled(), token.is_empty()) {
+            (false, _) => Ok(Caller::Anyone),
+            (true, true) => Err(Status::unauthenticated("this server needs a token")),
+            (true, false) => self.holder(token),
+        }
+    }
+
+    fn holder(&self, presented: &str) -> Result<Caller, Status> {
         // Every token is compared, each in time independent of where it
         // differs, so that timing tells nothing about any of them.
         let mut found = None;

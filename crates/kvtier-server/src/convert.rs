@@ -194,8 +194,11 @@ fn transition_to_pb(t: &TransitionCount) -> pb::TransitionCount {
     }
 }
 
-pub(crate) fn stats_to_pb(s: &StatsSnapshot) -> pb::Stats {
+/// The store's statistics, with the shared-memory regions' count and bytes.
+pub(crate) fn stats_to_pb(s: &StatsSnapshot, (shm_regions, shm_region_bytes): (u64, u64)) -> pb::Stats {
     pb::Stats {
+        shm_regions,
+        shm_region_bytes,
         tenant: s.tenant.as_ref().map_or_else(String::new, |t| t.as_str().to_owned()),
         tiers: s
             .tiers

@@ -12,6 +12,7 @@ mod metrics;
 mod policy;
 mod responses;
 mod service;
+mod shm;
 mod status;
 
 use std::future::Future;
@@ -29,6 +30,7 @@ pub use auth::{Auth, Grant, Token};
 use crate::gate::{Gate, GateConfig};
 use crate::inflight::InFlight;
 use crate::service::KvTierService;
+use crate::shm::Regions;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
@@ -48,6 +50,9 @@ pub struct ServerConfig {
     pub tls: Option<TlsFiles>,
     /// Serve on a non-loopback address without tokens or without TLS.
     pub insecure: bool,
+    /// The Unix socket where local clients register shared-memory regions
+    /// for the shm data plane; `None`: no shm data plane.
+    pub shm_socket: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +72,7 @@ impl Default for ServerConfig {
             auth: Auth::default(),
             tls: None,
             insecure: false,
+            shm_socket: None,
         }
     }
 }
@@ -127,6 +133,8 @@ pub enum ServerError {
     },
     #[error("cannot listen on {addr}: {source}")]
     Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("cannot listen on the shm socket {path}: {source}")]
+    BindShm { path: PathBuf, source: std::io::Error },
     #[error("gRPC server failed: {0}")]
     Transport(#[from] tonic::transport::Error),
     #[error("metrics server failed: {0}")]
@@ -143,6 +151,7 @@ pub struct BoundServer {
     config: ServerConfig,
     grpc: TcpListener,
     metrics: Option<TcpListener>,
+    shm: Option<tokio::net::UnixListener>,
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
@@ -159,11 +168,19 @@ impl BoundServer {
             Some(addr) => Some(bind(addr).await?),
             None => None,
         };
+        let shm = match &config.shm_socket {
+            Some(path) => Some(shm::bind(path).map_err(|source| ServerError::BindShm {
+                path: path.clone(),
+                source,
+            })?),
+            None => None,
+        };
         Ok(Self {
             store,
             config,
             grpc,
             metrics,
+            shm,
         })
     }
 
@@ -202,7 +219,13 @@ impl BoundServer {
         let reflection_v1alpha = reflection().build_v1alpha()?;
         let limit = self.config.max_message_bytes;
         let in_flight = InFlight::new(self.config.max_inflight_bytes);
-        let service = KvTierService::new(Arc::clone(&self.store), limit, Arc::clone(&in_flight));
+        let regions = Arc::new(Regions::default());
+        if let (Some(listener), Some(path)) = (self.shm, &self.config.shm_socket) {
+            let auth = Arc::new(self.config.auth.clone());
+            let stop = stopped(stop_rx.clone());
+            tokio::spawn(shm::serve(listener, path.clone(), Arc::clone(&regions), auth, stop));
+        }
+        let service = KvTierService::new(Arc::clone(&self.store), limit, Arc::clone(&in_flight), regions);
         let kvtier = KvTierServer::new(service)
             .max_decoding_message_size(limit)
             .max_encoding_message_size(limit);
@@ -229,6 +252,7 @@ impl BoundServer {
             metrics = ?self.config.metrics_listen,
             tls = self.config.tls.is_some(),
             auth = self.config.auth.enabled(),
+            shm_socket = ?self.config.shm_socket,
             "serving kvtier.v1"
         );
         // Larger HTTP/2 windows and frames: the defaults cap one client at

@@ -16,6 +16,8 @@ use tonic::Status;
 use crate::blocking::blocking;
 use crate::gate::RequestBytes;
 use crate::inflight::{Held, Holding, InFlight};
+use crate::shm::Window;
+use crate::status::to_status;
 use crate::{chunk, convert};
 
 pub(crate) fn page_to_pb(p: FetchedPage) -> pb::Page {
@@ -92,9 +94,28 @@ pub(crate) fn digests_scanned(kv_heads: u32, (layout, tokens): &(Layout, u64)) -
     usize::try_from(pages.saturating_mul(2 * layout.row_bytes() as u64)).unwrap_or(usize::MAX)
 }
 
+/// A selection's pages as messages, their bytes moved to `window` when the
+/// call names one.
+pub(crate) fn data_pages(selection: &mut Selection, window: Option<&mut Window>) -> Result<Vec<pb::Page>, Status> {
+    let mut pages: Vec<pb::Page> = std::mem::take(&mut selection.data)
+        .into_iter()
+        .map(page_to_pb)
+        .collect();
+    if let Some(window) = window {
+        for page in &mut pages {
+            window.take_page(page).map_err(to_status)?;
+        }
+    }
+    Ok(pages)
+}
+
 /// A selection as response messages within `limit`: the totals with as
-/// many heads as fit, the remaining heads, then the pages' bytes.
-pub(crate) fn select_messages(selection: Selection, limit: usize) -> Result<Vec<pb::SelectPagesResponse>, Status> {
+/// many heads as fit, the remaining heads, then the pages.
+pub(crate) fn select_messages(
+    selection: Selection,
+    data: Vec<pb::Page>,
+    limit: usize,
+) -> Result<Vec<pb::SelectPagesResponse>, Status> {
     let first = pb::SelectPagesResponse {
         heads: vec![],
         pages_scored: selection.pages_scored,
@@ -110,7 +131,7 @@ pub(crate) fn select_messages(selection: Selection, limit: usize) -> Result<Vec<
     };
     let heads = selection.heads.iter().map(convert::head_selection_to_pb).collect();
     let mut head_runs = chunk::fit(heads, first.encoded_len(), limit, "KV head's selection")?.into_iter();
-    let data = chunk::fit(selection.data.into_iter().map(page_to_pb).collect(), 0, limit, "page")?;
+    let data = chunk::fit(data, 0, limit, "page")?;
     let first = pb::SelectPagesResponse {
         heads: head_runs.next().unwrap_or_default(),
         ..first
@@ -147,6 +168,25 @@ impl FetchJob {
             (true, true) => tokens.div_ceil(u64::from(layout.page_size())) * u64::from(heads),
         };
         usize::try_from(pages.saturating_mul(layout.page_bytes() as u64)).unwrap_or(usize::MAX)
+    }
+
+    /// Reads every page chunk by chunk, each page's bytes written to
+    /// `window`; the pages' messages, without their bytes.
+    pub(crate) fn read_to_window(&self, store: &Store, window: &mut Window) -> StoreResult<Vec<pb::Page>> {
+        let mut pages = Vec::new();
+        let mut from = FetchCursor::default();
+        loop {
+            let (chunk, next) = self.read(store, from)?;
+            for page in chunk {
+                let mut page = page_to_pb(page);
+                window.take_page(&mut page)?;
+                pages.push(page);
+            }
+            match next {
+                Some(n) => from = n,
+                None => return Ok(pages),
+            }
+        }
     }
 
     pub(crate) fn read(
@@ -210,7 +250,11 @@ pub(crate) async fn send_chunks(
 
 /// One chunk of fetched pages as response messages within `limit`.
 pub(crate) fn fetch_messages(pages: Vec<FetchedPage>, limit: usize) -> Result<Vec<pb::FetchPagesResponse>, Status> {
-    let pages = pages.into_iter().map(page_to_pb).collect();
+    page_messages(pages.into_iter().map(page_to_pb).collect(), limit)
+}
+
+/// Pages as fetch response messages within `limit`.
+pub(crate) fn page_messages(pages: Vec<pb::Page>, limit: usize) -> Result<Vec<pb::FetchPagesResponse>, Status> {
     let runs = chunk::fit(pages, 0, limit, "page")?;
     Ok(runs.into_iter().map(|pages| pb::FetchPagesResponse { pages }).collect())
 }

@@ -21,9 +21,10 @@ use crate::blocking::{blocking, sized};
 use crate::gate::RequestBytes;
 use crate::inflight::{Holding, InFlight};
 use crate::responses::{
-    FetchJob, FetchStream, SelectStream, digests_scanned, fetch_messages, holding, select_messages, selection_bound,
-    send_chunks,
+    FetchJob, FetchStream, SelectStream, data_pages, digests_scanned, fetch_messages, holding, page_messages,
+    select_messages, selection_bound, send_chunks,
 };
+use crate::shm::Regions;
 use crate::status::{field_status, invalid, to_status};
 use crate::{chunk, convert};
 
@@ -34,6 +35,8 @@ pub(crate) struct KvTierService {
     max_message_bytes: usize,
     /// What response data holds in memory until it is sent.
     in_flight: Arc<InFlight>,
+    /// Shared-memory regions for the shm data plane.
+    regions: Arc<Regions>,
 }
 
 /// The caller the gate resolved, and the message.
@@ -61,11 +64,17 @@ fn tenant(caller: &Caller, name: &str) -> Result<TenantId, Status> {
 }
 
 impl KvTierService {
-    pub(crate) fn new(store: Arc<Store>, max_message_bytes: usize, in_flight: Arc<InFlight>) -> Self {
+    pub(crate) fn new(
+        store: Arc<Store>,
+        max_message_bytes: usize,
+        in_flight: Arc<InFlight>,
+        regions: Arc<Regions>,
+    ) -> Self {
         Self {
             store,
             max_message_bytes,
             in_flight,
+            regions,
         }
     }
 
@@ -243,6 +252,7 @@ impl KvTier for KvTierService {
                 "give either pages or per_head_pages, not both",
             ));
         }
+        let shm = r.shm.take();
         let job = Arc::new(FetchJob {
             _request_bytes: request_bytes,
             key,
@@ -257,6 +267,17 @@ impl KvTier for KvTierService {
         // fails the call itself rather than the stream.
         let held = self.in_flight.hold("a fetch chunk", max_bytes).await?;
         let bound = job.bound(self.store.shape(&job.key).map_err(to_status)?);
+        let (tx, rx) = mpsc::channel(1);
+        if let Some(w) = shm {
+            // Checked before anything is read or written.
+            let mut window = self.regions.window(&job.key.tenant, &w, bound)?;
+            let pages = sized(&self.store, bound, move |s| job.read_to_window(s, &mut window)).await?;
+            drop(held);
+            let messages = holding(page_messages(pages, max_bytes)?, None);
+            return Ok(Response::new(Holding::new(
+                tokio_stream::iter(messages).chain(ReceiverStream::new(rx)),
+            )));
+        }
         let (first, next) = {
             let job = Arc::clone(&job);
             sized(&self.store, bound.min(max_bytes), move |s| {
@@ -265,7 +286,6 @@ impl KvTier for KvTierService {
             .await?
         };
         let first = holding(fetch_messages(first, max_bytes)?, Some(held));
-        let (tx, rx) = mpsc::channel(1);
         if let Some(from) = next {
             let (store, in_flight) = (Arc::clone(&self.store), Arc::clone(&self.in_flight));
             tokio::spawn(send_chunks(store, in_flight, job, from, tx));
@@ -278,32 +298,42 @@ impl KvTier for KvTierService {
     type SelectPagesStream = SelectStream;
 
     async fn select_pages(&self, request: Request<pb::SelectPagesRequest>) -> Result<Response<SelectStream>, Status> {
-        let (caller, r) = open(request)?;
+        let (caller, mut r) = open(request)?;
         let key = key(&caller, &r.tenant, &r.sequence_id)?;
         let limit = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
         let (queries, aggregation, shard) = selection_inputs(&r)?;
+        let shm = r.shm.take();
+        if shm.is_some() && !r.include_data {
+            return Err(invalid(wire::SHM, "carries page bytes; set include_data too"));
+        }
         let tenant = key.tenant.clone();
         // The data's room in flight, at most what the selection can choose,
         // is taken before the store reads any of it.
         let shape = self.store.shape(&key).map_err(to_status)?;
         let scanned = digests_scanned(r.kv_head_count, &shape);
-        let held = match r.include_data {
-            true => {
-                let bound = selection_bound(r.budget_pages, r.kv_head_count, aggregation, (shape.0.clone(), shape.1));
-                // Refused before the selection moves anything.
+        let bound = selection_bound(r.budget_pages, r.kv_head_count, aggregation, (shape.0.clone(), shape.1));
+        // Refused before the selection moves anything.
+        let mut window = match &shm {
+            Some(w) => Some(self.regions.window(&tenant, w, bound)?),
+            None if r.include_data => {
                 chunk::check_page_fits(shape.0.page_bytes(), limit)?;
-                Some((bound, self.in_flight.hold("a selection's data", bound).await?))
+                None
             }
+            None => None,
+        };
+        let held = match r.include_data {
+            true => Some(self.in_flight.hold("a selection's data", bound).await?),
             false => None,
         };
-        let work = scanned.saturating_add(held.as_ref().map_or(0, |(bound, _)| *bound));
-        let held = held.map(|(_, held)| held);
-        let selection = sized(&self.store, work, move |s| {
-            s.select_pages(&key, select_request(&r, &queries, aggregation, shard))
+        let work = scanned.saturating_add(if r.include_data { bound } else { 0 });
+        let (selection, data) = sized(&self.store, work, move |s| {
+            let mut selection = s.select_pages(&key, select_request(&r, &queries, aggregation, shard))?;
+            let data = data_pages(&mut selection, window.as_mut());
+            Ok((selection, data))
         })
         .await?;
         let lease = selection.lease;
-        let messages = select_messages(selection, limit);
+        let messages = data.and_then(|data| select_messages(selection, data, limit));
         if let (Err(_), Some((id, _))) = (&messages, lease) {
             // Refused after all: the lease is not handed out.
             self.store.release_lease(&tenant, id);
@@ -461,9 +491,10 @@ impl KvTier for KvTierService {
             (Some(name), _) => Some(tenant(&caller, &name)?),
             (None, own) => own.cloned(),
         };
+        let shm = self.regions.usage(tenant.as_ref());
         let stats = self
             .call(move |s| Ok(tenant.map_or_else(|| s.stats(), |t| s.tenant_stats(&t))))
             .await?;
-        Ok(Response::new(convert::stats_to_pb(&stats)))
+        Ok(Response::new(convert::stats_to_pb(&stats, shm)))
     }
 }

@@ -72,9 +72,9 @@ impl Leases {
     }
 }
 
-/// A nonzero id from the operating system's random source (0 means "no
-/// lease" on the wire).
-fn random_id() -> u64 {
+/// A nonzero id from the operating system's random source, which no client
+/// can guess (0 means "none" on the wire): leases, shared-memory regions.
+pub fn random_id() -> u64 {
     loop {
         let mut bytes = [0u8; 8];
         // The OS random source fails only where it does not exist (no

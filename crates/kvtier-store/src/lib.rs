@@ -27,7 +27,7 @@ pub use durability::{Acknowledged, Durability, Recovered};
 pub use error::{ManifestError, StoreError, StoreResult};
 pub use kvtier_core::policy::{PolicyAction, PolicySpec, Trigger};
 pub use kvtier_tiers::{EngineChoice, NvmeConfig, Tier, TierError, TierKind};
-pub use lease::MAX_LEASE;
+pub use lease::{MAX_LEASE, random_id};
 pub use policy::PolicyOutcome;
 pub use reader::PageContent;
 pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};

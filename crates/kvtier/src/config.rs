@@ -72,6 +72,8 @@ pub(crate) struct FileConfig {
     pub(crate) max_connections: Option<usize>,
     /// Serve off loopback without tokens or TLS.
     pub(crate) insecure: Option<bool>,
+    /// The shm data plane's registration socket; `"off"` disables it.
+    pub(crate) shm_socket: Option<String>,
     pub(crate) tls: Option<TlsFileConfig>,
     #[serde(default)]
     pub(crate) auth: AuthFileConfig,

@@ -79,6 +79,10 @@ pub(crate) struct ServeArgs {
     /// (refused otherwise).
     #[arg(long)]
     insecure: bool,
+    /// Unix socket where clients on this machine register shared-memory
+    /// regions for the shm data plane, or `off` [default: DATA_DIR/shm.sock].
+    #[arg(long, value_name = "PATH")]
+    shm_socket: Option<String>,
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -123,7 +127,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let defaults = ServerConfig::default();
     let (default_device, default_host) = default_tier_bytes();
-    let server = ServerConfig {
+    let mut server = ServerConfig {
         listen: args.listen.or(file.listen).unwrap_or(defaults.listen),
         metrics_listen: match args.metrics_listen.or(file.metrics_listen) {
             Some(value) => parse_metrics(&value)?,
@@ -151,6 +155,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             _ => None,
         },
         insecure: args.insecure || file.insecure.unwrap_or(false),
+        shm_socket: None,
     };
     let defaults_store = StoreConfig::default();
     let store = StoreConfig {
@@ -195,6 +200,11 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         .or(file.data_dir)
         .unwrap_or_else(|| PathBuf::from("kvtier-data"));
     std::fs::create_dir_all(&data_dir).with_context(|| format!("creating data directory {}", data_dir.display()))?;
+    server.shm_socket = match args.shm_socket.or(file.shm_socket).as_deref() {
+        Some("off") => None,
+        Some(path) => Some(PathBuf::from(path)),
+        None => Some(data_dir.join("shm.sock")),
+    };
     let swap_path = match args.swap_in_path.or(file.tiers.swap_in_path.clone()).as_deref() {
         None | Some("kernel") => SwapPath::Kernel,
         Some("copy_engine") => SwapPath::CopyEngine,

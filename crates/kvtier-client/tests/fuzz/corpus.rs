@@ -149,6 +149,12 @@ impl Corpus {
                             max_chunk_bytes: chunk,
                             include_digests: digests,
                             per_head_pages: vec![],
+                            // No region is registered: the window's checks.
+                            shm: (chunk > 0).then_some(pb::ShmWindow {
+                                region_id: 1,
+                                offset: 64,
+                                length: 4096,
+                            }),
                         }
                         .encode_to_vec()
                     });
@@ -172,6 +178,11 @@ impl Corpus {
                         deadline_us: if swap { 5_000 } else { 0 },
                         prefetch_pages: 1,
                         lease_ms: lease,
+                        shm: (data && !swap).then_some(pb::ShmWindow {
+                            region_id: 1,
+                            offset: 0,
+                            length: 1 << 20,
+                        }),
                     };
                 for (data, swap, lease, aggregation) in [
                     (true, false, 0, pb::Aggregation::Max),

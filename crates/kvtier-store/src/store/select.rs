@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_core::{DIGEST_CHUNK_PAGES, LogicalPage, PageState, Reason, SequenceKey, TenantId, wire};
+use kvtier_core::{DIGEST_CHUNK_PAGES, LogicalPage, PageState, Reason, SequenceKey, TenantId, parallel, wire};
 
 use super::fetch::FetchedPage;
 use super::{Store, micros};
@@ -154,8 +154,18 @@ impl Store {
         let ranking = Instant::now();
         let mut ranked = Ranked::default();
         let lanes: Vec<(u32, usize)> = seq.lanes_of(req.layer, heads).collect();
-        for (i, &(h, lane)) in lanes.iter().enumerate() {
-            rank_lane(seq, &req, i, (h, lane), &mut ranked, &mut out);
+        // Lanes are ranked independently, over the cores when there is
+        // enough to scan, and merged in request order: the same selection
+        // as one thread would make.
+        let scan: usize = lanes.iter().map(|&(_, l)| seq.lanes[l].digests().byte_len()).sum();
+        let threads = parallel::threads_for(lanes.len(), scan, parallel::cores());
+        let indexed: Vec<(usize, (u32, usize))> = lanes.iter().copied().enumerate().collect();
+        for lane in parallel::map(&indexed, threads, |&(i, lane)| rank_lane(seq, &req, i, lane)) {
+            out.pages_scored += lane.pages_scored;
+            out.digest_bytes += lane.digest_bytes;
+            out.heads.extend(lane.heads);
+            ranked.chosen.extend(lane.chosen);
+            ranked.next.extend(lane.next);
         }
         out.timing.rank_us = micros(ranking.elapsed());
         let chosen: Vec<Arc<PhysPage>> = ranked.chosen.values().cloned().collect();
@@ -316,16 +326,19 @@ struct Ranked {
     next: BTreeMap<(usize, usize), Arc<PhysPage>>,
 }
 
+/// One lane's ranking: its heads' choices, and its physical pages chosen
+/// and ranked next, by (lane, page).
+struct LaneRank {
+    heads: Vec<HeadSelection>,
+    chosen: Vec<((usize, usize), Arc<PhysPage>)>,
+    next: Vec<((usize, usize), Arc<PhysPage>)>,
+    pages_scored: u64,
+    digest_bytes: u64,
+}
+
 /// Scores every page of one lane (the `i`-th of the request, KV head `h`)
-/// through its digest, chooses, and adds the choice to `out` and `ranked`.
-fn rank_lane(
-    seq: &Sequence,
-    req: &SelectPages<'_>,
-    i: usize,
-    (h, lane_index): (u32, usize),
-    ranked: &mut Ranked,
-    out: &mut Selection,
-) {
+/// through its digest, and chooses.
+fn rank_lane(seq: &Sequence, req: &SelectPages<'_>, i: usize, (h, lane_index): (u32, usize)) -> LaneRank {
     let layout = &seq.layout;
     let (d, group) = (layout.head_dim() as usize, layout.group_size() as usize);
     let lane = &seq.lanes[lane_index];
@@ -339,8 +352,13 @@ fn rank_lane(
     {
         score_column(layout.dtype(), d, digests, queries, scores);
     }
-    out.pages_scored += n as u64;
-    out.digest_bytes += lane.digests().byte_len() as u64;
+    let mut out = LaneRank {
+        heads: Vec::new(),
+        chosen: Vec::new(),
+        next: Vec::new(),
+        pages_scored: n as u64,
+        digest_bytes: lane.digests().byte_len() as u64,
+    };
     let per_head: Vec<(Option<u32>, Vec<f32>)> = match req.aggregation {
         Aggregation::Max => vec![(None, fold(&scores, group, |a, b| a.max(b), 1.0))],
         Aggregation::Mean => vec![(None, fold(&scores, group, |a, b| a + b, 1.0 / group as f32))],
@@ -366,7 +384,7 @@ fn rank_lane(
                 if chosen.binary_search(&p).is_err()
                     && let Some(page) = physical(p)
                 {
-                    ranked.next.insert((lane_index, p), page);
+                    out.next.push(((lane_index, p), page));
                 }
             }
         }
@@ -374,7 +392,7 @@ fn rank_lane(
             .iter()
             .map(|&p| {
                 if let Some(page) = physical(p) {
-                    ranked.chosen.insert((lane_index, p), page);
+                    out.chosen.push(((lane_index, p), page));
                 }
                 SelectedPage {
                     page: p as u32,
@@ -391,6 +409,7 @@ fn rank_lane(
             selected_but_gone: 0,
         });
     }
+    out
 }
 
 /// Each selected page's state as of now, and, after a swap-in (`Some(timed

@@ -30,6 +30,10 @@ pub(crate) struct SelectBenchArgs {
     /// At least this many timed runs (more while under 0.3 s of measuring).
     #[arg(long, default_value_t = 15)]
     runs: usize,
+    /// Score this many lanes (columns of `pages` pages) as one decode step
+    /// does: over all cores, against reading the same bytes over all cores.
+    #[arg(long, default_value_t = 1)]
+    lanes: usize,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -80,9 +84,12 @@ fn gbps(bytes: usize, t: Duration) -> f64 {
 
 pub(crate) fn run(args: SelectBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        args.pages > 0 && args.head_dim > 0 && args.group > 0,
-        "pages, head-dim and group must be positive"
+        args.pages > 0 && args.head_dim > 0 && args.group > 0 && args.lanes > 0,
+        "pages, head-dim, group and lanes must be positive"
     );
+    if args.lanes > 1 {
+        return step(&args);
+    }
     let dtype = DType::from(args.dtype);
     let elements = args.pages * 2 * args.head_dim;
     let mut digests = vec![0u8; elements * dtype.size()];
@@ -158,6 +165,130 @@ pub(crate) fn run(args: SelectBenchArgs) -> anyhow::Result<()> {
             result.scalar_gbps,
             result.budget_pages,
             result.select_seconds * 1e6
+        );
+    }
+    Ok(())
+}
+
+#[derive(Debug, Serialize)]
+struct StepResult {
+    lanes: usize,
+    pages: usize,
+    head_dim: usize,
+    dtype: &'static str,
+    group: usize,
+    kernel: &'static str,
+    threads: usize,
+    digest_bytes: usize,
+    /// Scoring every lane once over all cores, median seconds and GB/s.
+    scan_seconds: f64,
+    scan_gbps: f64,
+    /// Reading the same bytes (a sum of their words) over all cores: the
+    /// memory bandwidth the scan is held to.
+    read_gbps: f64,
+    /// scan_gbps / read_gbps.
+    ratio: f64,
+    /// The scan on one thread, and the scan with top-k per lane over all cores.
+    serial_scan_gbps: f64,
+    scan_select_gbps: f64,
+    runs: usize,
+}
+
+/// A decode step's ranking: `lanes` digest columns scored over all cores,
+/// as the store ranks a selection's lanes (`kvtier_core::parallel`).
+fn step(args: &SelectBenchArgs) -> anyhow::Result<()> {
+    let dtype = DType::from(args.dtype);
+    let column = args.pages * 2 * args.head_dim * dtype.size();
+    let mut x = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % 4001) as f32 / 1000.0 - 2.0
+    };
+    let columns: Vec<Vec<u8>> = (0..args.lanes)
+        .map(|_| {
+            let mut c = vec![0u8; column];
+            for i in 0..column / dtype.size() {
+                dtype.put_f32(&mut c, i, next());
+            }
+            c
+        })
+        .collect();
+    let queries: Vec<f32> = (0..args.group * args.head_dim).map(|_| next()).collect();
+    let kernel = Kernel::detect();
+    let threads = kvtier_core::parallel::cores();
+    let budget = Budget {
+        pages: args.budget_pages,
+        sinks: 1,
+        window: 1,
+    };
+    let score = |c: &Vec<u8>| {
+        let mut out = vec![0f32; args.pages * args.group];
+        score_column_with(kernel, dtype, args.head_dim, black_box(c), &queries, &mut out);
+        out
+    };
+    let min_total = Duration::from_millis(500);
+    let timed = |threads: usize, top_k: bool| {
+        median_time(args.runs, min_total, || {
+            black_box(kvtier_core::parallel::map(&columns, threads, |c| {
+                let scores = score(c);
+                top_k.then(|| {
+                    let per_page: Vec<f32> = scores
+                        .chunks_exact(args.group)
+                        .map(|g| g.iter().copied().fold(f32::MIN, f32::max))
+                        .collect();
+                    select(&per_page, budget, None)
+                })
+            }));
+        })
+    };
+    let (scan, runs) = timed(threads, false);
+    let (serial, _) = timed(1, false);
+    let (scan_select, _) = timed(threads, true);
+    let (read, _) = median_time(args.runs, min_total, || {
+        black_box(kvtier_core::parallel::map(&columns, threads, |c| {
+            let (words, _) = c.as_chunks::<8>();
+            words.iter().fold(0u64, |a, w| a.wrapping_add(u64::from_ne_bytes(*w)))
+        }));
+    });
+    let bytes = column * args.lanes;
+    let result = StepResult {
+        lanes: args.lanes,
+        pages: args.pages,
+        head_dim: args.head_dim,
+        dtype: dtype.name(),
+        group: args.group,
+        kernel: kernel.name(),
+        threads,
+        digest_bytes: bytes,
+        scan_seconds: scan.as_secs_f64(),
+        scan_gbps: gbps(bytes, scan),
+        read_gbps: gbps(bytes, read),
+        ratio: read.as_secs_f64() / scan.as_secs_f64(),
+        serial_scan_gbps: gbps(bytes, serial),
+        scan_select_gbps: gbps(bytes, scan_select),
+        runs,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&result)?);
+    } else {
+        println!(
+            "step: {} lanes × {} pages × d {} {} (group {}), {} kernel, {} threads: scan {:.2} GB/s ({:.1} ms), all-core read {:.2} GB/s, ratio {:.2}; one thread {:.2} GB/s; with top-{} {:.2} GB/s",
+            result.lanes,
+            result.pages,
+            result.head_dim,
+            result.dtype,
+            result.group,
+            result.kernel,
+            result.threads,
+            result.scan_gbps,
+            result.scan_seconds * 1e3,
+            result.read_gbps,
+            result.ratio,
+            result.serial_scan_gbps,
+            args.budget_pages,
+            result.scan_select_gbps
         );
     }
     Ok(())

@@ -17,6 +17,7 @@ use serde::Serialize;
 
 use super::fetch::TraceHeader;
 use super::plot::{Chart, Series};
+use run::DataPlane;
 pub(crate) use run::histogram;
 use run::{Class, Measured, RunConfig};
 pub(crate) use workload::Shape;
@@ -85,6 +86,13 @@ pub(crate) struct DecodeArgs {
     /// A running server instead of an in-process one.
     #[arg(long)]
     addr: Option<String>,
+    /// How selected pages' bytes reach the client: inline in the gRPC
+    /// messages, or shm, written into a shared-memory region it registered.
+    #[arg(long, value_enum, default_value_t = DataPlane::Inline)]
+    data_plane: DataPlane,
+    /// With --addr and --data-plane shm: the server's shm socket.
+    #[arg(long, value_name = "PATH")]
+    shm_socket: Option<PathBuf>,
     /// One parameter swept over values: device_fraction, host_fraction,
     /// budget_pages, drift or sequences, e.g. `device_fraction=0.1,0.25,0.5`.
     #[arg(long)]
@@ -461,7 +469,8 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         deadline_us: a.deadline_us,
         checkpoint_at_step: a.checkpoint_at_step,
         addr: a.addr.clone(),
-        data_plane: "inline",
+        data_plane: a.data_plane,
+        shm_socket: a.shm_socket.clone(),
         record_trace: a.trace.is_some(),
     })
 }

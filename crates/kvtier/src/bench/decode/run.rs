@@ -42,10 +42,22 @@ pub(crate) struct RunConfig {
     /// when the run reaches this step (what a large manifest does by itself).
     pub(crate) checkpoint_at_step: Option<usize>,
     pub(crate) addr: Option<String>,
-    pub(crate) data_plane: &'static str,
+    pub(crate) data_plane: DataPlane,
+    /// The shm socket of the server at `addr`.
+    pub(crate) shm_socket: Option<std::path::PathBuf>,
     /// Keep every selection's page lists (for `--trace`).
     #[serde(skip)]
     pub(crate) record_trace: bool,
+}
+
+/// How selected pages' bytes reach the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum DataPlane {
+    /// In the gRPC messages.
+    Inline,
+    /// Written into a shared-memory region the client registered.
+    Shm,
 }
 
 /// The miss class of a step: the slowest tier any selected page came from.
@@ -134,6 +146,8 @@ pub(crate) struct Measured {
 /// A server for the run and how to reach it.
 struct Target {
     addr: String,
+    /// Where the server takes shm registrations.
+    shm_socket: Option<std::path::PathBuf>,
     /// The in-process server's store.
     store: Option<Arc<Store>>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -152,6 +166,7 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
     if let Some(addr) = &cfg.addr {
         return Ok(Target {
             addr: addr.clone(),
+            shm_socket: cfg.shm_socket.clone(),
             store: None,
             stop: None,
             _dir: None,
@@ -183,8 +198,10 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
     let server = ServerConfig {
         listen: ([127, 0, 0, 1], 0).into(),
         metrics_listen: None,
+        shm_socket: Some(dir.path().join("shm.sock")),
         ..ServerConfig::default()
     };
+    let shm_socket = server.shm_socket.clone();
     let bound = BoundServer::bind(Arc::clone(&store), server).await?;
     let addr = format!("http://{}", bound.grpc_addr());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -193,6 +210,7 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
     }));
     Ok(Target {
         addr,
+        shm_socket,
         store: Some(store),
         stop: Some(stop),
         _dir: Some(dir),
@@ -239,11 +257,20 @@ async fn decode(
     mut client: Client,
     (index, seq): (usize, String),
     mut data: SequenceData,
-    cfg: Arc<RunConfig>,
+    (cfg, shm_socket): (Arc<RunConfig>, Option<std::path::PathBuf>),
     start: Instant,
     progress: Arc<Mutex<usize>>,
 ) -> anyhow::Result<SequenceRun> {
     let s = &cfg.shape;
+    // One window for every selection: they run one after another.
+    let region = match (cfg.data_plane, &shm_socket) {
+        (DataPlane::Inline, _) => None,
+        (DataPlane::Shm, None) => anyhow::bail!("--data-plane shm needs the server's --shm-socket"),
+        (DataPlane::Shm, Some(socket)) => {
+            let bytes = cfg.budget_pages as usize * s.kv_heads as usize * s.page_bytes();
+            Some(client.register_shm(socket, bytes).await?)
+        }
+    };
     let mut steps = Vec::with_capacity(cfg.steps);
     let mut trace = Vec::new();
     let mut read = 0.0;
@@ -276,6 +303,7 @@ async fn decode(
                 swap_in: true,
                 deadline: (cfg.deadline_us > 0).then(|| Duration::from_micros(u64::from(cfg.deadline_us))),
                 prefetch_pages: cfg.prefetch_pages,
+                shm: region.as_ref().map(|r| r.whole()),
                 ..SelectRequest::new(layer, 0..s.kv_heads, data.queries(layer, position), cfg.budget_pages)
             };
             let t = Instant::now();
@@ -308,7 +336,7 @@ async fn decode(
                         .collect(),
                 });
             }
-            let got: u64 = sel.pages.iter().map(|p| p.kv.len() as u64).sum();
+            let got: u64 = sel.pages.iter().map(|p| p.kv.len() as u64 + p.shm_bytes).sum();
             m.bytes += got;
             let resident = (position.div_ceil(s.page_size as usize) * s.page_bytes() * s.kv_heads as usize) as f64;
             read += got as f64 / resident;
@@ -410,7 +438,7 @@ pub(crate) async fn run(cfg: RunConfig) -> anyhow::Result<Measured> {
                 c,
                 (i, seq),
                 data,
-                Arc::clone(&cfg),
+                (Arc::clone(&cfg), target.shm_socket.clone()),
                 start,
                 Arc::clone(&progress),
             ))

@@ -1,0 +1,201 @@
+//! The shared-memory data plane, client side. A region is a sealed memfd
+//! this process creates and hands to the server over the server's Unix
+//! socket; fetches and selections that name a window of it (their `shm`
+//! field) get their page bytes written there, and each returned page says
+//! where (`shm_offset`, `shm_bytes`). The region is registered as long as
+//! this value lives: dropping it (or the process ending) closes the
+//! registration connection, and the server lets the region go.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::path::Path;
+use std::time::Duration;
+
+use memmap2::{MmapOptions, MmapRaw};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Interest};
+use tokio::net::UnixStream;
+
+use crate::pb;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    #[error("shm region: {0}")]
+    Io(#[from] io::Error),
+    #[error("the server refused the region: {}: {}", .0.code(), .0.message())]
+    Refused(tonic::Status),
+    #[error("the server's shm socket answered {0:?}")]
+    Protocol(String),
+    #[error("{offset}+{len} lies outside the region's {region} bytes")]
+    OutOfRange { offset: u64, len: u64, region: u64 },
+}
+
+/// A shared-memory region registered with a server.
+#[derive(Debug)]
+pub struct ShmRegion {
+    id: u64,
+    map: MmapRaw,
+    /// Open as long as the region is the client's.
+    _registration: UnixStream,
+}
+
+impl ShmRegion {
+    /// Creates a region of `bytes` and registers it with the server whose
+    /// shm socket is `socket`, for `tenant` ("" for the default tenant),
+    /// with `token` when the server checks tokens.
+    pub async fn register(socket: &Path, bytes: usize, tenant: &str, token: Option<&str>) -> Result<Self, ShmError> {
+        let file = sealed_memfd(bytes)?;
+        let map = MmapOptions::new().len(bytes).map_raw(&file)?;
+        let mut stream = UnixStream::connect(socket).await?;
+        let hello = format!("kvtier-shm 1\n{tenant}\n{}\n", token.unwrap_or(""));
+        let sent = loop {
+            stream.writable().await?;
+            match stream.try_io(Interest::WRITABLE, || {
+                send_with_fd(&stream, hello.as_bytes(), file.as_raw_fd())
+            }) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                sent => break sent?,
+            }
+        };
+        // A short send delivered the descriptor with its first part.
+        stream.write_all(&hello.as_bytes()[sent..]).await?;
+        let mut line = String::new();
+        let mut reader = BufReader::new(&mut stream);
+        tokio::time::timeout(Duration::from_secs(10), reader.read_line(&mut line))
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no answer from the shm socket within 10 s"))??;
+        let words: Vec<&str> = line.trim_end().splitn(3, ' ').collect();
+        match words.as_slice() {
+            ["ok", id, _] => {
+                let id = id.parse().map_err(|_| ShmError::Protocol(line.clone()))?;
+                Ok(Self {
+                    id,
+                    map,
+                    _registration: stream,
+                })
+            }
+            ["error", code, message] => {
+                let code = code.parse().map_err(|_| ShmError::Protocol(line.clone()))?;
+                Err(ShmError::Refused(tonic::Status::new(
+                    tonic::Code::from_i32(code),
+                    *message,
+                )))
+            }
+            _ => Err(ShmError::Protocol(line)),
+        }
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    /// A window of the region for a request's `shm` field.
+    pub fn window(&self, offset: u64, length: u64) -> pb::ShmWindow {
+        pb::ShmWindow {
+            region_id: self.id,
+            offset,
+            length,
+        }
+    }
+
+    /// The whole region as a window.
+    pub fn whole(&self) -> pb::ShmWindow {
+        self.window(0, self.map.len() as u64)
+    }
+
+    /// Copies `dst.len()` bytes at `offset` out of the region.
+    pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), ShmError> {
+        let len = dst.len() as u64;
+        if offset.checked_add(len).is_none_or(|end| end > self.map.len() as u64) {
+            return Err(ShmError::OutOfRange {
+                offset,
+                len,
+                region: self.map.len() as u64,
+            });
+        }
+        // SAFETY: the range lies inside the mapping (checked above), which
+        // lives as long as `self`; the source is read through a raw pointer
+        // (the server may write other windows meanwhile) into `dst`, which
+        // is this process's own memory and cannot overlap the mapping.
+        unsafe {
+            let src = self.map.as_ptr().add(offset as usize);
+            std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len());
+        }
+        Ok(())
+    }
+
+    /// A served page's bytes, copied out of the region.
+    pub fn page_bytes(&self, page: &pb::Page) -> Result<Vec<u8>, ShmError> {
+        let mut out = vec![0u8; page.shm_bytes as usize];
+        self.read(page.shm_offset, &mut out)?;
+        Ok(out)
+    }
+
+    /// The region's first byte, for code that reads the pages in place (a
+    /// copy to a device, say). The server writes a window only while a
+    /// call naming it runs; its pages' bytes are final when the call
+    /// returns, until the window is named again.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.map.as_ptr()
+    }
+}
+
+/// A memfd of `bytes`, sealed so that neither side can resize it: the
+/// server refuses regions that could shrink under its writes.
+fn sealed_memfd(bytes: usize) -> io::Result<File> {
+    // SAFETY: the name is a NUL-terminated literal; the flags are valid.
+    let fd = unsafe { libc::memfd_create(c"kvtier-shm".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: memfd_create returned a new descriptor no one else owns.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(bytes as u64)?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on the descriptor `file` owns.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
+/// One sendmsg(2) of `bytes` with the descriptor `fd` attached
+/// (SCM_RIGHTS); the bytes it sent.
+fn send_with_fd(stream: &UnixStream, bytes: &[u8], fd: RawFd) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr().cast_mut().cast(),
+        iov_len: bytes.len(),
+    };
+    // Room for one descriptor, aligned for cmsghdr.
+    let mut control = [0u64; 4];
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE only computes a size.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as _;
+    // SAFETY: `control` (32 bytes) holds CMSG_SPACE(4) = 24 bytes, so the
+    // first header and its data lie inside it; `msg` points at `iov`, over
+    // `bytes`, which the kernel only reads.
+    let sent = unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), fd);
+        libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+    };
+    if sent < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(sent as usize)
+}

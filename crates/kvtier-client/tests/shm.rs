@@ -1,0 +1,366 @@
+//! The shared-memory data plane over a real Unix socket and real gRPC:
+//! pages served into a region are bit-exact against the same pages served
+//! inline (a generator of layouts, page states and page lists, shrunk on
+//! failure); windows outside the region are refused with nothing written;
+//! a killed client's region is reclaimed.
+
+mod common;
+
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{LaneData, TestServer, random_kv, small_store};
+use kvtier_client::{Client, SelectRequest, ShmRegion, actions, pb};
+use kvtier_server::ServerConfig;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+
+const REGION: usize = 8 << 20;
+
+async fn server(dir: &Path) -> (TestServer, PathBuf) {
+    let socket = dir.join("shm.sock");
+    let config = ServerConfig {
+        shm_socket: Some(socket.clone()),
+        ..ServerConfig::default()
+    };
+    (TestServer::start_with(small_store(), config).await, socket)
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    dtype: pb::DType,
+    kv_heads: u32,
+    head_dim: u32,
+    page_size: u32,
+    tokens: u32,
+    /// Per page: 0 stays, 1 offloaded to host, 2 summarised, 3 evicted.
+    states: Vec<u8>,
+    /// Per KV head, pages to fetch (indices modulo the page count).
+    lists: Vec<Vec<u32>>,
+    /// Where the window starts, and its slack past what the call needs.
+    offset: u64,
+    slack: u64,
+    queries_seed: u64,
+}
+
+fn cases() -> impl Strategy<Value = Case> {
+    let dtype = prop_oneof![
+        Just(pb::DType::DtypeF16),
+        Just(pb::DType::DtypeBf16),
+        Just(pb::DType::DtypeF32)
+    ];
+    (
+        dtype,
+        1u32..4,
+        prop_oneof![Just(4u32), Just(8), Just(64)],
+        prop_oneof![Just(1u32), Just(4), Just(16)],
+        1u32..160,
+        proptest::collection::vec(0u8..4, 0..48),
+        proptest::collection::vec(proptest::collection::vec(0u32..1000, 0..12), 4),
+        0u64..4096,
+        0u64..64,
+        any::<u64>(),
+    )
+        .prop_map(
+            |(dtype, kv_heads, head_dim, page_size, tokens, states, lists, offset, slack, queries_seed)| Case {
+                dtype,
+                kv_heads,
+                head_dim,
+                page_size,
+                tokens,
+                states,
+                lists,
+                offset,
+                slack,
+                queries_seed,
+            },
+        )
+}
+
+/// Everything of a served page but where its bytes travelled.
+fn without_bytes(p: &pb::Page) -> pb::Page {
+    pb::Page {
+        kv: Default::default(),
+        shm_offset: 0,
+        shm_bytes: 0,
+        ..p.clone()
+    }
+}
+
+/// Checks shm pages against inline ones: same pages, same bytes, laid one
+/// after another from the window's start.
+fn same_pages(region: &ShmRegion, window: &pb::ShmWindow, inline: &[pb::Page], shm: &[pb::Page]) {
+    assert_eq!(inline.len(), shm.len());
+    let mut next = window.offset;
+    for (a, b) in inline.iter().zip(shm) {
+        assert_eq!(without_bytes(a), without_bytes(b));
+        assert!(b.kv.is_empty(), "an shm page's bytes came inline too");
+        assert_eq!(b.shm_offset, next, "pages are laid one after another");
+        assert_eq!(
+            region.page_bytes(b).unwrap(),
+            a.kv.to_vec(),
+            "page {} head {}",
+            a.page,
+            a.kv_head
+        );
+        next += b.shm_bytes;
+    }
+    assert!(next <= window.offset + window.length);
+}
+
+async fn check(client: &mut Client, region: &ShmRegion, seq: &str, c: Case) {
+    let layout = kvtier_client::layout(1, c.kv_heads, c.kv_heads * 2, c.head_dim, c.dtype, c.page_size);
+    client.create_sequence(seq, layout, vec![]).await.unwrap();
+    let mut lanes = vec![LaneData::default(); c.kv_heads as usize];
+    let kv = random_kv(
+        c.dtype,
+        c.head_dim as usize,
+        &mut lanes.iter_mut().collect::<Vec<_>>(),
+        c.tokens as usize,
+        7,
+    );
+    client.put_pages(seq, 0, 0..c.kv_heads, 0, c.tokens, kv).await.unwrap();
+    let pages = c.tokens.div_ceil(c.page_size);
+    for (p, state) in c.states.iter().enumerate().filter(|(p, _)| (*p as u32) < pages) {
+        let action = match state {
+            1 => actions::offload_to_host(),
+            2 => actions::summarize(1),
+            3 => actions::evict(),
+            _ => continue,
+        };
+        let p = p as u32;
+        client
+            .set_page_state(seq, 0..1, 0..c.kv_heads, p..p + 1, action)
+            .await
+            .unwrap();
+    }
+    let lists: Vec<pb::PageList> = c.lists[..c.kv_heads as usize]
+        .iter()
+        .map(|l| pb::PageList {
+            pages: l.iter().map(|p| p % pages).collect(),
+        })
+        .collect();
+    let fetch = pb::FetchPagesRequest {
+        sequence_id: seq.to_owned(),
+        kv_head_count: c.kv_heads,
+        per_head_pages: lists.clone(),
+        include_digests: true,
+        ..Default::default()
+    };
+    let page_bytes = 2 * u64::from(c.page_size * c.head_dim) * common::size_of(c.dtype) as u64;
+    let listed: u64 = lists.iter().map(|l| l.pages.len() as u64).sum();
+    let window = region.window(c.offset, listed * page_bytes + c.slack + 1);
+    let inline = client.fetch(fetch.clone()).await.unwrap();
+    let shm = client
+        .fetch(pb::FetchPagesRequest {
+            shm: Some(window),
+            ..fetch
+        })
+        .await
+        .unwrap();
+    same_pages(region, &window, &inline, &shm);
+
+    let queries = common::finite_elements(
+        pb::DType::DtypeF32,
+        (c.kv_heads * 2 * c.head_dim) as usize,
+        c.queries_seed,
+    )
+    .chunks(4)
+    .map(|b| f32::from_le_bytes(b.try_into().unwrap()).clamp(-8.0, 8.0))
+    .collect();
+    let mut select = SelectRequest::new(0, 0..c.kv_heads, queries, 3);
+    select.include_data = true;
+    let window = region.window(c.offset, 3 * u64::from(c.kv_heads) * page_bytes + c.slack);
+    let inline = client.select_pages(seq, &select).await.unwrap();
+    select.shm = Some(window);
+    let shm = client.select_pages(seq, &select).await.unwrap();
+    assert_eq!(inline.heads, shm.heads);
+    same_pages(region, &window, &inline.pages, &shm.pages);
+    client.drop_sequence(seq).await.unwrap();
+}
+
+#[test]
+fn shm_pages_are_bit_exact_against_inline_ones() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (server, socket) = rt.block_on(server(dir.path()));
+    let client = rt.block_on(server.client());
+    let region = rt.block_on(client.register_shm(&socket, REGION)).unwrap();
+    let mut runner = TestRunner::new(Config {
+        cases: 40,
+        ..Config::default()
+    });
+    let n = std::sync::atomic::AtomicU32::new(0);
+    runner
+        .run(&cases(), |c| {
+            let seq = format!("case-{}", n.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+            rt.block_on(check(&mut client.clone(), &region, &seq, c));
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// Whether every byte of the region is still zero (as a new memfd is).
+fn untouched(region: &ShmRegion) -> bool {
+    let mut all = vec![0u8; region.len()];
+    region.read(0, &mut all).unwrap();
+    all.iter().all(|&b| b == 0)
+}
+
+#[tokio::test]
+async fn windows_outside_the_region_are_refused_and_nothing_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, socket) = server(dir.path()).await;
+    let mut client = server.client().await;
+    let region = client.register_shm(&socket, 64 << 10).await.unwrap();
+    let layout = kvtier_client::layout(1, 2, 2, 8, pb::DType::DtypeF32, 16);
+    client.create_sequence("s", layout.clone(), vec![]).await.unwrap();
+    let mut lanes = vec![LaneData::default(); 2];
+    let kv = random_kv(pb::DType::DtypeF32, 8, &mut lanes.iter_mut().collect::<Vec<_>>(), 64, 3);
+    client.put_pages("s", 0, 0..2, 0, 64, kv).await.unwrap();
+    // Every page of both heads: 8 pages of 1 KiB.
+    let fetch = |shm: pb::ShmWindow| pb::FetchPagesRequest {
+        sequence_id: "s".into(),
+        kv_head_count: 2,
+        shm: Some(shm),
+        ..Default::default()
+    };
+    let len = region.len() as u64;
+    let refused = [
+        (region.window(len, 8192), tonic::Code::InvalidArgument, "shm.offset"),
+        (
+            region.window(len - 4096, 8192),
+            tonic::Code::InvalidArgument,
+            "shm.length",
+        ),
+        (region.window(8, u64::MAX), tonic::Code::InvalidArgument, "shm.length"),
+        (region.window(0, 0), tonic::Code::InvalidArgument, "shm.length"),
+        (region.window(0, 8191), tonic::Code::InvalidArgument, "shm.length"),
+        (
+            pb::ShmWindow {
+                region_id: region.id() ^ 1,
+                offset: 0,
+                length: 8192,
+            },
+            tonic::Code::NotFound,
+            "shm.region_id",
+        ),
+    ];
+    let status = |result: Result<_, kvtier_client::ClientError>| match result {
+        Err(kvtier_client::ClientError::Status(s)) => s,
+        other => panic!("{other:?}"),
+    };
+    for (window, code, field) in refused {
+        let refusal = status(client.fetch(fetch(window)).await.map(|_| ()));
+        assert_eq!(refusal.code(), code, "{window:?}: {}", refusal.message());
+        assert!(
+            refusal.message().starts_with(field),
+            "{window:?}: {}",
+            refusal.message()
+        );
+        // A selection of 2 pages per head needs 4 KiB of window.
+        let window = match window.length {
+            8191 => region.window(0, 4095),
+            _ => window,
+        };
+        let mut select = SelectRequest::new(0, 0..2, vec![1.0; 16], 2);
+        select.include_data = true;
+        select.shm = Some(window);
+        let refusal = status(client.select_pages("s", &select).await.map(|_| ()));
+        assert_eq!(refusal.code(), code, "{window:?}: {}", refusal.message());
+        assert!(
+            refusal.message().starts_with(field),
+            "{window:?}: {}",
+            refusal.message()
+        );
+    }
+    // Data without include_data, and another tenant's region.
+    let mut select = SelectRequest::new(0, 0..2, vec![1.0; 16], 2);
+    select.shm = Some(region.whole());
+    let status = client.select_pages("s", &select).await.unwrap_err().to_string();
+    assert!(status.contains("shm: carries page bytes"), "{status}");
+    let mut other = server.client().await.with_tenant("other");
+    other.create_sequence("s", layout, vec![]).await.unwrap();
+    let status = other.fetch(fetch(region.whole())).await.unwrap_err().to_string();
+    assert!(status.contains("shm.region_id"), "{status}");
+    assert!(untouched(&region), "a refused call wrote into the region");
+
+    // The same window, large enough, is written.
+    let pages = client.fetch(fetch(region.window(len - 8192, 8192))).await.unwrap();
+    assert_eq!(pages.len(), 8);
+    assert!(!untouched(&region));
+}
+
+/// Not a test on its own: the child process of the next test, which
+/// registers a region and waits to be killed.
+#[test]
+#[ignore = "run by a_killed_clients_region_is_reclaimed as its child"]
+fn shm_child_registers_and_waits() {
+    let Some(socket) = std::env::var_os("KVTIER_SHM_CHILD_SOCKET") else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let region = rt
+        .block_on(ShmRegion::register(Path::new(&socket), 1 << 20, "", None))
+        .unwrap();
+    println!("registered {}", region.id());
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+#[tokio::test]
+async fn a_killed_clients_region_is_reclaimed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, socket) = server(dir.path()).await;
+    let mut client = server.client().await;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "shm_child_registers_and_waits", "--ignored", "--nocapture"])
+        .env("KVTIER_SHM_CHILD_SOCKET", &socket)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let id: u64 = tokio::task::spawn_blocking(move || {
+        let lines = std::io::BufReader::new(stdout).lines();
+        lines
+            .map_while(Result::ok)
+            .find_map(|l| l.strip_prefix("registered ").map(|id| id.parse().unwrap()))
+            .expect("the child registered a region")
+    })
+    .await
+    .unwrap();
+    let stats = client.stats().await.unwrap();
+    assert_eq!((stats.shm_regions, stats.shm_region_bytes), (1, 1 << 20));
+
+    // The child's region takes this client's pages while the child lives.
+    let layout = kvtier_client::layout(1, 1, 1, 4, pb::DType::DtypeF32, 4);
+    client.create_sequence("s", layout, vec![]).await.unwrap();
+    client
+        .put_pages("s", 0, 0..1, 0, 4, vec![1u8; 128].into())
+        .await
+        .unwrap();
+    let fetch = pb::FetchPagesRequest {
+        sequence_id: "s".into(),
+        kv_head_count: 1,
+        shm: Some(pb::ShmWindow {
+            region_id: id,
+            offset: 0,
+            length: 1 << 20,
+        }),
+        ..Default::default()
+    };
+    assert_eq!(client.fetch(fetch.clone()).await.unwrap()[0].shm_bytes, 128);
+
+    child.kill().unwrap(); // SIGKILL: no destructor runs
+    child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while client.stats().await.unwrap().shm_regions != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the killed client's region is still registered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = client.fetch(fetch).await.unwrap_err().to_string();
+    assert!(status.contains("shm.region_id"), "{status}");
+}

@@ -1,0 +1,73 @@
+//! Work over many independent items (a step's lanes) spread over the
+//! machine's cores, with results in item order, so that a parallel run
+//! returns exactly what a serial one would. Scoped threads, no pool: a
+//! split is only made when each thread gets enough bytes to scan that
+//! starting it (tens of microseconds) is small next to the scan.
+
+use std::num::NonZeroUsize;
+use std::sync::OnceLock;
+
+/// The least work (bytes to scan) worth a thread of its own.
+pub const MIN_BYTES_PER_THREAD: usize = 1 << 20;
+
+/// Cores this process may run on (1 when unknown).
+pub fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get))
+}
+
+/// How many threads `bytes` of work over `items` items gets on `cores` cores.
+pub fn threads_for(items: usize, bytes: usize, cores: usize) -> usize {
+    cores.min(items).min(bytes / MIN_BYTES_PER_THREAD).max(1)
+}
+
+/// `f` of every item, in order, spread over up to `threads` threads (the
+/// calling thread takes the first share).
+pub fn map<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = threads.clamp(1, items.len().max(1));
+    if threads == 1 {
+        return items.iter().map(&f).collect();
+    }
+    let share = items.len().div_ceil(threads);
+    let f = &f;
+    std::thread::scope(|scope| {
+        let mut shares = items.chunks(share);
+        let first = shares.next().unwrap_or_default();
+        let others: Vec<_> = shares
+            .map(|chunk| scope.spawn(move || chunk.iter().map(f).collect::<Vec<R>>()))
+            .collect();
+        let mut out: Vec<R> = first.iter().map(f).collect();
+        for handle in others {
+            match handle.join() {
+                Ok(results) => out.extend(results),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        out
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn the_same_results_in_the_same_order_for_any_split(
+            items in proptest::collection::vec(any::<u32>(), 0..200),
+            threads in 1usize..9,
+        ) {
+            let serial: Vec<u64> = items.iter().map(|&x| u64::from(x) * 3 + 1).collect();
+            prop_assert_eq!(map(&items, threads, |&x| u64::from(x) * 3 + 1), serial);
+        }
+    }
+
+    #[test]
+    fn small_work_stays_on_one_thread() {
+        assert_eq!(threads_for(8, MIN_BYTES_PER_THREAD - 1, 16), 1);
+        assert_eq!(threads_for(8, 3 * MIN_BYTES_PER_THREAD, 16), 3);
+        assert_eq!(threads_for(2, 64 * MIN_BYTES_PER_THREAD, 16), 2);
+        assert_eq!(threads_for(8, 64 * MIN_BYTES_PER_THREAD, 4), 4);
+    }
+}

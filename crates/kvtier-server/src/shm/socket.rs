@@ -1,0 +1,203 @@
+//! The registration socket: a Unix stream socket where a client hands the
+//! server a sealed memfd (SCM_RIGHTS) and gets its region's id back.
+//!
+//! The client sends, in one message with the descriptor attached:
+//! `kvtier-shm 1\n<tenant>\n<token>\n` (an empty line for no token). The
+//! server answers `ok <region id> <bytes>\n`, or `error <gRPC code number>
+//! <message>\n` and closes. After `ok` the connection carries nothing more;
+//! its closing gives the region up.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvtier_core::{TenantId, wire};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::{UnixListener, UnixStream};
+use tonic::Status;
+
+use super::Regions;
+use crate::auth::Auth;
+use crate::status::field_status;
+
+/// How long a new connection may take to send its registration.
+const HELLO_TIME: Duration = Duration::from_secs(10);
+
+/// The registration's first line.
+const MAGIC: &str = "kvtier-shm 1";
+
+/// Largest registration message: three short lines.
+const MAX_HELLO: usize = 4096;
+
+/// Binds `path`, replacing a socket file no server answers on any more (one
+/// a killed server left); refuses one a live server is listening on.
+pub(crate) fn bind(path: &Path) -> io::Result<UnixListener> {
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            "another server is listening on this socket",
+        ));
+    }
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    UnixListener::bind(path)
+}
+
+/// Accepts registrations until `stop`; removes the socket file after.
+pub(crate) async fn serve(
+    listener: UnixListener,
+    path: PathBuf,
+    regions: Arc<Regions>,
+    auth: Arc<Auth>,
+    stop: impl Future<Output = ()>,
+) {
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    tokio::spawn(connection(stream, Arc::clone(&regions), Arc::clone(&auth)));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "shm socket accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            () = &mut stop => break,
+        }
+    }
+    let _ = std::fs::remove_file(path);
+}
+
+async fn connection(mut stream: UnixStream, regions: Arc<Regions>, auth: Arc<Auth>) {
+    let registered = match tokio::time::timeout(HELLO_TIME, read_hello(&stream)).await {
+        Ok(Ok((hello, fds))) => register(&regions, &auth, &hello, fds),
+        Ok(Err(e)) => Err(Status::invalid_argument(format!("reading the registration: {e}"))),
+        Err(_) => Err(Status::deadline_exceeded("no registration within 10 s")),
+    };
+    let (id, bytes) = match registered {
+        Ok(region) => region,
+        Err(status) => {
+            let line = format!(
+                "error {} {}\n",
+                status.code() as i32,
+                status.message().replace('\n', " ")
+            );
+            let _ = stream.write_all(line.as_bytes()).await;
+            return;
+        }
+    };
+    tracing::debug!(region = id, bytes, "shm region registered");
+    if stream.write_all(format!("ok {id} {bytes}\n").as_bytes()).await.is_ok() {
+        // Anything more the client sends is ignored; its end of the
+        // connection closing (or failing) ends the region.
+        let mut sink = [0u8; 64];
+        while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+    }
+    regions.remove(id);
+    tracing::debug!(region = id, "shm region released");
+}
+
+/// Checks a registration and maps its region.
+fn register(regions: &Regions, auth: &Auth, hello: &[u8], mut fds: Vec<OwnedFd>) -> Result<(u64, u64), Status> {
+    let text = std::str::from_utf8(hello).map_err(|_| Status::invalid_argument("the registration is not UTF-8"))?;
+    let mut lines = text.split('\n');
+    let (Some(MAGIC), Some(tenant), Some(token), Some("")) = (lines.next(), lines.next(), lines.next(), lines.next())
+    else {
+        return Err(Status::invalid_argument(format!(
+            "the registration must be `{MAGIC}\\n<tenant>\\n<token>\\n`"
+        )));
+    };
+    let tenant = TenantId::parse(wire::TENANT.path, tenant).map_err(field_status)?;
+    auth.caller_with_token(token)?.check_tenant(&tenant)?;
+    if fds.len() != 1 {
+        return Err(Status::invalid_argument(format!(
+            "the registration must carry one file descriptor, not {}",
+            fds.len()
+        )));
+    }
+    let file = File::from(fds.remove(0));
+    regions
+        .register(tenant, &file)
+        .map_err(|e| Status::invalid_argument(e.to_string()))
+}
+
+/// Reads the registration: up to its last line, with the descriptors
+/// that came with it.
+async fn read_hello(stream: &UnixStream) -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+    let mut hello = Vec::new();
+    let mut fds = Vec::new();
+    let mut buf = [0u8; MAX_HELLO];
+    while hello.iter().filter(|&&b| b == b'\n').count() < 3 {
+        stream.readable().await?;
+        let read = stream.try_io(Interest::READABLE, || {
+            recv_with_fds(stream.as_raw_fd(), &mut buf, &mut fds)
+        });
+        let n = match read {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "closed before registering",
+            ));
+        }
+        hello.extend_from_slice(&buf[..n]);
+        if hello.len() > MAX_HELLO {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the registration is too long",
+            ));
+        }
+    }
+    Ok((hello, fds))
+}
+
+/// One recvmsg(2): bytes into `buf`, and every descriptor that came with
+/// them into `fds` (owned from here on, so none leaks).
+fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // Room for a few descriptors, aligned for cmsghdr.
+    let mut control = [0u64; 16];
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control) as _;
+    // SAFETY: `msg` points at `iov` (over `buf`) and `control`, both live
+    // and writable for the call, with their true lengths.
+    let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel filled `msg`'s control area; CMSG_FIRSTHDR and
+    // CMSG_NXTHDR walk it within msg_controllen, and each SCM_RIGHTS
+    // header's data holds (cmsg_len - header) / size_of(c_int) descriptors,
+    // now open in this process and owned by no one else.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg);
+                let len = (*cmsg).cmsg_len as usize - (data as usize - cmsg as usize);
+                for i in 0..len / std::mem::size_of::<libc::c_int>() {
+                    let raw = std::ptr::read_unaligned(data.cast::<libc::c_int>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(raw));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok(n as usize)
+}
