@@ -111,10 +111,17 @@ impl Tier for PinnedHostTier {
         Ok(())
     }
     fn read(&self, slot: &Slot, offset: u64, dst: &mut [u8]) -> Result<(), TierError> {
+        // SAFETY: `[u8]` and `[MaybeUninit<u8>]` have the same layout, and
+        // `read_uninit` only writes initialised bytes into it.
+        let dst = unsafe { &mut *(dst as *mut [u8] as *mut [std::mem::MaybeUninit<u8>]) };
+        self.read_uninit(slot, offset, dst)
+    }
+
+    fn read_uninit(&self, slot: &Slot, offset: u64, dst: &mut [std::mem::MaybeUninit<u8>]) -> Result<(), TierError> {
         let src = self.check(slot, offset, dst.len())?;
         // SAFETY: `src` addresses `dst.len()` bytes of this slot; `&Slot`
         // excludes writers; `dst` is a unique borrow of other memory.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr().cast::<u8>(), dst.len()) };
         Ok(())
     }
 }

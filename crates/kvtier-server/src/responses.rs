@@ -2,12 +2,15 @@
 //! limit, each holding its in-flight bytes until tonic has taken it, and a
 //! long fetch read chunk by chunk as room allows.
 
+use std::ops::Range;
 use std::sync::Arc;
 
-use kvtier_core::select::Aggregation;
+use bytes::{Bytes, BytesMut};
 use kvtier_core::{Layout, SequenceKey};
 use kvtier_proto::v1 as pb;
-use kvtier_store::{FetchCursor, FetchPages, FetchedPage, PageContent, PageList, Selection, Store, StoreResult};
+use kvtier_store::{
+    FetchCursor, FetchPages, FetchedPage, PageBuf, PageContent, PageList, SelectPages, Selection, Store, StoreResult,
+};
 use prost::Message;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -17,10 +20,11 @@ use crate::blocking::blocking;
 use crate::gate::RequestBytes;
 use crate::inflight::{Held, Holding, InFlight};
 use crate::shm::Window;
-use crate::status::to_status;
 use crate::{chunk, convert};
 
-pub(crate) fn page_to_pb(p: FetchedPage) -> pb::Page {
+/// A read page as a message, its bytes placed by `place` (inline, or where
+/// they went in a shared-memory window).
+pub(crate) fn page_to_pb<B>(p: FetchedPage<B>, place: impl FnOnce(&mut pb::Page, B)) -> pb::Page {
     let (state, cold_tier) = convert::state_to_pb(p.state);
     let mut page = pb::Page {
         kv_head: p.kv_head,
@@ -32,14 +36,40 @@ pub(crate) fn page_to_pb(p: FetchedPage) -> pb::Page {
         ..Default::default()
     };
     match p.content {
-        PageContent::Original(kv) => page.kv = kv.into(),
+        PageContent::Original(kv) => place(&mut page, kv),
         PageContent::Summary { counts, kv } => {
-            page.kv = kv.into();
+            place(&mut page, kv);
             page.summary_counts = counts;
         }
         PageContent::Gone(reason) => page.gone_reason = convert::reason_to_pb(reason) as i32,
     }
     page
+}
+
+/// Runs a read into a new buffer of `room` bytes, which the tiers copy
+/// into once, without zeroing it first; the read's result and its bytes,
+/// which pages' messages then share.
+pub(crate) fn read_to_bytes<T>(
+    room: usize,
+    read: impl FnOnce(&mut PageBuf<'_>) -> StoreResult<T>,
+) -> StoreResult<(T, Bytes)> {
+    let mut bytes = BytesMut::with_capacity(room);
+    let mut buf = PageBuf::new(bytes.spare_capacity_mut());
+    let out = read(&mut buf)?;
+    let used = buf.used();
+    // SAFETY: the read succeeded, so the first `used` bytes of the spare
+    // capacity are initialised (`PageBuf`'s invariant), and `used` is at
+    // most the capacity.
+    unsafe { bytes.set_len(used) };
+    Ok((out, bytes.freeze()))
+}
+
+/// Pages read into `bytes`, as messages carrying their bytes.
+pub(crate) fn inline_pages(pages: Vec<FetchedPage<Range<usize>>>, bytes: &Bytes) -> Vec<pb::Page> {
+    pages
+        .into_iter()
+        .map(|p| page_to_pb(p, |page, r| page.kv = bytes.slice(r)))
+        .collect()
 }
 
 /// Response messages, each with the in-flight bytes it holds until sent.
@@ -66,26 +96,6 @@ pub(crate) fn holding<T>(messages: Vec<T>, mut held: Option<Held>) -> Vec<Held_<
         .collect()
 }
 
-/// The most page bytes a selection with data can return: its budget per
-/// KV head (per query head, with that aggregation), at most every page of
-/// the longest lane, for each KV head asked.
-/// Heads the layout does not have count as none: the store refuses them.
-pub(crate) fn selection_bound(
-    budget_pages: u32,
-    kv_heads: u32,
-    aggregation: Aggregation,
-    (layout, tokens): (Layout, u64),
-) -> usize {
-    let per_head = match aggregation {
-        Aggregation::PerQueryHead => u64::from(budget_pages) * u64::from(layout.group_size()),
-        Aggregation::Max | Aggregation::Mean => u64::from(budget_pages),
-    };
-    let pages = per_head.min(tokens.div_ceil(u64::from(layout.page_size())));
-    let heads = u64::from(kv_heads.min(layout.num_kv_heads()));
-    let bytes = pages.saturating_mul(heads).saturating_mul(layout.page_bytes() as u64);
-    usize::try_from(bytes).unwrap_or(usize::MAX)
-}
-
 /// The digest bytes a selection of `kv_heads` heads scans: every page's
 /// min and max rows.
 pub(crate) fn digests_scanned(kv_heads: u32, (layout, tokens): &(Layout, u64)) -> usize {
@@ -94,25 +104,33 @@ pub(crate) fn digests_scanned(kv_heads: u32, (layout, tokens): &(Layout, u64)) -
     usize::try_from(pages.saturating_mul(2 * layout.row_bytes() as u64)).unwrap_or(usize::MAX)
 }
 
-/// A selection's pages as messages, their bytes moved to `window` when the
-/// call names one.
-pub(crate) fn data_pages(selection: &mut Selection, window: Option<&mut Window>) -> Result<Vec<pb::Page>, Status> {
-    let mut pages: Vec<pb::Page> = std::mem::take(&mut selection.data)
-        .into_iter()
-        .map(page_to_pb)
-        .collect();
-    if let Some(window) = window {
-        for page in &mut pages {
-            window.take_page(page).map_err(to_status)?;
+/// A selection with its data read straight into `window`, or into a new
+/// buffer of `room` bytes when there is none; the pages' messages apart.
+pub(crate) fn select_into(
+    store: &Arc<Store>,
+    key: &SequenceKey,
+    req: SelectPages<'_>,
+    window: Option<&mut Window>,
+    room: usize,
+) -> StoreResult<(Selection<Range<usize>>, Vec<pb::Page>)> {
+    Ok(match window {
+        Some(w) => {
+            let mut selection = store.select_pages_into(key, req, &mut w.buf())?;
+            let pages = w.pages(std::mem::take(&mut selection.data));
+            (selection, pages)
         }
-    }
-    Ok(pages)
+        None => {
+            let (mut selection, bytes) = read_to_bytes(room, |buf| store.select_pages_into(key, req, buf))?;
+            let pages = inline_pages(std::mem::take(&mut selection.data), &bytes);
+            (selection, pages)
+        }
+    })
 }
 
 /// A selection as response messages within `limit`: the totals with as
 /// many heads as fit, the remaining heads, then the pages.
-pub(crate) fn select_messages(
-    selection: Selection,
+pub(crate) fn select_messages<B>(
+    selection: Selection<B>,
     data: Vec<pb::Page>,
     limit: usize,
 ) -> Result<Vec<pb::SelectPagesResponse>, Status> {
@@ -149,64 +167,93 @@ pub(crate) fn select_messages(
 
 /// A fetch being streamed.
 pub(crate) struct FetchJob {
-    pub(crate) _request_bytes: Option<RequestBytes>,
+    _request_bytes: Option<RequestBytes>,
     pub(crate) key: SequenceKey,
-    pub(crate) request: pb::FetchPagesRequest,
-    pub(crate) per_head: Vec<Vec<u32>>,
+    request: pb::FetchPagesRequest,
+    per_head: Vec<Vec<u32>>,
     pub(crate) max_bytes: usize,
+    /// The most page bytes the whole fetch reads.
+    pub(crate) bound: usize,
+    /// The buffer one chunk's page bytes are read into.
+    pub(crate) room: usize,
 }
 
 impl FetchJob {
-    /// The most page bytes the fetch reads: the pages it lists (every
-    /// page, when it lists none) of the heads it names, whole.
-    pub(crate) fn bound(&self, (layout, tokens): (Layout, u64)) -> usize {
-        let r = &self.request;
-        let heads = r.kv_head_count.min(layout.num_kv_heads());
-        let pages = match (r.pages.is_empty(), self.per_head.is_empty()) {
-            (false, _) => r.pages.len() as u64 * u64::from(heads),
-            (true, false) => self.per_head.iter().map(|l| l.len() as u64).sum(),
+    /// A fetch of `request` (whose `shm` is taken) from a sequence of this
+    /// shape, in chunks of at most `max_bytes`.
+    pub(crate) fn new(
+        request_bytes: Option<RequestBytes>,
+        key: SequenceKey,
+        mut request: pb::FetchPagesRequest,
+        max_bytes: usize,
+        (layout, tokens): &(Layout, u64),
+    ) -> Self {
+        let per_head: Vec<Vec<u32>> = std::mem::take(&mut request.per_head_pages)
+            .into_iter()
+            .map(|l| l.pages)
+            .collect();
+        // Every page it lists (every page, when it lists none) of the heads
+        // it names, whole.
+        let heads = request.kv_head_count.min(layout.num_kv_heads());
+        let pages = match (request.pages.is_empty(), per_head.is_empty()) {
+            (false, _) => request.pages.len() as u64 * u64::from(heads),
+            (true, false) => per_head.iter().map(|l| l.len() as u64).sum(),
             (true, true) => tokens.div_ceil(u64::from(layout.page_size())) * u64::from(heads),
         };
-        usize::try_from(pages.saturating_mul(layout.page_bytes() as u64)).unwrap_or(usize::MAX)
-    }
-
-    /// Reads every page chunk by chunk, each page's bytes written to
-    /// `window`; the pages' messages, without their bytes.
-    pub(crate) fn read_to_window(&self, store: &Store, window: &mut Window) -> StoreResult<Vec<pb::Page>> {
-        let mut pages = Vec::new();
-        let mut from = FetchCursor::default();
-        loop {
-            let (chunk, next) = self.read(store, from)?;
-            for page in chunk {
-                let mut page = page_to_pb(page);
-                window.take_page(&mut page)?;
-                pages.push(page);
-            }
-            match next {
-                Some(n) => from = n,
-                None => return Ok(pages),
-            }
+        let bound = usize::try_from(pages.saturating_mul(layout.page_bytes() as u64)).unwrap_or(usize::MAX);
+        // A chunk holds at least one page, whatever max_bytes says (a page
+        // too large for a message is refused as its messages are made).
+        let room = bound.min(max_bytes.max(layout.page_bytes()));
+        Self {
+            _request_bytes: request_bytes,
+            key,
+            request,
+            per_head,
+            max_bytes,
+            bound,
+            room,
         }
     }
 
-    pub(crate) fn read(
-        &self,
-        store: &Store,
-        from: FetchCursor,
-    ) -> StoreResult<(Vec<FetchedPage>, Option<FetchCursor>)> {
+    fn pages(&self) -> FetchPages<'_> {
         let r = &self.request;
         let pages = match (r.pages.is_empty(), self.per_head.is_empty()) {
             (false, _) => PageList::Same(&r.pages),
             (true, false) => PageList::PerHead(&self.per_head),
             (true, true) => PageList::All,
         };
-        let req = FetchPages {
+        FetchPages {
             layer: r.layer,
             heads: convert::heads(r.kv_head_start, r.kv_head_count),
             pages,
             with_digests: r.include_digests,
-        };
-        store.fetch_chunk(&self.key, req, from, self.max_bytes)
+        }
+    }
+
+    /// Reads every page chunk by chunk straight into `window`; the pages'
+    /// messages, saying where their bytes are.
+    pub(crate) fn read_to_window(&self, store: &Store, window: &mut Window) -> StoreResult<Vec<pb::Page>> {
+        let mut read = Vec::new();
+        let mut from = FetchCursor::default();
+        let mut buf = window.buf();
+        loop {
+            let (chunk, next) = store.fetch_chunk_into(&self.key, self.pages(), from, self.max_bytes, &mut buf)?;
+            read.extend(chunk);
+            match next {
+                Some(n) => from = n,
+                None => break,
+            }
+        }
+        Ok(window.pages(read))
+    }
+
+    /// One chunk from `from` on as messages carrying their bytes; where
+    /// the next starts.
+    pub(crate) fn read(&self, store: &Store, from: FetchCursor) -> StoreResult<(Vec<pb::Page>, Option<FetchCursor>)> {
+        let ((pages, next), bytes) = read_to_bytes(self.room, |buf| {
+            store.fetch_chunk_into(&self.key, self.pages(), from, self.max_bytes, buf)
+        })?;
+        Ok((inline_pages(pages, &bytes), next))
     }
 }
 
@@ -229,7 +276,7 @@ pub(crate) async fn send_chunks(
             let held = held?;
             let reader = Arc::clone(&job);
             let (pages, next) = blocking(Arc::clone(&store), move |s| reader.read(s, from)).await?;
-            Ok::<_, Status>((holding(fetch_messages(pages, job.max_bytes)?, Some(held)), next))
+            Ok::<_, Status>((holding(page_messages(pages, job.max_bytes)?, Some(held)), next))
         };
         let (messages, next) = match read.await {
             Ok(chunk) => chunk,
@@ -246,11 +293,6 @@ pub(crate) async fn send_chunks(
         let Some(n) = next else { return };
         from = n;
     }
-}
-
-/// One chunk of fetched pages as response messages within `limit`.
-pub(crate) fn fetch_messages(pages: Vec<FetchedPage>, limit: usize) -> Result<Vec<pb::FetchPagesResponse>, Status> {
-    page_messages(pages.into_iter().map(page_to_pb).collect(), limit)
 }
 
 /// Pages as fetch response messages within `limit`.

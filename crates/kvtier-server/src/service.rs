@@ -21,8 +21,8 @@ use crate::blocking::{blocking, sized};
 use crate::gate::RequestBytes;
 use crate::inflight::{Holding, InFlight};
 use crate::responses::{
-    FetchJob, FetchStream, SelectStream, data_pages, digests_scanned, fetch_messages, holding, page_messages,
-    select_messages, selection_bound, send_chunks,
+    FetchJob, FetchStream, SelectStream, digests_scanned, holding, page_messages, select_into, select_messages,
+    send_chunks,
 };
 use crate::shm::Regions;
 use crate::status::{field_status, invalid, to_status};
@@ -253,24 +253,16 @@ impl KvTier for KvTierService {
             ));
         }
         let shm = r.shm.take();
-        let job = Arc::new(FetchJob {
-            _request_bytes: request_bytes,
-            key,
-            per_head: std::mem::take(&mut r.per_head_pages)
-                .into_iter()
-                .map(|l| l.pages)
-                .collect(),
-            request: r,
-            max_bytes,
-        });
+        let shape = self.store.shape(&key).map_err(to_status)?;
+        let job = Arc::new(FetchJob::new(request_bytes, key, r, max_bytes, &shape));
         // The first chunk is read before the stream starts, so a bad request
         // fails the call itself rather than the stream.
-        let held = self.in_flight.hold("a fetch chunk", max_bytes).await?;
-        let bound = job.bound(self.store.shape(&job.key).map_err(to_status)?);
+        let held = self.in_flight.hold("a fetch chunk", job.room).await?;
         let (tx, rx) = mpsc::channel(1);
         if let Some(w) = shm {
             // Checked before anything is read or written.
-            let mut window = self.regions.window(&job.key.tenant, &w, bound)?;
+            let mut window = self.regions.window(&job.key.tenant, &w, job.bound)?;
+            let bound = job.bound;
             let pages = sized(&self.store, bound, move |s| job.read_to_window(s, &mut window)).await?;
             drop(held);
             let messages = holding(page_messages(pages, max_bytes)?, None);
@@ -280,12 +272,9 @@ impl KvTier for KvTierService {
         }
         let (first, next) = {
             let job = Arc::clone(&job);
-            sized(&self.store, bound.min(max_bytes), move |s| {
-                job.read(s, FetchCursor::default())
-            })
-            .await?
+            sized(&self.store, job.room, move |s| job.read(s, FetchCursor::default())).await?
         };
-        let first = holding(fetch_messages(first, max_bytes)?, Some(held));
+        let first = holding(page_messages(first, max_bytes)?, Some(held));
         if let Some(from) = next {
             let (store, in_flight) = (Arc::clone(&self.store), Arc::clone(&self.in_flight));
             tokio::spawn(send_chunks(store, in_flight, job, from, tx));
@@ -311,7 +300,7 @@ impl KvTier for KvTierService {
         // is taken before the store reads any of it.
         let shape = self.store.shape(&key).map_err(to_status)?;
         let scanned = digests_scanned(r.kv_head_count, &shape);
-        let bound = selection_bound(r.budget_pages, r.kv_head_count, aggregation, (shape.0.clone(), shape.1));
+        let bound = kvtier_store::data_bound(&shape.0, shape.1, r.budget_pages, r.kv_head_count, aggregation);
         // Refused before the selection moves anything.
         let mut window = match &shm {
             Some(w) => Some(self.regions.window(&tenant, w, bound)?),
@@ -326,14 +315,19 @@ impl KvTier for KvTierService {
             false => None,
         };
         let work = scanned.saturating_add(if r.include_data { bound } else { 0 });
+        let room = if r.include_data { bound } else { 0 };
         let (selection, data) = sized(&self.store, work, move |s| {
-            let mut selection = s.select_pages(&key, select_request(&r, &queries, aggregation, shard))?;
-            let data = data_pages(&mut selection, window.as_mut());
-            Ok((selection, data))
+            select_into(
+                s,
+                &key,
+                select_request(&r, &queries, aggregation, shard),
+                window.as_mut(),
+                room,
+            )
         })
         .await?;
         let lease = selection.lease;
-        let messages = data.and_then(|data| select_messages(selection, data, limit));
+        let messages = select_messages(selection, data, limit);
         if let (Err(_), Some((id, _))) = (&messages, lease) {
             // Refused after all: the lease is not handed out.
             self.store.release_lease(&tenant, id);

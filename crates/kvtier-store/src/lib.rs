@@ -14,6 +14,7 @@ mod error;
 mod host;
 mod lease;
 mod page;
+mod page_buf;
 mod policy;
 mod reader;
 mod stats;
@@ -28,13 +29,15 @@ pub use error::{ManifestError, StoreError, StoreResult};
 pub use kvtier_core::policy::{PolicyAction, PolicySpec, Trigger};
 pub use kvtier_tiers::{EngineChoice, NvmeConfig, Tier, TierError, TierKind};
 pub use lease::{MAX_LEASE, random_id};
+pub use page_buf::PageBuf;
 pub use policy::PolicyOutcome;
 pub use reader::PageContent;
 pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};
 pub use store::{
     AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, Created, DeviceCache, FetchCursor,
-    FetchPages, FetchedPage, HeadSelection, Miss, PageList, PageSelection, PutOutcome, PutPages, ReportAttention,
-    SelectPages, SelectTiming, SelectedPage, Selection, SetPageState, Store, StoreConfig, TransitionOutcome,
+    FetchPages, FetchedChunk, FetchedPage, HeadSelection, Miss, PageList, PageSelection, PutOutcome, PutPages,
+    ReportAttention, SelectPages, SelectTiming, SelectedPage, Selection, SetPageState, Store, StoreConfig,
+    TransitionOutcome, data_bound,
 };
 
 /// Whether this process may use io_uring (for tests that pick an engine).

@@ -1,5 +1,6 @@
 //! Physical pages and their placement across tiers.
 
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 
@@ -274,12 +275,17 @@ pub(crate) fn rows_of(page: &[u8], layout: &Layout, rows: u32) -> Vec<u8> {
     [&page[..n], &page[v..v + n]].concat()
 }
 
-/// Reads the first `rows` rows of K then of V into one buffer.
-pub(crate) fn read_rows(tier: &dyn Tier, slot: &Slot, layout: &Layout, rows: u32) -> Result<Vec<u8>, TierError> {
+/// Reads the first `rows` rows of K then of V into `dst`, which is exactly
+/// that long.
+pub(crate) fn read_rows_into(
+    tier: &dyn Tier,
+    slot: &Slot,
+    layout: &Layout,
+    rows: u32,
+    dst: &mut [MaybeUninit<u8>],
+) -> Result<(), TierError> {
     let n = rows as usize * layout.row_bytes();
-    let mut out = vec![0u8; 2 * n];
-    let (k, v) = out.split_at_mut(n);
-    tier.read(slot, 0, k)?;
-    tier.read(slot, u64::from(layout.page_size()) * layout.row_bytes() as u64, v)?;
-    Ok(out)
+    let (k, v) = dst.split_at_mut(n);
+    tier.read_uninit(slot, 0, k)?;
+    tier.read_uninit(slot, u64::from(layout.page_size()) * layout.row_bytes() as u64, v)
 }

@@ -2,6 +2,8 @@
 //! or NVMe in one CRC-checked batch), promotion of NVMe-only pages back to
 //! host memory, and a host copy on demand for the writes that need one.
 
+use std::mem::MaybeUninit;
+use std::ops::Range;
 use std::sync::Arc;
 
 use kvtier_core::{Layout, LogicalPage, PageState, Reason, wire};
@@ -9,7 +11,8 @@ use kvtier_tiers::{AlignedBuf, Tier, TierKind};
 
 use crate::durability::{CopyRead, Durable};
 use crate::host::{HostCache, MigrationTime};
-use crate::page::{NvmeCopy, PhysPage, StoreLane, read_rows, rows_of, write_rows};
+use crate::page::{NvmeCopy, PhysPage, StoreLane, read_rows_into, rows_of, write_rows};
+use crate::page_buf::PageBuf;
 use crate::stats::Counters;
 use crate::sync::{read, write};
 use crate::{StoreError, StoreResult};
@@ -25,74 +28,136 @@ pub(crate) struct Reader<'a> {
     pub(crate) promote: bool,
 }
 
+/// A page's content as read: its bytes are a `B`, owned (`Vec<u8>`) or a
+/// range of the [`PageBuf`] the read filled.
 #[derive(Debug, Clone, PartialEq)]
-pub enum PageContent {
+pub enum PageContent<B = Vec<u8>> {
     /// The original bytes: K rows `[rows][head_dim]` then V rows.
-    Original(Vec<u8>),
+    Original(B),
     /// `counts.len()` summary rows, K then V, each standing for `counts[i]`
     /// tokens.
-    Summary { counts: Vec<u32>, kv: Vec<u8> },
+    Summary { counts: Vec<u32>, kv: B },
     /// No bytes; why they are gone.
     Gone(Reason),
 }
 
-/// A whole page's bytes read from one of its copies.
+impl<B> PageContent<B> {
+    /// The same content with its bytes mapped by `f`.
+    pub fn map<C>(self, f: impl FnOnce(B) -> C) -> PageContent<C> {
+        match self {
+            PageContent::Original(b) => PageContent::Original(f(b)),
+            PageContent::Summary { counts, kv } => PageContent::Summary { counts, kv: f(kv) },
+            PageContent::Gone(reason) => PageContent::Gone(reason),
+        }
+    }
+
+    /// The page's bytes, if it has any.
+    pub fn bytes(&self) -> Option<&B> {
+        match self {
+            PageContent::Original(b) | PageContent::Summary { kv: b, .. } => Some(b),
+            PageContent::Gone(_) => None,
+        }
+    }
+}
+
+/// Where a page's bytes are to be had.
 enum Source {
-    Now(Vec<u8>),
+    /// Read already, from host or device memory.
+    Read,
+    /// On NVMe only: to be read (and checked) in a batch.
+    Nvme(NvmeCopy, u64),
+}
+
+/// [`Source`], with bytes read into a buffer of their own.
+enum Owned {
+    Read(Vec<u8>),
     Nvme(NvmeCopy, u64),
 }
 
 impl Reader<'_> {
-    /// Reads logical pages: each one's state and bytes (the original, the
-    /// summary, or why it is gone). Originals on NVMe are read in one batch.
-    /// Hot pages are collected in `hot` so the caller can mark them used.
+    /// Reads logical pages: each one's state and content (the original, the
+    /// summary, or why it is gone), the bytes straight into `buf` in request
+    /// order. Originals on NVMe are read in one batch. Hot pages are
+    /// collected in `hot` so the caller can mark them used.
     pub(crate) fn contents(
         &self,
         layout: &Layout,
         pages: &[(&StoreLane, usize)],
         hot: &mut Vec<Arc<PhysPage>>,
-    ) -> StoreResult<Vec<(PageState, PageContent)>> {
+        buf: &mut PageBuf<'_>,
+    ) -> StoreResult<Vec<(PageState, PageContent<Range<usize>>)>> {
         let mut out = Vec::with_capacity(pages.len());
-        let mut originals = Vec::new();
+        let mut later = Vec::new();
         for (i, &(lane, p)) in pages.iter().enumerate() {
             let Some(logical) = lane.page(p) else {
                 return Err(StoreError::Internal(format!("page {p} is beyond its lane")));
             };
             out.push(match logical {
                 LogicalPage::Physical(r) => {
+                    let rows = lane.rows_in(p);
+                    let range = buf.take(2 * rows as usize * layout.row_bytes())?;
                     let state = read(&r.page.place).state();
                     if state == PageState::Hot {
                         hot.push(Arc::clone(&r.page));
                     }
-                    originals.push((i, (Arc::clone(&r.page), lane.rows_in(p))));
-                    (state, PageContent::Gone(Reason::Integrity))
+                    match self.source(&r.page, layout, rows, buf.at(&range))? {
+                        Some(Source::Read) => (state, PageContent::Original(range)),
+                        Some(Source::Nvme(..)) => {
+                            later.push((i, (Arc::clone(&r.page), rows), range));
+                            (state, PageContent::Gone(Reason::Integrity))
+                        }
+                        None => {
+                            buf.zero(&range);
+                            (PageState::Gone, PageContent::Gone(lost_reason(&r.page)))
+                        }
+                    }
                 }
                 LogicalPage::Summary(s) => {
-                    let mut kv = vec![0u8; s.slot.len() as usize];
-                    self.host.tier().read(&s.slot, 0, &mut kv)?;
+                    let range = buf.take(s.slot.len() as usize)?;
+                    self.host.tier().read_uninit(&s.slot, 0, buf.at(&range))?;
                     (
                         PageState::Summary,
                         PageContent::Summary {
                             counts: s.counts.clone(),
-                            kv,
+                            kv: range,
                         },
                     )
                 }
                 LogicalPage::Gone(reason) => (PageState::Gone, PageContent::Gone(*reason)),
             });
         }
-        let (index, requests): (Vec<usize>, Vec<_>) = originals.into_iter().unzip();
-        let bytes = self.originals(layout, &requests)?;
-        for ((i, bytes), (page, _)) in index.into_iter().zip(bytes).zip(&requests) {
+        let requests: Vec<(Arc<PhysPage>, u32)> = later.iter().map(|(_, r, _)| r.clone()).collect();
+        for ((i, (page, _), range), bytes) in later.into_iter().zip(self.originals(layout, &requests)?) {
             out[i] = match bytes {
-                Some(b) => (out[i].0, PageContent::Original(b)),
+                Some(b) => {
+                    buf.fill(&range, &b);
+                    (out[i].0, PageContent::Original(range))
+                }
                 None => {
-                    let reason = read(&page.place).lost.unwrap_or(Reason::Integrity);
-                    (PageState::Gone, PageContent::Gone(reason))
+                    buf.zero(&range);
+                    (PageState::Gone, PageContent::Gone(lost_reason(&page)))
                 }
             };
         }
         Ok(out)
+    }
+
+    /// Like [`Self::contents`], each page's bytes owned.
+    pub(crate) fn owned_contents(
+        &self,
+        layout: &Layout,
+        pages: &[(&StoreLane, usize)],
+        hot: &mut Vec<Arc<PhysPage>>,
+    ) -> StoreResult<Vec<(PageState, PageContent)>> {
+        // A summary is never larger than the page it stands for.
+        let mut room = Vec::with_capacity(pages.len() * layout.page_bytes());
+        let mut buf = PageBuf::new(room.spare_capacity_mut());
+        let read = self.contents(layout, pages, hot, &mut buf)?;
+        let filled = buf.filled();
+        Ok(read
+            .into_iter()
+            .map(|(state, c)| (state, c.map(|r| filled[r].to_vec())))
+            .collect())
     }
 
     /// The original bytes (K rows then V rows, `rows` each) of each page, or
@@ -108,9 +173,9 @@ impl Reader<'_> {
         let mut out: Vec<Option<Vec<u8>>> = vec![None; pages.len()];
         let mut pending = Vec::new();
         for (i, (page, rows)) in pages.iter().enumerate() {
-            match self.source(page, layout, *rows)? {
-                Some(Source::Now(bytes)) => out[i] = Some(bytes),
-                Some(Source::Nvme(copy, version)) => pending.push((i, copy, version)),
+            match self.source_owned(page, layout, *rows)? {
+                Some(Owned::Read(bytes)) => out[i] = Some(bytes),
+                Some(Owned::Nvme(copy, version)) => pending.push((i, copy, version)),
                 None => {}
             }
         }
@@ -131,7 +196,7 @@ impl Reader<'_> {
                 }
                 // Another copy appeared meanwhile: it is used.
                 CopyRead::Elsewhere => {
-                    if let Some(Source::Now(bytes)) = self.source(page, layout, *rows)? {
+                    if let Some(Owned::Read(bytes)) = self.source_owned(page, layout, *rows)? {
                         out[i] = Some(bytes);
                     }
                 }
@@ -144,23 +209,31 @@ impl Reader<'_> {
         Ok(out)
     }
 
-    /// Where to read a page's bytes: now from host or device, or later from
-    /// NVMe; `None` when lost.
-    fn source(&self, page: &Arc<PhysPage>, layout: &Layout, rows: u32) -> StoreResult<Option<Source>> {
+    /// Reads a page's first `rows` K then V rows into `dst` when a host or
+    /// device copy has them; otherwise says where they are (NVMe), or
+    /// `None` when lost.
+    fn source(
+        &self,
+        page: &Arc<PhysPage>,
+        layout: &Layout,
+        rows: u32,
+        dst: &mut [MaybeUninit<u8>],
+    ) -> StoreResult<Option<Source>> {
         let place = read(&page.place);
         if place.lost.is_some() {
             return Ok(None);
         }
         if let Some(host) = &place.host {
-            let bytes = read_rows(&**self.host.tier(), host, layout, rows)?;
+            read_rows_into(&**self.host.tier(), host, layout, rows, dst)?;
             // The LRU after the page lock is released: never an LRU lock
             // under a page lock (migration takes them the other way).
             drop(place);
             self.host.touch([page]);
-            return Ok(Some(Source::Now(bytes)));
+            return Ok(Some(Source::Read));
         }
         if let Some(device) = &place.device {
-            return Ok(Some(Source::Now(read_rows(self.device, device, layout, rows)?)));
+            read_rows_into(self.device, device, layout, rows, dst)?;
+            return Ok(Some(Source::Read));
         }
         match &place.nvme {
             Some(copy) => Ok(Some(Source::Nvme(copy.clone(), place.version))),
@@ -169,6 +242,24 @@ impl Reader<'_> {
                 page.id
             ))),
         }
+    }
+
+    /// [`Self::source`] into a new buffer: the bytes, or the NVMe copy and
+    /// version to read them from.
+    fn source_owned(&self, page: &Arc<PhysPage>, layout: &Layout, rows: u32) -> StoreResult<Option<Owned>> {
+        let len = 2 * rows as usize * layout.row_bytes();
+        let mut bytes = Vec::with_capacity(len);
+        Ok(
+            match self.source(page, layout, rows, &mut bytes.spare_capacity_mut()[..len])? {
+                Some(Source::Read) => {
+                    // SAFETY: `source` wrote all `len` bytes (it returned Read).
+                    unsafe { bytes.set_len(len) };
+                    Some(Owned::Read(bytes))
+                }
+                Some(Source::Nvme(copy, version)) => Some(Owned::Nvme(copy, version)),
+                None => None,
+            },
+        )
     }
 
     /// Gives NVMe-only pages a host copy again (best effort: never makes
@@ -227,4 +318,10 @@ impl Reader<'_> {
         }
         Ok(())
     }
+}
+
+/// Why a page's bytes are not to be had: the reason it was lost for, or a
+/// failed check.
+fn lost_reason(page: &PhysPage) -> Reason {
+    read(&page.place).lost.unwrap_or(Reason::Integrity)
 }

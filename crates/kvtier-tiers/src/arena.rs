@@ -2,6 +2,7 @@
 //! capacity, carved into slots. It serves the host tier, and the device tier
 //! when no CUDA device is present (labelled `emulated`).
 
+use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -111,13 +112,20 @@ impl Tier for ArenaTier {
     }
 
     fn read(&self, slot: &Slot, offset: u64, dst: &mut [u8]) -> Result<(), TierError> {
+        // SAFETY: `[u8]` and `[MaybeUninit<u8>]` have the same layout, and
+        // `read_uninit` only writes initialised bytes into it.
+        let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
+        self.read_uninit(slot, offset, dst)
+    }
+
+    fn read_uninit(&self, slot: &Slot, offset: u64, dst: &mut [MaybeUninit<u8>]) -> Result<(), TierError> {
         self.check(slot, offset, dst.len())?;
         // SAFETY: as in `write`, the range is inside this tier's mapping and
         // inside the slot; holding `&Slot` excludes writers to it. `dst` is a
         // unique borrow, so it cannot alias the slot's bytes.
         unsafe {
             let src = self.base.as_ptr().add((slot.offset() + offset) as usize);
-            std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len());
+            std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr().cast::<u8>(), dst.len());
         }
         Ok(())
     }

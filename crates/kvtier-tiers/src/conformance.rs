@@ -48,6 +48,12 @@ pub fn round_trip<T: Tier>(make: impl Fn(u64) -> T) {
             let mut mid = vec![0u8; 5];
             tier.read(slot, 2, &mut mid).unwrap();
             assert_eq!(mid, data[2..7]);
+            // Into memory holding garbage, as a response buffer's spare room does.
+            let mut uninit = vec![std::mem::MaybeUninit::new(0xEEu8); data.len() - 1];
+            tier.read_uninit(slot, 1, &mut uninit).unwrap();
+            // SAFETY: `uninit` was initialised (with garbage, then the read).
+            let read: Vec<u8> = uninit.iter().map(|b| unsafe { b.assume_init() }).collect();
+            assert_eq!(read, data[1..]);
         }
     }
 }
@@ -102,6 +108,9 @@ pub fn out_of_range<T: Tier>(make: impl Fn(u64) -> T) {
         let err = tier.write(&mut slot, offset, &vec![0xAA; len]).unwrap_err();
         assert!(matches!(err, TierError::OutOfBounds { slot_len: 100, .. }), "{err}");
         let err = tier.read(&slot, offset, &mut vec![0; len]).unwrap_err();
+        assert!(matches!(err, TierError::OutOfBounds { .. }), "{err}");
+        let mut uninit = vec![std::mem::MaybeUninit::new(0u8); len];
+        let err = tier.read_uninit(&slot, offset, &mut uninit).unwrap_err();
         assert!(matches!(err, TierError::OutOfBounds { .. }), "{err}");
     }
     assert_eq!(read_all(&tier, &slot), data);

@@ -15,6 +15,7 @@ mod lock;
 mod nvme;
 
 use std::fmt;
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 pub use aligned::{AlignedBuf, IO_ALIGN};
@@ -149,6 +150,20 @@ pub trait Tier: Send + Sync + fmt::Debug {
     fn write(&self, slot: &mut Slot, offset: u64, src: &[u8]) -> Result<(), TierError>;
     /// Copies slot bytes at `offset` into `dst`.
     fn read(&self, slot: &Slot, offset: u64, dst: &mut [u8]) -> Result<(), TierError>;
+
+    /// Like [`Tier::read`], into memory that need not be initialised (a
+    /// response buffer's spare room, a client's shared-memory window); all
+    /// of `dst` is written when it succeeds. Memory tiers copy straight into
+    /// it; the default zeroes it first, then reads.
+    fn read_uninit(&self, slot: &Slot, offset: u64, dst: &mut [MaybeUninit<u8>]) -> Result<(), TierError> {
+        // SAFETY: `dst` is valid for writes of its length; once zeroed, every
+        // byte is initialised, so viewing it as `[u8]` is sound.
+        let dst = unsafe {
+            std::ptr::write_bytes(dst.as_mut_ptr(), 0, dst.len());
+            &mut *(dst as *mut [MaybeUninit<u8>] as *mut [u8])
+        };
+        self.read(slot, offset, dst)
+    }
 
     /// Reads whole slots into owned buffers (capacity at least the slot's
     /// reserved length), submitted together. Dropping a completion before it

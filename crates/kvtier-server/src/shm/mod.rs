@@ -10,15 +10,18 @@ mod socket;
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::mem::MaybeUninit;
+use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvtier_core::{TenantId, wire};
 use kvtier_proto::v1 as pb;
-use kvtier_store::{StoreError, StoreResult};
+use kvtier_store::{FetchedPage, PageBuf};
 use memmap2::{MmapOptions, MmapRaw};
 use tonic::Status;
 
+use crate::responses::page_to_pb;
 use crate::status::invalid;
 
 pub(crate) use socket::{bind, serve};
@@ -49,6 +52,9 @@ pub(crate) enum RegisterError {
 pub(crate) struct Region {
     tenant: TenantId,
     map: MmapRaw,
+    /// The windows calls are writing now: no two overlap, so each call's
+    /// view of its window is the only one in this process.
+    busy: Mutex<Vec<Range<u64>>>,
 }
 
 impl Region {
@@ -56,24 +62,8 @@ impl Region {
         self.map.len() as u64
     }
 
-    /// Copies `bytes` to `offset`, which the caller checked lies with
-    /// `bytes` inside the region.
-    fn write(&self, offset: u64, bytes: &[u8]) {
-        assert!(
-            offset
-                .checked_add(bytes.len() as u64)
-                .is_some_and(|end| end <= self.len())
-        );
-        // SAFETY: the range is inside the mapping (asserted above), which
-        // lives as long as `self`. The memfd is sealed against shrinking
-        // (checked at registration), so every mapped page stays backed and
-        // the write cannot fault. The client may write the same memory
-        // concurrently: only raw pointers touch it here, never a Rust
-        // reference, and what the client then reads is its own affair.
-        unsafe {
-            let dst = self.map.as_mut_ptr().add(offset as usize);
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len());
-        }
+    fn busy(&self) -> MutexGuard<'_, Vec<Range<u64>>> {
+        self.busy.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -107,7 +97,11 @@ impl Regions {
             .len(len as usize)
             .map_raw(file)
             .map_err(RegisterError::Map)?;
-        let region = Arc::new(Region { tenant, map });
+        let region = Arc::new(Region {
+            tenant,
+            map,
+            busy: Mutex::new(Vec::new()),
+        });
         let mut by_id = self.by_id();
         if by_id.len() >= MAX_REGIONS {
             return Err(RegisterError::Full);
@@ -177,36 +171,125 @@ impl Regions {
                 format!("is {} bytes; the call can return up to {needed}", w.length),
             ));
         }
-        Ok(Window {
-            region,
-            next: w.offset,
-            end,
-        })
+        let range = w.offset..end;
+        let mut busy = region.busy();
+        if busy.iter().any(|b| b.start < range.end && range.start < b.end) {
+            return Err(Status::failed_precondition(format!(
+                "{}: the window overlaps one another call is writing now; give each call in flight a window of its own",
+                wire::SHM.path
+            )));
+        }
+        busy.push(range.clone());
+        drop(busy);
+        Ok(Window { region, range })
     }
 }
 
-/// Where a call writes its pages: the rest of its window.
+/// Where a call writes its pages, its own until it is dropped.
 #[derive(Debug)]
 pub(crate) struct Window {
     region: Arc<Region>,
-    next: u64,
-    end: u64,
+    range: Range<u64>,
 }
 
 impl Window {
-    /// Moves a page's bytes out of its message into the window.
-    pub(crate) fn take_page(&mut self, page: &mut pb::Page) -> StoreResult<()> {
-        let kv = std::mem::take(&mut page.kv);
-        let len = kv.len() as u64;
-        if len > self.end - self.next {
-            // The window was checked against the call's bound; a call
-            // returning more is a server bug, refused rather than written.
-            return Err(StoreError::Internal("a response outgrew its checked shm window".into()));
+    /// The window as room for a read.
+    pub(crate) fn buf(&mut self) -> PageBuf<'_> {
+        let len = (self.range.end - self.range.start) as usize;
+        // SAFETY: the range lies inside the mapping (checked when the window
+        // was made), which lives as long as `self.region`. The memfd is
+        // sealed against shrinking (checked at registration), so every page
+        // stays backed and no write faults. No other window of the region
+        // overlaps this one while it lives (`busy`), and `&mut self` makes
+        // this the only view of it here. The client may write the same bytes
+        // concurrently from its process; that cannot make a `MaybeUninit<u8>`
+        // invalid, and nothing here reads them back.
+        let room = unsafe {
+            let start = self.region.map.as_mut_ptr().add(self.range.start as usize);
+            std::slice::from_raw_parts_mut(start.cast::<MaybeUninit<u8>>(), len)
+        };
+        PageBuf::new(room)
+    }
+
+    /// Pages read into this window's [`Window::buf`], as messages saying
+    /// where their bytes are in the region.
+    pub(crate) fn pages(&self, pages: Vec<FetchedPage<Range<usize>>>) -> Vec<pb::Page> {
+        let start = self.range.start;
+        pages
+            .into_iter()
+            .map(|p| {
+                page_to_pb(p, |page, r| {
+                    page.shm_offset = start + r.start as u64;
+                    page.shm_bytes = r.len() as u64;
+                })
+            })
+            .collect()
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        let mut busy = self.region.busy();
+        if let Some(i) = busy.iter().position(|b| *b == self.range) {
+            busy.swap_remove(i);
         }
-        self.region.write(self.next, &kv);
-        page.shm_offset = self.next;
-        page.shm_bytes = len;
-        self.next += len;
-        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::FromRawFd;
+
+    use super::*;
+
+    /// A memfd of `len` bytes, sealed against shrinking when `sealed`.
+    fn memfd(len: u64, sealed: bool) -> File {
+        // SAFETY: a NUL-terminated name and valid flags.
+        let fd = unsafe { libc::memfd_create(c"test".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        assert!(fd >= 0);
+        // SAFETY: a new descriptor no one else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(len).unwrap();
+        if sealed {
+            // SAFETY: fcntl on a descriptor `file` owns.
+            assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
+        }
+        file
+    }
+
+    fn window(id: u64, offset: u64, length: u64) -> pb::ShmWindow {
+        pb::ShmWindow {
+            region_id: id,
+            offset,
+            length,
+        }
+    }
+
+    #[test]
+    fn a_region_that_could_shrink_is_refused() {
+        let regions = Regions::default();
+        let tenant = TenantId::parse("tenant", "").unwrap();
+        let err = regions.register(tenant.clone(), &memfd(4096, false)).unwrap_err();
+        assert!(matches!(err, RegisterError::NotSealed(_)), "{err}");
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(4096).unwrap();
+        let err = regions.register(tenant.clone(), &file).unwrap_err();
+        assert!(matches!(err, RegisterError::NotSealed(_)), "a plain file: {err}");
+        assert!(regions.register(tenant, &memfd(4096, true)).is_ok());
+    }
+
+    #[test]
+    fn windows_in_use_do_not_overlap() {
+        let regions = Regions::default();
+        let tenant = TenantId::parse("tenant", "").unwrap();
+        let (id, _) = regions.register(tenant.clone(), &memfd(1 << 16, true)).unwrap();
+        let first = regions.window(&tenant, &window(id, 4096, 8192), 0).unwrap();
+        let overlapping = regions.window(&tenant, &window(id, 8191, 10), 0).unwrap_err();
+        assert_eq!(overlapping.code(), tonic::Code::FailedPrecondition, "{overlapping:?}");
+        let beside = regions.window(&tenant, &window(id, 12288, 4096), 0).unwrap();
+        drop(first);
+        let again = regions.window(&tenant, &window(id, 8191, 10), 0);
+        assert!(again.is_ok(), "a window is free again once its call is done");
+        drop(beside);
     }
 }

@@ -26,7 +26,7 @@ pub(super) fn of_queries(
     let tokens = l.tokens() as usize;
     let page_size = layout.page_size() as usize;
     let requests: Vec<_> = (0..l.num_pages()).map(|p| (l, p)).collect();
-    let contents = reader.contents(layout, &requests, &mut Vec::new())?;
+    let contents = reader.owned_contents(layout, &requests, &mut Vec::new())?;
     // Key rows with the tokens each stands for.
     let mut rows: Vec<(usize, usize, Vec<f32>)> = Vec::new();
     for (p, (_, content)) in contents.iter().enumerate() {

@@ -1,11 +1,14 @@
 //! FetchPages: pages by (layer, KV-head range, page list) with their state,
 //! in chunks of bounded size.
 
+use std::ops::Range;
+
 use kvtier_core::{LogicalPage, PageState, SequenceKey, wire};
 
 use super::Store;
 use crate::catalog::{HeadRange, Sequence};
 use crate::page::StoreLane;
+use crate::page_buf::PageBuf;
 use crate::reader::PageContent;
 use crate::stats::Counters;
 use crate::{StoreError, StoreResult};
@@ -49,17 +52,43 @@ impl<'a> PageList<'a> {
     }
 }
 
+/// A page as read: its bytes owned (`Vec<u8>`) or a range of the
+/// [`PageBuf`] the read filled.
 #[derive(Debug, Clone, PartialEq)]
-pub struct FetchedPage {
+pub struct FetchedPage<B = Vec<u8>> {
     pub kv_head: u32,
     pub page: u32,
     pub state: PageState,
     /// Valid token rows of the page (the last page may be partial).
     pub rows: u32,
-    pub content: PageContent,
+    pub content: PageContent<B>,
     /// The page's key digest (min row, then max row), when asked for.
     pub digest: Option<Vec<u8>>,
 }
+
+impl<B> FetchedPage<B> {
+    /// The same page with its bytes mapped by `f`.
+    pub fn map<C>(self, f: impl FnOnce(B) -> C) -> FetchedPage<C> {
+        FetchedPage {
+            kv_head: self.kv_head,
+            page: self.page,
+            state: self.state,
+            rows: self.rows,
+            content: self.content.map(f),
+            digest: self.digest,
+        }
+    }
+}
+
+impl FetchedPage<Range<usize>> {
+    /// The page with its bytes copied out of `buf`, which a read filled.
+    pub(crate) fn owned(self, buf: &PageBuf<'_>) -> FetchedPage {
+        self.map(|r| buf.filled()[r].to_vec())
+    }
+}
+
+/// A chunk of a fetch read into a [`PageBuf`], and where the next starts.
+pub type FetchedChunk = (Vec<FetchedPage<Range<usize>>>, Option<FetchCursor>);
 
 /// Where a chunked fetch resumes: the `head`-th head of the range, the
 /// `index`-th page of its list.
@@ -73,50 +102,64 @@ impl Store {
     /// Reads pages bit-exact as written. Summaries come back as summaries and
     /// gone pages as a per-page status; neither fails the call.
     pub fn fetch_pages(&self, key: &SequenceKey, req: FetchPages<'_>) -> StoreResult<Vec<FetchedPage>> {
-        self.fetch_chunk(key, req, FetchCursor::default(), usize::MAX)
-            .map(|(pages, _)| pages)
+        self.catalog.read(key, |seq| {
+            let lanes = check_fetch(seq, &req)?;
+            let (chosen, _, bytes) = chunk(seq, &req, &lanes, FetchCursor::default(), usize::MAX);
+            let mut room = Vec::with_capacity(bytes);
+            let mut buf = PageBuf::new(room.spare_capacity_mut());
+            let pages = self.read_chunk(seq, &req, &chosen, &mut buf)?;
+            Ok(pages.into_iter().map(|p| p.owned(&buf)).collect())
+        })
     }
 
-    /// Like [`Self::fetch_pages`], but stops before the page bytes would
-    /// exceed `max_bytes` (returning at least one page) and says where to
-    /// resume, so large reads stream in bounded memory.
-    pub fn fetch_chunk(
+    /// Reads the pages from `from` on, until their cost would pass
+    /// `max_bytes` or their bytes the room left in `buf` (at least one
+    /// page), each page's bytes straight into `buf`; says where to resume,
+    /// so large reads stream in bounded memory.
+    pub fn fetch_chunk_into(
         &self,
         key: &SequenceKey,
         req: FetchPages<'_>,
         from: FetchCursor,
         max_bytes: usize,
-    ) -> StoreResult<(Vec<FetchedPage>, Option<FetchCursor>)> {
+        buf: &mut PageBuf<'_>,
+    ) -> StoreResult<FetchedChunk> {
         self.catalog.read(key, |seq| {
             let lanes = check_fetch(seq, &req)?;
-            let (chosen, cursor) = chunk(seq, &req, &lanes, from, max_bytes);
-            let mut hot = Vec::new();
-            let items: Vec<(&StoreLane, usize)> = chosen.iter().map(|&(_, l, p)| (&seq.lanes[l], p)).collect();
-            let read_back = self.reader().contents(&seq.layout, &items, &mut hot)?;
-            let out: Vec<FetchedPage> = chosen
-                .iter()
-                .zip(read_back)
-                .map(|(&(h, l, p), (state, content))| FetchedPage {
-                    kv_head: h,
-                    page: p as u32,
-                    state,
-                    rows: seq.lanes[l].rows_in(p),
-                    content,
-                    digest: req.with_digests.then(|| seq.lanes[l].digests().entry(p).to_vec()),
-                })
-                .collect();
-            self.device.touch(hot);
-            let bytes: usize = out
-                .iter()
-                .map(|p| match &p.content {
-                    PageContent::Original(kv) | PageContent::Summary { kv, .. } => kv.len(),
-                    PageContent::Gone(_) => 0,
-                })
-                .sum();
-            Counters::add(&self.counters.bytes_read, bytes as u64);
+            let (chosen, cursor, _) = chunk(seq, &req, &lanes, from, max_bytes.min(buf.remaining()));
+            let pages = self.read_chunk(seq, &req, &chosen, buf)?;
             let more = cursor.head < lanes.len();
-            Ok((out, more.then_some(cursor)))
+            Ok((pages, more.then_some(cursor)))
         })
+    }
+
+    /// Reads the chosen (KV head, lane, page)s into `buf`.
+    fn read_chunk(
+        &self,
+        seq: &Sequence,
+        req: &FetchPages<'_>,
+        chosen: &[(u32, usize, usize)],
+        buf: &mut PageBuf<'_>,
+    ) -> StoreResult<Vec<FetchedPage<Range<usize>>>> {
+        let mut hot = Vec::new();
+        let items: Vec<(&StoreLane, usize)> = chosen.iter().map(|&(_, l, p)| (&seq.lanes[l], p)).collect();
+        let before = buf.used();
+        let read_back = self.reader().contents(&seq.layout, &items, &mut hot, buf)?;
+        let out = chosen
+            .iter()
+            .zip(read_back)
+            .map(|(&(h, l, p), (state, content))| FetchedPage {
+                kv_head: h,
+                page: p as u32,
+                state,
+                rows: seq.lanes[l].rows_in(p),
+                content,
+                digest: req.with_digests.then(|| seq.lanes[l].digests().entry(p).to_vec()),
+            })
+            .collect();
+        self.device.touch(hot);
+        Counters::add(&self.counters.bytes_read, (buf.used() - before) as u64);
+        Ok(out)
     }
 }
 
@@ -158,17 +201,18 @@ fn check_fetch(seq: &Sequence, req: &FetchPages<'_>) -> StoreResult<Vec<(u32, us
 const PAGE_OVERHEAD: usize = 64;
 
 /// The (KV head, lane, page) a chunk reads from `from` on, stopping before
-/// what they cost would pass `max_bytes` (at least one page), and where the
-/// next chunk starts.
+/// what they cost would pass `max_bytes` (at least one page), where the
+/// next chunk starts, and the chosen pages' bytes.
 fn chunk(
     seq: &Sequence,
     req: &FetchPages<'_>,
     lanes: &[(u32, usize)],
     from: FetchCursor,
     max_bytes: usize,
-) -> (Vec<(u32, usize, usize)>, FetchCursor) {
+) -> (Vec<(u32, usize, usize)>, FetchCursor, usize) {
     let mut chosen = Vec::new();
     let mut bytes = 0usize;
+    let mut page_bytes = 0usize;
     let mut cursor = from;
     while let Some(&(h, lane_index)) = lanes.get(cursor.head) {
         let lane = &seq.lanes[lane_index];
@@ -184,17 +228,17 @@ fn chunk(
             } else {
                 0
             };
-            let size = PAGE_OVERHEAD
-                + digest
-                + match lane.page(p) {
-                    Some(LogicalPage::Physical(_)) => 2 * lane.rows_in(p) as usize * seq.layout.row_bytes(),
-                    Some(LogicalPage::Summary(s)) => s.slot.len() as usize + 4 * s.counts.len(),
-                    Some(LogicalPage::Gone(_)) | None => 0,
-                };
+            let (kv, counts) = match lane.page(p) {
+                Some(LogicalPage::Physical(_)) => (2 * lane.rows_in(p) as usize * seq.layout.row_bytes(), 0),
+                Some(LogicalPage::Summary(s)) => (s.slot.len() as usize, 4 * s.counts.len()),
+                Some(LogicalPage::Gone(_)) | None => (0, 0),
+            };
+            let size = PAGE_OVERHEAD + digest + kv + counts;
             if !chosen.is_empty() && bytes + size > max_bytes {
-                return (chosen, cursor);
+                return (chosen, cursor, page_bytes);
             }
             bytes += size;
+            page_bytes += kv;
             chosen.push((h, lane_index, p));
             cursor.index += 1;
         }
@@ -203,5 +247,5 @@ fn chunk(
             index: 0,
         };
     }
-    (chosen, cursor)
+    (chosen, cursor, page_bytes)
 }

@@ -67,9 +67,9 @@ use std::sync::Arc;
 use kvtier_core::{SequenceKey, TenantId};
 use kvtier_tiers::{ArenaTier, NvmeConfig, NvmeTier, Tier, TierKind};
 
-pub use fetch::{FetchCursor, FetchPages, FetchedPage, PageList};
+pub use fetch::{FetchCursor, FetchPages, FetchedChunk, FetchedPage, PageList};
 pub use policy::{ApplyPolicy, AttentionWeights, ReportAttention};
-pub use select::{HeadSelection, Miss, SelectPages, SelectTiming, SelectedPage, Selection};
+pub use select::{HeadSelection, Miss, SelectPages, SelectTiming, SelectedPage, Selection, data_bound};
 pub use sequences::Created;
 pub use transition::{PageSelection, SetPageState, TransitionOutcome};
 pub use write::{AppendOutcome, AppendTiming, AppendTokens, PutOutcome, PutPages};

@@ -6,17 +6,18 @@
 use kvtier_core::score::score_column;
 use kvtier_core::select::{Aggregation, Budget, Shard, select};
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_core::{DIGEST_CHUNK_PAGES, LogicalPage, PageState, Reason, SequenceKey, TenantId, parallel, wire};
+use kvtier_core::{DIGEST_CHUNK_PAGES, Layout, LogicalPage, PageState, Reason, SequenceKey, TenantId, parallel, wire};
 
 use super::fetch::FetchedPage;
 use super::{Store, micros};
 use crate::catalog::{HeadRange, Sequence};
 use crate::device::SwapReport;
 use crate::page::{PhysPage, Pins, state_of};
-use crate::reader::PageContent;
+use crate::page_buf::PageBuf;
 use crate::stats::Counters;
 use crate::sync::read;
 use crate::{StoreError, StoreResult};
@@ -97,12 +98,14 @@ pub struct HeadSelection {
     pub selected_but_gone: u32,
 }
 
+/// A selection; its pages' bytes owned (`Vec<u8>`) or ranges of the
+/// [`PageBuf`] the selection read them into.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Selection {
+pub struct Selection<B = Vec<u8>> {
     pub heads: Vec<HeadSelection>,
     /// With `with_data`: every selected page that is not gone, once per
     /// (KV head, page), by KV head then position.
-    pub data: Vec<FetchedPage>,
+    pub data: Vec<FetchedPage<B>>,
     /// Pages scored (lane pages × KV heads) and the digest bytes read.
     pub pages_scored: u64,
     pub digest_bytes: u64,
@@ -113,6 +116,22 @@ pub struct Selection {
     /// The lease pinning the selected pages, and when it expires.
     pub lease: Option<(u64, Instant)>,
     pub timing: SelectTiming,
+}
+
+impl<B> Selection<B> {
+    /// The same selection with each page of its data mapped by `f`.
+    pub fn map_data<C>(self, f: impl FnMut(FetchedPage<B>) -> FetchedPage<C>) -> Selection<C> {
+        Selection {
+            heads: self.heads,
+            data: self.data.into_iter().map(f).collect(),
+            pages_scored: self.pages_scored,
+            digest_bytes: self.digest_bytes,
+            swap: self.swap,
+            prefetch_queued: self.prefetch_queued,
+            lease: self.lease,
+            timing: self.timing,
+        }
+    }
 }
 
 /// Where a selection spent its time, in microseconds (the swap-in's is in
@@ -127,17 +146,66 @@ pub struct SelectTiming {
     pub store_us: u64,
 }
 
+/// The most page bytes a selection with data returns: its budget per KV
+/// head (per query head, with that aggregation), at most every page of the
+/// longest lane (of `tokens`), for each of `kv_heads` KV heads.
+pub fn data_bound(layout: &Layout, tokens: u64, budget_pages: u32, kv_heads: u32, aggregation: Aggregation) -> usize {
+    let per_head = match aggregation {
+        Aggregation::PerQueryHead => u64::from(budget_pages) * u64::from(layout.group_size()),
+        Aggregation::Max | Aggregation::Mean => u64::from(budget_pages),
+    };
+    let pages = per_head.min(tokens.div_ceil(u64::from(layout.page_size())));
+    let heads = u64::from(kv_heads.min(layout.num_kv_heads()));
+    let bytes = pages.saturating_mul(heads).saturating_mul(layout.page_bytes() as u64);
+    usize::try_from(bytes).unwrap_or(usize::MAX)
+}
+
 impl Store {
     /// Selects pages (DESIGN.md §3) and, as asked, makes them hot, prefetches
     /// what comes next, leases them and reads them.
     pub fn select_pages(self: &Arc<Self>, key: &SequenceKey, req: SelectPages<'_>) -> StoreResult<Selection> {
         let start = Instant::now();
-        let mut selection = self.catalog.read(key, |seq| self.select_locked(seq, req))?;
+        let mut selection = self.catalog.read(key, |seq| {
+            let tokens = seq.lanes.iter().map(|l| l.tokens()).max().unwrap_or(0);
+            let room = match req.with_data {
+                true => data_bound(
+                    &seq.layout,
+                    tokens,
+                    req.budget.pages as u32,
+                    req.heads.count,
+                    req.aggregation,
+                ),
+                false => 0,
+            };
+            let mut room = Vec::with_capacity(room);
+            let mut buf = PageBuf::new(room.spare_capacity_mut());
+            let selection = self.select_locked(seq, req, &mut buf)?;
+            Ok(selection.map_data(|p| p.owned(&buf)))
+        })?;
         selection.timing.store_us = micros(start.elapsed());
         Ok(selection)
     }
 
-    fn select_locked(self: &Arc<Self>, seq: &Sequence, req: SelectPages<'_>) -> StoreResult<Selection> {
+    /// Like [`Self::select_pages`], the pages' bytes read straight into
+    /// `buf`, which must hold [`data_bound`] bytes.
+    pub fn select_pages_into(
+        self: &Arc<Self>,
+        key: &SequenceKey,
+        req: SelectPages<'_>,
+        buf: &mut PageBuf<'_>,
+    ) -> StoreResult<Selection<Range<usize>>> {
+        let start = Instant::now();
+        let mut selection = self.catalog.read(key, |seq| self.select_locked(seq, req, buf))?;
+        selection.timing.store_us = micros(start.elapsed());
+        Ok(selection)
+    }
+
+    fn select_locked(
+        self: &Arc<Self>,
+        seq: &Sequence,
+        req: SelectPages<'_>,
+        buf: &mut PageBuf<'_>,
+    ) -> StoreResult<Selection<Range<usize>>> {
         seq.check_layer(req.layer)?;
         let heads = seq.check_heads(req.heads)?;
         check_request(seq, &req)?;
@@ -190,7 +258,7 @@ impl Store {
         settle_states(seq, &lanes, &mut out.heads, req.swap_in.then_some(timed_out));
         if req.with_data {
             let reading = Instant::now();
-            self.read_selected(seq, &lanes, &ranked.chosen, &out.heads, &mut out.data)?;
+            out.data = self.read_selected(seq, &lanes, &ranked.chosen, &out.heads, buf)?;
             out.timing.read_us = micros(reading.elapsed());
         }
         Ok(out)
@@ -208,7 +276,7 @@ impl Store {
                 deadline: None,
                 ..req
             };
-            let selection = self.select_locked(seq, plain)?;
+            let selection = self.select_locked(seq, plain, &mut PageBuf::new(&mut []))?;
             let lanes: BTreeMap<u32, usize> = seq.lanes_of(req.layer, seq.check_heads(req.heads)?).collect();
             let mut pages: BTreeMap<u64, Arc<PhysPage>> = BTreeMap::new();
             for head in &selection.heads {
@@ -276,10 +344,11 @@ impl Store {
         lanes: &[(u32, usize)],
         chosen: &BTreeMap<(usize, usize), Arc<PhysPage>>,
         heads: &[HeadSelection],
-        data: &mut Vec<FetchedPage>,
-    ) -> StoreResult<()> {
+        buf: &mut PageBuf<'_>,
+    ) -> StoreResult<Vec<FetchedPage<Range<usize>>>> {
         let mut hot = Vec::new();
-        let mut bytes_read = 0u64;
+        let mut data = Vec::new();
+        let before = buf.used();
         for &(h, lane_index) in lanes {
             let lane = &seq.lanes[lane_index];
             let mut wanted: Vec<usize> = heads
@@ -293,13 +362,11 @@ impl Store {
             wanted.sort_unstable();
             wanted.dedup();
             let items: Vec<_> = wanted.iter().map(|&p| (lane, p)).collect();
-            for (&p, (state, content)) in wanted
-                .iter()
-                .zip(self.reader().contents(&seq.layout, &items, &mut hot)?)
+            for (&p, (state, content)) in
+                wanted
+                    .iter()
+                    .zip(self.reader().contents(&seq.layout, &items, &mut hot, buf)?)
             {
-                if let PageContent::Original(d) | PageContent::Summary { kv: d, .. } = &content {
-                    bytes_read += d.len() as u64;
-                }
                 if state != PageState::Gone {
                     data.push(FetchedPage {
                         kv_head: h,
@@ -313,8 +380,8 @@ impl Store {
             }
         }
         self.device.touch(hot);
-        Counters::add(&self.counters.bytes_read, bytes_read);
-        Ok(())
+        Counters::add(&self.counters.bytes_read, (buf.used() - before) as u64);
+        Ok(data)
     }
 }
 

@@ -52,6 +52,10 @@ pub(crate) struct FetchBenchArgs {
     /// Also replay against this Redis server (host:port).
     #[arg(long)]
     redis: Option<String>,
+    /// With --addr: the server's shm socket, to replay through the shm data
+    /// plane too (the in-process server always offers one).
+    #[arg(long, value_name = "PATH")]
+    shm_socket: Option<std::path::PathBuf>,
     #[arg(long)]
     json: bool,
 }
@@ -78,10 +82,15 @@ struct Report {
     page_bytes: usize,
     fetches: usize,
     kvtier: Side,
+    /// The same fetches through the shm data plane.
+    kvtier_shm: Option<Side>,
     redis: Option<Side>,
     /// Redis p50 / kvtier p50 and the same at p99 (above 1: kvtier is faster).
     ratio_p50: Option<f64>,
     ratio_p99: Option<f64>,
+    /// Redis / kvtier over shm, p50 and p99.
+    shm_ratio_p50: Option<f64>,
+    shm_ratio_p99: Option<f64>,
     /// A bare tonic unary echo, each call alternating with kvtier's empty
     /// call: the floor any gRPC call pays here.
     echo_p50_us: u64,
@@ -135,7 +144,8 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let echo_server = super::echo::start()?;
     let report = runtime.block_on(async {
-        let (kvtier, echo) = replay_kvtier(args.addr.as_deref(), &header, &shape, &entries, &echo_server).await?;
+        let target = (args.addr.as_deref(), args.shm_socket.as_deref());
+        let (kvtier, kvtier_shm, echo) = replay_kvtier(target, &header, &shape, &entries, &echo_server).await?;
         let echo = super::decode::histogram(echo.into_iter());
         let redis = match &args.redis {
             Some(addr) => Some(replay_redis(addr, &header, &shape, &entries).await?),
@@ -149,17 +159,22 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
                 r.bytes
             );
         }
-        let ratio = |f: fn(&Side) -> u64| redis.as_ref().map(|r| f(r) as f64 / f(&kvtier).max(1) as f64);
+        let ratio = |f: fn(&Side) -> u64, k: Option<&Side>| {
+            redis.as_ref().zip(k).map(|(r, k)| f(r) as f64 / f(k).max(1) as f64)
+        };
         anyhow::Ok(Report {
             trace: args.trace.display().to_string(),
             page_bytes: shape.page_bytes(),
             fetches: entries.len(),
-            ratio_p50: ratio(|s| s.p50_us),
-            ratio_p99: ratio(|s| s.p99_us),
+            ratio_p50: ratio(|s| s.p50_us, Some(&kvtier)),
+            ratio_p99: ratio(|s| s.p99_us, Some(&kvtier)),
+            shm_ratio_p50: ratio(|s| s.p50_us, kvtier_shm.as_ref()),
+            shm_ratio_p99: ratio(|s| s.p99_us, kvtier_shm.as_ref()),
             echo_p50_us: echo.value_at_quantile(0.5),
             echo_p99_us: echo.value_at_quantile(0.99),
             empty_over_echo_p50: kvtier.floor_p50_us as f64 / echo.value_at_quantile(0.5).max(1) as f64,
             kvtier,
+            kvtier_shm,
             redis,
         })
     })?;
@@ -182,6 +197,9 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
             )
         };
         line("kvtier", &report.kvtier);
+        if let Some(shm) = &report.kvtier_shm {
+            line("shm", shm);
+        }
         println!(
             "   echo: bare tonic unary p50 {} µs p99 {} µs; kvtier's empty call {:.2}× of it",
             report.echo_p50_us, report.echo_p99_us, report.empty_over_echo_p50
@@ -189,9 +207,11 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
         if let Some(r) = &report.redis {
             line("redis", r);
             println!(
-                "redis/kvtier: p50 {:.2}×, p99 {:.2}×",
+                "redis/kvtier: p50 {:.2}×, p99 {:.2}×; redis/kvtier shm: p50 {:.2}×, p99 {:.2}×",
                 report.ratio_p50.unwrap_or(0.0),
-                report.ratio_p99.unwrap_or(0.0)
+                report.ratio_p99.unwrap_or(0.0),
+                report.shm_ratio_p50.unwrap_or(0.0),
+                report.shm_ratio_p99.unwrap_or(0.0)
             );
         }
     }
@@ -212,6 +232,7 @@ async fn kvtier_client(
     if let Some(addr) = addr {
         return Ok((Client::connect(addr.to_owned()).await?, None));
     }
+    let dir = tempfile::tempdir()?;
     let lanes = h.sequences as u64 * u64::from(shape.layers * shape.kv_heads);
     let total = lanes * u64::from(h.pages_per_lane) * shape.page_bytes() as u64;
     let store = Store::new(StoreConfig {
@@ -223,6 +244,7 @@ async fn kvtier_client(
     let server = ServerConfig {
         listen: ([127, 0, 0, 1], 0).into(),
         metrics_listen: None,
+        shm_socket: Some(dir.path().join("shm.sock")),
         ..ServerConfig::default()
     };
     let (stop, stopped) = oneshot::channel::<()>();
@@ -252,7 +274,7 @@ async fn kvtier_client(
         .await?
         .context("the in-process server ended")??;
     let client = Client::connect(format!("http://{addr}")).await?;
-    Ok((client, Some(InProcess { stop, thread })))
+    Ok((client, Some(InProcess { stop, thread, dir })))
 }
 
 /// An in-process server, stopped and joined at the end of the replay.
@@ -260,19 +282,22 @@ async fn kvtier_client(
 struct InProcess {
     stop: oneshot::Sender<()>,
     thread: std::thread::JoinHandle<()>,
+    /// Holds its shm socket.
+    dir: tempfile::TempDir,
 }
 
 /// Loads every page of the trace's sequences, then fetches each entry's
-/// pages with one `FetchPages` (per-head lists). Also returns the echo
-/// floor's latencies, measured alternately with kvtier's empty calls.
+/// pages with one `FetchPages` (per-head lists), inline and, where the
+/// server has an shm socket, through the shm data plane. Also returns the
+/// echo floor's latencies, measured alternately with kvtier's empty calls.
 async fn replay_kvtier(
-    addr: Option<&str>,
+    (addr, shm_socket): (Option<&str>, Option<&std::path::Path>),
     h: &TraceHeader,
     shape: &Shape,
     entries: &[TraceEntry],
     echo_server: &super::echo::EchoServerHandle,
-) -> anyhow::Result<(Side, Vec<u64>)> {
-    let (mut client, stop) = kvtier_client(addr, h, shape).await?;
+) -> anyhow::Result<(Side, Option<Side>, Vec<u64>)> {
+    let (mut client, in_process) = kvtier_client(addr, h, shape).await?;
     let name = |s: usize| format!("fetch-{}-{s}", std::process::id());
     // Messages of at most ~16 MiB; the bytes do not matter, their size does.
     let per_page = shape.kv_heads as usize * shape.page_bytes();
@@ -308,26 +333,60 @@ async fn replay_kvtier(
         client.fetch(req).await?;
         floor.push(t.elapsed().as_micros() as u64);
     }
-    let mut latencies = Vec::with_capacity(entries.len());
-    let mut bytes = 0u64;
-    let start = Instant::now();
-    for e in entries {
-        let req = fetch(e.sequence, e.layer, &e.pages);
-        let t = Instant::now();
-        let pages = client.fetch(req).await?;
-        latencies.push(t.elapsed().as_micros() as u64);
-        bytes += pages.iter().map(|p| p.kv.len() as u64).sum::<u64>();
-    }
-    let seconds = start.elapsed().as_secs_f64();
+    let inline = replay(&mut client, entries, |e| fetch(e.sequence, e.layer, &e.pages)).await?;
+    let socket = in_process
+        .as_ref()
+        .map(|p| p.dir.path().join("shm.sock"))
+        .or_else(|| shm_socket.map(std::path::Path::to_path_buf));
+    let shm = match socket {
+        Some(socket) => {
+            let most = entries
+                .iter()
+                .map(|e| e.pages.iter().map(Vec::len).sum::<usize>())
+                .max();
+            let region = client
+                .register_shm(&socket, most.unwrap_or(1).max(1) * shape.page_bytes())
+                .await?;
+            let shm = replay(&mut client, entries, |e| pb::FetchPagesRequest {
+                shm: Some(region.whole()),
+                ..fetch(e.sequence, e.layer, &e.pages)
+            })
+            .await?;
+            anyhow::ensure!(shm.1 == inline.1, "shm served {} bytes, inline {}", shm.1, inline.1);
+            Some(shm)
+        }
+        None => None,
+    };
     for s in 0..h.sequences {
         client.drop_sequence(&name(s)).await?;
     }
-    if let Some(server) = stop {
+    if let Some(server) = in_process {
         let _ = server.stop.send(());
         drop(client);
         let _ = tokio::task::spawn_blocking(move || server.thread.join()).await;
     }
-    Ok((side(&latencies, &floor, bytes, seconds), echo))
+    let side = |(latencies, bytes, seconds): (Vec<u64>, u64, f64)| side(&latencies, &floor, bytes, seconds);
+    Ok((side(inline), shm.map(side), echo))
+}
+
+/// Each entry's fetch, one at a time: latencies in µs, bytes served (inline
+/// or into a region), seconds in all.
+async fn replay(
+    client: &mut Client,
+    entries: &[TraceEntry],
+    request: impl Fn(&TraceEntry) -> pb::FetchPagesRequest,
+) -> anyhow::Result<(Vec<u64>, u64, f64)> {
+    let mut latencies = Vec::with_capacity(entries.len());
+    let mut bytes = 0u64;
+    let start = Instant::now();
+    for e in entries {
+        let req = request(e);
+        let t = Instant::now();
+        let pages = client.fetch(req).await?;
+        latencies.push(t.elapsed().as_micros() as u64);
+        bytes += pages.iter().map(|p| p.kv.len() as u64 + p.shm_bytes).sum::<u64>();
+    }
+    Ok((latencies, bytes, start.elapsed().as_secs_f64()))
 }
 
 /// A minimal RESP client: enough for pipelined SETs and MGET.

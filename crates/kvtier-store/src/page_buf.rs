@@ -1,0 +1,74 @@
+//! Room for the page bytes a read returns: a response chunk's spare
+//! capacity, a client's shared-memory window, or a plain buffer. Reads copy
+//! straight from the tier into it, once, without zeroing it first; each page
+//! says which range of it holds its bytes.
+
+use std::mem::MaybeUninit;
+use std::ops::Range;
+
+use crate::{StoreError, StoreResult};
+
+/// Bytes are taken from the front in read order. Every taken byte is
+/// written before the read that took it returns `Ok`, so after a successful
+/// read the first [`PageBuf::used`] bytes are initialised; after a failed
+/// one, the buffer's contents are unspecified and must not be read.
+#[derive(Debug)]
+pub struct PageBuf<'a> {
+    room: &'a mut [MaybeUninit<u8>],
+    used: usize,
+}
+
+impl<'a> PageBuf<'a> {
+    pub fn new(room: &'a mut [MaybeUninit<u8>]) -> Self {
+        Self { room, used: 0 }
+    }
+
+    /// Bytes taken so far, from the start.
+    pub fn used(&self) -> usize {
+        self.used
+    }
+
+    /// Bytes still free.
+    pub fn remaining(&self) -> usize {
+        self.room.len() - self.used
+    }
+
+    /// The next `len` bytes, which the caller fills before its read returns.
+    pub(crate) fn take(&mut self, len: usize) -> StoreResult<Range<usize>> {
+        if len > self.remaining() {
+            return Err(StoreError::Internal(format!(
+                "a read outgrew its page buffer ({len} bytes, {} free)",
+                self.remaining()
+            )));
+        }
+        self.used += len;
+        Ok(self.used - len..self.used)
+    }
+
+    pub(crate) fn at(&mut self, range: &Range<usize>) -> &mut [MaybeUninit<u8>] {
+        &mut self.room[range.clone()]
+    }
+
+    /// Fills a taken range (as long as `bytes`) with `bytes`.
+    pub(crate) fn fill(&mut self, range: &Range<usize>, bytes: &[u8]) {
+        let dst = &mut self.room[range.clone()];
+        assert_eq!(dst.len(), bytes.len());
+        // SAFETY: `dst` and `bytes` are the same length (asserted), `dst` is
+        // a unique borrow so they cannot overlap, and writing initialised
+        // bytes into `MaybeUninit<u8>` is always valid.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.as_mut_ptr().cast::<u8>(), bytes.len()) };
+    }
+
+    /// Fills a taken range whose bytes are not to be had (a page found lost).
+    pub(crate) fn zero(&mut self, range: &Range<usize>) {
+        self.room[range.clone()].fill(MaybeUninit::new(0));
+    }
+
+    /// The bytes taken, after a successful read.
+    pub(crate) fn filled(&self) -> &[u8] {
+        // SAFETY: every taken byte was written before the read that took it
+        // returned `Ok` (the type's invariant), and callers only look after
+        // a successful read.
+        unsafe { &*(&self.room[..self.used] as *const [MaybeUninit<u8>] as *const [u8]) }
+    }
+}
