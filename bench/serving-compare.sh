@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The serving path before and after a change, back to back in one run: the
+# decode bench at llama3-8b 32K (host holds the whole sequence, the device
+# 25 %), with a `kvtier` built at the commit before and one built now (inline
+# and over the shm data plane). Writes bench/results/serving-compare.md, with
+# each run's report under bench/results/serving-compare/.
+# Usage: BEFORE_COMMIT=<sha> bench/serving-compare.sh BEFORE_BIN [AFTER_BIN] [steps]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+before=${1:?usage: bench/serving-compare.sh BEFORE_BIN [AFTER_BIN] [steps]}
+after=${2:-}
+steps=${3:-128}
+if [ -z "$after" ]; then
+  cargo build --release --locked -q -p kvtier
+  after=target/release/kvtier
+fi
+out=bench/results/serving-compare
+rm -rf "$out"
+mkdir -p "$out"
+args=(bench decode --preset llama3-8b --context 32768 --steps "$steps" --budget-pages 32 --sinks 1 --window 1
+  --drift 0.1 --host-fraction 1.0 --device-fraction 0.25)
+run() {
+  local name=$1 bin=$2; shift 2
+  echo "== $name: $bin ${args[*]} $*"
+  "$bin" "${args[@]}" "$@" --out "$out/$name" > "$out/$name.txt"
+  echo "$bin ${args[*]} $* --out $out/$name" > "$out/$name/command.txt"
+}
+run before "$before"
+run after-inline "$after"
+run after-shm "$after" --data-plane shm
+{
+  echo "# Decode steps before and after the serving-path work"
+  echo
+  echo "- command: \`bench/serving-compare.sh $before $after $steps\`; each run's exact command is in"
+  echo "  \`serving-compare/<run>/command.txt\`. \`before\` is \`kvtier\` built at ${BEFORE_COMMIT:-(not given)}, the after runs at this commit."
+  echo "- machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(free -g | awk '/Mem:/{print $2" GiB"}'); $(uname -r)"
+  echo "- date: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD)"
+  echo "- workload: llama3-8b layout (32 layers, 8 KV heads, 32 query heads, head_dim 128, bf16, 16-token pages),"
+  echo "  32K context, budget 32 pages per head; a step = per layer one SelectPages (swap-in, data) + one"
+  echo "  AppendTokens, through an in-process server over loopback gRPC; device emulated in host memory."
+  echo "- per step, mean µs summed over its 32 layers: select = transport (gRPC, handler, encode/decode,"
+  echo "  the thread hops) + the store's time (rank + swap host + read + the rest)."
+  echo
+  echo "| run | steps | p50 µs | p90 µs | p99 µs | p50 / before | steps/s | select | transport | rank | swap host | read | store rest | append |"
+  echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+  python3 - "$out" <<'PY'
+import csv, json, os, sys
+out = sys.argv[1]
+base = None
+for run in ["before", "after-inline", "after-shm"]:
+    rows = list(csv.DictReader(open(os.path.join(out, run, "steps.csv"))))
+    lat = sorted(int(r["latency_us"]) for r in rows)
+    q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]
+    mean = lambda k: sum(float(r[k]) for r in rows) / len(rows)
+    sel, store = mean("select_us"), mean("store_us")
+    rest = store - mean("rank_us") - mean("swap_host_us") - mean("swap_nvme_us") - mean("read_us")
+    rep = json.load(open(os.path.join(out, run, "report.json")))
+    base = base or q(0.5)
+    print(f"| {run} | {len(lat)} | {q(0.5)} | {q(0.9)} | {q(0.99)} | {q(0.5)/base:.2f} | {rep['steps_per_s']:.1f} | "
+          f"{sel:.0f} | {sel - store:.0f} | {mean('rank_us'):.0f} | {mean('swap_host_us'):.0f} | {mean('read_us'):.0f} | {rest:.0f} | {mean('append_us'):.0f} |")
+PY
+} > bench/results/serving-compare.md
+cat bench/results/serving-compare.md
