@@ -47,6 +47,31 @@ pub fn map<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(&T) -> R + 
     })
 }
 
+/// [`map`] over items it may change (each thread gets its own share).
+pub fn map_mut<T: Send, R: Send>(items: &mut [T], threads: usize, f: impl Fn(&mut T) -> R + Sync) -> Vec<R> {
+    let threads = threads.clamp(1, items.len().max(1));
+    if threads == 1 {
+        return items.iter_mut().map(&f).collect();
+    }
+    let share = items.len().div_ceil(threads);
+    let f = &f;
+    std::thread::scope(|scope| {
+        let mut shares = items.chunks_mut(share);
+        let first = shares.next().unwrap_or_default();
+        let others: Vec<_> = shares
+            .map(|chunk| scope.spawn(move || chunk.iter_mut().map(f).collect::<Vec<R>>()))
+            .collect();
+        let mut out: Vec<R> = first.iter_mut().map(f).collect();
+        for handle in others {
+            match handle.join() {
+                Ok(results) => out.extend(results),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        out
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -59,7 +84,11 @@ mod tests {
             threads in 1usize..9,
         ) {
             let serial: Vec<u64> = items.iter().map(|&x| u64::from(x) * 3 + 1).collect();
-            prop_assert_eq!(map(&items, threads, |&x| u64::from(x) * 3 + 1), serial);
+            prop_assert_eq!(map(&items, threads, |&x| u64::from(x) * 3 + 1), serial.clone());
+            let mut changed = items.clone();
+            let seen = map_mut(&mut changed, threads, |x| { *x = x.wrapping_add(1); u64::from(*x) });
+            prop_assert_eq!(seen, items.iter().map(|&x| u64::from(x.wrapping_add(1))).collect::<Vec<_>>());
+            prop_assert!(changed.iter().zip(&items).all(|(c, x)| *c == x.wrapping_add(1)));
         }
     }
 

@@ -16,11 +16,48 @@ use crate::{StoreError, StoreResult};
 pub struct PageBuf<'a> {
     room: &'a mut [MaybeUninit<u8>],
     used: usize,
+    /// Where `room` starts in the buffer it was split from: ranges handed
+    /// out count from there.
+    origin: usize,
 }
 
 impl<'a> PageBuf<'a> {
     pub fn new(room: &'a mut [MaybeUninit<u8>]) -> Self {
-        Self { room, used: 0 }
+        Self {
+            room,
+            used: 0,
+            origin: 0,
+        }
+    }
+
+    /// Takes `lens` bytes after another and hands each stretch out as a
+    /// buffer of its own (for reads on several threads), whose ranges still
+    /// count from this buffer's start. Each must be filled whole, as any
+    /// taken byte (see [`PageBuf::zero_rest`]).
+    pub(crate) fn split(&mut self, lens: &[usize]) -> StoreResult<Vec<PageBuf<'_>>> {
+        let total: usize = lens.iter().sum();
+        let start = self.take(total)?.start;
+        let mut rest = &mut self.room[start - self.origin..start - self.origin + total];
+        let mut origin = start;
+        let mut parts = Vec::with_capacity(lens.len());
+        for &len in lens {
+            let (part, tail) = rest.split_at_mut(len);
+            parts.push(PageBuf {
+                room: part,
+                used: 0,
+                origin,
+            });
+            rest = tail;
+            origin += len;
+        }
+        Ok(parts)
+    }
+
+    /// Takes and zeroes whatever is left, so that all of it counts as filled.
+    pub(crate) fn zero_rest(&mut self) {
+        let rest = self.used..self.room.len();
+        self.room[rest].fill(MaybeUninit::new(0));
+        self.used = self.room.len();
     }
 
     /// Bytes taken so far, from the start.
@@ -42,16 +79,17 @@ impl<'a> PageBuf<'a> {
             )));
         }
         self.used += len;
-        Ok(self.used - len..self.used)
+        Ok(self.origin + self.used - len..self.origin + self.used)
     }
 
+    /// The room of a range this buffer handed out.
     pub(crate) fn at(&mut self, range: &Range<usize>) -> &mut [MaybeUninit<u8>] {
-        &mut self.room[range.clone()]
+        &mut self.room[range.start - self.origin..range.end - self.origin]
     }
 
     /// Fills a taken range (as long as `bytes`) with `bytes`.
     pub(crate) fn fill(&mut self, range: &Range<usize>, bytes: &[u8]) {
-        let dst = &mut self.room[range.clone()];
+        let dst = self.at(range);
         assert_eq!(dst.len(), bytes.len());
         // SAFETY: `dst` and `bytes` are the same length (asserted), `dst` is
         // a unique borrow so they cannot overlap, and writing initialised
@@ -61,11 +99,13 @@ impl<'a> PageBuf<'a> {
 
     /// Fills a taken range whose bytes are not to be had (a page found lost).
     pub(crate) fn zero(&mut self, range: &Range<usize>) {
-        self.room[range.clone()].fill(MaybeUninit::new(0));
+        self.at(range).fill(MaybeUninit::new(0));
     }
 
-    /// The bytes taken, after a successful read.
+    /// The bytes taken, after a successful read (of a buffer not split
+    /// from another).
     pub(crate) fn filled(&self) -> &[u8] {
+        debug_assert_eq!(self.origin, 0);
         // SAFETY: every taken byte was written before the read that took it
         // returned `Ok` (the type's invariant), and callers only look after
         // a successful read.

@@ -95,7 +95,7 @@ impl Reader<'_> {
             out.push(match logical {
                 LogicalPage::Physical(r) => {
                     let rows = lane.rows_in(p);
-                    let range = buf.take(2 * rows as usize * layout.row_bytes())?;
+                    let range = buf.take(room_for(layout, lane, p))?;
                     let state = read(&r.page.place).state();
                     if state == PageState::Hot {
                         hot.push(Arc::clone(&r.page));
@@ -113,7 +113,7 @@ impl Reader<'_> {
                     }
                 }
                 LogicalPage::Summary(s) => {
-                    let range = buf.take(s.slot.len() as usize)?;
+                    let range = buf.take(room_for(layout, lane, p))?;
                     self.host.tier().read_uninit(&s.slot, 0, buf.at(&range))?;
                     (
                         PageState::Summary,
@@ -317,6 +317,16 @@ impl Reader<'_> {
             self.host.touch([page]);
         }
         Ok(())
+    }
+}
+
+/// The bytes [`Reader::contents`] takes for page `p` of `lane`: the
+/// original's valid rows, a summary's rows, nothing for a gone page.
+pub(crate) fn room_for(layout: &Layout, lane: &StoreLane, p: usize) -> usize {
+    match lane.page(p) {
+        Some(LogicalPage::Physical(_)) => 2 * lane.rows_in(p) as usize * layout.row_bytes(),
+        Some(LogicalPage::Summary(s)) => s.slot.len() as usize,
+        Some(LogicalPage::Gone(_)) | None => 0,
     }
 }
 

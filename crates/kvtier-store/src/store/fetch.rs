@@ -9,7 +9,7 @@ use super::Store;
 use crate::catalog::{HeadRange, Sequence};
 use crate::page::StoreLane;
 use crate::page_buf::PageBuf;
-use crate::reader::PageContent;
+use crate::reader::{PageContent, room_for};
 use crate::stats::Counters;
 use crate::{StoreError, StoreResult};
 
@@ -228,10 +228,10 @@ fn chunk(
             } else {
                 0
             };
-            let (kv, counts) = match lane.page(p) {
-                Some(LogicalPage::Physical(_)) => (2 * lane.rows_in(p) as usize * seq.layout.row_bytes(), 0),
-                Some(LogicalPage::Summary(s)) => (s.slot.len() as usize, 4 * s.counts.len()),
-                Some(LogicalPage::Gone(_)) | None => (0, 0),
+            let kv = room_for(&seq.layout, lane, p);
+            let counts = match lane.page(p) {
+                Some(LogicalPage::Summary(s)) => 4 * s.counts.len(),
+                _ => 0,
             };
             let size = PAGE_OVERHEAD + digest + kv + counts;
             if !chosen.is_empty() && bytes + size > max_bytes {

@@ -16,8 +16,9 @@ use super::fetch::FetchedPage;
 use super::{Store, micros};
 use crate::catalog::{HeadRange, Sequence};
 use crate::device::SwapReport;
-use crate::page::{PhysPage, Pins, state_of};
+use crate::page::{PhysPage, Pins, StoreLane, state_of};
 use crate::page_buf::PageBuf;
+use crate::reader::room_for;
 use crate::stats::Counters;
 use crate::sync::read;
 use crate::{StoreError, StoreResult};
@@ -346,30 +347,51 @@ impl Store {
         heads: &[HeadSelection],
         buf: &mut PageBuf<'_>,
     ) -> StoreResult<Vec<FetchedPage<Range<usize>>>> {
+        let layout = &seq.layout;
+        let wanted: Vec<(u32, &StoreLane, Vec<usize>)> = lanes
+            .iter()
+            .map(|&(h, lane_index)| {
+                let lane = &seq.lanes[lane_index];
+                let mut wanted: Vec<usize> = heads
+                    .iter()
+                    .filter(|s| s.kv_head == h)
+                    .flat_map(|s| s.pages.iter().map(|p| p.page as usize))
+                    .filter(|p| {
+                        chosen.contains_key(&(lane_index, *p)) || matches!(lane.page(*p), Some(LogicalPage::Summary(_)))
+                    })
+                    .collect();
+                wanted.sort_unstable();
+                wanted.dedup();
+                (h, lane, wanted)
+            })
+            .collect();
+        // Each lane reads into its own stretch of `buf`, the lanes over the
+        // cores when there are enough bytes: in memory, a step's read is a
+        // copy bound by memory bandwidth, which one core does not saturate.
+        let room: Vec<usize> = wanted
+            .iter()
+            .map(|(_, lane, pages)| pages.iter().map(|&p| room_for(layout, lane, p)).sum())
+            .collect();
+        let threads = parallel::threads_for(wanted.len(), room.iter().sum(), parallel::cores());
+        let before = buf.used();
+        let mut parts: Vec<_> = buf.split(&room)?.into_iter().zip(&wanted).collect();
+        let reader = self.reader();
+        let read = parallel::map_mut(&mut parts, threads, |(part, (_, lane, pages))| {
+            let items: Vec<(&StoreLane, usize)> = pages.iter().map(|&p| (*lane, p)).collect();
+            let mut hot = Vec::new();
+            let contents = reader.contents(layout, &items, &mut hot, part)?;
+            part.zero_rest();
+            Ok::<_, StoreError>((contents, hot))
+        });
         let mut hot = Vec::new();
         let mut data = Vec::new();
-        let before = buf.used();
-        for &(h, lane_index) in lanes {
-            let lane = &seq.lanes[lane_index];
-            let mut wanted: Vec<usize> = heads
-                .iter()
-                .filter(|s| s.kv_head == h)
-                .flat_map(|s| s.pages.iter().map(|p| p.page as usize))
-                .filter(|p| {
-                    chosen.contains_key(&(lane_index, *p)) || matches!(lane.page(*p), Some(LogicalPage::Summary(_)))
-                })
-                .collect();
-            wanted.sort_unstable();
-            wanted.dedup();
-            let items: Vec<_> = wanted.iter().map(|&p| (lane, p)).collect();
-            for (&p, (state, content)) in
-                wanted
-                    .iter()
-                    .zip(self.reader().contents(&seq.layout, &items, &mut hot, buf)?)
-            {
+        for ((h, lane, pages), lane_read) in wanted.iter().zip(read) {
+            let (contents, lane_hot) = lane_read?;
+            hot.extend(lane_hot);
+            for (&p, (state, content)) in pages.iter().zip(contents) {
                 if state != PageState::Gone {
                     data.push(FetchedPage {
-                        kv_head: h,
+                        kv_head: *h,
                         page: p as u32,
                         state,
                         rows: lane.rows_in(p),
