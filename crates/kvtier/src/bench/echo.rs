@@ -26,32 +26,110 @@ impl Echo for Echoer {
 #[derive(Debug)]
 pub(crate) struct EchoServerHandle {
     pub(crate) addr: std::net::SocketAddr,
-    _stop: oneshot::Sender<()>,
-    _thread: std::thread::JoinHandle<()>,
+    running: Running,
 }
 
-/// Starts the echo server on a runtime of its own (two workers, like
+#[derive(Debug)]
+enum Running {
+    InProcess {
+        _stop: oneshot::Sender<()>,
+        _thread: std::thread::JoinHandle<()>,
+    },
+    Child(std::process::Child),
+}
+
+impl Drop for EchoServerHandle {
+    fn drop(&mut self) {
+        if let Running::Child(child) = &mut self.running {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct EchoArgs {
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: std::net::SocketAddr,
+}
+
+/// Binds the echo server on a runtime of its own (two workers, like
 /// `kvtier serve` on this machine's cores).
-pub(crate) fn start() -> anyhow::Result<EchoServerHandle> {
+fn bind(addr: std::net::SocketAddr) -> anyhow::Result<(tokio::runtime::Runtime, tokio::net::TcpListener)> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let listener = runtime.block_on(tokio::net::TcpListener::bind(addr))?;
+    Ok((runtime, listener))
+}
+
+fn serve_on(
+    runtime: &tokio::runtime::Runtime,
+    listener: tokio::net::TcpListener,
+    stop: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let serve = tonic::transport::Server::builder()
+        .add_service(EchoServer::new(Echoer))
+        .serve_with_incoming_shutdown(incoming, stop);
+    Ok(runtime.block_on(serve)?)
+}
+
+/// An echo server in this process, for an in-process kvtier server.
+pub(crate) fn start() -> anyhow::Result<EchoServerHandle> {
+    let (runtime, listener) = bind(([127, 0, 0, 1], 0).into())?;
     let addr = listener.local_addr()?;
     let (stop, stopped) = oneshot::channel::<()>();
     let thread = std::thread::Builder::new().name("echo-server".into()).spawn(move || {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-        let serve = tonic::transport::Server::builder()
-            .add_service(EchoServer::new(Echoer))
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = stopped.await;
-            });
-        if let Err(e) = runtime.block_on(serve) {
+        let stop = async {
+            let _ = stopped.await;
+        };
+        if let Err(e) = serve_on(&runtime, listener, stop) {
             tracing::warn!(error = %e, "echo server failed");
         }
     })?;
     Ok(EchoServerHandle {
         addr,
-        _stop: stop,
-        _thread: thread,
+        running: Running::InProcess {
+            _stop: stop,
+            _thread: thread,
+        },
+    })
+}
+
+/// An echo server in a process of its own (`kvtier bench echo`), as a
+/// kvtier server at `--addr` is: the floor then pays what the server does.
+pub(crate) fn start_process() -> anyhow::Result<EchoServerHandle> {
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["bench", "echo"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the echo server process")?;
+    let stdout = child.stdout.take().context("the echo server's stdout")?;
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .and_then(|a| a.parse().ok())
+        .with_context(|| format!("the echo server said {line:?}"))?;
+    Ok(EchoServerHandle {
+        addr,
+        running: Running::Child(child),
+    })
+}
+
+/// `kvtier bench echo`: serves the echo until stdin closes (its parent
+/// ended) or it is killed; prints the address it listens on first.
+pub(crate) fn run(args: EchoArgs) -> anyhow::Result<()> {
+    let (runtime, listener) = bind(args.listen)?;
+    println!("listening on {}", listener.local_addr()?);
+    let (closed, stop) = oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        let _ = std::io::Read::read(&mut std::io::stdin(), &mut [0u8; 1]);
+        let _ = closed.send(());
+    });
+    serve_on(&runtime, listener, async {
+        let _ = stop.await;
     })
 }
 

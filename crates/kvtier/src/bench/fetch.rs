@@ -142,7 +142,12 @@ fn read_trace(path: &PathBuf) -> anyhow::Result<(TraceHeader, Shape, Vec<TraceEn
 pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
     let (header, shape, entries) = read_trace(&args.trace)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let echo_server = super::echo::start()?;
+    // The floor runs where the kvtier server does: in this process, or in
+    // a process of its own.
+    let echo_server = match args.addr {
+        Some(_) => super::echo::start_process()?,
+        None => super::echo::start()?,
+    };
     let report = runtime.block_on(async {
         let target = (args.addr.as_deref(), args.shm_socket.as_deref());
         let (kvtier, kvtier_shm, echo) = replay_kvtier(target, &header, &shape, &entries, &echo_server).await?;

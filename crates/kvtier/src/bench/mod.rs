@@ -25,6 +25,8 @@ pub(crate) enum BenchCommand {
     Decode(Box<decode::DecodeArgs>),
     /// Replays a decode trace's page fetches through kvtier and, optionally, Redis.
     Fetch(fetch::FetchBenchArgs),
+    /// Serves the bare tonic unary echo that `bench fetch` measures its floor with.
+    Echo(echo::EchoArgs),
 }
 
 pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
@@ -34,6 +36,7 @@ pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Swapin(args) => swapin::run(args),
         BenchCommand::Decode(args) => decode::run(*args),
         BenchCommand::Fetch(args) => fetch::run(args),
+        BenchCommand::Echo(args) => echo::run(args),
     }
 }
 
