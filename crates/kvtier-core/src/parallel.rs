@@ -24,27 +24,8 @@ pub fn threads_for(items: usize, bytes: usize, cores: usize) -> usize {
 /// `f` of every item, in order, spread over up to `threads` threads (the
 /// calling thread takes the first share).
 pub fn map<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
-    let threads = threads.clamp(1, items.len().max(1));
-    if threads == 1 {
-        return items.iter().map(&f).collect();
-    }
-    let share = items.len().div_ceil(threads);
-    let f = &f;
-    std::thread::scope(|scope| {
-        let mut shares = items.chunks(share);
-        let first = shares.next().unwrap_or_default();
-        let others: Vec<_> = shares
-            .map(|chunk| scope.spawn(move || chunk.iter().map(f).collect::<Vec<R>>()))
-            .collect();
-        let mut out: Vec<R> = first.iter().map(f).collect();
-        for handle in others {
-            match handle.join() {
-                Ok(results) => out.extend(results),
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
-        }
-        out
-    })
+    let mut refs: Vec<&T> = items.iter().collect();
+    map_mut(&mut refs, threads, |item| f(item))
 }
 
 /// [`map`] over items it may change (each thread gets its own share).

@@ -40,6 +40,16 @@ pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
     }
 }
 
+/// Prints `result` as one JSON object, or as the line `text` makes of it.
+pub(crate) fn emit<T: serde::Serialize>(json: bool, result: &T, text: impl FnOnce(&T) -> String) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(result)?);
+    } else {
+        println!("{}", text(result));
+    }
+    Ok(())
+}
+
 /// Median wall time of `f` over at least `min_runs` runs and about
 /// `min_total` of measuring, after one warm-up run.
 pub(crate) fn median_time(min_runs: usize, min_total: Duration, mut f: impl FnMut()) -> (Duration, usize) {

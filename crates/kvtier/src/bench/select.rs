@@ -82,6 +82,17 @@ fn gbps(bytes: usize, t: Duration) -> f64 {
     bytes as f64 / t.as_secs_f64() / 1e9
 }
 
+/// Deterministic values in [-2, 2], a thousandth apart.
+fn values() -> impl FnMut() -> f32 {
+    let mut x = 0x2545_f491_4f6c_dd1d_u64;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % 4001) as f32 / 1000.0 - 2.0
+    }
+}
+
 pub(crate) fn run(args: SelectBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.pages > 0 && args.head_dim > 0 && args.group > 0 && args.lanes > 0,
@@ -93,13 +104,7 @@ pub(crate) fn run(args: SelectBenchArgs) -> anyhow::Result<()> {
     let dtype = DType::from(args.dtype);
     let elements = args.pages * 2 * args.head_dim;
     let mut digests = vec![0u8; elements * dtype.size()];
-    let mut x = 0x2545_f491_4f6c_dd1d_u64;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x % 4001) as f32 / 1000.0 - 2.0
-    };
+    let mut next = values();
     for i in 0..elements {
         dtype.put_f32(&mut digests, i, next());
     }
@@ -149,25 +154,22 @@ pub(crate) fn run(args: SelectBenchArgs) -> anyhow::Result<()> {
         budget_pages: args.budget_pages,
         runs,
     };
-    if args.json {
-        println!("{}", serde_json::to_string(&result)?);
-    } else {
-        println!(
+    super::emit(args.json, &result, |r| {
+        format!(
             "select: {} pages × d {} {} (group {}), {} kernel: {:.2} GB/s of digests, memcpy {:.2} GB/s, ratio {:.2}; scalar {:.2} GB/s; score+top-{} {:.1} µs",
-            result.pages,
-            result.head_dim,
-            result.dtype,
-            result.group,
-            result.kernel,
-            result.digest_gbps,
-            result.memcpy_gbps,
-            result.ratio,
-            result.scalar_gbps,
-            result.budget_pages,
-            result.select_seconds * 1e6
-        );
-    }
-    Ok(())
+            r.pages,
+            r.head_dim,
+            r.dtype,
+            r.group,
+            r.kernel,
+            r.digest_gbps,
+            r.memcpy_gbps,
+            r.ratio,
+            r.scalar_gbps,
+            r.budget_pages,
+            r.select_seconds * 1e6
+        )
+    })
 }
 
 #[derive(Debug, Serialize)]
@@ -199,13 +201,7 @@ struct StepResult {
 fn step(args: &SelectBenchArgs) -> anyhow::Result<()> {
     let dtype = DType::from(args.dtype);
     let column = args.pages * 2 * args.head_dim * dtype.size();
-    let mut x = 0x2545_f491_4f6c_dd1d_u64;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x % 4001) as f32 / 1000.0 - 2.0
-    };
+    let mut next = values();
     let columns: Vec<Vec<u8>> = (0..args.lanes)
         .map(|_| {
             let mut c = vec![0u8; column];
@@ -270,26 +266,23 @@ fn step(args: &SelectBenchArgs) -> anyhow::Result<()> {
         scan_select_gbps: gbps(bytes, scan_select),
         runs,
     };
-    if args.json {
-        println!("{}", serde_json::to_string(&result)?);
-    } else {
-        println!(
+    super::emit(args.json, &result, |r| {
+        format!(
             "step: {} lanes × {} pages × d {} {} (group {}), {} kernel, {} threads: scan {:.2} GB/s ({:.1} ms), all-core read {:.2} GB/s, ratio {:.2}; one thread {:.2} GB/s; with top-{} {:.2} GB/s",
-            result.lanes,
-            result.pages,
-            result.head_dim,
-            result.dtype,
-            result.group,
-            result.kernel,
-            result.threads,
-            result.scan_gbps,
-            result.scan_seconds * 1e3,
-            result.read_gbps,
-            result.ratio,
-            result.serial_scan_gbps,
+            r.lanes,
+            r.pages,
+            r.head_dim,
+            r.dtype,
+            r.group,
+            r.kernel,
+            r.threads,
+            r.scan_gbps,
+            r.scan_seconds * 1e3,
+            r.read_gbps,
+            r.ratio,
+            r.serial_scan_gbps,
             args.budget_pages,
-            result.scan_select_gbps
-        );
-    }
-    Ok(())
+            r.scan_select_gbps
+        )
+    })
 }
