@@ -57,9 +57,11 @@ pub(crate) fn read_to_bytes<T>(
     let mut buf = PageBuf::new(bytes.spare_capacity_mut());
     let out = read(&mut buf)?;
     let used = buf.used();
+    assert!(used <= bytes.capacity());
     // SAFETY: the read succeeded, so the first `used` bytes of the spare
-    // capacity are initialised (`PageBuf`'s invariant), and `used` is at
-    // most the capacity.
+    // capacity are initialised (`PageBuf`'s invariant; `read` is one of this
+    // module's store calls, which fill the buffer they are given), and
+    // `used` is at most the capacity (asserted).
     unsafe { bytes.set_len(used) };
     Ok((out, bytes.freeze()))
 }
@@ -202,8 +204,9 @@ impl FetchJob {
         };
         let bound = usize::try_from(pages.saturating_mul(layout.page_bytes() as u64)).unwrap_or(usize::MAX);
         // A chunk holds at least one page, whatever max_bytes says (a page
-        // too large for a message is refused as its messages are made).
-        let room = bound.min(max_bytes.max(layout.page_bytes()));
+        // too large for a message is refused as its messages are made), and
+        // whatever the pages were when the call began.
+        let room = bound.min(max_bytes).max(layout.page_bytes());
         Self {
             _request_bytes: request_bytes,
             key,

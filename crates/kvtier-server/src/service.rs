@@ -255,21 +255,21 @@ impl KvTier for KvTierService {
         let shm = r.shm.take();
         let shape = self.store.shape(&key).map_err(to_status)?;
         let job = Arc::new(FetchJob::new(request_bytes, key, r, max_bytes, &shape));
-        // The first chunk is read before the stream starts, so a bad request
-        // fails the call itself rather than the stream.
-        let held = self.in_flight.hold("a fetch chunk", job.room).await?;
         let (tx, rx) = mpsc::channel(1);
         if let Some(w) = shm {
-            // Checked before anything is read or written.
+            // Checked before anything is read or written. The bytes go to the
+            // client's memory, so none are held here in flight.
             let mut window = self.regions.window(&job.key.tenant, &w, job.bound)?;
             let bound = job.bound;
             let pages = sized(&self.store, bound, move |s| job.read_to_window(s, &mut window)).await?;
-            drop(held);
             let messages = holding(page_messages(pages, max_bytes)?, None);
             return Ok(Response::new(Holding::new(
                 tokio_stream::iter(messages).chain(ReceiverStream::new(rx)),
             )));
         }
+        // The first chunk is read before the stream starts, so a bad request
+        // fails the call itself rather than the stream.
+        let held = self.in_flight.hold("a fetch chunk", job.room).await?;
         let (first, next) = {
             let job = Arc::clone(&job);
             sized(&self.store, job.room, move |s| job.read(s, FetchCursor::default())).await?
@@ -310,11 +310,17 @@ impl KvTier for KvTierService {
             }
             None => None,
         };
-        let held = match r.include_data {
+        // Data over shm goes to the client's memory: nothing held in flight.
+        let held = match r.include_data && window.is_none() {
             true => Some(self.in_flight.hold("a selection's data", bound).await?),
             false => None,
         };
-        let work = scanned.saturating_add(if r.include_data { bound } else { 0 });
+        // A swap-in copies pages to the device and may wait for its
+        // deadline: never on a runtime worker.
+        let work = match r.swap_in {
+            true => usize::MAX,
+            false => scanned.saturating_add(if r.include_data { bound } else { 0 }),
+        };
         let room = if r.include_data { bound } else { 0 };
         let (selection, data) = sized(&self.store, work, move |s| {
             select_into(

@@ -6,6 +6,8 @@
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
+use kvtier_core::wire;
+
 use crate::{StoreError, StoreResult};
 
 /// Bytes are taken from the front in read order. Every taken byte is
@@ -71,12 +73,18 @@ impl<'a> PageBuf<'a> {
     }
 
     /// The next `len` bytes, which the caller fills before its read returns.
+    /// Room is taken for what a call can return when it starts; a sequence
+    /// that grows meanwhile (a fetch of every page, a selection on a short
+    /// sequence) can pass it, and the call is then refused, to be retried.
     pub(crate) fn take(&mut self, len: usize) -> StoreResult<Range<usize>> {
         if len > self.remaining() {
-            return Err(StoreError::Internal(format!(
-                "a read outgrew its page buffer ({len} bytes, {} free)",
-                self.remaining()
-            )));
+            return Err(StoreError::precondition(
+                wire::SEQUENCE_ID,
+                format!(
+                    "grew while the call ran, past the room taken for its pages ({len} bytes more, {} free); ask again",
+                    self.remaining()
+                ),
+            ));
         }
         self.used += len;
         Ok(self.origin + self.used - len..self.origin + self.used)

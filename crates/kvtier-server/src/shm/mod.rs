@@ -26,22 +26,33 @@ use crate::status::invalid;
 
 pub(crate) use socket::{bind, serve};
 
-/// Largest region one client may register: bounds the address space one
-/// registration takes, not memory (the client's memfd holds the pages).
-pub(crate) const MAX_REGION_BYTES: u64 = 1 << 40;
+/// Largest region one client may register. Regions cost the server address
+/// space, not memory (the client's memfd holds the pages), but address
+/// space runs out too: 128 TiB, which a few 1 TiB sparse memfds would take.
+pub(crate) const MAX_REGION_BYTES: u64 = 64 << 30;
+
+/// Bytes of all regions mapped at once, over all clients.
+pub(crate) const MAX_TOTAL_BYTES: u64 = 1 << 40;
 
 /// Regions registered at once, over all clients (each holds a file
-/// descriptor and a mapping).
+/// descriptor and a mapping), and per tenant, so that one tenant cannot
+/// take them all.
 pub(crate) const MAX_REGIONS: usize = 1024;
+pub(crate) const MAX_REGIONS_PER_TENANT: usize = 64;
 
 /// Why a registration was refused; the message goes back to the client.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum RegisterError {
     #[error("the region must be a memfd sealed with F_SEAL_SHRINK (so it cannot shrink under the server): {0}")]
     NotSealed(String),
+    #[error("the region must be an ordinary memfd (tmpfs), not hugetlbfs or another file system")]
+    NotTmpfs,
     #[error("the region is {0} bytes; it must be 1 to {MAX_REGION_BYTES}")]
     Size(u64),
-    #[error("{MAX_REGIONS} regions are registered, the server's limit")]
+    #[error(
+        "the server's limits are reached: {MAX_REGIONS} regions, {MAX_REGIONS_PER_TENANT} per tenant, \
+         {MAX_TOTAL_BYTES} bytes in all"
+    )]
     Full,
     #[error("mapping the region: {0}")]
     Map(std::io::Error),
@@ -89,6 +100,19 @@ impl Regions {
         if seals & libc::F_SEAL_SHRINK == 0 {
             return Err(RegisterError::NotSealed("F_SEAL_SHRINK is not set".into()));
         }
+        // A hugetlbfs memfd can be sealed too, but a hole punched in it
+        // drops its huge-page reservation, and the server's next write into
+        // the hole could find no page: SIGBUS. Ordinary shmem just gets a
+        // new page.
+        // SAFETY: statfs is plain data; fstatfs fills it from a descriptor
+        // `file` owns.
+        let on_tmpfs = unsafe {
+            let mut fs: libc::statfs = std::mem::zeroed();
+            libc::fstatfs(file.as_raw_fd(), &mut fs) == 0 && fs.f_type == libc::TMPFS_MAGIC
+        };
+        if !on_tmpfs {
+            return Err(RegisterError::NotTmpfs);
+        }
         let len = file.metadata().map_err(RegisterError::Map)?.len();
         if len == 0 || len > MAX_REGION_BYTES {
             return Err(RegisterError::Size(len));
@@ -103,7 +127,9 @@ impl Regions {
             busy: Mutex::new(Vec::new()),
         });
         let mut by_id = self.by_id();
-        if by_id.len() >= MAX_REGIONS {
+        let tenant_regions = by_id.values().filter(|r| r.tenant == region.tenant).count();
+        let total: u64 = by_id.values().map(|r| r.len()).sum();
+        if by_id.len() >= MAX_REGIONS || tenant_regions >= MAX_REGIONS_PER_TENANT || total + len > MAX_TOTAL_BYTES {
             return Err(RegisterError::Full);
         }
         let id = loop {
@@ -276,6 +302,20 @@ mod tests {
         let err = regions.register(tenant.clone(), &file).unwrap_err();
         assert!(matches!(err, RegisterError::NotSealed(_)), "a plain file: {err}");
         assert!(regions.register(tenant, &memfd(4096, true)).is_ok());
+    }
+
+    #[test]
+    fn one_tenant_cannot_take_every_region() {
+        let regions = Regions::default();
+        let greedy = TenantId::parse("tenant", "greedy").unwrap();
+        let kept: Vec<_> = (0..MAX_REGIONS_PER_TENANT)
+            .map(|_| regions.register(greedy.clone(), &memfd(4096, true)).unwrap())
+            .collect();
+        let err = regions.register(greedy, &memfd(4096, true)).unwrap_err();
+        assert!(matches!(err, RegisterError::Full), "{err}");
+        let other = TenantId::parse("tenant", "other").unwrap();
+        assert!(regions.register(other, &memfd(4096, true)).is_ok());
+        assert_eq!(kept.len(), MAX_REGIONS_PER_TENANT);
     }
 
     #[test]

@@ -10,6 +10,7 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +18,7 @@ use std::time::Duration;
 use kvtier_core::{TenantId, wire};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::Status;
 
 use super::Regions;
@@ -33,20 +35,34 @@ const MAGIC: &str = "kvtier-shm 1";
 const MAX_HELLO: usize = 4096;
 
 /// Binds `path`, replacing a socket file no server answers on any more (one
-/// a killed server left); refuses one a live server is listening on.
+/// a killed server left); refuses one a live server is listening on, and
+/// any path that is not a socket (a mistyped flag must not delete a file).
 pub(crate) fn bind(path: &Path) -> io::Result<UnixListener> {
-    if std::os::unix::net::UnixStream::connect(path).is_ok() {
-        return Err(io::Error::new(
-            io::ErrorKind::AddrInUse,
-            "another server is listening on this socket",
-        ));
-    }
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-        _ => {}
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+        Ok(m) if !m.file_type().is_socket() => {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                "exists and is not a socket",
+            ));
+        }
+        Ok(_) => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    "another server is listening on this socket",
+                ));
+            }
+            std::fs::remove_file(path)?;
+        }
     }
     UnixListener::bind(path)
 }
+
+/// Connections that have not registered yet, at once: each may hold a
+/// descriptor until it does.
+const MAX_PENDING: usize = 64;
 
 /// Accepts registrations until `stop`; removes the socket file after.
 pub(crate) async fn serve(
@@ -57,12 +73,17 @@ pub(crate) async fn serve(
     stop: impl Future<Output = ()>,
 ) {
     tokio::pin!(stop);
+    let pending = Arc::new(Semaphore::new(MAX_PENDING));
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    tokio::spawn(connection(stream, Arc::clone(&regions), Arc::clone(&auth)));
-                }
+                Ok((stream, _)) => match Arc::clone(&pending).try_acquire_owned() {
+                    Ok(slot) => {
+                        tokio::spawn(connection(stream, Arc::clone(&regions), Arc::clone(&auth), slot));
+                    }
+                    // Too many half-open registrations: this one is closed.
+                    Err(_) => drop(stream),
+                },
                 Err(e) => {
                     tracing::warn!(error = %e, "shm socket accept failed");
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -74,12 +95,13 @@ pub(crate) async fn serve(
     let _ = std::fs::remove_file(path);
 }
 
-async fn connection(mut stream: UnixStream, regions: Arc<Regions>, auth: Arc<Auth>) {
+async fn connection(mut stream: UnixStream, regions: Arc<Regions>, auth: Arc<Auth>, pending: OwnedSemaphorePermit) {
     let registered = match tokio::time::timeout(HELLO_TIME, read_hello(&stream)).await {
         Ok(Ok((hello, fds))) => register(&regions, &auth, &hello, fds),
         Ok(Err(e)) => Err(Status::invalid_argument(format!("reading the registration: {e}"))),
         Err(_) => Err(Status::deadline_exceeded("no registration within 10 s")),
     };
+    drop(pending);
     let (id, bytes) = match registered {
         Ok(region) => region,
         Err(status) => {
@@ -181,6 +203,8 @@ fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Resul
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
+    // The kernel closed what did not fit; the registration is refused.
+    let truncated = msg.msg_flags & libc::MSG_CTRUNC != 0;
     // SAFETY: the kernel filled `msg`'s control area; CMSG_FIRSTHDR and
     // CMSG_NXTHDR walk it within msg_controllen, and each SCM_RIGHTS
     // header's data holds (cmsg_len - header) / size_of(c_int) descriptors,
@@ -199,5 +223,27 @@ fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Resul
             cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
         }
     }
+    if truncated {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "too many file descriptors"));
+    }
     Ok(n as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_path_that_is_not_a_socket_is_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, b"precious").unwrap();
+        let err = bind(&path).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::AlreadyExists, "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"precious");
+        // A socket no server answers on (one a killed server left) is replaced.
+        let socket = dir.path().join("shm.sock");
+        drop(bind(&socket).unwrap());
+        assert!(bind(&socket).is_ok());
+    }
 }
