@@ -9,8 +9,9 @@ use crate::status::to_status;
 
 /// Work up to this many bytes (page bytes copied, digest bytes scanned)
 /// runs on the handler's own worker. Handing a call to a blocking thread
-/// and back costs two cross-thread wake-ups, measured at 30–60 µs on these
-/// machines: more than copying this much, and a small fetch's whole budget.
+/// and back costs two cross-thread wake-ups, measured at 30–200 µs on these
+/// VMs (a parked vCPU has to be woken): more than copying this much, and a
+/// small fetch's whole budget.
 pub(crate) const INLINE_BYTES: usize = 256 << 10;
 
 /// Runs a store call on a blocking thread: copies of many megabytes must
