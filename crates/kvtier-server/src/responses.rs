@@ -100,7 +100,7 @@ pub(crate) fn holding<T>(messages: Vec<T>, mut held: Option<Held>) -> Vec<Held_<
 
 /// The digest bytes a selection of `kv_heads` heads scans: every page's
 /// min and max rows.
-pub(crate) fn digests_scanned(kv_heads: u32, (layout, tokens): &(Layout, u64)) -> usize {
+pub(crate) fn digests_scanned(kv_heads: u32, (layout, tokens): &(Arc<Layout>, u64)) -> usize {
     let heads = kv_heads.min(layout.num_kv_heads());
     let pages = tokens.div_ceil(u64::from(layout.page_size())) * u64::from(heads);
     usize::try_from(pages.saturating_mul(2 * layout.row_bytes() as u64)).unwrap_or(usize::MAX)
@@ -188,7 +188,7 @@ impl FetchJob {
         key: SequenceKey,
         mut request: pb::FetchPagesRequest,
         max_bytes: usize,
-        (layout, tokens): &(Layout, u64),
+        (layout, tokens): &(Arc<Layout>, u64),
     ) -> Self {
         let per_head: Vec<Vec<u32>> = std::mem::take(&mut request.per_head_pages)
             .into_iter()

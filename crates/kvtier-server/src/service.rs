@@ -315,13 +315,13 @@ impl KvTier for KvTierService {
             true => Some(self.in_flight.hold("a selection's data", bound).await?),
             false => None,
         };
+        let room = if r.include_data { bound } else { 0 };
         // A swap-in copies pages to the device and may wait for its
         // deadline: never on a runtime worker.
         let work = match r.swap_in {
             true => usize::MAX,
-            false => scanned.saturating_add(if r.include_data { bound } else { 0 }),
+            false => scanned.saturating_add(room),
         };
-        let room = if r.include_data { bound } else { 0 };
         let (selection, data) = sized(&self.store, work, move |s| {
             select_into(
                 s,

@@ -50,14 +50,6 @@ impl<B> PageContent<B> {
             PageContent::Gone(reason) => PageContent::Gone(reason),
         }
     }
-
-    /// The page's bytes, if it has any.
-    pub fn bytes(&self) -> Option<&B> {
-        match self {
-            PageContent::Original(b) | PageContent::Summary { kv: b, .. } => Some(b),
-            PageContent::Gone(_) => None,
-        }
-    }
 }
 
 /// Where a page's bytes are to be had.

@@ -127,9 +127,10 @@ impl Regions {
             busy: Mutex::new(Vec::new()),
         });
         let mut by_id = self.by_id();
-        let tenant_regions = by_id.values().filter(|r| r.tenant == region.tenant).count();
-        let total: u64 = by_id.values().map(|r| r.len()).sum();
-        if by_id.len() >= MAX_REGIONS || tenant_regions >= MAX_REGIONS_PER_TENANT || total + len > MAX_TOTAL_BYTES {
+        let (all, total) = usage(&by_id, None);
+        let (tenant_regions, _) = usage(&by_id, Some(&region.tenant));
+        if all >= MAX_REGIONS as u64 || tenant_regions >= MAX_REGIONS_PER_TENANT as u64 || total + len > MAX_TOTAL_BYTES
+        {
             return Err(RegisterError::Full);
         }
         let id = loop {
@@ -149,10 +150,7 @@ impl Regions {
 
     /// Regions and their bytes: all, or `tenant`'s.
     pub(crate) fn usage(&self, tenant: Option<&TenantId>) -> (u64, u64) {
-        self.by_id()
-            .values()
-            .filter(|r| tenant.is_none_or(|t| *t == r.tenant))
-            .fold((0, 0), |(n, bytes), r| (n + 1, bytes + r.len()))
+        usage(&self.by_id(), tenant)
     }
 
     /// The window a request names, checked against its tenant's regions
@@ -209,6 +207,14 @@ impl Regions {
         drop(busy);
         Ok(Window { region, range })
     }
+}
+
+/// Regions in `by_id` and their bytes: all, or `tenant`'s.
+fn usage(by_id: &HashMap<u64, Arc<Region>>, tenant: Option<&TenantId>) -> (u64, u64) {
+    by_id
+        .values()
+        .filter(|r| tenant.is_none_or(|t| *t == r.tenant))
+        .fold((0, 0), |(n, bytes), r| (n + 1, bytes + r.len()))
 }
 
 /// Where a call writes its pages, its own until it is dropped.

@@ -80,6 +80,11 @@ impl Sequence {
         }
     }
 
+    /// Positions held by the longest lane.
+    pub(crate) fn tokens(&self) -> u64 {
+        self.lanes.iter().map(|l| l.tokens()).max().unwrap_or(0)
+    }
+
     pub(crate) fn check_layer(&self, layer: u32) -> StoreResult<()> {
         if layer >= self.layout.num_layers() {
             return Err(StoreError::invalid(

@@ -167,11 +167,10 @@ impl Store {
     pub fn select_pages(self: &Arc<Self>, key: &SequenceKey, req: SelectPages<'_>) -> StoreResult<Selection> {
         let start = Instant::now();
         let mut selection = self.catalog.read(key, |seq| {
-            let tokens = seq.lanes.iter().map(|l| l.tokens()).max().unwrap_or(0);
             let room = match req.with_data {
                 true => data_bound(
                     &seq.layout,
-                    tokens,
+                    seq.tokens(),
                     req.budget.pages as u32,
                     req.heads.count,
                     req.aggregation,

@@ -87,11 +87,9 @@ impl Store {
 
     /// A sequence's layout and the positions of its longest lane: what
     /// sizing a read needs, without the cost of [`Store::sequence_info`].
-    pub fn shape(&self, key: &SequenceKey) -> StoreResult<(Layout, u64)> {
-        self.catalog.read(key, |seq| {
-            let tokens = seq.lanes.iter().map(|l| l.tokens()).max().unwrap_or(0);
-            Ok(((*seq.layout).clone(), tokens))
-        })
+    pub fn shape(&self, key: &SequenceKey) -> StoreResult<(Arc<Layout>, u64)> {
+        self.catalog
+            .read(key, |seq| Ok((Arc::clone(&seq.layout), seq.tokens())))
     }
 
     pub fn sequence_info(&self, key: &SequenceKey) -> StoreResult<SequenceInfo> {
