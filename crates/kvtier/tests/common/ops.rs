@@ -496,6 +496,11 @@ pub fn apply(model: &mut Model, planned: &Planned, answer: &Answer, acked: bool)
             }
         }
         Planned::Policy { id, layer, change, .. } => {
+            // A summary needs host room, which a host tier full of
+            // summaries cannot give: refused whole, before anything changed.
+            if full && matches!(change, Some(Change::Summarize)) {
+                return Ok(());
+            }
             expect(None)?;
             let fate = change.map(|c| c.fate(pb::Reason::Policy));
             if answer.is_ok() && acked {
