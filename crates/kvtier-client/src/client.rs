@@ -27,7 +27,7 @@ pub enum ClientError {
 pub(crate) type Result<T> = std::result::Result<T, ClientError>;
 
 /// Largest message the client sends or accepts.
-const MAX_MESSAGE_BYTES: usize = 64 << 20;
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// A layout message.
 pub fn layout(
@@ -53,6 +53,7 @@ pub fn layout(
 #[derive(Debug, Clone)]
 pub struct Client {
     inner: KvTierClient<Channel>,
+    channel: Channel,
     tenant: String,
     persist: bool,
     /// `Bearer <token>`, sent with every typed call.
@@ -144,6 +145,7 @@ impl Client {
 
     pub fn from_channel(channel: Channel) -> Self {
         Self {
+            channel: channel.clone(),
             inner: KvTierClient::new(channel)
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
@@ -170,6 +172,13 @@ impl Client {
     /// messages with [`Client::request`] to send the token).
     pub fn raw(&mut self) -> &mut KvTierClient<Channel> {
         &mut self.inner
+    }
+
+    /// The connection, for calls through another codec (the Python
+    /// package's reflection-driven one); requests made with
+    /// [`Client::request`] carry the token.
+    pub fn channel(&self) -> Channel {
+        self.channel.clone()
     }
 
     pub async fn create_sequence(

@@ -19,7 +19,7 @@ mod merge;
 mod pack;
 mod shm;
 
-pub use client::{Client, ClientError, Connect, SelectRequest, SelectResult, Tls, actions, layout};
+pub use client::{Client, ClientError, Connect, MAX_MESSAGE_BYTES, SelectRequest, SelectResult, Tls, actions, layout};
 pub use kvtier_proto::v1 as pb;
 pub use merge::{Part, Partitioned};
 pub use pack::{Element, PackError, pack_kv, unpack_rows};

@@ -8,7 +8,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, RawFd};
 use std::path::Path;
 use std::time::Duration;
 
@@ -35,6 +35,8 @@ pub enum ShmError {
 pub struct ShmRegion {
     id: u64,
     map: MmapRaw,
+    /// The memfd, for processes or runtimes that map the region themselves.
+    file: File,
     /// Open as long as the region is the client's.
     _registration: UnixStream,
 }
@@ -71,6 +73,7 @@ impl ShmRegion {
                 Ok(Self {
                     id,
                     map,
+                    file,
                     _registration: stream,
                 })
             }
@@ -137,6 +140,12 @@ impl ShmRegion {
         let mut out = vec![0u8; page.shm_bytes as usize];
         self.read(page.shm_offset, &mut out)?;
         Ok(out)
+    }
+
+    /// The region's memfd: mapping it (shared) elsewhere, a Python array
+    /// say, sees the same bytes as [`Self::as_ptr`].
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
     }
 
     /// The region's first byte, for code that reads the pages in place (a

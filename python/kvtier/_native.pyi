@@ -1,0 +1,25 @@
+"""Type stubs of the native module (python/src/lib.rs)."""
+
+from typing import Any, Callable, Optional
+
+__version__: str
+
+class Connection:
+    def __init__(
+        self, address: str, token: Optional[str] = None, ca_pem: Optional[bytes] = None, domain: Optional[str] = None
+    ) -> None: ...
+    def call(
+        self,
+        method: str,
+        request: Any,
+        done: Optional[Callable[[Any, Optional[BaseException]], None]] = None,
+    ) -> Any: ...
+    def register_shm(self, socket: str, size: int, tenant: str) -> Region: ...
+
+class Region:
+    @property
+    def id(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def fd(self) -> int: ...

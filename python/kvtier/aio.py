@@ -1,0 +1,84 @@
+"""The asyncio client: the same methods as :class:`kvtier.Client`, each a
+coroutine. Calls run on the package's own runtime threads and complete the
+awaiting task through the event loop, so the loop never blocks and many
+calls can be in flight at once."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+from ._native import Connection
+from .client import DEFAULT_ADDRESS, Steps, T, _Api
+from .types import ShmRegion
+
+
+class AsyncClient(_Api):
+    """An asyncio client of one kvtier server, for one tenant; arguments as
+    for :class:`kvtier.Client`.
+
+    >>> client = kvtier.AsyncClient("http://127.0.0.1:50051")
+    >>> pages = await client.fetch("req-1", layer=0)
+    """
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        tenant: str = "",
+        token: Optional[str] = None,
+        tls_ca: Optional[bytes] = None,
+        tls_domain: Optional[str] = None,
+        persist: bool = False,
+        shm_socket: Optional[str] = None,
+    ):
+        # Connecting is one short blocking step, as constructors are.
+        super().__init__(Connection(address, token, tls_ca, tls_domain), tenant, persist, shm_socket)
+
+    async def _call(self, method: str, request: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(result: Any, error: Optional[BaseException]) -> None:
+            if future.cancelled():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        def done(result: Any, error: Optional[BaseException]) -> None:
+            # Called on a runtime thread: hand the result to the loop's.
+            loop.call_soon_threadsafe(settle, result, error)
+
+        self._conn.call(method, request, done)
+        return await future
+
+    async def _run(self, steps: Steps[T]) -> T:  # type: ignore[override]
+        try:
+            rpc = next(steps)
+            while True:
+                try:
+                    reply = await self._call(rpc.method, rpc.request)
+                except Exception as e:  # let the method see its RPC's failure
+                    rpc = steps.throw(e)
+                else:
+                    rpc = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+
+    async def register_shm(self, size: int, socket: Optional[str] = None) -> ShmRegion:
+        """As :meth:`kvtier.Client.register_shm`, off the event loop."""
+        native = await asyncio.get_running_loop().run_in_executor(
+            None, self._conn.register_shm, socket or self.shm_socket, size, self.tenant
+        )
+        return ShmRegion(native)
+
+    async def close(self) -> None:
+        self._conn = None  # type: ignore[assignment]
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()

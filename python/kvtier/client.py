@@ -1,0 +1,537 @@
+"""The blocking client, and the calls both clients share.
+
+Every method is written once, as a generator that yields the RPCs it needs
+(:class:`_Rpc`) and returns the result; :class:`Client` runs it blocking
+(the GIL released while it waits), :class:`kvtier.AsyncClient` awaits it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple, TypeVar, Union
+
+import numpy as np
+
+from . import _arrays
+from ._native import Connection
+from .types import Layout, Page, Selection, ShmRegion, ShmWindow, page_from_proto, selection_from_proto, window_of
+
+T = TypeVar("T")
+
+DEFAULT_ADDRESS = "http://127.0.0.1:50051"
+#: Where ``kvtier serve`` puts its shm socket by default, from the directory it runs in.
+DEFAULT_SHM_SOCKET = os.path.join("kvtier-data", "shm.sock")
+
+Heads = Union[int, Tuple[int, int], range, None]
+
+
+class _Rpc:
+    """One RPC a method needs: its name and request (a dict, or a list of
+    dicts for PutPages)."""
+
+    __slots__ = ("method", "request")
+
+    def __init__(self, method: str, request: Any):
+        self.method = method
+        self.request = request
+
+
+Steps = Generator[_Rpc, Any, T]
+
+
+def _heads(kv_heads: Heads, default_count: int) -> Tuple[int, int]:
+    """``(start, count)`` from an int (one head), a ``(start, count)`` pair
+    or a range; all ``default_count`` heads from 0 when None."""
+    if kv_heads is None:
+        return 0, default_count
+    if isinstance(kv_heads, int):
+        return kv_heads, 1
+    if isinstance(kv_heads, range):
+        if kv_heads.step != 1:
+            raise ValueError("kv_heads: a range of consecutive heads")
+        return kv_heads.start, len(kv_heads)
+    start, count = kv_heads
+    return int(start), int(count)
+
+
+def _queries(queries: Any) -> bytes:
+    return np.ascontiguousarray(_arrays.as_array(queries, "queries"), dtype="<f4").tobytes()
+
+
+class _Api:
+    """The calls, written once for both clients."""
+
+    def __init__(self, connection: Connection, tenant: str, persist: bool, shm_socket: Optional[str]):
+        self._conn = connection
+        self.tenant = tenant
+        self.persist = persist
+        self.shm_socket = shm_socket or DEFAULT_SHM_SOCKET
+        self._layouts: Dict[str, Layout] = {}
+
+    def _run(self, steps: Steps[T]) -> Any:
+        raise NotImplementedError
+
+    def _seq(self, sequence_id: str) -> Dict[str, Any]:
+        return {"tenant": self.tenant, "sequence_id": sequence_id}
+
+    def _layout(self, sequence_id: str) -> Steps[Layout]:
+        layout = self._layouts.get(sequence_id)
+        if layout is None:
+            info = yield _Rpc("GetSequence", self._seq(sequence_id))
+            layout = self._layouts[sequence_id] = Layout.from_proto(info["layout"])
+        return layout
+
+    # Sequences
+
+    def create(self, sequence_id: str, layout: Layout, prefix_hashes: Iterable[bytes] = ()) -> Any:
+        """Creates a sequence; with ``prefix_hashes`` (one per full page of
+        the prompt) it shares the longest prefix already stored. Returns the
+        ``CreateSequenceResponse`` as a dict (``attached_pages``, ``info``)."""
+
+        def steps() -> Steps[Dict[str, Any]]:
+            reply = yield _Rpc(
+                "CreateSequence",
+                {**self._seq(sequence_id), "layout": layout.to_proto(), "prefix_hashes": [bytes(h) for h in prefix_hashes]},
+            )
+            self._layouts[sequence_id] = layout
+            return reply
+
+        return self._run(steps())
+
+    def info(self, sequence_id: str) -> Any:
+        """The sequence's ``SequenceInfo`` as a dict: layout, tokens, pages by
+        state, bytes per tier, gone pages by reason."""
+
+        def steps() -> Steps[Dict[str, Any]]:
+            return (yield _Rpc("GetSequence", self._seq(sequence_id)))
+
+        return self._run(steps())
+
+    def drop(self, sequence_id: str) -> Any:
+        """Drops the sequence and every page only it uses."""
+
+        def steps() -> Steps[None]:
+            yield _Rpc("DropSequence", self._seq(sequence_id))
+            self._layouts.pop(sequence_id, None)
+
+        return self._run(steps())
+
+    # Writes
+
+    def put(
+        self,
+        sequence_id: str,
+        layer: int,
+        k: Any,
+        v: Any,
+        *,
+        kv_head_start: int = 0,
+        first_page: int = 0,
+        persist: Optional[bool] = None,
+    ) -> Any:
+        """Writes whole pages of one layer: ``k`` and ``v`` are ``[kv_heads,
+        tokens, head_dim]`` for heads ``kv_head_start..``, starting at page
+        ``first_page`` (where those heads end). Returns the
+        ``PutPagesResponse`` as a dict (``durability`` is ``"memory"``, or
+        ``"relaxed"``/``"fsync"`` with ``persist``)."""
+        return self.put_layers(sequence_id, [(layer, k, v)], kv_head_start=kv_head_start, first_page=first_page, persist=persist)
+
+    def put_layers(
+        self,
+        sequence_id: str,
+        layers: Iterable[Tuple[int, Any, Any]],
+        *,
+        kv_head_start: int = 0,
+        first_page: int = 0,
+        persist: Optional[bool] = None,
+    ) -> Any:
+        """Writes ``(layer, k, v)`` for many layers in one streamed call (a
+        whole prefill)."""
+
+        def steps() -> Steps[Dict[str, Any]]:
+            layout = yield from self._layout(sequence_id)
+            writes = []
+            for layer, k, v in layers:
+                kv, heads, tokens = _arrays.pack_kv(k, v, layout.dtype, layout.head_dim)
+                writes.append(
+                    {
+                        **self._seq(sequence_id),
+                        "layer": layer,
+                        "kv_head_start": kv_head_start,
+                        "kv_head_count": heads,
+                        "first_page": first_page,
+                        "num_tokens": tokens,
+                        "kv": kv,
+                        "persist": self.persist if persist is None else persist,
+                    }
+                )
+            return (yield _Rpc("PutPages", writes))
+
+        return self._run(steps())
+
+    def append(
+        self,
+        sequence_id: str,
+        layer: int,
+        k: Any,
+        v: Any,
+        *,
+        kv_head_start: int = 0,
+        position: Optional[int] = None,
+        persist: Optional[bool] = None,
+    ) -> Any:
+        """Appends decode tokens to one layer: ``k`` and ``v`` are
+        ``[kv_heads, tokens, head_dim]``. With ``position``, refused unless
+        the heads hold exactly that many tokens (a safe retry). Returns the
+        ``AppendTokensResponse`` as a dict (``tokens``, ``durability``,
+        ``timing``)."""
+
+        def steps() -> Steps[Dict[str, Any]]:
+            layout = yield from self._layout(sequence_id)
+            kv, heads, tokens = _arrays.pack_kv(k, v, layout.dtype, layout.head_dim)
+            request = {
+                **self._seq(sequence_id),
+                "layer": layer,
+                "kv_head_start": kv_head_start,
+                "kv_head_count": heads,
+                "num_tokens": tokens,
+                "kv": kv,
+                "position": position,
+                "persist": self.persist if persist is None else persist,
+            }
+            return (yield _Rpc("AppendTokens", request))
+
+        return self._run(steps())
+
+    # Reads
+
+    def fetch(
+        self,
+        sequence_id: str,
+        layer: int,
+        pages: Optional[Sequence[int]] = None,
+        *,
+        kv_heads: Heads = None,
+        per_head_pages: Optional[Sequence[Sequence[int]]] = None,
+        include_digests: bool = False,
+        shm: "ShmRegion | ShmWindow | None" = None,
+    ) -> Any:
+        """Reads pages of one layer (every page when ``pages`` is None) for
+        ``kv_heads`` (all by default; an int for one, or ``(start, count)``), or ``per_head_pages`` (one list per head). Returns a list
+        of :class:`Page`, head by head. With ``shm`` the bytes land in the
+        region and each page's arrays view it."""
+
+        def steps() -> Steps[List[Page]]:
+            layout = yield from self._layout(sequence_id)
+            start, count = _heads(kv_heads, layout.num_kv_heads if per_head_pages is None else len(per_head_pages))
+            window = window_of(shm)
+            request = {
+                **self._seq(sequence_id),
+                "layer": layer,
+                "kv_head_start": start,
+                "kv_head_count": count,
+                "pages": list(pages or []),
+                "per_head_pages": [{"pages": list(p)} for p in per_head_pages or []],
+                "include_digests": include_digests,
+                "shm": window.to_proto() if window else None,
+            }
+            replies = yield _Rpc("FetchPages", request)
+            return [page_from_proto(p, layout, window) for r in replies for p in r["pages"]]
+
+        return self._run(steps())
+
+    def _select_request(self, sequence_id: str, layout: Layout, layer: int, queries: Any, budget_pages: int, kv_heads: Heads, options: Dict[str, Any]) -> Dict[str, Any]:
+        start, count = _heads(kv_heads, layout.num_kv_heads)
+        deadline_us = options.pop("deadline_us", 0)
+        shard = options.pop("shard", None)
+        if shard is not None and not isinstance(shard, dict):
+            rank, world = shard[0], shard[1]
+            shard = {"rank": rank, "world": world, "ownership": shard[2] if len(shard) > 2 else "contiguous", "scope": shard[3] if len(shard) > 3 else "global"}
+        return {
+            **self._seq(sequence_id),
+            "layer": layer,
+            "kv_head_start": start,
+            "kv_head_count": count,
+            "queries": _queries(queries),
+            "budget_pages": budget_pages,
+            "deadline_us": deadline_us,
+            "shard": shard,
+            **options,
+        }
+
+    def select(
+        self,
+        sequence_id: str,
+        layer: int,
+        queries: Any,
+        budget_pages: int,
+        *,
+        kv_heads: Heads = None,
+        sink_pages: int = 0,
+        window_pages: int = 0,
+        aggregation: str = "max",
+        shard: Any = None,
+        include_data: bool = True,
+        swap_in: bool = False,
+        deadline_us: int = 0,
+        prefetch_pages: int = 0,
+        lease_ms: int = 0,
+        shm: "ShmRegion | ShmWindow | None" = None,
+    ) -> Any:
+        """Chooses the pages a decode step's ``queries`` (``[query heads,
+        head_dim]`` of the KV heads' groups, post-RoPE) need: per KV head the
+        top ``budget_pages`` by Quest's bound, ``sink_pages`` first and
+        ``window_pages`` last pages included. Aggregation over a group:
+        ``"max"``, ``"mean"`` or ``"per_query_head"``. ``shard``: a
+        context-parallel rank as ``(rank, world[, "contiguous"|"strided"[,
+        "global"|"local"]])``. ``swap_in`` makes the chosen pages hot
+        (answering by ``deadline_us`` if set), ``prefetch_pages`` promotes
+        the next-ranked in the background, ``lease_ms`` pins the chosen
+        pages. Returns a :class:`Selection`; with ``include_data`` its pages'
+        K and V (over ``shm``, views of the region)."""
+
+        def steps() -> Steps[Selection]:
+            layout = yield from self._layout(sequence_id)
+            window = window_of(shm)
+            options = {
+                "sink_pages": sink_pages,
+                "window_pages": window_pages,
+                "aggregation": aggregation,
+                "shard": shard,
+                "include_data": include_data,
+                "swap_in": swap_in,
+                "deadline_us": deadline_us,
+                "prefetch_pages": prefetch_pages,
+                "lease_ms": lease_ms,
+                "shm": window.to_proto() if window else None,
+            }
+            request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
+            replies = yield _Rpc("SelectPages", request)
+            return selection_from_proto(replies, layout, window)
+
+        return self._run(steps())
+
+    def prefetch(
+        self,
+        sequence_id: str,
+        layer: int,
+        queries: Any,
+        budget_pages: int,
+        *,
+        kv_heads: Heads = None,
+        sink_pages: int = 0,
+        window_pages: int = 0,
+        aggregation: str = "max",
+        shard: Any = None,
+    ) -> Any:
+        """Promotes, in the background, what ``select`` with these
+        arguments would choose (a layer ahead, say); returns the pages
+        queued."""
+
+        def steps() -> Steps[int]:
+            layout = yield from self._layout(sequence_id)
+            options = {"sink_pages": sink_pages, "window_pages": window_pages, "aggregation": aggregation, "shard": shard}
+            request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
+            return (yield _Rpc("Prefetch", request))["pages_queued"]
+
+        return self._run(steps())
+
+    def release_lease(self, lease_id: int) -> Any:
+        """Ends a lease before it expires."""
+
+        def steps() -> Steps[None]:
+            yield _Rpc("ReleaseLease", {"tenant": self.tenant, "lease_id": lease_id})
+
+        return self._run(steps())
+
+    # State changes and policies
+
+    def set_page_state(
+        self,
+        sequence_id: str,
+        action: str,
+        *,
+        layers: Union[int, Tuple[int, int], None] = None,
+        kv_heads: Heads = None,
+        pages: Union[Tuple[int, int], Sequence[int], None] = None,
+        tier: Optional[str] = None,
+        rows: Optional[int] = None,
+    ) -> Any:
+        """Moves pages between states: ``action`` is ``"offload"`` (hot →
+        cold in ``tier``, ``"host"`` or ``"nvme"``), ``"swap_in"``,
+        ``"migrate"`` (to ``tier``), ``"summarize"`` (to ``rows`` summary
+        rows) or ``"evict"``. ``layers``/``kv_heads``: all by default, an
+        int for one, or ``(start, count)``; ``pages``: all by default,
+        ``(first, count)`` as a tuple, or a list of page indices. Returns
+        the number of pages that changed."""
+
+        def steps() -> Steps[int]:
+            layout = yield from self._layout(sequence_id)
+            layer_start, layer_count = (0, layout.num_layers) if layers is None else (layers, 1) if isinstance(layers, int) else layers
+            head_start, head_count = _heads(kv_heads, layout.num_kv_heads)
+            request: Dict[str, Any] = {
+                **self._seq(sequence_id),
+                "layer_start": layer_start,
+                "layer_count": layer_count,
+                "kv_head_start": head_start,
+                "kv_head_count": head_count,
+                action: _action(action, tier, rows),
+            }
+            if isinstance(pages, tuple):
+                request["first_page"], request["page_count"] = pages
+            elif pages is not None:
+                request["pages"] = list(pages)
+            return (yield _Rpc("SetPageState", request))["pages"]
+
+        return self._run(steps())
+
+    def apply_policy(
+        self,
+        sequence_id: str,
+        policy: Union[str, Dict[str, Any]],
+        budget_tokens: int,
+        *,
+        action: str = "evict",
+        tier: Optional[str] = None,
+        rows: Optional[int] = None,
+        layers: Optional[Tuple[int, int]] = None,
+        allocator: Union[str, Dict[str, Any], None] = None,
+        queries: Any = None,
+        trigger: Optional[str] = None,
+        every_tokens: int = 0,
+        **options: Any,
+    ) -> Any:
+        """Runs an eviction/summary/offload policy (``"streaming"``,
+        ``"h2o"``, ``"snapkv"``, ``"tova"``, ``"scissorhands"``,
+        ``"max_mass"``; ``options`` are its fields, e.g.
+        ``window_tokens=16``) keeping ``budget_tokens`` per head, over
+        ``layers`` (all by default), budgets split by ``allocator``
+        (``"uniform"``, ``"pyramid"`` with ``beta``, ``"ada"`` with
+        ``floor``: pass a dict for options). ``trigger``: ``"now"``,
+        ``"after_prefill"``, ``"every_tokens"`` (with ``every_tokens``) or
+        ``"off"``. Returns the ``ApplyPolicyResponse`` as a dict."""
+
+        def steps() -> Steps[Dict[str, Any]]:
+            layout = yield from self._layout(sequence_id)
+            layer_start, layer_count = layers or (0, layout.num_layers)
+            spec = {policy: options} if isinstance(policy, str) else dict(policy)
+            if allocator is not None:
+                spec.update({allocator: {}} if isinstance(allocator, str) else allocator)
+            request = {
+                **self._seq(sequence_id),
+                "layer_start": layer_start,
+                "layer_count": layer_count,
+                "policy": spec,
+                "budget_tokens": budget_tokens,
+                action: _action(action, tier, rows),
+                "queries": None if queries is None else _queries(queries),
+                "trigger": trigger,
+                "every_tokens": every_tokens,
+            }
+            return (yield _Rpc("ApplyPolicy", request))
+
+        return self._run(steps())
+
+    def report_attention(
+        self, sequence_id: str, layer: int, token_weights: Any, *, kv_head_start: int = 0, decay: float = 0.0
+    ) -> Any:
+        """Reports one query's attention weights, ``[kv_heads, tokens]``
+        (for H2O-style policies)."""
+
+        def steps() -> Steps[None]:
+            w = np.asarray(_arrays.as_array(token_weights, "token_weights"), dtype=np.float32)
+            if w.ndim != 2:
+                raise ValueError(f"token_weights: expected [kv_heads, tokens], got shape {w.shape}")
+            request = {
+                **self._seq(sequence_id),
+                "layer": layer,
+                "kv_head_start": kv_head_start,
+                "kv_head_count": w.shape[0],
+                "token_weights": w.ravel().tolist(),
+                "decay": decay,
+            }
+            yield _Rpc("ReportAttention", request)
+
+        return self._run(steps())
+
+    def stats(self, *, tenant_only: bool = False) -> Any:
+        """The server's ``Stats`` as a dict (with ``tenant_only``, this
+        client's tenant's view)."""
+
+        def steps() -> Steps[Dict[str, Any]]:
+            return (yield _Rpc("GetStats", {"tenant": self.tenant if tenant_only else None}))
+
+        return self._run(steps())
+
+    def call(self, method: str, request: Any) -> Any:
+        """Any RPC by name with a request dict (fields as in the proto);
+        returns the reply as a dict (a list of dicts for a stream)."""
+
+        def steps() -> Steps[Any]:
+            return (yield _Rpc(method, request))
+
+        return self._run(steps())
+
+
+def _action(action: str, tier: Optional[str], rows: Optional[int]) -> Dict[str, Any]:
+    if action in ("offload", "migrate"):
+        return {"tier": tier}
+    if action == "summarize":
+        return {"rows": rows}
+    if action in ("evict", "swap_in"):
+        return {}
+    raise ValueError(f"action: {action!r} is not one of offload, swap_in, migrate, summarize, evict")
+
+
+class Client(_Api):
+    """A blocking client of one kvtier server, for one tenant.
+
+    >>> client = kvtier.Client("http://127.0.0.1:50051")
+    >>> client.create("req-1", kvtier.Layout(30, 3, 9, 64, "f16", 16))
+
+    ``token``: sent with every call (servers with ``[[auth.tokens]]``);
+    ``tls_ca``: PEM of the authority for ``https://`` addresses;
+    ``persist``: every write acknowledged only once durable;
+    ``shm_socket``: the server's shm socket, for :meth:`register_shm`.
+    """
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        tenant: str = "",
+        token: Optional[str] = None,
+        tls_ca: Optional[bytes] = None,
+        tls_domain: Optional[str] = None,
+        persist: bool = False,
+        shm_socket: Optional[str] = None,
+    ):
+        super().__init__(Connection(address, token, tls_ca, tls_domain), tenant, persist, shm_socket)
+
+    def _run(self, steps: Steps[T]) -> T:
+        try:
+            rpc = next(steps)
+            while True:
+                try:
+                    reply = self._conn.call(rpc.method, rpc.request)
+                except BaseException as e:  # let the method see its RPC's failure
+                    rpc = steps.throw(e)
+                else:
+                    rpc = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+
+    def register_shm(self, size: int, socket: Optional[str] = None) -> ShmRegion:
+        """Registers a shared-memory region of ``size`` bytes with the
+        server (on this machine) for this tenant."""
+        return ShmRegion(self._conn.register_shm(socket or self.shm_socket, size, self.tenant))
+
+    def close(self) -> None:
+        """Closes the connection (when the last client sharing it goes)."""
+        self._conn = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,232 @@
+"""What calls take and return: a sequence's layout, pages with their K and
+V as numpy arrays, selections, shared-memory regions."""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _arrays
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a sequence's KV is shaped: ``num_layers`` x ``num_kv_heads``
+    lanes of pages of ``page_size`` tokens, each token a K and a V row of
+    ``head_dim`` elements of ``dtype`` (``"f32"``, ``"f16"``, ``"bf16"``)."""
+
+    num_layers: int
+    num_kv_heads: int
+    num_query_heads: int
+    head_dim: int
+    dtype: str = "f16"
+    page_size: int = 16
+    #: ``(first_layer, num_layers)`` groups that share one KV (CLA, YOCO).
+    layer_groups: Tuple[Tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _arrays.DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of f32, f16, bf16")
+
+    def to_proto(self) -> Dict[str, Any]:
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "num_query_heads": self.num_query_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "page_size": self.page_size,
+            "layer_groups": [{"first_layer": f, "num_layers": n} for f, n in self.layer_groups],
+        }
+
+    @classmethod
+    def from_proto(cls, m: Dict[str, Any]) -> "Layout":
+        return cls(
+            num_layers=m["num_layers"],
+            num_kv_heads=m["num_kv_heads"],
+            num_query_heads=m["num_query_heads"],
+            head_dim=m["head_dim"],
+            dtype=m["dtype"],
+            page_size=m["page_size"],
+            layer_groups=tuple((g["first_layer"], g["num_layers"]) for g in m["layer_groups"]),
+        )
+
+    @property
+    def queries_per_kv_head(self) -> int:
+        return self.num_query_heads // self.num_kv_heads
+
+
+@dataclass
+class Page:
+    """One page of one (layer, KV head). ``k`` and ``v`` are
+    ``[rows, head_dim]`` in the layout's dtype: the original rows for hot
+    and cold pages (``tokens`` of them), summary rows for a summary (one per
+    entry of ``summary_counts``), empty for a gone page. Over shared memory
+    they are views of the region, valid until a later call names the same
+    window."""
+
+    kv_head: int
+    page: int
+    state: str
+    tokens: int
+    k: np.ndarray
+    v: np.ndarray
+    #: For a cold page: ``"host"`` or ``"nvme"``.
+    cold_tier: Optional[str] = None
+    summary_counts: List[int] = field(default_factory=list)
+    #: For a gone page: why (``"explicit"``, ``"policy"``, ``"integrity"``, ...).
+    gone_reason: Optional[str] = None
+    #: With ``include_digests``: the page's element-wise key minimum and maximum.
+    digest: Optional[Tuple[np.ndarray, np.ndarray]] = None
+
+
+@dataclass
+class SelectedPage:
+    page: int
+    #: The score bound it was ranked by.
+    bound: float
+    state: str
+    cold_tier: Optional[str]
+    #: Why a page asked to be hot is not: ``"none"``, ``"deadline"``, ``"no_room"``.
+    miss: str
+
+
+@dataclass
+class HeadSelection:
+    kv_head: int
+    #: With per-query-head aggregation.
+    query_head: Optional[int]
+    #: In position order.
+    pages: List[SelectedPage]
+    selected_but_gone: int
+
+
+@dataclass
+class Selection:
+    """A ``select`` answer: per head the pages chosen, and with
+    ``include_data`` their K and V (``pages``, gone pages never)."""
+
+    heads: List[HeadSelection]
+    pages: List[Page]
+    pages_scored: int
+    digest_bytes: int
+    #: Where the swap-in's pages came from and its time per source.
+    swap: Dict[str, int]
+    #: Where the server spent the call (microseconds).
+    timing: Dict[str, int]
+    prefetch_queued: int
+    lease_id: Optional[int]
+    lease_expires_in_ms: int
+
+    def gather(self, kv_head: int) -> Tuple[np.ndarray, np.ndarray, List[Page]]:
+        """The data pages of ``kv_head`` in position order, their K and V
+        concatenated: ``(k [rows, head_dim], v, pages)``."""
+        pages = sorted((p for p in self.pages if p.kv_head == kv_head), key=lambda p: p.page)
+        if not pages:
+            raise LookupError(f"kv_head: no page of KV head {kv_head} in this selection")
+        return np.concatenate([p.k for p in pages]), np.concatenate([p.v for p in pages]), pages
+
+
+class ShmRegion:
+    """A shared-memory region registered with the server: fetches and
+    selections that name it get their pages' bytes written into it, and
+    their pages' arrays are views of it (no copy). Registered until
+    :meth:`close` (or until this object or the process goes)."""
+
+    def __init__(self, native: Any):
+        self._native = native
+        self._map = mmap.mmap(native.fd, native.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        #: The region's bytes.
+        self.buffer = np.frombuffer(self._map, dtype=np.uint8)
+
+    @property
+    def id(self) -> int:
+        return self._native.id
+
+    @property
+    def size(self) -> int:
+        return self._native.size
+
+    def window(self, offset: int = 0, length: Optional[int] = None) -> "ShmWindow":
+        """A window of the region for one call (the whole region by default)."""
+        return ShmWindow(self, offset, self.size - offset if length is None else length)
+
+    def close(self) -> None:
+        """Ends the registration; arrays that still view the region keep
+        the mapping alive."""
+        self.buffer = np.empty(0, dtype=np.uint8)
+        self._map = None
+        self._native = None
+
+
+@dataclass(frozen=True)
+class ShmWindow:
+    region: ShmRegion
+    offset: int
+    length: int
+
+    def to_proto(self) -> Dict[str, int]:
+        return {"region_id": self.region.id, "offset": self.offset, "length": self.length}
+
+
+def window_of(shm: "ShmRegion | ShmWindow | None") -> Optional[ShmWindow]:
+    if shm is None or isinstance(shm, ShmWindow):
+        return shm
+    return shm.window()
+
+
+def page_from_proto(m: Dict[str, Any], layout: Layout, window: Optional[ShmWindow]) -> Page:
+    rows = len(m["summary_counts"]) if m["state"] == "summary" else m["tokens"]
+    if m["state"] == "gone":
+        rows = 0
+    if window is not None and m["shm_bytes"]:
+        data: Any = window.region.buffer[m["shm_offset"] : m["shm_offset"] + m["shm_bytes"]]
+    else:
+        data = m["kv"]
+    k, v = _arrays.unpack(data, rows, layout.head_dim, layout.dtype)
+    digest = None
+    if m["digest"]:
+        lo_hi = np.frombuffer(m["digest"], dtype=_arrays.storage_dtype(layout.dtype)).reshape(2, layout.head_dim)
+        digest = (lo_hi[0], lo_hi[1])
+    return Page(
+        kv_head=m["kv_head"],
+        page=m["page"],
+        state=m["state"],
+        tokens=m["tokens"],
+        k=k,
+        v=v,
+        cold_tier=m["cold_tier"] if m["state"] == "cold" else None,
+        summary_counts=list(m["summary_counts"]),
+        gone_reason=m["gone_reason"] if m["state"] == "gone" else None,
+        digest=digest,
+    )
+
+
+def selection_from_proto(
+    replies: Sequence[Dict[str, Any]], layout: Layout, window: Optional[ShmWindow]
+) -> Selection:
+    first = replies[0]
+    heads = [
+        HeadSelection(
+            kv_head=h["kv_head"],
+            query_head=h["query_head"],
+            pages=[SelectedPage(p["page"], p["bound"], p["state"], p["cold_tier"] if p["state"] == "cold" else None, p["miss"]) for p in h["pages"]],
+            selected_but_gone=h["selected_but_gone"],
+        )
+        for r in replies
+        for h in r["heads"]
+    ]
+    return Selection(
+        heads=heads,
+        pages=[page_from_proto(p, layout, window) for r in replies for p in r["pages"]],
+        pages_scored=first["pages_scored"],
+        digest_bytes=first["digest_bytes"],
+        swap=dict(first["swap"] or {}),
+        timing=dict(first["timing"] or {}),
+        prefetch_queued=first["prefetch_queued"],
+        lease_id=first["lease_id"] or None,
+        lease_expires_in_ms=first["lease_expires_in_ms"],
+    )
