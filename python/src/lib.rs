@@ -51,11 +51,25 @@ fn service() -> PyResult<&'static ServiceDescriptor> {
 }
 
 /// A failed call as the package's exception for its status code
-/// (`kvtier.errors`).
+/// (`kvtier.errors`). tonic reports a broken connection as UNKNOWN
+/// "transport error" with the cause as its source: that is UNAVAILABLE
+/// (retryable), with the cause spelled out.
 fn status_error(py: Python<'_>, status: &Status) -> PyErr {
+    let (code, message) = match std::error::Error::source(status) {
+        Some(cause) if status.code() == Code::Unknown => {
+            let mut message = format!("the connection failed: {cause}");
+            let mut next = cause.source();
+            while let Some(cause) = next {
+                message.push_str(&format!(": {cause}"));
+                next = cause.source();
+            }
+            (Code::Unavailable, message)
+        }
+        _ => (status.code(), status.message().to_owned()),
+    };
     let built = py
         .import("kvtier.errors")
-        .and_then(|m| m.call_method1("from_status", (status.code() as i32, status.message())));
+        .and_then(|m| m.call_method1("from_status", (code as i32, message)));
     match built {
         Ok(exception) => PyErr::from_value(exception),
         Err(e) => e,
@@ -73,7 +87,10 @@ impl Reply {
         Ok(match self {
             Reply::One(m) => reflect::to_dict(py, &m)?.into_any().unbind(),
             Reply::Many(ms) => {
-                let dicts = ms.iter().map(|m| reflect::to_dict(py, m)).collect::<PyResult<Vec<_>>>()?;
+                let dicts = ms
+                    .iter()
+                    .map(|m| reflect::to_dict(py, m))
+                    .collect::<PyResult<Vec<_>>>()?;
                 PyList::new(py, dicts)?.into_any().unbind()
             }
         })
@@ -192,7 +209,9 @@ async fn send(client: Client, method: MethodDescriptor, requests: Vec<DynamicMes
     match (method.is_client_streaming(), method.is_server_streaming()) {
         (true, _) => {
             let request = client.request(tokio_stream::iter(requests));
-            Ok(Reply::One(grpc.client_streaming(request, path, codec).await?.into_inner()))
+            Ok(Reply::One(
+                grpc.client_streaming(request, path, codec).await?.into_inner(),
+            ))
         }
         (false, server_streams) => {
             let Some(message) = requests.into_iter().next() else {

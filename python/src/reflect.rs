@@ -16,9 +16,13 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 /// `obj` (a dict) as a message of type `desc`; errors name the field's
 /// path (`shard.world`).
 pub(crate) fn to_message(obj: &Bound<'_, PyAny>, desc: &MessageDescriptor, path: &str) -> PyResult<DynamicMessage> {
-    let dict = obj
-        .cast::<PyDict>()
-        .map_err(|_| PyTypeError::new_err(format!("{}: expected a dict for {}", name_or(path, "request"), desc.name())))?;
+    let dict = obj.cast::<PyDict>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{}: expected a dict for {}",
+            name_or(path, "request"),
+            desc.name()
+        ))
+    })?;
     let mut msg = DynamicMessage::new(desc.clone());
     for (key, value) in dict.iter() {
         let key: String = key
@@ -43,7 +47,9 @@ pub(crate) fn to_message(obj: &Bound<'_, PyAny>, desc: &MessageDescriptor, path:
                 .collect::<PyResult<_>>()?;
             Value::List(values)
         } else if field.is_map() {
-            return Err(PyTypeError::new_err(format!("{field_path}: map fields are not supported")));
+            return Err(PyTypeError::new_err(format!(
+                "{field_path}: map fields are not supported"
+            )));
         } else {
             to_value(&value, &field, &field_path)?
         };
