@@ -68,7 +68,7 @@ class _Api:
         self.shm_socket = shm_socket or DEFAULT_SHM_SOCKET
         self._layouts: Dict[str, Layout] = {}
 
-    def _run(self, steps: Steps[T]) -> Any:
+    def _run(self, steps: Steps[T]) -> T:
         raise NotImplementedError
 
     def _seq(self, sequence_id: str) -> Dict[str, Any]:
@@ -83,7 +83,7 @@ class _Api:
 
     # Sequences
 
-    def create(self, sequence_id: str, layout: Layout, prefix_hashes: Iterable[bytes] = ()) -> Any:
+    def create(self, sequence_id: str, layout: Layout, prefix_hashes: Iterable[bytes] = ()) -> Dict[str, Any]:
         """Creates a sequence; with ``prefix_hashes`` (one per full page of
         the prompt) it shares the longest prefix already stored. Returns the
         ``CreateSequenceResponse`` as a dict (``attached_pages``, ``info``)."""
@@ -98,7 +98,7 @@ class _Api:
 
         return self._run(steps())
 
-    def info(self, sequence_id: str) -> Any:
+    def info(self, sequence_id: str) -> Dict[str, Any]:
         """The sequence's ``SequenceInfo`` as a dict: layout, tokens, pages by
         state, bytes per tier, gone pages by reason."""
 
@@ -107,7 +107,7 @@ class _Api:
 
         return self._run(steps())
 
-    def drop(self, sequence_id: str) -> Any:
+    def drop(self, sequence_id: str) -> None:
         """Drops the sequence and every page only it uses."""
 
         def steps() -> Steps[None]:
@@ -128,7 +128,7 @@ class _Api:
         kv_head_start: int = 0,
         first_page: int = 0,
         persist: Optional[bool] = None,
-    ) -> Any:
+    ) -> Dict[str, Any]:
         """Writes whole pages of one layer: ``k`` and ``v`` are ``[kv_heads,
         tokens, head_dim]`` for heads ``kv_head_start..``, starting at page
         ``first_page`` (where those heads end). Returns the
@@ -144,7 +144,7 @@ class _Api:
         kv_head_start: int = 0,
         first_page: int = 0,
         persist: Optional[bool] = None,
-    ) -> Any:
+    ) -> Dict[str, Any]:
         """Writes ``(layer, k, v)`` for many layers in one streamed call (a
         whole prefill)."""
 
@@ -179,7 +179,7 @@ class _Api:
         kv_head_start: int = 0,
         position: Optional[int] = None,
         persist: Optional[bool] = None,
-    ) -> Any:
+    ) -> Dict[str, Any]:
         """Appends decode tokens to one layer: ``k`` and ``v`` are
         ``[kv_heads, tokens, head_dim]``. With ``position``, refused unless
         the heads hold exactly that many tokens (a safe retry). Returns the
@@ -215,7 +215,7 @@ class _Api:
         per_head_pages: Optional[Sequence[Sequence[int]]] = None,
         include_digests: bool = False,
         shm: "ShmRegion | ShmWindow | None" = None,
-    ) -> Any:
+    ) -> List[Page]:
         """Reads pages of one layer (every page when ``pages`` is None) for
         ``kv_heads`` (all by default; an int for one, or ``(start, count)``), or ``per_head_pages`` (one list per head). Returns a list
         of :class:`Page`, head by head. With ``shm`` the bytes land in the
@@ -277,7 +277,7 @@ class _Api:
         prefetch_pages: int = 0,
         lease_ms: int = 0,
         shm: "ShmRegion | ShmWindow | None" = None,
-    ) -> Any:
+    ) -> Selection:
         """Chooses the pages a decode step's ``queries`` (``[query heads,
         head_dim]`` of the KV heads' groups, post-RoPE) need: per KV head the
         top ``budget_pages`` by Quest's bound, ``sink_pages`` first and
@@ -323,7 +323,7 @@ class _Api:
         window_pages: int = 0,
         aggregation: str = "max",
         shard: Any = None,
-    ) -> Any:
+    ) -> int:
         """Promotes, in the background, what ``select`` with these
         arguments would choose (a layer ahead, say); returns the pages
         queued."""
@@ -336,7 +336,7 @@ class _Api:
 
         return self._run(steps())
 
-    def release_lease(self, lease_id: int) -> Any:
+    def release_lease(self, lease_id: int) -> None:
         """Ends a lease before it expires."""
 
         def steps() -> Steps[None]:
@@ -356,7 +356,7 @@ class _Api:
         pages: Union[Tuple[int, int], Sequence[int], None] = None,
         tier: Optional[str] = None,
         rows: Optional[int] = None,
-    ) -> Any:
+    ) -> int:
         """Moves pages between states: ``action`` is ``"offload"`` (hot →
         cold in ``tier``, ``"host"`` or ``"nvme"``), ``"swap_in"``,
         ``"migrate"`` (to ``tier``), ``"summarize"`` (to ``rows`` summary
@@ -400,7 +400,7 @@ class _Api:
         trigger: Optional[str] = None,
         every_tokens: int = 0,
         **options: Any,
-    ) -> Any:
+    ) -> Dict[str, Any]:
         """Runs an eviction/summary/offload policy (``"streaming"``,
         ``"h2o"``, ``"snapkv"``, ``"tova"``, ``"scissorhands"``,
         ``"max_mass"``; ``options`` are its fields, e.g.
@@ -434,7 +434,7 @@ class _Api:
 
     def report_attention(
         self, sequence_id: str, layer: int, token_weights: Any, *, kv_head_start: int = 0, decay: float = 0.0
-    ) -> Any:
+    ) -> None:
         """Reports one query's attention weights, ``[kv_heads, tokens]``
         (for H2O-style policies)."""
 
@@ -454,7 +454,7 @@ class _Api:
 
         return self._run(steps())
 
-    def stats(self, *, tenant_only: bool = False) -> Any:
+    def stats(self, *, tenant_only: bool = False) -> Dict[str, Any]:
         """The server's ``Stats`` as a dict (with ``tenant_only``, this
         client's tenant's view)."""
 

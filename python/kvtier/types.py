@@ -138,7 +138,7 @@ class ShmRegion:
 
     def __init__(self, native: Any):
         self._native = native
-        self._map = mmap.mmap(native.fd, native.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self._map: Optional[mmap.mmap] = mmap.mmap(native.fd, native.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         #: The region's bytes.
         self.buffer = np.frombuffer(self._map, dtype=np.uint8)
 

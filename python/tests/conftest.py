@@ -46,7 +46,9 @@ class Server:
         return kvtier.Client(self.address, shm_socket=self.shm_socket, **kw)
 
 
-def start(data_dir: Path, *extra: str) -> Server:
+def start(data_dir: Path, *extra: str, scheme: str = "http", host: str = "127.0.0.1", **client_kw) -> Server:
+    """Starts a server with `extra` flags; ready once a client built with
+    `client_kw` gets its statistics."""
     port = free_port()
     log = open(data_dir.parent / f"server-{port}.log", "w")
     process = subprocess.Popen(
@@ -70,11 +72,11 @@ def start(data_dir: Path, *extra: str) -> Server:
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    address = f"http://127.0.0.1:{port}"
+    address = f"{scheme}://{host}:{port}"
     deadline = time.monotonic() + 30
     while True:
         try:
-            kvtier.Client(address).stats()
+            kvtier.Client(address, **client_kw).stats()
             break
         except kvtier.errors.Unavailable:
             if process.poll() is not None or time.monotonic() > deadline:

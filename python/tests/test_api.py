@@ -145,3 +145,23 @@ def test_asyncio_client_runs_calls_concurrently_and_raises_typed_errors(server):
 
 def test_version():
     assert kvtier.__version__.count(".") == 2
+
+
+def test_the_asyncio_stub_declares_every_call_with_the_blocking_signature():
+    import ast
+    from pathlib import Path
+
+    package = Path(kvtier.__file__).parent
+
+    def methods(path: Path, cls: str) -> dict:
+        tree = ast.parse(path.read_text())
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        return {
+            f.name: (ast.unparse(f.args), ast.unparse(f.returns))
+            for f in node.body
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and not f.name.startswith("_")
+        }
+
+    blocking = methods(package / "client.py", "_Api")
+    asynchronous = methods(package / "aio.pyi", "AsyncClient")
+    assert {name: asynchronous.get(name) for name in blocking} == blocking
