@@ -51,13 +51,15 @@ fn service() -> PyResult<&'static ServiceDescriptor> {
 }
 
 /// A failed call as the package's exception for its status code
-/// (`kvtier.errors`). tonic reports a broken connection as UNKNOWN
-/// "transport error" with the cause as its source: that is UNAVAILABLE
-/// (retryable), with the cause spelled out.
+/// (`kvtier.errors`). A status the server sent has no source; one with a
+/// source was made on this side from a broken connection or an HTTP/2
+/// failure (tonic reports them as UNKNOWN, INTERNAL or CANCELLED, which of
+/// them depending on timing): that is UNAVAILABLE, with the cause spelled
+/// out.
 fn status_error(py: Python<'_>, status: &Status) -> PyErr {
     let (code, message) = match std::error::Error::source(status) {
-        Some(cause) if status.code() == Code::Unknown => {
-            let mut message = format!("the connection failed: {cause}");
+        Some(cause) => {
+            let mut message = format!("the connection failed: {}: {cause}", status.message());
             let mut next = cause.source();
             while let Some(cause) = next {
                 message.push_str(&format!(": {cause}"));
