@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
-from ._native import Connection
-from .client import DEFAULT_ADDRESS, Steps, T, _Api
+from .client import Steps, T, _Api
 from .types import ShmRegion
 
 
@@ -20,20 +19,6 @@ class AsyncClient(_Api):
     >>> client = kvtier.AsyncClient("http://127.0.0.1:50051")
     >>> pages = await client.fetch("req-1", layer=0)
     """
-
-    def __init__(
-        self,
-        address: str = DEFAULT_ADDRESS,
-        *,
-        tenant: str = "",
-        token: Optional[str] = None,
-        tls_ca: Optional[bytes] = None,
-        tls_domain: Optional[str] = None,
-        persist: bool = False,
-        shm_socket: Optional[str] = None,
-    ):
-        # Connecting is one short blocking step, as constructors are.
-        super().__init__(Connection(address, token, tls_ca, tls_domain), tenant, persist, shm_socket)
 
     async def _call(self, method: str, request: Any) -> Any:
         loop = asyncio.get_running_loop()

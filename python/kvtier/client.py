@@ -61,8 +61,19 @@ def _queries(queries: Any) -> bytes:
 class _Api:
     """The calls, written once for both clients."""
 
-    def __init__(self, connection: Connection, tenant: str, persist: bool, shm_socket: Optional[str]):
-        self._conn = connection
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        tenant: str = "",
+        token: Optional[str] = None,
+        tls_ca: Optional[bytes] = None,
+        tls_domain: Optional[str] = None,
+        persist: bool = False,
+        shm_socket: Optional[str] = None,
+    ):
+        # Connecting is one short blocking step, as constructors are.
+        self._conn = Connection(address, token, tls_ca, tls_domain)
         self.tenant = tenant
         self.persist = persist
         self.shm_socket = shm_socket or DEFAULT_SHM_SOCKET
@@ -73,6 +84,22 @@ class _Api:
 
     def _seq(self, sequence_id: str) -> Dict[str, Any]:
         return {"tenant": self.tenant, "sequence_id": sequence_id}
+
+    def _write(
+        self, sequence_id: str, layout: Layout, layer: int, k: Any, v: Any, kv_head_start: int, persist: Optional[bool]
+    ) -> Dict[str, Any]:
+        """The fields a put and an append share: K and V packed for heads
+        ``kv_head_start..``."""
+        kv, heads, tokens = _arrays.pack_kv(k, v, layout.dtype, layout.head_dim)
+        return {
+            **self._seq(sequence_id),
+            "layer": layer,
+            "kv_head_start": kv_head_start,
+            "kv_head_count": heads,
+            "num_tokens": tokens,
+            "kv": kv,
+            "persist": self.persist if persist is None else persist,
+        }
 
     def _layout(self, sequence_id: str) -> Steps[Layout]:
         layout = self._layouts.get(sequence_id)
@@ -150,21 +177,10 @@ class _Api:
 
         def steps() -> Steps[Dict[str, Any]]:
             layout = yield from self._layout(sequence_id)
-            writes = []
-            for layer, k, v in layers:
-                kv, heads, tokens = _arrays.pack_kv(k, v, layout.dtype, layout.head_dim)
-                writes.append(
-                    {
-                        **self._seq(sequence_id),
-                        "layer": layer,
-                        "kv_head_start": kv_head_start,
-                        "kv_head_count": heads,
-                        "first_page": first_page,
-                        "num_tokens": tokens,
-                        "kv": kv,
-                        "persist": self.persist if persist is None else persist,
-                    }
-                )
+            writes = [
+                {**self._write(sequence_id, layout, layer, k, v, kv_head_start, persist), "first_page": first_page}
+                for layer, k, v in layers
+            ]
             return (yield _Rpc("PutPages", writes))
 
         return self._run(steps())
@@ -188,17 +204,7 @@ class _Api:
 
         def steps() -> Steps[Dict[str, Any]]:
             layout = yield from self._layout(sequence_id)
-            kv, heads, tokens = _arrays.pack_kv(k, v, layout.dtype, layout.head_dim)
-            request = {
-                **self._seq(sequence_id),
-                "layer": layer,
-                "kv_head_start": kv_head_start,
-                "kv_head_count": heads,
-                "num_tokens": tokens,
-                "kv": kv,
-                "position": position,
-                "persist": self.persist if persist is None else persist,
-            }
+            request = {**self._write(sequence_id, layout, layer, k, v, kv_head_start, persist), "position": position}
             return (yield _Rpc("AppendTokens", request))
 
         return self._run(steps())
@@ -240,13 +246,11 @@ class _Api:
 
         return self._run(steps())
 
-    def _select_request(self, sequence_id: str, layout: Layout, layer: int, queries: Any, budget_pages: int, kv_heads: Heads, options: Dict[str, Any]) -> Dict[str, Any]:
+    def _select_request(
+        self, sequence_id: str, layout: Layout, layer: int, queries: Any, budget_pages: int, kv_heads: Heads, options: Dict[str, Any]
+    ) -> Dict[str, Any]:
+        """A ``SelectPagesRequest`` (select and prefetch send the same)."""
         start, count = _heads(kv_heads, layout.num_kv_heads)
-        deadline_us = options.pop("deadline_us", 0)
-        shard = options.pop("shard", None)
-        if shard is not None and not isinstance(shard, dict):
-            rank, world = shard[0], shard[1]
-            shard = {"rank": rank, "world": world, "ownership": shard[2] if len(shard) > 2 else "contiguous", "scope": shard[3] if len(shard) > 3 else "global"}
         return {
             **self._seq(sequence_id),
             "layer": layer,
@@ -254,9 +258,8 @@ class _Api:
             "kv_head_count": count,
             "queries": _queries(queries),
             "budget_pages": budget_pages,
-            "deadline_us": deadline_us,
-            "shard": shard,
             **options,
+            "shard": _shard(options.get("shard")),
         }
 
     def select(
@@ -473,6 +476,15 @@ class _Api:
         return self._run(steps())
 
 
+def _shard(shard: Any) -> Optional[Dict[str, Any]]:
+    """A ``ContextShard`` from ``(rank, world[, ownership[, scope]])`` (or a dict)."""
+    if shard is None or isinstance(shard, dict):
+        return shard
+    rank, world, *rest = shard
+    ownership, scope = (list(rest) + ["contiguous", "global"][len(rest) :])[:2]
+    return {"rank": rank, "world": world, "ownership": ownership, "scope": scope}
+
+
 def _action(action: str, tier: Optional[str], rows: Optional[int]) -> Dict[str, Any]:
     if action in ("offload", "migrate"):
         return {"tier": tier}
@@ -494,19 +506,6 @@ class Client(_Api):
     ``persist``: every write acknowledged only once durable;
     ``shm_socket``: the server's shm socket, for :meth:`register_shm`.
     """
-
-    def __init__(
-        self,
-        address: str = DEFAULT_ADDRESS,
-        *,
-        tenant: str = "",
-        token: Optional[str] = None,
-        tls_ca: Optional[bytes] = None,
-        tls_domain: Optional[str] = None,
-        persist: bool = False,
-        shm_socket: Optional[str] = None,
-    ):
-        super().__init__(Connection(address, token, tls_ca, tls_domain), tenant, persist, shm_socket)
 
     def _run(self, steps: Steps[T]) -> T:
         try:

@@ -127,3 +127,18 @@ def test_select_over_shm_with_swap_in_lease_and_prefetch(server, client):
     assert client.stats()["leases"] == 0
     assert client.prefetch("sel-shm", 1, q, 6) >= 0
     client.drop("sel-shm")
+
+
+def test_context_parallel_shards_together_choose_what_the_unsharded_call_chooses(client):
+    layout = kvtier.Layout(1, 1, 2, 16, "f32", 4)
+    rng = np.random.default_rng(11)
+    k = rng.standard_normal((1, 128, 16)).astype(np.float32)
+    client.create("cp", layout)
+    client.put("cp", 0, k, k)
+    q = rng.standard_normal((2, 16)).astype(np.float32)
+    whole = {p.page for p in client.select("cp", 0, q, 8, include_data=False).heads[0].pages}
+    for ownership in ("contiguous", "strided"):
+        parts = [client.select("cp", 0, q, 8, shard=(rank, 3, ownership), include_data=False) for rank in range(3)]
+        union = [p.page for part in parts for p in part.heads[0].pages]
+        assert sorted(union) == sorted(whole) and len(union) == len(whole)
+    client.drop("cp")
