@@ -11,6 +11,7 @@ mod inflight;
 mod metrics;
 mod policy;
 mod responses;
+mod rpc_metrics;
 mod service;
 mod shm;
 mod status;
@@ -29,6 +30,7 @@ pub use auth::{Auth, Grant, Token};
 
 use crate::gate::{Gate, GateConfig};
 use crate::inflight::InFlight;
+use crate::rpc_metrics::{RpcMetrics, Timed};
 use crate::service::KvTierService;
 use crate::shm::Regions;
 
@@ -237,13 +239,15 @@ impl BoundServer {
                 in_flight,
             }),
         );
+        let rpc_metrics = Arc::new(RpcMetrics::default());
+        let kvtier = Timed::new(kvtier, Arc::clone(&rpc_metrics));
         let mut builder = tonic::transport::Server::builder();
         if let Some(tls) = &self.config.tls {
             builder = builder.tls_config(tls_config(tls)?)?;
         }
 
         let metrics = self.metrics.map(|listener| {
-            let router = metrics::router(Arc::clone(&self.store));
+            let router = metrics::router(Arc::clone(&self.store), rpc_metrics);
             let stop = stopped(stop_rx.clone());
             tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await })
         });

@@ -1,20 +1,30 @@
-//! Prometheus text exposition of the store's statistics at `/metrics`.
+//! Prometheus text exposition at `/metrics`: the store's statistics and
+//! counters, and latency histograms (seconds) of calls, swap-ins, NVMe I/O,
+//! selections by miss class and checkpoints.
 
 use std::fmt::Write;
 use std::sync::Arc;
 
 use kvtier_core::PageState;
-use kvtier_store::{StatsSnapshot, Store};
+use kvtier_store::{HistogramSnapshot, Latency, StatsSnapshot, Store};
 
-pub(crate) fn router(store: Arc<Store>) -> axum::Router {
+use crate::rpc_metrics::RpcMetrics;
+
+pub(crate) fn router(store: Arc<Store>, rpc: Arc<RpcMetrics>) -> axum::Router {
     axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
             let store = Arc::clone(&store);
+            let rpc = Arc::clone(&rpc);
             async move {
-                let stats = tokio::task::spawn_blocking(move || store.stats()).await;
-                match stats {
-                    Ok(stats) => ([("content-type", "text/plain; version=0.0.4")], render(&stats)),
+                let rendered = tokio::task::spawn_blocking(move || {
+                    let mut out = render(&store.stats());
+                    render_latency(&mut out, store.latency(), &rpc);
+                    out
+                })
+                .await;
+                match rendered {
+                    Ok(text) => ([("content-type", "text/plain; version=0.0.4")], text),
                     Err(e) => ([("content-type", "text/plain")], format!("stats failed: {e}\n")),
                 }
             }
@@ -144,8 +154,149 @@ pub(crate) fn render(s: &StatsSnapshot) -> String {
             "Tokens appended, per (layer, KV head).",
             s.tokens_appended,
         ),
+        (
+            "kvtier_integrity_failures_total",
+            "NVMe copies that failed their CRC32C check or their read (the page is gone unless it had another copy).",
+            s.integrity_failures,
+        ),
+        (
+            "kvtier_pages_migrated_total",
+            "Pages the host cache migrated to NVMe to make room.",
+            s.pages_migrated,
+        ),
     ] {
         family(name, "counter", help, &[(String::new(), value)]);
     }
+    family(
+        "kvtier_swapped_in_pages_total",
+        "counter",
+        "Pages selections made hot, by the tier they came from.",
+        &[
+            ("{source=\"host\"}".to_owned(), s.swapped_from_host),
+            ("{source=\"nvme\"}".to_owned(), s.swapped_from_nvme),
+        ],
+    );
+    family(
+        "kvtier_prefetch_pages_total",
+        "counter",
+        "Pages prefetches made hot (issued), later selected while still hot (used), or demoted or freed first (wasted).",
+        &[
+            ("{outcome=\"issued\"}".to_owned(), s.prefetch_issued),
+            ("{outcome=\"used\"}".to_owned(), s.prefetch_used),
+            ("{outcome=\"wasted\"}".to_owned(), s.prefetch_wasted),
+        ],
+    );
+    let moved: Vec<_> = s
+        .bytes_moved
+        .iter()
+        .map(|(from, to, bytes)| (format!("{{from=\"{}\",to=\"{}\"}}", from.name(), to.name()), *bytes))
+        .collect();
+    family(
+        "kvtier_tier_moved_bytes_total",
+        "counter",
+        "Bytes copied from one tier into another (swap-ins, migrations and persists, promotions).",
+        &moved,
+    );
+    family("kvtier_leases", "gauge", "Active leases.", &[(String::new(), s.leases)]);
     out
+}
+
+/// One histogram family: `series` are (labels without braces, snapshot).
+fn histogram(out: &mut String, name: &str, help: &str, series: &[(String, HistogramSnapshot)]) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} histogram");
+    for (labels, h) in series {
+        let sep = if labels.is_empty() { "" } else { "," };
+        for (bound, count) in &h.cumulative {
+            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {count}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}", h.count);
+        let braces = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}}}")
+        };
+        let _ = writeln!(out, "{name}_sum{braces} {}", h.sum_seconds);
+        let _ = writeln!(out, "{name}_count{braces} {}", h.count);
+    }
+}
+
+/// The latency histograms: calls by method and code, and the store's.
+pub(crate) fn render_latency(out: &mut String, l: &Latency, rpc: &RpcMetrics) {
+    let calls: Vec<_> = rpc
+        .observed()
+        .map(|(method, code, h)| {
+            (
+                format!("method=\"{method}\",code=\"{}\"", code_name(code)),
+                h.snapshot(),
+            )
+        })
+        .collect();
+    histogram(
+        out,
+        "kvtier_rpc_duration_seconds",
+        "kvtier.v1 calls from request to the end of the response, by method and status code.",
+        &calls,
+    );
+    histogram(
+        out,
+        "kvtier_swap_in_duration_seconds",
+        "One swap-in batch's copy to the device, by the tier its pages came from.",
+        &[
+            ("source=\"host\"".to_owned(), l.swap_in_from_host.snapshot()),
+            ("source=\"nvme\"".to_owned(), l.swap_in_from_nvme.snapshot()),
+        ],
+    );
+    histogram(
+        out,
+        "kvtier_nvme_read_duration_seconds",
+        "One batch of NVMe reads, CRC checks included.",
+        &[(String::new(), l.nvme_read.snapshot())],
+    );
+    histogram(
+        out,
+        "kvtier_nvme_write_duration_seconds",
+        "One batch of NVMe writes (migrations and persists).",
+        &[(String::new(), l.nvme_write.snapshot())],
+    );
+    histogram(
+        out,
+        "kvtier_selection_duration_seconds",
+        "Selections with a swap-in (a decode step's layer), whole call in the store, by miss class: every chosen page already hot, some from host memory, some from NVMe.",
+        &[
+            ("miss_class=\"hot\"".to_owned(), l.selection_hot.snapshot()),
+            ("miss_class=\"host\"".to_owned(), l.selection_from_host.snapshot()),
+            ("miss_class=\"nvme\"".to_owned(), l.selection_from_nvme.snapshot()),
+        ],
+    );
+    histogram(
+        out,
+        "kvtier_checkpoint_duration_seconds",
+        "Rewriting the manifest as a checkpoint.",
+        &[(String::new(), l.checkpoint.snapshot())],
+    );
+}
+
+/// A status code as gRPC names it (`NOT_FOUND`).
+fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
 }

@@ -11,6 +11,7 @@ mod catalog;
 mod device;
 mod durability;
 mod error;
+mod histogram;
 mod host;
 mod lease;
 mod page;
@@ -26,13 +27,14 @@ pub use catalog::HeadRange;
 pub use device::SwapReport;
 pub use durability::{Acknowledged, Durability, Recovered};
 pub use error::{ManifestError, StoreError, StoreResult};
+pub use histogram::{Histogram, HistogramSnapshot, LATENCY_BOUNDS};
 pub use kvtier_core::policy::{PolicyAction, PolicySpec, Trigger};
 pub use kvtier_tiers::{EngineChoice, NvmeConfig, Tier, TierError, TierKind};
 pub use lease::{MAX_LEASE, random_id};
 pub use page_buf::PageBuf;
 pub use policy::PolicyOutcome;
 pub use reader::PageContent;
-pub use stats::{SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};
+pub use stats::{Latency, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};
 pub use store::{
     AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, Created, DeviceCache, FetchCursor,
     FetchPages, FetchedChunk, FetchedPage, HeadSelection, Miss, PageList, PageSelection, PutOutcome, PutPages,

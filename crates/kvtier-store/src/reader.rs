@@ -273,6 +273,7 @@ impl Reader<'_> {
                 let to = place.state();
                 drop(place);
                 self.counters.counted(from, to, Reason::Demand);
+                self.counters.moved(TierKind::Nvme, TierKind::Host, len);
                 self.host.touch([&page]);
             }
         }

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use kvtier_core::{Layout, PageState, Reason, TenantId};
 
 use crate::accounts::Usage;
+use crate::histogram::Histogram;
 use kvtier_tiers::{Tier, TierKind};
 
 /// Event counters, updated without locks.
@@ -23,6 +24,40 @@ pub(crate) struct Counters {
     pub(crate) prefetch_issued: AtomicU64,
     pub(crate) prefetch_used: AtomicU64,
     pub(crate) prefetch_wasted: AtomicU64,
+    /// NVMe copies that failed their CRC32C check or their read.
+    pub(crate) integrity_failures: AtomicU64,
+    /// Pages the host cache migrated to NVMe to make room.
+    pub(crate) pages_migrated: AtomicU64,
+    /// `[from][to]` by [`tier_index`]: bytes copied from one tier into another.
+    bytes_moved: [[AtomicU64; 3]; 3],
+    pub(crate) latency: Latency,
+}
+
+/// Where the store's time goes, for the metrics endpoint.
+#[derive(Debug, Default)]
+pub struct Latency {
+    /// One swap-in batch's copy to the device, by the tier it came from.
+    pub swap_in_from_host: Histogram,
+    pub swap_in_from_nvme: Histogram,
+    /// One batch of NVMe reads (CRC checks included) or writes.
+    pub nvme_read: Histogram,
+    pub nvme_write: Histogram,
+    /// Rewriting the manifest as a checkpoint.
+    pub checkpoint: Histogram,
+    /// Selections that asked for a swap-in (a decode step's layer), whole
+    /// call in the store, by the slowest tier a chosen page came from:
+    /// every page already hot, some from host memory, some from NVMe.
+    pub selection_hot: Histogram,
+    pub selection_from_host: Histogram,
+    pub selection_from_nvme: Histogram,
+}
+
+fn tier_index(tier: TierKind) -> usize {
+    match tier {
+        TierKind::Device => 0,
+        TierKind::Host => 1,
+        TierKind::Nvme => 2,
+    }
 }
 
 impl Counters {
@@ -40,6 +75,11 @@ impl Counters {
 
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Relaxed);
+    }
+
+    /// `bytes` copied from tier `from` into tier `to`.
+    pub(crate) fn moved(&self, from: TierKind, to: TierKind, bytes: u64) {
+        self.bytes_moved[tier_index(from)][tier_index(to)].fetch_add(bytes, Relaxed);
     }
 
     pub(crate) fn transitions(&self) -> Vec<TransitionCount> {
@@ -144,6 +184,11 @@ pub struct StatsSnapshot {
     pub prefetch_used: u64,
     pub prefetch_wasted: u64,
     pub leases: u64,
+    pub integrity_failures: u64,
+    pub pages_migrated: u64,
+    /// Bytes copied between tiers, as (from, to, bytes), pairs with none
+    /// left out.
+    pub bytes_moved: Vec<(TierKind, TierKind, u64)>,
 }
 
 impl StatsSnapshot {
@@ -159,6 +204,14 @@ impl StatsSnapshot {
         self.prefetch_issued = c.prefetch_issued.load(Relaxed);
         self.prefetch_used = c.prefetch_used.load(Relaxed);
         self.prefetch_wasted = c.prefetch_wasted.load(Relaxed);
+        self.integrity_failures = c.integrity_failures.load(Relaxed);
+        self.pages_migrated = c.pages_migrated.load(Relaxed);
+        self.bytes_moved = TierKind::ALL
+            .iter()
+            .flat_map(|&from| TierKind::ALL.iter().map(move |&to| (from, to)))
+            .map(|(from, to)| (from, to, c.bytes_moved[tier_index(from)][tier_index(to)].load(Relaxed)))
+            .filter(|&(_, _, bytes)| bytes > 0)
+            .collect();
     }
 }
 

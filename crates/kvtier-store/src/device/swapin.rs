@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use kvtier_core::Reason;
-use kvtier_tiers::Slot;
+use kvtier_tiers::{Slot, TierKind};
 
 use super::HotSet;
 use crate::page::PhysPage;
@@ -47,18 +47,35 @@ impl HotSet {
                 from_nvme.push(Arc::clone(p));
             }
         }
-        for (group, count, micros) in [
-            (from_host, &mut report.from_host, &mut report.host_micros),
-            (from_nvme, &mut report.from_nvme, &mut report.nvme_micros),
+        let latency = &self.counters.latency;
+        for (group, count, micros, source, histogram) in [
+            (
+                from_host,
+                &mut report.from_host,
+                &mut report.host_micros,
+                TierKind::Host,
+                &latency.swap_in_from_host,
+            ),
+            (
+                from_nvme,
+                &mut report.from_nvme,
+                &mut report.nvme_micros,
+                TierKind::Nvme,
+                &latency.swap_in_from_nvme,
+            ),
         ] {
-            if group.is_empty() {
+            let Some(page_bytes) = group.first().map(|p| p.layout.page_bytes() as u64) else {
                 continue;
-            }
+            };
             let start = Instant::now();
             let moved = self.copy_to_device(&group, reason, reader);
             *count = moved;
             report.not_hot += group.len() as u32 - moved;
-            *micros = start.elapsed().as_micros() as u64;
+            let elapsed = start.elapsed();
+            *micros = elapsed.as_micros() as u64;
+            histogram.observe(elapsed);
+            self.counters
+                .moved(source, TierKind::Device, u64::from(moved) * page_bytes);
         }
         if reason == Reason::Demand {
             Counters::add(&self.counters.swapped_from_host, u64::from(report.from_host));

@@ -3,12 +3,14 @@
 //! given up with a `Lost` or `Unpersist` record.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvtier_core::{ColdTier, Layout, PageState, Reason, wire};
 use kvtier_tiers::{AlignedBuf, Slot, Tier, TierError, TierKind};
 
 use super::{Durable, Record};
 use crate::page::{NvmeCopy, PhysPage};
+use crate::stats::Counters;
 use crate::sync::{read, write};
 use crate::{StoreError, StoreResult};
 
@@ -119,6 +121,7 @@ impl Durable {
         }
         let pending = jobs;
         let mut written = Vec::with_capacity(writes.len());
+        let writing = Instant::now();
         for done in nvme.write_many(writes) {
             let d = done.wait().map_err(|e| {
                 StoreError::Unavailable(TierError::Io {
@@ -131,12 +134,21 @@ impl Durable {
             d.result?;
             written.push((d.slot, d.buf));
         }
+        if !written.is_empty() {
+            self.counters.latency.nvme_write.observe(writing.elapsed());
+        }
+        let mut installed = 0;
         for (job, (slot, buf)) in pending.iter().zip(written) {
             if self.install(job, slot, &buf, keep, reason) {
-                moved += 1;
+                installed += 1;
+                self.counters
+                    .moved(TierKind::Host, TierKind::Nvme, job.page.layout.page_bytes() as u64);
             }
         }
-        Ok(moved)
+        if reason == Reason::CapacityPressure {
+            Counters::add(&self.counters.pages_migrated, installed as u64);
+        }
+        Ok(moved + installed)
     }
 
     /// Installs a written copy, unless the page changed meanwhile (then the
@@ -214,6 +226,7 @@ impl Durable {
             .map(|(_, c)| (Arc::clone(&c.slot), AlignedBuf::zeroed(c.slot.reserved() as usize)))
             .collect();
         let mut out = Vec::with_capacity(copies.len());
+        let reading = Instant::now();
         for ((page, copy), done) in copies.into_iter().zip(nvme.read_many(reads)) {
             let intact = match done.wait() {
                 Ok(d) => match d.result {
@@ -236,11 +249,17 @@ impl Durable {
                     None
                 }
             };
+            if intact.is_none() {
+                Counters::add(&self.counters.integrity_failures, 1);
+            }
             out.push(match intact {
                 Some(buf) => CopyRead::Intact(buf),
                 None if self.mark_lost(&page, &copy) => CopyRead::Lost,
                 None => CopyRead::Elsewhere,
             });
+        }
+        if !out.is_empty() {
+            self.counters.latency.nvme_read.observe(reading.elapsed());
         }
         out
     }

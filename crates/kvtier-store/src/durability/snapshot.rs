@@ -96,11 +96,11 @@ impl Durable {
         let started = std::time::Instant::now();
         tracing::debug!("manifest checkpoint started");
         match manifest.checkpoint(|| self.checkpoint_records(catalog)) {
-            Ok(bytes) => tracing::info!(
-                bytes,
-                ms = started.elapsed().as_millis() as u64,
-                "manifest checkpoint written"
-            ),
+            Ok(bytes) => {
+                let elapsed = started.elapsed();
+                self.counters.latency.checkpoint.observe(elapsed);
+                tracing::info!(bytes, ms = elapsed.as_millis() as u64, "manifest checkpoint written")
+            }
             Err(e) => tracing::error!(error = %e, "manifest checkpoint failed; the journal keeps growing"),
         }
     }

@@ -82,7 +82,7 @@ use crate::host::HostCache;
 use crate::lease::Leases;
 use crate::page::StorePage;
 use crate::reader::Reader;
-use crate::stats::{Counters, StateCounts, StatsSnapshot, TierStats};
+use crate::stats::{Counters, Latency, StateCounts, StatsSnapshot, TierStats};
 use crate::{StoreError, StoreResult};
 
 /// Sizes and placement choices.
@@ -341,6 +341,11 @@ impl Store {
     /// benchmarks and tests that measure their effect).
     pub fn wait_idle(&self) {
         self.device.workers().wait_idle();
+    }
+
+    /// Where the store's time goes (histograms for the metrics endpoint).
+    pub fn latency(&self) -> &Latency {
+        &self.counters.latency
     }
 
     pub fn stats(&self) -> StatsSnapshot {

@@ -182,7 +182,7 @@ impl Store {
             let selection = self.select_locked(seq, req, &mut buf)?;
             Ok(selection.map_data(|p| p.owned(&buf)))
         })?;
-        selection.timing.store_us = micros(start.elapsed());
+        self.timed(&mut selection, req.swap_in, start);
         Ok(selection)
     }
 
@@ -196,8 +196,24 @@ impl Store {
     ) -> StoreResult<Selection<Range<usize>>> {
         let start = Instant::now();
         let mut selection = self.catalog.read(key, |seq| self.select_locked(seq, req, buf))?;
-        selection.timing.store_us = micros(start.elapsed());
+        self.timed(&mut selection, req.swap_in, start);
         Ok(selection)
+    }
+
+    /// Records a selection's time in the store; one with a swap-in (a
+    /// decode step's layer) also by the slowest tier its pages came from.
+    fn timed<B>(&self, selection: &mut Selection<B>, swap_in: bool, start: Instant) {
+        let elapsed = start.elapsed();
+        selection.timing.store_us = micros(elapsed);
+        if swap_in {
+            let latency = &self.counters.latency;
+            let class = match &selection.swap {
+                s if s.from_nvme > 0 => &latency.selection_from_nvme,
+                s if s.from_host > 0 => &latency.selection_from_host,
+                _ => &latency.selection_hot,
+            };
+            class.observe(elapsed);
+        }
     }
 
     fn select_locked(
