@@ -5,6 +5,7 @@ mod bench;
 mod config;
 mod eval;
 mod serve;
+mod tune;
 
 use clap::{Parser, Subcommand};
 
@@ -28,6 +29,8 @@ enum Command {
     /// Benchmarks (`kvtier bench select`).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Tier sizes from a workload's accesses: miss-ratio curves and the smallest sizes that meet a target.
+    Tune(tune::TuneArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -44,5 +47,6 @@ fn main() -> anyhow::Result<()> {
             serve::init_logging(serve::LogFormat::Text, "warn");
             bench::run(command)
         }
+        Command::Tune(args) => tune::run(args),
     }
 }

@@ -39,6 +39,11 @@ pub(crate) struct TraceHeader {
     /// Pages each (layer, KV head) held by the end of the run.
     pub(crate) pages_per_lane: u32,
     pub(crate) sequences: usize,
+    /// Tokens each sequence was prefilled with before its first step (the
+    /// writes `kvtier tune` replays with the selections); absent in traces
+    /// recorded before it was added.
+    #[serde(default)]
+    pub(crate) context: Option<u64>,
 }
 
 #[derive(Debug, Args)]
@@ -116,7 +121,7 @@ fn side(latencies: &[u64], floor: &[u64], bytes: u64, seconds: f64) -> Side {
     }
 }
 
-fn read_trace(path: &PathBuf) -> anyhow::Result<(TraceHeader, Shape, Vec<TraceEntry>)> {
+pub(crate) fn read_trace(path: &PathBuf) -> anyhow::Result<(TraceHeader, Shape, Vec<TraceEntry>)> {
     let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut lines = std::io::BufReader::new(file).lines();
     let header: TraceHeader = serde_json::from_str(&lines.next().context("an empty trace")??)?;

@@ -3,8 +3,8 @@
 
 mod decode;
 mod echo;
-mod fetch;
-mod plot;
+pub(crate) mod fetch;
+pub(crate) mod plot;
 mod select;
 mod swapin;
 mod tier;

@@ -167,6 +167,9 @@ struct Report {
     bytes_moved: BytesMoved,
     prefetch: Prefetch,
     read_fraction: f64,
+    /// Pages selections asked to make hot that were not on the device, over
+    /// all steps: what `kvtier tune` predicts.
+    device_miss_ratio: f64,
 }
 
 fn breakdown<'a>(steps: impl Iterator<Item = &'a run::Step>) -> Breakdown {
@@ -250,6 +253,8 @@ fn report(cfg: RunConfig, m: &Measured) -> Report {
             used: a.prefetch_used - b.prefetch_used,
         },
         read_fraction: m.read_fraction,
+        device_miss_ratio: m.steps.iter().map(|s| s.missed).sum::<u64>() as f64
+            / m.steps.iter().map(|s| s.chosen).sum::<u64>().max(1) as f64,
         config: cfg,
     }
 }
@@ -299,8 +304,9 @@ fn print_table(r: &Report) {
     }
     let m = &r.bytes_moved;
     println!(
-        "{:.1} steps/s; moved host→device {:.1} MB, nvme→device {:.1} MB, host→nvme {:.1} MB; served {:.1} MB; read fraction {:.3}; prefetch issued {} used {}",
+        "{:.1} steps/s; device miss ratio {:.4}; moved host→device {:.1} MB, nvme→device {:.1} MB, host→nvme {:.1} MB; served {:.1} MB; read fraction {:.3}; prefetch issued {} used {}",
         r.steps_per_s,
+        r.device_miss_ratio,
         m.host_to_device as f64 / 1e6,
         m.nvme_to_device as f64 / 1e6,
         m.host_to_nvme as f64 / 1e6,
@@ -486,6 +492,7 @@ fn write_trace(path: &std::path::Path, cfg: &RunConfig, m: &Measured) -> anyhow:
         page_size: s.page_size,
         pages_per_lane: (cfg.context + cfg.steps).div_ceil(s.page_size as usize) as u32,
         sequences: cfg.sequences,
+        context: Some(cfg.context as u64),
     };
     let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut out = std::io::BufWriter::new(file);

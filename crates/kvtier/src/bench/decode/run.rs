@@ -100,6 +100,10 @@ pub(crate) struct Step {
     pub(crate) swap_nvme_us: u64,
     pub(crate) read_us: u64,
     pub(crate) bytes: u64,
+    /// Pages the step's selections asked to make hot, and of those the ones
+    /// that were not on the device (device-tier misses).
+    pub(crate) chosen: u64,
+    pub(crate) missed: u64,
     /// The server's account of the step's appends, summed over layers.
     pub(crate) append: AppendSpans,
 }
@@ -293,6 +297,8 @@ async fn decode(
             swap_nvme_us: 0,
             read_us: 0,
             bytes: 0,
+            chosen: 0,
+            missed: 0,
             append: AppendSpans::default(),
         };
         for layer in 0..s.layers {
@@ -317,6 +323,9 @@ async fn decode(
             m.swap_host_us += sel.swap.host_us;
             m.swap_nvme_us += sel.swap.nvme_us;
             m.read_us += sel.timing.read_us;
+            let missed = u64::from(sel.swap.from_host + sel.swap.from_nvme + sel.swap.not_hot);
+            m.chosen += u64::from(sel.swap.already_hot) + missed;
+            m.missed += missed;
             m.class = m.class.max(if sel.swap.from_nvme > 0 {
                 Class::Nvme
             } else if sel.swap.from_host > 0 {

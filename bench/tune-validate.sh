@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Validates `kvtier tune`: on two workloads (synthetic queries with drift,
+# and a real model's queries), records a trace with `kvtier bench decode
+# --trace`, predicts the device tier's miss ratio at several sizes from it,
+# then measures the miss ratio `kvtier bench decode` sees at each of those
+# sizes. Writes bench/results/tune-validation.md and the tune plots under
+# bench/results/tune/.
+# Usage: bench/tune-validate.sh [realkv dir]   (default ../shared/data/realkv/small)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+realkv=${1:-../shared/data/realkv/small}
+cargo build -q --release --locked -p kvtier
+kvtier=target/release/kvtier
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+out=bench/results/tune
+mkdir -p "$out"
+rows=()
+
+validate() { # name, fractions, bench args...
+  local name=$1 fractions=$2
+  shift 2
+  "$kvtier" bench decode "$@" --device-fraction 0.25 --trace "$work/$name.trace" --out "$work/$name-trace" > /dev/null
+  "$kvtier" tune "$work/$name.trace" --device-fraction "$fractions" --json --out "$out/$name" > "$work/$name-tune.json"
+  for f in ${fractions//,/ }; do
+    "$kvtier" bench decode "$@" --device-fraction "$f" --json --out "$work/$name-$f" > "$work/$name-$f.json"
+    rows+=("$(python3 - "$work/$name-tune.json" "$work/$name-$f.json" "$f" "$name" <<'EOF'
+import json, sys
+tune, bench, f, name = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), float(sys.argv[3]), sys.argv[4]
+p = next(p for p in tune["at"] if abs(p["fraction"] - f) < 1e-12)
+m = bench["device_miss_ratio"]
+print(f"| {name} | {f:.2f} | {p['bytes'] / 2**20:.1f} | {p['device_miss_ratio']:.4f} | {m:.4f} | {abs(p['device_miss_ratio'] - m):.4f} |")
+EOF
+)")
+  done
+  commands+=("- $name: \`kvtier bench decode $* --device-fraction 0.25 --trace T\`, then \`kvtier tune T --device-fraction $fractions\`, then \`kvtier bench decode $* --device-fraction F --json\` for each F")
+}
+
+commands=()
+validate synthetic 0.1,0.2,0.3,0.5 --steps 128 --drift 0.1
+validate realkv 0.25,0.4,0.5,0.7 --queries "realkv:$realkv" --context 1536 --steps 256
+
+{
+  echo "# \`kvtier tune\`: predicted against measured device-tier miss ratios"
+  echo
+  echo "- command: \`bench/tune-validate.sh\`, which runs, per workload (smollm2-135m layout, one sequence):"
+  printf '%s\n' "${commands[@]}" | sed 's/^/  /'
+  echo "- machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(free -g | awk '/Mem:/ {print $2}') GiB; device tier emulated"
+  echo "- date: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD)"
+  echo
+  echo "Miss ratio: the share of the pages selections asked to make hot that were not"
+  echo "on the device (\`device_miss_ratio\` in the bench's report: swapped in from host or"
+  echo "NVMe, or left cold); predicted from a trace recorded at 25 % (a selection does"
+  echo "not depend on where pages are, so one trace serves every size)."
+  echo
+  echo "| workload | device share | device MiB | predicted | measured | abs. error |"
+  echo "|---|---:|---:|---:|---:|---:|"
+  printf '%s\n' "${rows[@]}"
+  echo
+  echo "Curves: [synthetic](tune/synthetic/miss-ratio.png), [realkv](tune/realkv/miss-ratio.png)."
+} > bench/results/tune-validation.md
+cat bench/results/tune-validation.md
