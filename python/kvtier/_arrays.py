@@ -33,7 +33,10 @@ def as_array(x: Any, name: str) -> np.ndarray:
         try:
             return np.from_dlpack(x)
         except (TypeError, RuntimeError, BufferError) as e:
-            raise TypeError(f"{name}: a DLPack tensor numpy cannot read ({e}); move it to the CPU first") from e
+            raise TypeError(
+                f"{name}: numpy cannot import this DLPack tensor ({e}): it must be on the CPU, and bfloat16 "
+                "goes as its bits (torch: t.view(torch.int16))"
+            ) from e
     return np.asarray(x)
 
 
@@ -49,10 +52,10 @@ def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
 
 def encode(x: Any, dtype: str, name: str) -> np.ndarray:
     """``x`` in the layout's storage dtype, little-endian and contiguous.
-    Floating-point input is cast; for bf16 also its bits as uint16."""
+    Floating-point input is cast; for bf16 also its bits as uint16 or int16."""
     a = as_array(x, name)
     if dtype == "bf16":
-        if a.dtype == _BF16 or a.dtype == np.dtype("<u2"):
+        if a.dtype in (_BF16, np.dtype("<u2"), np.dtype("<i2")):
             return np.ascontiguousarray(a).view("<u2")
         if a.dtype.kind != "f":
             raise TypeError(f"{name}: expected floating-point values, got {a.dtype}")

@@ -6,7 +6,12 @@ __version__: str
 
 class Connection:
     def __init__(
-        self, address: str, token: Optional[str] = None, ca_pem: Optional[bytes] = None, domain: Optional[str] = None
+        self,
+        address: str,
+        token: Optional[str] = None,
+        ca_pem: Optional[bytes] = None,
+        domain: Optional[str] = None,
+        timeout: Optional[float] = None,
     ) -> None: ...
     def call(
         self,
@@ -15,6 +20,9 @@ class Connection:
         done: Optional[Callable[[Any, Optional[BaseException]], None]] = None,
     ) -> Any: ...
     def register_shm(self, socket: str, size: int, tenant: str) -> Region: ...
+
+class Pending:
+    def cancel(self) -> None: ...
 
 class Region:
     @property

@@ -33,11 +33,21 @@ class AsyncClient(_Api):
                 future.set_result(result)
 
         def done(result: Any, error: Optional[BaseException]) -> None:
-            # Called on a runtime thread: hand the result to the loop's.
-            loop.call_soon_threadsafe(settle, result, error)
+            # Called on a runtime thread: hand the result to the loop's,
+            # unless the loop is gone (nobody waits any more).
+            try:
+                loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:
+                pass
 
-        self._conn.call(method, request, done)
-        return await future
+        pending = self._conn.call(method, request, done)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Stop the call too (a request already sent may still apply:
+            # appends take `position` for safe retries).
+            pending.cancel()
+            raise
 
     async def _run(self, steps: Steps[T]) -> T:  # type: ignore[override]
         try:

@@ -1,10 +1,11 @@
 """Type stubs of the asyncio client: the blocking client's methods,
-each a coroutine (python/kvtier/client.py has their documentation)."""
+each a coroutine where it makes a call (python/kvtier/client.py has
+their documentation)."""
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from .client import Heads
-from .types import Layout, Page, Selection, ShmRegion, ShmWindow
+from .client import Heads, Shm
+from .types import Layout, Page, Selection, ShmRegion
 
 class AsyncClient:
     tenant: str
@@ -20,30 +21,33 @@ class AsyncClient:
         tls_domain: Optional[str] = None,
         persist: bool = False,
         shm_socket: Optional[str] = None,
+        timeout: Optional[float] = None,
     ) -> None: ...
+    def forget(self, sequence_id: str) -> None:
+        ...
     async def create(self, sequence_id: str, layout: Layout, prefix_hashes: Iterable[bytes]=()) -> Dict[str, Any]:
         ...
     async def info(self, sequence_id: str) -> Dict[str, Any]:
         ...
     async def drop(self, sequence_id: str) -> None:
         ...
-    async def put(self, sequence_id: str, layer: int, k: Any, v: Any, *, kv_head_start: int=0, first_page: int=0, persist: Optional[bool]=None) -> Dict[str, Any]:
+    def put(self, sequence_id: str, layer: int, k: Any, v: Any, *, kv_head_start: int=0, first_page: int=0, persist: Optional[bool]=None) -> Dict[str, Any]:
         ...
     async def put_layers(self, sequence_id: str, layers: Iterable[Tuple[int, Any, Any]], *, kv_head_start: int=0, first_page: int=0, persist: Optional[bool]=None) -> Dict[str, Any]:
         ...
     async def append(self, sequence_id: str, layer: int, k: Any, v: Any, *, kv_head_start: int=0, position: Optional[int]=None, persist: Optional[bool]=None) -> Dict[str, Any]:
         ...
-    async def fetch(self, sequence_id: str, layer: int, pages: Optional[Sequence[int]]=None, *, kv_heads: Heads=None, per_head_pages: Optional[Sequence[Sequence[int]]]=None, include_digests: bool=False, shm: 'ShmRegion | ShmWindow | None'=None) -> List[Page]:
+    async def fetch(self, sequence_id: str, layer: int, pages: Optional[Sequence[int]]=None, *, kv_heads: Heads=None, per_head_pages: Optional[Sequence[Sequence[int]]]=None, include_digests: bool=False, shm: Shm=None) -> List[Page]:
         ...
-    async def select(self, sequence_id: str, layer: int, queries: Any, budget_pages: int, *, kv_heads: Heads=None, sink_pages: int=0, window_pages: int=0, aggregation: str='max', shard: Any=None, include_data: bool=True, swap_in: bool=False, deadline_us: int=0, prefetch_pages: int=0, lease_ms: int=0, shm: 'ShmRegion | ShmWindow | None'=None) -> Selection:
+    async def select(self, sequence_id: str, layer: int, queries: Any, budget_pages: int, *, kv_heads: Heads=None, sink_pages: int=0, window_pages: int=0, aggregation: str='max', shard: Any=None, include_data: bool=True, swap_in: bool=False, deadline_us: int=0, prefetch_pages: int=0, lease_ms: int=0, shm: Shm=None) -> Selection:
         ...
     async def prefetch(self, sequence_id: str, layer: int, queries: Any, budget_pages: int, *, kv_heads: Heads=None, sink_pages: int=0, window_pages: int=0, aggregation: str='max', shard: Any=None) -> int:
         ...
     async def release_lease(self, lease_id: int) -> None:
         ...
-    async def set_page_state(self, sequence_id: str, action: str, *, layers: Union[int, Tuple[int, int], None]=None, kv_heads: Heads=None, pages: Union[Tuple[int, int], Sequence[int], None]=None, tier: Optional[str]=None, rows: Optional[int]=None) -> int:
+    async def set_page_state(self, sequence_id: str, action: str, *, layers: Heads=None, kv_heads: Heads=None, pages: Optional[Sequence[int]]=None, page_range: Optional[Tuple[int, int]]=None, tier: Optional[str]=None, rows: Optional[int]=None) -> int:
         ...
-    async def apply_policy(self, sequence_id: str, policy: Union[str, Dict[str, Any]], budget_tokens: int, *, action: str='evict', tier: Optional[str]=None, rows: Optional[int]=None, layers: Optional[Tuple[int, int]]=None, allocator: Union[str, Dict[str, Any], None]=None, queries: Any=None, trigger: Optional[str]=None, every_tokens: int=0, **options: Any) -> Dict[str, Any]:
+    async def apply_policy(self, sequence_id: str, policy: Union[str, Dict[str, Any]], budget_tokens: int, *, action: str='evict', tier: Optional[str]=None, rows: Optional[int]=None, layers: Heads=None, allocator: Union[str, Dict[str, Any], None]=None, queries: Any=None, trigger: Optional[str]=None, every_tokens: int=0, **options: Any) -> Dict[str, Any]:
         ...
     async def report_attention(self, sequence_id: str, layer: int, token_weights: Any, *, kv_head_start: int=0, decay: float=0.0) -> None:
         ...

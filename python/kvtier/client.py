@@ -7,6 +7,7 @@ Every method is written once, as a generator that yields the RPCs it needs
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple, TypeVar, Union
 
@@ -23,6 +24,10 @@ DEFAULT_ADDRESS = "http://127.0.0.1:50051"
 DEFAULT_SHM_SOCKET = os.path.join("kvtier-data", "shm.sock")
 
 Heads = Union[int, Tuple[int, int], range, None]
+Shm = Optional[Union[ShmRegion, ShmWindow]]
+
+#: The largest message the client sends (as the server accepts by default).
+MAX_MESSAGE_BYTES = 64 << 20
 
 
 class _Rpc:
@@ -42,16 +47,39 @@ Steps = Generator[_Rpc, Any, T]
 def _heads(kv_heads: Heads, default_count: int) -> Tuple[int, int]:
     """``(start, count)`` from an int (one head), a ``(start, count)`` pair
     or a range; all ``default_count`` heads from 0 when None."""
-    if kv_heads is None:
+    return _span(kv_heads, default_count, "kv_heads")
+
+
+def _span(value: Any, default_count: int, name: str) -> Tuple[int, int]:
+    """``(start, count)`` from None (all ``default_count`` from 0), one
+    index, a ``(start, count)`` pair or a range of consecutive indices."""
+    if value is None:
         return 0, default_count
-    if isinstance(kv_heads, int):
-        return kv_heads, 1
-    if isinstance(kv_heads, range):
-        if kv_heads.step != 1:
-            raise ValueError("kv_heads: a range of consecutive heads")
-        return kv_heads.start, len(kv_heads)
-    start, count = kv_heads
-    return int(start), int(count)
+    if isinstance(value, range):
+        if value.step != 1:
+            raise ValueError(f"{name}: a range of consecutive indices")
+        return value.start, len(value)
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise ValueError(f"{name}: (start, count), got {value!r}")
+        return operator.index(value[0]), operator.index(value[1])
+    try:
+        return operator.index(value), 1
+    except TypeError:
+        raise TypeError(f"{name}: an index, (start, count) or a range, got {type(value).__name__}") from None
+
+
+def _indices(values: Any, name: str) -> List[int]:
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise TypeError(f"{name}: a sequence of integer indices") from None
+
+
+def _hash(h: Any) -> bytes:
+    if isinstance(h, int) or not isinstance(h, (bytes, bytearray, memoryview)):
+        raise TypeError(f"prefix_hashes: each hash is bytes, got {type(h).__name__}")
+    return bytes(h)
 
 
 def _queries(queries: Any) -> bytes:
@@ -71,9 +99,12 @@ class _Api:
         tls_domain: Optional[str] = None,
         persist: bool = False,
         shm_socket: Optional[str] = None,
+        timeout: Optional[float] = None,
     ):
+        if not address.startswith(("http://", "https://")):
+            raise ValueError(f"address: {address!r} must start with http:// (or https:// with tls_ca)")
         # Connecting is one short blocking step, as constructors are.
-        self._conn = Connection(address, token, tls_ca, tls_domain)
+        self._conn = Connection(address, token, tls_ca, tls_domain, timeout)
         self.tenant = tenant
         self.persist = persist
         self.shm_socket = shm_socket or DEFAULT_SHM_SOCKET
@@ -91,6 +122,10 @@ class _Api:
         """The fields a put and an append share: K and V packed for heads
         ``kv_head_start..``."""
         kv, heads, tokens = _arrays.pack_kv(k, v, layout.dtype, layout.head_dim)
+        if len(kv) > MAX_MESSAGE_BYTES - 4096:
+            raise ValueError(
+                f"k, v: {len(kv)} bytes in one message; at most {MAX_MESSAGE_BYTES} fit: write fewer tokens per call"
+            )
         return {
             **self._seq(sequence_id),
             "layer": layer,
@@ -102,11 +137,19 @@ class _Api:
         }
 
     def _layout(self, sequence_id: str) -> Steps[Layout]:
+        """The sequence's layout: known from ``create``, else asked once.
+        (A sequence another client drops and creates again under the same
+        id with another layout needs :meth:`forget`.)"""
         layout = self._layouts.get(sequence_id)
         if layout is None:
             info = yield _Rpc("GetSequence", self._seq(sequence_id))
             layout = self._layouts[sequence_id] = Layout.from_proto(info["layout"])
         return layout
+
+    def forget(self, sequence_id: str) -> None:
+        """Forgets the layout this client knows for ``sequence_id``; the
+        next call asks the server again."""
+        self._layouts.pop(sequence_id, None)
 
     # Sequences
 
@@ -118,7 +161,7 @@ class _Api:
         def steps() -> Steps[Dict[str, Any]]:
             reply = yield _Rpc(
                 "CreateSequence",
-                {**self._seq(sequence_id), "layout": layout.to_proto(), "prefix_hashes": [bytes(h) for h in prefix_hashes]},
+                {**self._seq(sequence_id), "layout": layout.to_proto(), "prefix_hashes": [_hash(h) for h in prefix_hashes]},
             )
             self._layouts[sequence_id] = layout
             return reply
@@ -220,24 +263,29 @@ class _Api:
         kv_heads: Heads = None,
         per_head_pages: Optional[Sequence[Sequence[int]]] = None,
         include_digests: bool = False,
-        shm: "ShmRegion | ShmWindow | None" = None,
+        shm: Shm = None,
     ) -> List[Page]:
         """Reads pages of one layer (every page when ``pages`` is None) for
-        ``kv_heads`` (all by default; an int for one, or ``(start, count)``), or ``per_head_pages`` (one list per head). Returns a list
+        ``kv_heads`` (all by default; an int for one, or ``(start, count)``), or ``per_head_pages`` (one list per head); an empty list fetches nothing. Returns a list
         of :class:`Page`, head by head. With ``shm`` the bytes land in the
         region and each page's arrays view it."""
 
         def steps() -> Steps[List[Page]]:
             layout = yield from self._layout(sequence_id)
             start, count = _heads(kv_heads, layout.num_kv_heads if per_head_pages is None else len(per_head_pages))
+            wanted = None if pages is None else _indices(pages, "pages")
+            lists = None if per_head_pages is None else [_indices(p, "per_head_pages") for p in per_head_pages]
+            # An empty list asks for no page (the proto's empty field means all).
+            if wanted == [] or (lists is not None and not any(lists)):
+                return []
             window = window_of(shm)
             request = {
                 **self._seq(sequence_id),
                 "layer": layer,
                 "kv_head_start": start,
                 "kv_head_count": count,
-                "pages": list(pages or []),
-                "per_head_pages": [{"pages": list(p)} for p in per_head_pages or []],
+                "pages": wanted or [],
+                "per_head_pages": [{"pages": p} for p in lists or []],
                 "include_digests": include_digests,
                 "shm": window.to_proto() if window else None,
             }
@@ -279,7 +327,7 @@ class _Api:
         deadline_us: int = 0,
         prefetch_pages: int = 0,
         lease_ms: int = 0,
-        shm: "ShmRegion | ShmWindow | None" = None,
+        shm: Shm = None,
     ) -> Selection:
         """Chooses the pages a decode step's ``queries`` (``[query heads,
         head_dim]`` of the KV heads' groups, post-RoPE) need: per KV head the
@@ -354,9 +402,10 @@ class _Api:
         sequence_id: str,
         action: str,
         *,
-        layers: Union[int, Tuple[int, int], None] = None,
+        layers: Heads = None,
         kv_heads: Heads = None,
-        pages: Union[Tuple[int, int], Sequence[int], None] = None,
+        pages: Optional[Sequence[int]] = None,
+        page_range: Optional[Tuple[int, int]] = None,
         tier: Optional[str] = None,
         rows: Optional[int] = None,
     ) -> int:
@@ -364,13 +413,13 @@ class _Api:
         cold in ``tier``, ``"host"`` or ``"nvme"``), ``"swap_in"``,
         ``"migrate"`` (to ``tier``), ``"summarize"`` (to ``rows`` summary
         rows) or ``"evict"``. ``layers``/``kv_heads``: all by default, an
-        int for one, or ``(start, count)``; ``pages``: all by default,
-        ``(first, count)`` as a tuple, or a list of page indices. Returns
-        the number of pages that changed."""
+        int for one, ``(start, count)`` or a range; ``pages``: a list of
+        page indices, or ``page_range``: ``(first, count)``; every page by
+        default. Returns the number of pages that changed."""
 
         def steps() -> Steps[int]:
             layout = yield from self._layout(sequence_id)
-            layer_start, layer_count = (0, layout.num_layers) if layers is None else (layers, 1) if isinstance(layers, int) else layers
+            layer_start, layer_count = _span(layers, layout.num_layers, "layers")
             head_start, head_count = _heads(kv_heads, layout.num_kv_heads)
             request: Dict[str, Any] = {
                 **self._seq(sequence_id),
@@ -380,10 +429,14 @@ class _Api:
                 "kv_head_count": head_count,
                 action: _action(action, tier, rows),
             }
-            if isinstance(pages, tuple):
-                request["first_page"], request["page_count"] = pages
+            if pages is not None and page_range is not None:
+                raise ValueError("pages: give pages or page_range, not both")
+            if page_range is not None:
+                request["first_page"], request["page_count"] = (operator.index(x) for x in page_range)
             elif pages is not None:
-                request["pages"] = list(pages)
+                request["pages"] = _indices(pages, "pages")
+                if not request["pages"]:
+                    return 0
             return (yield _Rpc("SetPageState", request))["pages"]
 
         return self._run(steps())
@@ -397,7 +450,7 @@ class _Api:
         action: str = "evict",
         tier: Optional[str] = None,
         rows: Optional[int] = None,
-        layers: Optional[Tuple[int, int]] = None,
+        layers: Heads = None,
         allocator: Union[str, Dict[str, Any], None] = None,
         queries: Any = None,
         trigger: Optional[str] = None,
@@ -408,7 +461,8 @@ class _Api:
         ``"h2o"``, ``"snapkv"``, ``"tova"``, ``"scissorhands"``,
         ``"max_mass"``; ``options`` are its fields, e.g.
         ``window_tokens=16``) keeping ``budget_tokens`` per head, over
-        ``layers`` (all by default), budgets split by ``allocator``
+        ``layers`` (all by default; an int for one, ``(start, count)`` or a
+        range), budgets split by ``allocator``
         (``"uniform"``, ``"pyramid"`` with ``beta``, ``"ada"`` with
         ``floor``: pass a dict for options). ``trigger``: ``"now"``,
         ``"after_prefill"``, ``"every_tokens"`` (with ``every_tokens``) or
@@ -416,7 +470,7 @@ class _Api:
 
         def steps() -> Steps[Dict[str, Any]]:
             layout = yield from self._layout(sequence_id)
-            layer_start, layer_count = layers or (0, layout.num_layers)
+            layer_start, layer_count = _span(layers, layout.num_layers, "layers")
             spec = {policy: options} if isinstance(policy, str) else dict(policy)
             if allocator is not None:
                 spec.update({allocator: {}} if isinstance(allocator, str) else allocator)
@@ -504,7 +558,10 @@ class Client(_Api):
     ``token``: sent with every call (servers with ``[[auth.tokens]]``);
     ``tls_ca``: PEM of the authority for ``https://`` addresses;
     ``persist``: every write acknowledged only once durable;
-    ``shm_socket``: the server's shm socket, for :meth:`register_shm`.
+    ``shm_socket``: the server's shm socket, for :meth:`register_shm`;
+    ``timeout``: seconds within which connecting and every call must
+    answer (:class:`kvtier.errors.DeadlineExceeded` otherwise; default: no
+    limit). Ctrl-C interrupts a call in progress.
     """
 
     def _run(self, steps: Steps[T]) -> T:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mmap
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -142,17 +142,30 @@ class ShmRegion:
         #: The region's bytes.
         self.buffer = np.frombuffer(self._map, dtype=np.uint8)
 
+    def _registered(self) -> Any:
+        if self._native is None:
+            raise ValueError("shm: this region was closed")
+        return self._native
+
     @property
     def id(self) -> int:
-        return self._native.id
+        return self._registered().id
 
     @property
     def size(self) -> int:
-        return self._native.size
+        return self._registered().size
 
     def window(self, offset: int = 0, length: Optional[int] = None) -> "ShmWindow":
-        """A window of the region for one call (the whole region by default)."""
+        """A window of the region for one call (the whole region by
+        default). The arrays a call returns view its window until a later
+        call names a window that overlaps it: calls in flight together
+        (asyncio) need windows of their own (:meth:`split`)."""
         return ShmWindow(self, offset, self.size - offset if length is None else length)
+
+    def split(self, n: int) -> List["ShmWindow"]:
+        """``n`` disjoint windows of equal size, for ``n`` calls at once."""
+        part = self.size // n
+        return [self.window(i * part, part) for i in range(n)]
 
     def close(self) -> None:
         """Ends the registration; arrays that still view the region keep
@@ -172,7 +185,7 @@ class ShmWindow:
         return {"region_id": self.region.id, "offset": self.offset, "length": self.length}
 
 
-def window_of(shm: "ShmRegion | ShmWindow | None") -> Optional[ShmWindow]:
+def window_of(shm: Optional[Union["ShmRegion", "ShmWindow"]]) -> Optional["ShmWindow"]:
     if shm is None or isinstance(shm, ShmWindow):
         return shm
     return shm.window()

@@ -11,7 +11,8 @@ mod reflect;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use kvtier_client::{Client, Connect, MAX_MESSAGE_BYTES, ShmError, ShmRegion, Tls};
 use prost_reflect::{DescriptorPool, DynamicMessage, MethodDescriptor, ServiceDescriptor};
@@ -24,18 +25,57 @@ use tonic::{Code, Status};
 
 use codec::DynamicCodec;
 
-/// The runtime every connection of the process shares; never dropped, so
-/// no Python object's destructor waits for its threads.
-fn runtime() -> &'static tokio::runtime::Runtime {
-    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("kvtier-client")
-            .enable_all()
-            .build()
-            .expect("the client's runtime starts") // only fails when no threads can be spawned
-    })
+/// The runtime the connections of this process share, with the process it
+/// belongs to: a child after `fork()` has none of its threads.
+#[derive(Debug)]
+struct Runtime {
+    pid: u32,
+    tokio: tokio::runtime::Runtime,
+}
+
+/// This process's runtime, made on first use (and again in a forked
+/// child). A runtime is never dropped, so no Python object's destructor
+/// waits for its threads; a forked child's copy of its parent's, whose
+/// threads it does not have, is leaked.
+fn runtime() -> PyResult<Arc<Runtime>> {
+    static CURRENT: Mutex<Option<Arc<Runtime>>> = Mutex::new(None);
+    let mut current = CURRENT.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    if let Some(rt) = current.as_ref().filter(|rt| rt.pid == pid) {
+        return Ok(Arc::clone(rt));
+    }
+    let tokio = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kvtier-client")
+        .enable_all()
+        .build()
+        .map_err(|e| PyRuntimeError::new_err(format!("starting the client's threads: {e}")))?;
+    let rt = Arc::new(Runtime { pid, tokio });
+    if let Some(parents) = current.replace(Arc::clone(&rt)) {
+        std::mem::forget(parents);
+    }
+    Ok(rt)
+}
+
+/// Runs `future` on `rt` with the GIL released, waking every 100 ms to let
+/// Python raise a pending signal (Ctrl-C), which drops the call.
+fn wait<F>(py: Python<'_>, rt: &Runtime, future: F) -> PyResult<F::Output>
+where
+    F: Future + Send,
+    F::Output: Send,
+{
+    let mut future = Box::pin(future);
+    loop {
+        // The timer is made inside the runtime, which it needs.
+        let tick = py.detach(|| {
+            rt.tokio
+                .block_on(async { tokio::time::timeout(Duration::from_millis(100), &mut future).await })
+        });
+        match tick {
+            Ok(output) => return Ok(output),
+            Err(_) => py.check_signals()?,
+        }
+    }
 }
 
 fn service() -> PyResult<&'static ServiceDescriptor> {
@@ -51,23 +91,29 @@ fn service() -> PyResult<&'static ServiceDescriptor> {
 }
 
 /// A failed call as the package's exception for its status code
-/// (`kvtier.errors`). A status the server sent has no source; one with a
-/// source was made on this side from a broken connection or an HTTP/2
-/// failure (tonic reports them as UNKNOWN, INTERNAL or CANCELLED, which of
-/// them depending on timing): that is UNAVAILABLE, with the cause spelled
-/// out.
+/// (`kvtier.errors`). A status made on this side carries its cause as a
+/// source: a status inside the chain (a message over the size limit, say)
+/// is the real one; anything else there is a broken connection or an
+/// HTTP/2 failure, which tonic reports as UNKNOWN, INTERNAL or CANCELLED
+/// depending on timing: UNAVAILABLE, with the cause spelled out.
 fn status_error(py: Python<'_>, status: &Status) -> PyErr {
-    let (code, message) = match std::error::Error::source(status) {
-        Some(cause) => {
-            let mut message = format!("the connection failed: {}: {cause}", status.message());
-            let mut next = cause.source();
-            while let Some(cause) = next {
-                message.push_str(&format!(": {cause}"));
-                next = cause.source();
-            }
-            (Code::Unavailable, message)
+    let mut inner = None;
+    let mut causes = String::new();
+    let mut next = std::error::Error::source(status);
+    while let Some(cause) = next {
+        causes.push_str(&format!(": {cause}"));
+        if let Some(s) = cause.downcast_ref::<Status>() {
+            inner = Some(s);
         }
-        _ => (status.code(), status.message().to_owned()),
+        next = cause.source();
+    }
+    let (code, message) = match inner {
+        Some(inner) => (inner.code(), inner.message().to_owned()),
+        None if !causes.is_empty() => (
+            Code::Unavailable,
+            format!("the connection failed: {}{causes}", status.message()),
+        ),
+        None => (status.code(), status.message().to_owned()),
     };
     let built = py
         .import("kvtier.errors")
@@ -104,34 +150,66 @@ impl Reply {
 struct Connection {
     client: Client,
     token: Option<String>,
+    /// Every call's limit (`None`: none).
+    timeout: Option<Duration>,
+    runtime: Arc<Runtime>,
+}
+
+impl Connection {
+    /// This connection's runtime, unless the process forked since it was made.
+    fn runtime(&self) -> PyResult<&Runtime> {
+        if self.runtime.pid != std::process::id() {
+            return Err(PyRuntimeError::new_err(
+                "this client was made before fork(); make a new one in the child process",
+            ));
+        }
+        Ok(&self.runtime)
+    }
 }
 
 #[pymethods]
 impl Connection {
     /// Connects to `address` (`http://host:port`, or `https://` with
-    /// `ca_pem`); `token` goes with every call.
+    /// `ca_pem`); `token` goes with every call; `timeout` (seconds) bounds
+    /// connecting and every call.
     #[new]
-    #[pyo3(signature = (address, token=None, ca_pem=None, domain=None))]
+    #[pyo3(signature = (address, token=None, ca_pem=None, domain=None, timeout=None))]
     fn new(
         py: Python<'_>,
         address: String,
         token: Option<String>,
         ca_pem: Option<Vec<u8>>,
         domain: Option<String>,
+        timeout: Option<f64>,
     ) -> PyResult<Self> {
+        let timeout = timeout
+            .map(|t| {
+                Duration::try_from_secs_f64(t)
+                    .map_err(|_| PyValueError::new_err("timeout: a number of seconds above 0"))
+            })
+            .transpose()?;
         let options = Connect {
             token: token.clone(),
             tls: ca_pem.map(|ca_pem| Tls { ca_pem, domain }),
         };
-        let client = py
-            .detach(|| runtime().block_on(Client::connect_with(address, options)))
-            .map_err(|e| status_error(py, &Status::unavailable(e.to_string())))?;
-        Ok(Self { client, token })
+        let runtime = runtime()?;
+        let connecting = limited(timeout, async {
+            Client::connect_with(address, options)
+                .await
+                .map_err(|e| Status::unavailable(e.to_string()))
+        });
+        let client = wait(py, &runtime, connecting)?.map_err(|status| status_error(py, &status))?;
+        Ok(Self {
+            client,
+            token,
+            timeout,
+            runtime,
+        })
     }
 
     /// Calls `method` (`"FetchPages"`) with `request`: a dict, or for
     /// `PutPages` a list of dicts. Returns a dict, or a list of dicts for a
-    /// server stream. With `done`, returns at once and calls
+    /// server stream. With `done`, returns a `Pending` at once and calls
     /// `done(result, exception)` from a runtime thread when it finishes.
     #[pyo3(signature = (method, request, done=None))]
     fn call(
@@ -141,6 +219,7 @@ impl Connection {
         request: &Bound<'_, PyAny>,
         done: Option<Py<PyAny>>,
     ) -> PyResult<Py<PyAny>> {
+        let rt = self.runtime()?;
         let method = service()?
             .methods()
             .find(|m| m.name() == method)
@@ -155,14 +234,14 @@ impl Connection {
         } else {
             vec![reflect::to_message(request, &method.input(), "")?]
         };
-        let reply = send(self.client.clone(), method, requests);
+        let reply = limited(self.timeout, send(self.client.clone(), method, requests));
         match done {
-            None => match py.detach(|| runtime().block_on(reply)) {
+            None => match wait(py, rt, reply)? {
                 Ok(reply) => reply.into_py(py),
                 Err(status) => Err(status_error(py, &status)),
             },
             Some(done) => {
-                runtime().spawn(async move {
+                let task = rt.tokio.spawn(async move {
                     let reply = reply.await;
                     Python::attach(|py| {
                         let result = reply
@@ -177,7 +256,7 @@ impl Connection {
                         }
                     });
                 });
-                Ok(py.None())
+                Ok(Pending(task.abort_handle()).into_pyobject(py)?.into_any().unbind())
             }
         }
     }
@@ -185,14 +264,44 @@ impl Connection {
     /// Registers a new shared-memory region of `size` bytes for `tenant`
     /// at the server's shm socket (it must run on this machine).
     fn register_shm(&self, py: Python<'_>, socket: PathBuf, size: usize, tenant: String) -> PyResult<Region> {
+        let rt = self.runtime()?;
         let token = self.token.as_deref();
-        let region = py
-            .detach(|| runtime().block_on(ShmRegion::register(&socket, size, &tenant, token)))
-            .map_err(|e| match e {
-                ShmError::Refused(status) => status_error(py, &status),
-                other => status_error(py, &Status::new(Code::Unavailable, other.to_string())),
-            })?;
+        let registering = limited(self.timeout, async {
+            ShmRegion::register(&socket, size, &tenant, token)
+                .await
+                .map_err(|e| match e {
+                    ShmError::Refused(status) => status,
+                    other => Status::unavailable(other.to_string()),
+                })
+        });
+        let region = wait(py, rt, registering)?.map_err(|status| status_error(py, &status))?;
         Ok(Region(region))
+    }
+}
+
+/// An asynchronous call in flight.
+#[pyclass(frozen, module = "kvtier._native")]
+struct Pending(tokio::task::AbortHandle);
+
+#[pymethods]
+impl Pending {
+    /// Stops waiting for the call and drops it (a request already sent may
+    /// still take effect on the server).
+    fn cancel(&self) {
+        self.0.abort();
+    }
+}
+
+/// `call`, failing with DEADLINE_EXCEEDED after `timeout`.
+async fn limited<T>(timeout: Option<Duration>, call: impl Future<Output = Result<T, Status>>) -> Result<T, Status> {
+    match timeout {
+        None => call.await,
+        Some(t) => tokio::time::timeout(t, call).await.unwrap_or_else(|_| {
+            Err(Status::deadline_exceeded(format!(
+                "no answer within the client's timeout of {} s",
+                t.as_secs_f64()
+            )))
+        }),
     }
 }
 
@@ -266,5 +375,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<Connection>()?;
     m.add_class::<Region>()?;
+    m.add_class::<Pending>()?;
     Ok(())
 }

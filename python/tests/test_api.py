@@ -29,7 +29,7 @@ def test_prefix_sharing_states_policies_attention_stats_and_drop(client):
     assert created["attached_pages"] == 4  # the whole 4-page prefix, in every lane
     assert client.info("b")["shared_pages"] == 16
 
-    assert client.set_page_state("a", "offload", tier="host", layers=0, pages=(0, 2)) == 4
+    assert client.set_page_state("a", "offload", tier="host", layers=0, page_range=(0, 2)) == 4
     assert client.set_page_state("a", "migrate", tier="nvme", layers=0, kv_heads=1, pages=[0]) == 1
     assert client.set_page_state("a", "summarize", rows=1, layers=1, pages=[3]) == 2
     assert client.set_page_state("a", "evict", layers=1, kv_heads=0, pages=[2]) == 1
@@ -165,3 +165,103 @@ def test_the_asyncio_stub_declares_every_call_with_the_blocking_signature():
     blocking = methods(package / "client.py", "_Api")
     asynchronous = methods(package / "aio.pyi", "AsyncClient")
     assert {name: asynchronous.get(name) for name in blocking} == blocking
+
+
+def test_arguments_as_users_pass_them(client):
+    """Regressions from a review: numpy indices, one layer as an int, a
+    tuple of page indices, empty page lists, bf16 bits as int16, type hints."""
+    import typing
+
+    layout = kvtier.Layout(num_layers=3, num_kv_heads=2, num_query_heads=2, head_dim=8, dtype="bf16", page_size=4)
+    client.create("args", layout)
+    k = np.arange(2 * 16 * 8, dtype=np.int16).reshape(2, 16, 8)  # bf16 bit patterns
+    for layer in range(3):
+        client.put("args", layer, k, k)
+    got = client.fetch("args", 1, pages=np.array([1, 2]), kv_heads=np.int64(1))
+    assert [(p.kv_head, p.page) for p in got] == [(1, 1), (1, 2)]
+    assert got[0].k.view(np.int16).tolist() == k[1, 4:8].tolist()
+    assert client.fetch("args", 1, pages=[]) == []
+    assert client.set_page_state("args", "evict", pages=[]) == 0
+    # a tuple of pages is pages, not a range; page_range is a range
+    assert client.set_page_state("args", "offload", tier="host", layers=0, pages=(1, 3)) == 4
+    assert client.set_page_state("args", "offload", tier="host", layers=2, page_range=(0, 2)) == 4
+    states = {(p.kv_head, p.page): p.state for p in client.fetch("args", 0)}
+    assert [states[(0, i)] for i in range(4)] == ["hot", "cold", "hot", "cold"]
+    # one layer as an int: the policy touches layer 1 only
+    def pages_of(layer: int) -> list:
+        return [(p.kv_head, p.page, p.state, p.k.tobytes()) for p in client.fetch("args", layer)]
+
+    before = [pages_of(layer) for layer in (0, 2)]
+    reply = client.apply_policy("args", "streaming", 4, layers=1, sink_tokens=4)
+    assert reply["pages_changed"] == 2 * 3
+    assert [pages_of(layer) for layer in (0, 2)] == before
+    with pytest.raises(TypeError, match="prefix_hashes"):
+        client.create("args2", layout, prefix_hashes=[1, 2])
+    with pytest.raises(ValueError, match="address"):
+        kvtier.Client("localhost:50051")
+    with pytest.raises(ValueError, match="one message"):
+        big = np.zeros((2, (64 << 20) // 32 + 64, 8), dtype=np.float32)
+        client.put("args", 0, big, big)
+    for method in (kvtier.Client.fetch, kvtier.Client.select, kvtier.Client.set_page_state):
+        typing.get_type_hints(method)
+    client.drop("args")
+
+
+def test_a_call_that_gets_no_answer_times_out():
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    held = []
+    threading.Thread(target=lambda: held.append(listener.accept()), daemon=True).start()
+    with pytest.raises(errors.DeadlineExceeded):
+        client = kvtier.Client(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=0.5)
+        client.stats()
+    listener.close()
+
+
+def test_after_fork_the_parents_client_refuses_and_a_new_one_works(server, client):
+    import os
+
+    client.stats()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status, never return into pytest
+        code = 0
+        try:
+            try:
+                client.stats()
+                code = 1
+            except RuntimeError as e:
+                code = 0 if "fork" in str(e) else 2
+            if code == 0 and kvtier.Client(server.address).stats()["sequences"] < 0:
+                code = 3
+        except BaseException:
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    client.stats()
+
+
+def test_asyncio_calls_in_flight_together_use_windows_of_their_own_and_can_be_cancelled(server):
+    async def main() -> None:
+        client = kvtier.AsyncClient(server.address, shm_socket=server.shm_socket)
+        layout = kvtier.Layout(4, 1, 1, 8, "f32", 4)
+        await client.create("aio-shm", layout)
+        for layer in range(4):
+            kv = np.full((1, 8, 8), layer, dtype=np.float32)
+            await client.put("aio-shm", layer, kv, kv)
+        region = await client.register_shm(1 << 16)
+        windows = region.split(4)
+        fetched = await asyncio.gather(*(client.fetch("aio-shm", layer, shm=windows[layer]) for layer in range(4)))
+        for layer, pages in enumerate(fetched):
+            assert all((p.k == layer).all() for p in pages)
+        # a cancelled call stops waiting; the client goes on working
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.fetch("aio-shm", 0), timeout=1e-9)
+        assert len(await client.fetch("aio-shm", 0)) == 2
+        await client.drop("aio-shm")
+
+    asyncio.run(main())
