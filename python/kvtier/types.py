@@ -64,8 +64,9 @@ class Page:
     """One page of one (layer, KV head). ``k`` and ``v`` are
     ``[rows, head_dim]`` in the layout's dtype: the original rows for hot
     and cold pages (``tokens`` of them), summary rows for a summary (one per
-    entry of ``summary_counts``), empty for a gone page. Over shared memory
-    they are views of the region, valid until a later call names the same
+    entry of ``summary_counts``), empty for a gone page. They are read-only
+    views of the reply (``.copy()`` for a writable array); over shared
+    memory, of the region, valid until a later call names an overlapping
     window."""
 
     kv_head: int
