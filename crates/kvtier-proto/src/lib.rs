@@ -5,6 +5,24 @@ pub mod codec;
 #[allow(missing_debug_implementations, unreachable_pub, clippy::all, clippy::pedantic)]
 pub mod v1 {
     tonic::include_proto!("kvtier.v1");
+
+    /// The `KvTier` service's methods, in the proto's order (checked
+    /// against the descriptor by a test in `kvtier-server`).
+    pub const METHODS: [&str; 13] = [
+        "CreateSequence",
+        "GetSequence",
+        "DropSequence",
+        "PutPages",
+        "AppendTokens",
+        "FetchPages",
+        "SelectPages",
+        "Prefetch",
+        "ReleaseLease",
+        "SetPageState",
+        "ApplyPolicy",
+        "ReportAttention",
+        "GetStats",
+    ];
 }
 
 /// The bare unary echo `kvtier bench fetch` measures kvtier's fixed cost

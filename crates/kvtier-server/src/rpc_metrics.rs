@@ -10,29 +10,12 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
+use kvtier_proto::v1::METHODS;
 use kvtier_store::Histogram;
 use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::{Service, http};
 use tonic::server::NamedService;
-
-/// The service's methods, in the proto's order (checked against the
-/// descriptor by a test).
-pub(crate) const METHODS: [&str; 13] = [
-    "CreateSequence",
-    "GetSequence",
-    "DropSequence",
-    "PutPages",
-    "AppendTokens",
-    "FetchPages",
-    "SelectPages",
-    "Prefetch",
-    "ReleaseLease",
-    "SetPageState",
-    "ApplyPolicy",
-    "ReportAttention",
-    "GetStats",
-];
 
 /// gRPC status codes 0 (OK) to 16 (UNAUTHENTICATED).
 const CODES: usize = 17;

@@ -9,21 +9,7 @@ use crate::common::raw::frame;
 use crate::rng::Rng;
 use crate::wire;
 
-pub(crate) const METHODS: [&str; 13] = [
-    "CreateSequence",
-    "GetSequence",
-    "DropSequence",
-    "PutPages",
-    "AppendTokens",
-    "FetchPages",
-    "SelectPages",
-    "Prefetch",
-    "ReleaseLease",
-    "SetPageState",
-    "ApplyPolicy",
-    "ReportAttention",
-    "GetStats",
-];
+pub(crate) use kvtier_client::pb::METHODS;
 
 const TENANTS: [&str; 2] = ["", "t"];
 
