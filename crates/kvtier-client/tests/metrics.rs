@@ -99,7 +99,20 @@ async fn metrics_cover_calls_swap_ins_nvme_selections_checkpoints_and_moves() {
         client.select_pages("s", &req).await.unwrap();
     }
     store.wait_idle();
-    client.select_pages("s", &req).await.unwrap();
+    let chosen = client.select_pages("s", &req).await.unwrap();
+    // A selection answered at its deadline, before NVMe could deliver its
+    // pages (sent there first).
+    for p in &chosen.heads[0].pages {
+        client
+            .set_page_state("s", 0..1, 0..1, p.page..p.page + 1, actions::offload_to_nvme())
+            .await
+            .unwrap();
+    }
+    let mut late = req.clone();
+    late.deadline = Some(std::time::Duration::from_micros(1));
+    late.prefetch_pages = 0;
+    client.select_pages("s", &late).await.unwrap();
+    store.wait_idle();
     client
         .set_page_state("s", 0..1, 0..1, 0..32, actions::offload_to_host())
         .await
@@ -144,7 +157,7 @@ async fn metrics_cover_calls_swap_ins_nvme_selections_checkpoints_and_moves() {
     );
     assert_eq!(
         get("kvtier_rpc_duration_seconds_count{method=\"SelectPages\",code=\"OK\"}"),
-        3.0
+        4.0
     );
     positive("kvtier_rpc_duration_seconds_count{method=\"PutPages\",code=\"OK\"}");
     for name in [
@@ -154,6 +167,7 @@ async fn metrics_cover_calls_swap_ins_nvme_selections_checkpoints_and_moves() {
         "kvtier_nvme_write_duration_seconds_count",
         "kvtier_selection_duration_seconds_count{miss_class=\"hot\"}",
         "kvtier_selection_duration_seconds_count{miss_class=\"nvme\"}",
+        "kvtier_selection_duration_seconds_count{miss_class=\"deadline\"}",
         "kvtier_checkpoint_duration_seconds_count",
         "kvtier_integrity_failures_total",
         "kvtier_pages_migrated_total",

@@ -161,7 +161,7 @@ pub(crate) fn render(s: &StatsSnapshot) -> String {
         ),
         (
             "kvtier_pages_migrated_total",
-            "Pages the host cache migrated to NVMe to make room.",
+            "Host copies dropped to make room because the page is on NVMe (migrations).",
             s.pages_migrated,
         ),
     ] {
@@ -194,7 +194,7 @@ pub(crate) fn render(s: &StatsSnapshot) -> String {
     family(
         "kvtier_tier_moved_bytes_total",
         "counter",
-        "Bytes copied from one tier into another (swap-ins, migrations and persists, promotions).",
+        "Bytes copied into a tier, by the tier they were read from: swap-ins, migrations and persists, promotions (a swap-in from NVMe that also promotes the page counts both nvme→host and nvme→device).",
         &moved,
     );
     family("kvtier_leases", "gauge", "Active leases.", &[(String::new(), s.leases)]);
@@ -262,11 +262,15 @@ pub(crate) fn render_latency(out: &mut String, l: &Latency, rpc: &RpcMetrics) {
     histogram(
         out,
         "kvtier_selection_duration_seconds",
-        "Selections with a swap-in (a decode step's layer), whole call in the store, by miss class: every chosen page already hot, some from host memory, some from NVMe.",
+        "Selections with a swap-in (a decode step's layer), whole call in the store, by miss class: every chosen page already hot, some from host memory, some from NVMe, or answered at its deadline before the swap-in finished.",
         &[
             ("miss_class=\"hot\"".to_owned(), l.selection_hot.snapshot()),
             ("miss_class=\"host\"".to_owned(), l.selection_from_host.snapshot()),
             ("miss_class=\"nvme\"".to_owned(), l.selection_from_nvme.snapshot()),
+            (
+                "miss_class=\"deadline\"".to_owned(),
+                l.selection_past_deadline.snapshot(),
+            ),
         ],
     );
     histogram(

@@ -36,7 +36,12 @@ impl RpcMetrics {
     }
 
     fn record(&self, method: usize, code: usize, start: Instant) {
-        self.calls[method][code.min(CODES - 1)].observe(start.elapsed());
+        let code = if code < CODES {
+            code
+        } else {
+            tonic::Code::Unknown as usize
+        };
+        self.calls[method][code].observe(start.elapsed());
     }
 
     /// Every (method, code, histogram) that has seen a call.
@@ -93,28 +98,32 @@ where
         let metrics = Arc::clone(&self.metrics);
         let call = self.inner.call(request);
         Box::pin(async move {
-            let response = call.await?;
-            // A call that failed before any message answers with its status
-            // in the headers (a trailers-only response).
-            if let Some(code) = status_code(response.headers()) {
-                metrics.record(method, code, start);
-                return Ok(response);
-            }
-            let (parts, body) = response.into_parts();
-            let body = TimedBody {
-                inner: body,
+            // Until the response exists, the call is this future: dropped
+            // (the client cancelled, its deadline passed), it is CANCELLED.
+            let mut pending = TimedBody {
+                inner: Body::empty(),
                 metrics,
                 method,
                 start,
                 done: false,
             };
-            Ok(http::Response::from_parts(parts, Body::new(body)))
+            let response = call.await?;
+            // A call that failed before any message answers with its status
+            // in the headers (a trailers-only response).
+            if let Some(code) = status_code(response.headers()) {
+                pending.finish(code);
+                return Ok(response);
+            }
+            let (parts, body) = response.into_parts();
+            pending.inner = body;
+            Ok(http::Response::from_parts(parts, Body::new(pending)))
         })
     }
 }
 
-/// A response body that records its call when its trailers pass, or, if it
-/// is dropped before them (the client went away), as CANCELLED.
+/// A call being timed: recorded when its response's trailers pass, or, if
+/// it is dropped before them (the client went away, its deadline passed,
+/// before or during the response), as CANCELLED.
 struct TimedBody {
     inner: Body,
     metrics: Arc<RpcMetrics>,
@@ -140,8 +149,8 @@ impl HttpBody for TimedBody {
         let frame = ready!(Pin::new(&mut self.inner).poll_frame(cx));
         match &frame {
             Some(Ok(f)) => {
-                if let Some(code) = f.trailers_ref().and_then(status_code) {
-                    self.finish(code);
+                if let Some(trailers) = f.trailers_ref() {
+                    self.finish(status_code(trailers).unwrap_or(tonic::Code::Unknown as usize));
                 }
             }
             Some(Err(_)) => self.finish(tonic::Code::Internal as usize),

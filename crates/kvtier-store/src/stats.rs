@@ -50,6 +50,8 @@ pub struct Latency {
     pub selection_hot: Histogram,
     pub selection_from_host: Histogram,
     pub selection_from_nvme: Histogram,
+    /// ... and those answered at their deadline, before the swap-in finished.
+    pub selection_past_deadline: Histogram,
 }
 
 fn tier_index(tier: TierKind) -> usize {

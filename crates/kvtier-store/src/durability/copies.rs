@@ -137,18 +137,14 @@ impl Durable {
         if !written.is_empty() {
             self.counters.latency.nvme_write.observe(writing.elapsed());
         }
-        let mut installed = 0;
         for (job, (slot, buf)) in pending.iter().zip(written) {
             if self.install(job, slot, &buf, keep, reason) {
-                installed += 1;
+                moved += 1;
                 self.counters
                     .moved(TierKind::Host, TierKind::Nvme, job.page.layout.page_bytes() as u64);
             }
         }
-        if reason == Reason::CapacityPressure {
-            Counters::add(&self.counters.pages_migrated, installed as u64);
-        }
-        Ok(moved + installed)
+        Ok(moved)
     }
 
     /// Installs a written copy, unless the page changed meanwhile (then the
@@ -174,13 +170,21 @@ impl Durable {
         });
         let superseded = place.durable_prefix.take().map(|c| c.slot);
         self.journal_retiring(vec![record], superseded.into_iter().collect());
-        if keep == Keep::Nothing && !page.pinned() {
-            place.host = None;
+        if keep == Keep::Nothing && !page.pinned() && place.host.take().is_some() {
+            self.host_copy_dropped(reason);
         }
         let to = place.state();
         drop(place);
         self.counters.counted(from, to, reason);
         true
+    }
+
+    /// A page's host copy went because its NVMe copy is current: a
+    /// migration when the host cache needed the room.
+    fn host_copy_dropped(&self, reason: Reason) {
+        if reason == Reason::CapacityPressure {
+            Counters::add(&self.counters.pages_migrated, 1);
+        }
     }
 
     /// A page whose NVMe copy is current: drops its host copy unless asked
@@ -195,6 +199,7 @@ impl Durable {
             place.host = None;
             let to = place.state();
             drop(place);
+            self.host_copy_dropped(reason);
             self.counters.counted(from, to, reason);
         }
         true

@@ -207,7 +207,14 @@ impl Store {
         selection.timing.store_us = micros(elapsed);
         if swap_in {
             let latency = &self.counters.latency;
+            let past_deadline = selection
+                .heads
+                .iter()
+                .flat_map(|h| &h.pages)
+                .any(|p| p.miss == Some(Miss::Deadline));
             let class = match &selection.swap {
+                // Answered before its swap-in finished: the report is empty.
+                _ if past_deadline => &latency.selection_past_deadline,
                 s if s.from_nvme > 0 => &latency.selection_from_nvme,
                 s if s.from_host > 0 => &latency.selection_from_host,
                 _ => &latency.selection_hot,

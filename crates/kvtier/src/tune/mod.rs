@@ -100,11 +100,14 @@ fn replay(header: &TraceHeader, entries: &mut [TraceEntry], page_bytes: u64) -> 
                 r.read((seq, e.layer, head as u32, page));
             }
         }
-        // The step's append to this layer: a new page on a page boundary,
-        // else a write into the partial last page.
+        // The step's append to this layer opens a new page on a page
+        // boundary (placed like any write); a write into the partial last
+        // page neither admits nor refreshes it.
         let position = context + e.step as u64;
-        for head in 0..kv_heads {
-            r.write((seq, e.layer, head, (position / page_size) as u32));
+        if position % page_size == 0 {
+            for head in 0..kv_heads {
+                r.write((seq, e.layer, head, (position / page_size) as u32));
+            }
         }
     }
     Ok((r.device.curve(), r.host.curve()))
