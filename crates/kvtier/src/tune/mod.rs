@@ -104,7 +104,7 @@ fn replay(header: &TraceHeader, entries: &mut [TraceEntry], page_bytes: u64) -> 
         // boundary (placed like any write); a write into the partial last
         // page neither admits nor refreshes it.
         let position = context + e.step as u64;
-        if position % page_size == 0 {
+        if position.is_multiple_of(page_size) {
             for head in 0..kv_heads {
                 r.write((seq, e.layer, head, (position / page_size) as u32));
             }
