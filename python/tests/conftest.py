@@ -4,6 +4,7 @@ shm socket; stopped (SIGTERM) when the module is done."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -72,6 +73,8 @@ def start(data_dir: Path, *extra: str, scheme: str = "http", host: str = "127.0.
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+    # Even if pytest exits without running teardown (a BaseException).
+    atexit.register(lambda: process.poll() is None and process.kill())
     address = f"{scheme}://{host}:{port}"
     deadline = time.monotonic() + 30
     while True:
