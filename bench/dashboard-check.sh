@@ -33,11 +33,21 @@ for url in ("http://127.0.0.1:9490/-/ready", "http://127.0.0.1:9471/metrics"):
             time.sleep(0.1)
     else:
         raise SystemExit(f"{url} never answered")
+# Prometheus has scraped kvtier before the workload starts, so every rate
+# has a sample from before it.
+import json
+for _ in range(300):
+    q = urllib.request.urlopen("http://127.0.0.1:9490/api/v1/query?query=up", timeout=1)
+    if any(r["value"][1] == "1" for r in json.load(q)["data"]["result"]):
+        break
+    time.sleep(0.1)
+else:
+    raise SystemExit("Prometheus never scraped kvtier")
 EOF
 
 # smollm2-135m at 4096 tokens: a 94 MB working set over a 16 MiB device and
 # a 48 MiB host tier, so steps miss to host and NVMe.
-command="$kvtier bench decode --addr http://127.0.0.1:50071 --context 4096 --steps 96 --prefetch-pages 4"
+command="$kvtier bench decode --addr http://127.0.0.1:50071 --context 4096 --steps 384 --prefetch-pages 4"
 $command --out "$work/bench" > "$work/bench.txt"
 sleep 3
 
