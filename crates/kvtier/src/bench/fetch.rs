@@ -27,6 +27,23 @@ pub(crate) struct TraceEntry {
     pub(crate) step: usize,
     pub(crate) layer: u32,
     pub(crate) pages: Vec<Vec<u32>>,
+    /// What the layer's selection and append cost when recorded (what
+    /// `kvtier tune` fits its latency model to); absent in older traces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) timing: Option<LayerTiming>,
+}
+
+/// One layer of one decode step as the bench measured it.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub(crate) struct LayerTiming {
+    /// The layer's SelectPages and AppendTokens calls, as the client saw them.
+    pub(crate) us: u64,
+    /// Pages its swap-in brought from host memory and from NVMe, and the
+    /// server's time for each.
+    pub(crate) from_host: u32,
+    pub(crate) from_nvme: u32,
+    pub(crate) host_us: u64,
+    pub(crate) nvme_us: u64,
 }
 
 /// The shape a trace was recorded with (its first line).

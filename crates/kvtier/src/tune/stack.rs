@@ -63,21 +63,26 @@ impl<K: Hash + Eq> StackDistances<K> {
 
     /// One access of `item` (`bytes` large). `counted`: whether it is one
     /// whose hit or miss the curve reports (a read), or only one that
-    /// places the item in the cache (a write).
-    pub(crate) fn access(&mut self, item: K, bytes: u64, counted: bool) {
+    /// places the item in the cache (a write). Returns the smallest cache
+    /// in which it hits (`None`: a first access, a miss at every size).
+    pub(crate) fn access(&mut self, item: K, bytes: u64, counted: bool) -> Option<u64> {
         let t = self.now;
         self.now += 1;
+        debug_assert!(t + 1 < self.tree.0.len(), "more accesses than the stream was sized for");
         let previous = self.last.insert(item, t);
-        if let Some(p) = previous {
+        let need = previous.map(|p| {
             let between = self.tree.prefix(t) - self.tree.prefix(p + 1);
             self.tree.add(p, -(bytes as i64));
-            if counted {
-                self.needs.push(between as u64 + bytes);
+            between as u64 + bytes
+        });
+        if counted {
+            match need {
+                Some(need) => self.needs.push(need),
+                None => self.cold += 1,
             }
-        } else if counted {
-            self.cold += 1;
         }
         self.tree.add(t, bytes as i64);
+        need
     }
 
     /// The miss-ratio curve: for each cache size, the share of counted

@@ -170,6 +170,9 @@ struct Report {
     /// Pages selections asked to make hot that were not on the device, over
     /// all steps: what `kvtier tune` predicts.
     device_miss_ratio: f64,
+    /// Step latency over all steps, whatever their class (µs).
+    step_p50_us: u64,
+    step_p99_us: u64,
 }
 
 fn breakdown<'a>(steps: impl Iterator<Item = &'a run::Step>) -> Breakdown {
@@ -255,8 +258,18 @@ fn report(cfg: RunConfig, m: &Measured) -> Report {
         read_fraction: m.read_fraction,
         device_miss_ratio: m.steps.iter().map(|s| s.missed).sum::<u64>() as f64
             / m.steps.iter().map(|s| s.chosen).sum::<u64>().max(1) as f64,
+        step_p50_us: quantile_us(&m.steps, 0.5),
+        step_p99_us: quantile_us(&m.steps, 0.99),
         config: cfg,
     }
+}
+
+/// The `q` quantile of the steps' latency (nearest rank).
+fn quantile_us(steps: &[run::Step], q: f64) -> u64 {
+    let mut us: Vec<u64> = steps.iter().map(|s| s.latency_us).collect();
+    us.sort_unstable();
+    let rank = ((q * us.len() as f64).ceil() as usize).clamp(1, us.len().max(1));
+    us.get(rank - 1).copied().unwrap_or(0)
 }
 
 fn print_table(r: &Report) {

@@ -14,7 +14,7 @@ use kvtier_store::{EngineChoice, NvmeConfig, Store, StoreConfig};
 use serde::Serialize;
 
 use super::workload::{Queries, SequenceData, Shape};
-use crate::bench::fetch::TraceEntry;
+use crate::bench::fetch::{LayerTiming, TraceEntry};
 
 /// Everything one run needs.
 #[derive(Debug, Clone, Serialize)]
@@ -317,7 +317,8 @@ async fn decode(
                 .select_pages(&seq, &req)
                 .await
                 .with_context(|| format!("step {step} layer {layer}"))?;
-            m.select_us += t.elapsed().as_micros() as u64;
+            let selected = t.elapsed();
+            m.select_us += selected.as_micros() as u64;
             m.store_us += sel.timing.store_us;
             m.rank_us += sel.timing.rank_us;
             m.swap_host_us += sel.swap.host_us;
@@ -333,18 +334,6 @@ async fn decode(
             } else {
                 Class::Hot
             });
-            if cfg.record_trace {
-                trace.push(TraceEntry {
-                    sequence: index,
-                    step,
-                    layer,
-                    pages: sel
-                        .heads
-                        .iter()
-                        .map(|h| h.pages.iter().map(|p| p.page).collect())
-                        .collect(),
-                });
-            }
             let got: u64 = sel.pages.iter().map(|p| p.kv.len() as u64 + p.shm_bytes).sum();
             m.bytes += got;
             let resident = (position.div_ceil(s.page_size as usize) * s.page_bytes() * s.kv_heads as usize) as f64;
@@ -363,6 +352,25 @@ async fn decode(
                 .with_context(|| format!("append at step {step} layer {layer}"))?;
             m.append_us += t.elapsed().as_micros() as u64;
             m.append.add(&appended.timing.unwrap_or_default());
+            if cfg.record_trace {
+                trace.push(TraceEntry {
+                    sequence: index,
+                    step,
+                    layer,
+                    pages: sel
+                        .heads
+                        .iter()
+                        .map(|h| h.pages.iter().map(|p| p.page).collect())
+                        .collect(),
+                    timing: Some(LayerTiming {
+                        us: selected.as_micros() as u64 + t.elapsed().as_micros() as u64,
+                        from_host: sel.swap.from_host,
+                        from_nvme: sel.swap.from_nvme,
+                        host_us: sel.swap.host_us,
+                        nvme_us: sel.swap.nvme_us,
+                    }),
+                });
+            }
         }
         data.advance();
         let done = Instant::now();
