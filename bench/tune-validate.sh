@@ -39,7 +39,7 @@ EOF
 
 commands=()
 validate synthetic 0.1,0.2,0.3,0.5 25 --steps 128 --drift 0.1
-validate realkv 0.25,0.4,0.5,0.7 20 --queries "realkv:$realkv" --context 1536 --steps 256
+validate realkv 0.25,0.4,0.5,0.7 18 --queries "realkv:$realkv" --context 1536 --steps 256
 
 {
   echo "# \`kvtier tune\`: predicted against measured device-tier miss ratios"

@@ -390,9 +390,11 @@ fn plot(r: &Report, out: &std::path::Path) -> anyhow::Result<()> {
         dots: false,
     }];
     if let (Some(target), Some(b)) = (latency.target_p99_ms, latency.device_bytes_for_p99) {
+        // A size below the plotted ones (no device needed) sits at the left edge.
+        let x = mib(b).max(r.curve.first().map_or(0.0, |p| mib(p.bytes)));
         series.push(Series {
             name: format!("≤ {target} ms: {:.1} MiB", mib(b)),
-            points: vec![(mib(b), 0.0), (mib(b), target)],
+            points: vec![(x, 0.0), (x, target)],
             dots: false,
         });
     }
