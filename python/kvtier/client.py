@@ -520,6 +520,27 @@ class _Api:
 
         return self._run(steps())
 
+    def start_access_trace(self, *, sample_rate: float = 0.0, max_bytes: int = 0) -> Dict[str, Any]:
+        """Starts recording page accesses on the server, the input of
+        ``kvtier tune``: ``sample_rate`` of the pages (0: all), up to
+        ``max_bytes`` (0: the server's default). Returns the status, whose
+        ``path`` names the file on the server. Needs an admin token on a
+        server that checks tokens."""
+
+        def steps() -> Steps[Dict[str, Any]]:
+            request = {"record": True, "sample_rate": sample_rate, "max_bytes": max_bytes}
+            return (yield _Rpc("SetAccessTrace", request))
+
+        return self._run(steps())
+
+    def stop_access_trace(self) -> Dict[str, Any]:
+        """Stops the server's recording; returns its final status."""
+
+        def steps() -> Steps[Dict[str, Any]]:
+            return (yield _Rpc("SetAccessTrace", {}))
+
+        return self._run(steps())
+
     def call(self, method: str, request: Any) -> Any:
         """Any RPC by name with a request dict (fields as in the proto);
         returns the reply as a dict (a list of dicts for a stream)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -56,6 +57,27 @@ def test_prefix_sharing_states_policies_attention_stats_and_drop(client):
     client.drop("a")
     client.drop("b")
     assert client.stats()["sequences"] == 0
+
+
+def test_an_access_recording_lists_the_pages_fetched(client):
+    started = client.start_access_trace(sample_rate=1.0)
+    assert started["recording"] and started["path"].endswith(".trace")
+    with pytest.raises(errors.FailedPrecondition):
+        client.start_access_trace()
+    client.create("traced", LAYOUT)
+    client.put("traced", 0, kv(8), kv(8))
+    client.fetch("traced", 0, pages=[1])
+    client.drop("traced")
+    stopped = client.stop_access_trace()
+    assert not stopped["recording"] and stopped["records"] >= 3 and stopped["path"] == started["path"]
+    with open(stopped["path"]) as f:
+        lines = [json.loads(line) for line in f]
+    assert lines[0]["kvtier_trace"] == 2 and lines[0]["source"] == "server"
+    reads = [line for line in lines if line.get("op") == "read"]
+    assert [h["pages"] for h in reads[0]["heads"]] == [[1], [1]]
+    with pytest.raises(errors.InvalidArgument) as e:
+        client.start_access_trace(sample_rate=2.0)
+    assert e.value.field == "sample_rate"
 
 
 def test_refusals_raise_typed_exceptions_naming_the_field_and_change_nothing(client):

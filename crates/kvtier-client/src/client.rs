@@ -467,6 +467,24 @@ impl Client {
         });
         Ok(self.inner.get_stats(req).await?.into_inner())
     }
+
+    /// Starts recording page accesses on the server (for `kvtier tune`):
+    /// `sample_rate` of the pages (0: all), up to `max_bytes` (0: the
+    /// server's default). The status names the file.
+    pub async fn start_access_trace(&mut self, sample_rate: f64, max_bytes: u64) -> Result<pb::AccessTraceStatus> {
+        let req = self.request(pb::SetAccessTraceRequest {
+            record: true,
+            sample_rate,
+            max_bytes,
+        });
+        Ok(self.inner.set_access_trace(req).await?.into_inner())
+    }
+
+    /// Stops the server's recording; its final status.
+    pub async fn stop_access_trace(&mut self) -> Result<pb::AccessTraceStatus> {
+        let req = self.request(pb::SetAccessTraceRequest::default());
+        Ok(self.inner.set_access_trace(req).await?.into_inner())
+    }
 }
 
 /// What to select: one layer, a range of KV heads, their query heads'

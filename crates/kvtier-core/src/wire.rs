@@ -36,6 +36,7 @@ const POLICY: &str = "ApplyPolicyRequest";
 const REPORT: &str = "ReportAttentionRequest";
 const RELEASE: &str = "ReleaseLeaseRequest";
 const STATS: &str = "GetStatsRequest";
+const TRACE: &str = "SetAccessTraceRequest";
 
 const KEYED: &[&str] = &[CREATE, GET, DROP, PUT, APPEND, FETCH, SELECT, SET_STATE, POLICY, REPORT];
 const TENANTED: &[&str] = &[
@@ -113,6 +114,9 @@ fields! {
     TOKEN_WEIGHTS = "token_weights" in &[REPORT];
     PAGE_WEIGHTS = "page_weights" in &[REPORT];
     DECAY = "decay" in &[REPORT];
+    RECORD = "record" in &[TRACE];
+    SAMPLE_RATE = "sample_rate" in &[TRACE];
+    MAX_BYTES = "max_bytes" in &[TRACE];
 }
 
 /// `per_head_pages[head].pages[index]`.

@@ -8,7 +8,7 @@ pub mod v1 {
 
     /// The `KvTier` service's methods, in the proto's order (checked
     /// against the descriptor by a test in `kvtier-server`).
-    pub const METHODS: [&str; 13] = [
+    pub const METHODS: [&str; 14] = [
         "CreateSequence",
         "GetSequence",
         "DropSequence",
@@ -22,6 +22,7 @@ pub mod v1 {
         "ApplyPolicy",
         "ReportAttention",
         "GetStats",
+        "SetAccessTrace",
     ];
 }
 

@@ -109,6 +109,17 @@ impl Caller {
         }
     }
 
+    /// Refuses a server-wide call (`method`) to a tenant's token.
+    pub(crate) fn check_admin(&self, method: &str) -> Result<(), Status> {
+        match self {
+            Caller::Anyone | Caller::Admin => Ok(()),
+            Caller::Tenant(t) => Err(denied(
+                "authorization",
+                format!("{method} is server-wide; the token is for tenant {:?} only", t.as_str()),
+            )),
+        }
+    }
+
     /// The tenant whose statistics a `GetStats` without a tenant shows:
     /// none (the whole server) unless the caller is one tenant.
     pub(crate) fn own_tenant(&self) -> Option<&TenantId> {

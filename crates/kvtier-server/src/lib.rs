@@ -1,6 +1,7 @@
 //! The kvtier gRPC server: `kvtier.v1.KvTier`, `grpc.health.v1.Health`,
 //! server reflection, and Prometheus metrics over HTTP.
 
+mod access_trace;
 mod auth;
 mod blocking;
 mod chunk;
@@ -55,6 +56,11 @@ pub struct ServerConfig {
     /// The Unix socket where local clients register shared-memory regions
     /// for the shm data plane; `None`: no shm data plane.
     pub shm_socket: Option<PathBuf>,
+    /// Where recordings that `SetAccessTrace` starts go; `None`: the RPC
+    /// cannot start one.
+    pub access_trace_dir: Option<PathBuf>,
+    /// A recording's size bound when the request gives none.
+    pub access_trace_max_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,6 +81,8 @@ impl Default for ServerConfig {
             tls: None,
             insecure: false,
             shm_socket: None,
+            access_trace_dir: None,
+            access_trace_max_bytes: 1 << 30,
         }
     }
 }
@@ -227,7 +235,11 @@ impl BoundServer {
             let stop = stopped(stop_rx.clone());
             tokio::spawn(shm::serve(listener, path.clone(), Arc::clone(&regions), auth, stop));
         }
-        let service = KvTierService::new(Arc::clone(&self.store), limit, Arc::clone(&in_flight), regions);
+        let traces = service::TraceSettings {
+            dir: self.config.access_trace_dir.clone(),
+            max_bytes: self.config.access_trace_max_bytes,
+        };
+        let service = KvTierService::new(Arc::clone(&self.store), limit, Arc::clone(&in_flight), regions, traces);
         let kvtier = KvTierServer::new(service)
             .max_decoding_message_size(limit)
             .max_encoding_message_size(limit);
@@ -282,6 +294,8 @@ impl BoundServer {
                 Err(e) => tracing::warn!(error = %e, "metrics task ended abnormally"),
             }
         }
+        // A recording still running is finished: everything queued written.
+        self.store.stop_access_trace();
         tracing::info!("kvtier.v1 stopped");
         Ok(())
     }

@@ -37,6 +37,14 @@ pub(crate) struct KvTierService {
     in_flight: Arc<InFlight>,
     /// Shared-memory regions for the shm data plane.
     regions: Arc<Regions>,
+    traces: Arc<TraceSettings>,
+}
+
+/// Where `SetAccessTrace` records, and its default size bound.
+#[derive(Debug, Clone)]
+pub(crate) struct TraceSettings {
+    pub(crate) dir: Option<std::path::PathBuf>,
+    pub(crate) max_bytes: u64,
 }
 
 /// The caller the gate resolved, and the message.
@@ -69,12 +77,14 @@ impl KvTierService {
         max_message_bytes: usize,
         in_flight: Arc<InFlight>,
         regions: Arc<Regions>,
+        traces: TraceSettings,
     ) -> Self {
         Self {
             store,
             max_message_bytes,
             in_flight,
             regions,
+            traces: Arc::new(traces),
         }
     }
 
@@ -496,5 +506,24 @@ impl KvTier for KvTierService {
             .call(move |s| Ok(tenant.map_or_else(|| s.stats(), |t| s.tenant_stats(&t))))
             .await?;
         Ok(Response::new(convert::stats_to_pb(&stats, shm)))
+    }
+
+    async fn set_access_trace(
+        &self,
+        request: Request<pb::SetAccessTraceRequest>,
+    ) -> Result<Response<pb::AccessTraceStatus>, Status> {
+        let (caller, r) = open(request)?;
+        caller.check_admin("SetAccessTrace")?;
+        let status = match r.record {
+            true => {
+                let config = crate::access_trace::config(&r, &self.traces)?;
+                Some(self.call(move |s| s.start_access_trace(config)).await?)
+            }
+            false => {
+                crate::access_trace::check_stop(&r)?;
+                self.call(|s| Ok(s.stop_access_trace())).await?
+            }
+        };
+        Ok(Response::new(crate::access_trace::status_to_pb(status)))
     }
 }

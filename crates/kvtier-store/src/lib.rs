@@ -6,6 +6,7 @@
 //! comment maps each operation and each component to its file, and states
 //! the one lock order).
 
+mod access_trace;
 mod accounts;
 mod catalog;
 mod device;
@@ -22,6 +23,9 @@ mod stats;
 mod store;
 mod sync;
 
+pub use access_trace::{
+    Access, HeadPages, SwapTiming, TRACE_FORMAT, TraceConfig, TraceHeader, TraceRecord, TraceStatus, tier_letter,
+};
 pub use accounts::{Limits, OverLimit, Quota, Usage};
 pub use catalog::HeadRange;
 pub use device::SwapReport;

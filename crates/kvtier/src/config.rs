@@ -85,6 +85,22 @@ pub(crate) struct FileConfig {
     pub(crate) checkpoint_bytes: Option<ByteSize>,
     #[serde(default)]
     pub(crate) tiers: TierFileConfig,
+    #[serde(default)]
+    pub(crate) access_trace: AccessTraceFileConfig,
+}
+
+/// Page-access recording (`kvtier tune`'s input).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct AccessTraceFileConfig {
+    /// Record from startup into this file.
+    pub(crate) path: Option<PathBuf>,
+    /// The share of pages recorded, in (0, 1].
+    pub(crate) sample: Option<f64>,
+    /// The file stops growing here.
+    pub(crate) max_bytes: Option<ByteSize>,
+    /// Where recordings started over gRPC go (default `<data_dir>/traces`).
+    pub(crate) dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -5,6 +5,7 @@ mod bench;
 mod config;
 mod eval;
 mod serve;
+mod trace;
 mod tune;
 
 use clap::{Parser, Subcommand};

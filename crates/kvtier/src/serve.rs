@@ -9,7 +9,7 @@ use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use kvtier_cuda::{CudaDeviceTier, PinnedHostTier, SwapPath};
 use kvtier_server::{BoundServer, ServerConfig, TlsFiles};
-use kvtier_store::{DeviceCache, Durability, EngineChoice, NvmeConfig, Store, StoreConfig, Tier};
+use kvtier_store::{DeviceCache, Durability, EngineChoice, NvmeConfig, Store, StoreConfig, Tier, TraceConfig};
 
 use crate::config::{ByteSize, FileConfig, default_nvme_bytes, default_tier_bytes};
 
@@ -83,6 +83,17 @@ pub(crate) struct ServeArgs {
     /// regions for the shm data plane, or `off` [default: DATA_DIR/shm.sock].
     #[arg(long, value_name = "PATH")]
     shm_socket: Option<String>,
+    /// Record page accesses from startup into this file, the input of
+    /// `kvtier tune` (recordings can also be started over gRPC).
+    #[arg(long, value_name = "FILE")]
+    access_trace: Option<PathBuf>,
+    /// The share of pages an access recording keeps, sampled by page hash
+    /// [default: 1].
+    #[arg(long, value_name = "SHARE")]
+    access_trace_sample: Option<f64>,
+    /// An access recording stops growing at this size [default: 1GiB].
+    #[arg(long, value_name = "SIZE")]
+    access_trace_max_bytes: Option<ByteSize>,
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -156,6 +167,11 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         },
         insecure: args.insecure || file.insecure.unwrap_or(false),
         shm_socket: None,
+        access_trace_dir: None,
+        access_trace_max_bytes: args
+            .access_trace_max_bytes
+            .or(file.access_trace.max_bytes)
+            .map_or(defaults.access_trace_max_bytes, |b| b.0),
     };
     let defaults_store = StoreConfig::default();
     let store = StoreConfig {
@@ -200,6 +216,15 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         .or(file.data_dir)
         .unwrap_or_else(|| PathBuf::from("kvtier-data"));
     std::fs::create_dir_all(&data_dir).with_context(|| format!("creating data directory {}", data_dir.display()))?;
+    server.access_trace_dir = Some(file.access_trace.dir.clone().unwrap_or_else(|| data_dir.join("traces")));
+    let access_trace = args
+        .access_trace
+        .or(file.access_trace.path.clone())
+        .map(|path| TraceConfig {
+            path,
+            sample: args.access_trace_sample.or(file.access_trace.sample).unwrap_or(1.0),
+            max_bytes: server.access_trace_max_bytes,
+        });
     server.shm_socket = match args.shm_socket.or(file.shm_socket).as_deref() {
         Some("off") => None,
         Some(path) => Some(PathBuf::from(path)),
@@ -250,6 +275,12 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     runtime.block_on(async move {
         let (device, host) = gpu_tiers(&store, swap_path);
         let store = Store::new_with(store, device, host).context("creating the store")?;
+        if let Some(trace) = access_trace {
+            let path = trace.path.clone();
+            store
+                .start_access_trace(trace)
+                .with_context(|| format!("access_trace: recording into {}", path.display()))?;
+        }
         let bound = BoundServer::bind(store, server).await?;
         bound.serve(shutdown_signal()).await?;
         Ok(())

@@ -298,6 +298,16 @@ impl Corpus {
             });
         }
         add("GetStats", &|| pb::GetStatsRequest { tenant: None }.encode_to_vec());
+        for (record, sample_rate, max_bytes) in [(true, 0.5, 64 << 10), (true, 0.0, 0), (false, 0.0, 0)] {
+            add("SetAccessTrace", &|| {
+                pb::SetAccessTraceRequest {
+                    record,
+                    sample_rate,
+                    max_bytes,
+                }
+                .encode_to_vec()
+            });
+        }
         Self { valid }
     }
 

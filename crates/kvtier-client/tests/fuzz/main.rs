@@ -127,6 +127,8 @@ async fn no_request_crashes_hangs_or_leaks() {
         ServerConfig {
             max_message_bytes: 256 << 10,
             max_inflight_bytes: 1 << 20,
+            access_trace_dir: Some(dir.path().join("traces")),
+            access_trace_max_bytes: 1 << 20,
             ..ServerConfig::default()
         },
     )

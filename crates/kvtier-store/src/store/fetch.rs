@@ -2,10 +2,11 @@
 //! in chunks of bounded size.
 
 use std::ops::Range;
+use std::time::Instant;
 
 use kvtier_core::{LogicalPage, PageState, SequenceKey, wire};
 
-use super::Store;
+use super::{Store, micros};
 use crate::catalog::{HeadRange, Sequence};
 use crate::page::StoreLane;
 use crate::page_buf::PageBuf;
@@ -141,6 +142,7 @@ impl Store {
         chosen: &[(u32, usize, usize)],
         buf: &mut PageBuf<'_>,
     ) -> StoreResult<Vec<FetchedPage<Range<usize>>>> {
+        let start = Instant::now();
         let mut hot = Vec::new();
         let items: Vec<(&StoreLane, usize)> = chosen.iter().map(|&(_, l, p)| (&seq.lanes[l], p)).collect();
         let before = buf.used();
@@ -156,9 +158,14 @@ impl Store {
                 content,
                 digest: req.with_digests.then(|| seq.lanes[l].digests().entry(p).to_vec()),
             })
-            .collect();
+            .collect::<Vec<FetchedPage<Range<usize>>>>();
         self.device.touch(hot);
         Counters::add(&self.counters.bytes_read, (buf.used() - before) as u64);
+        if let Some(tracer) = self.tracer(seq) {
+            let lanes: Vec<(u32, usize)> = seq.lanes_of(req.layer, seq.check_heads(req.heads)?).collect();
+            let pages: Vec<_> = out.iter().map(|p| (p.kv_head, p.page, p.state)).collect();
+            tracer.fetch(seq, req.layer, &lanes, &pages, micros(start.elapsed()));
+        }
         Ok(out)
     }
 }

@@ -18,6 +18,7 @@
 //! | SelectPages, Prefetch, leases | `store/select.rs` |
 //! | SetPageState | `store/transition.rs` |
 //! | ApplyPolicy, ReportAttention | `store/policy.rs` |
+//! | SetAccessTrace, and each operation's trace record | `store/trace.rs` |
 //!
 //! # Lock order
 //!
@@ -58,6 +59,7 @@ mod fetch;
 mod policy;
 mod select;
 mod sequences;
+mod trace;
 mod transition;
 mod write;
 
@@ -74,6 +76,7 @@ pub use sequences::Created;
 pub use transition::{PageSelection, SetPageState, TransitionOutcome};
 pub use write::{AppendOutcome, AppendTiming, AppendTokens, PutOutcome, PutPages};
 
+use crate::access_trace::AccessTrace;
 use crate::accounts::{Accounts, Limits};
 use crate::catalog::Catalog;
 use crate::device::HotSet;
@@ -155,6 +158,8 @@ pub struct Store {
     /// The metadata budget, tenants' quotas and what each tenant holds.
     accounts: Arc<Accounts>,
     counters: Arc<Counters>,
+    /// Page accesses, recorded when asked (off by default).
+    trace: AccessTrace,
 }
 
 /// A locked manifest, its path and what it says to recover.
@@ -261,6 +266,7 @@ impl Store {
             accounts: Accounts::new(config.limits.clone()),
             counters,
             config,
+            trace: AccessTrace::default(),
         });
         if let Some((path, image)) = image {
             let recovered = store.durable.recover(image, &store.catalog, &store.accounts);

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use kvtier_core::{DIGEST_CHUNK_PAGES, Layout, LogicalPage, PageState, Reason, SequenceKey, TenantId, parallel, wire};
 
 use super::fetch::FetchedPage;
+use super::trace::tiers_of;
 use super::{Store, micros};
 use crate::catalog::{HeadRange, Sequence};
 use crate::device::SwapReport;
@@ -229,9 +230,12 @@ impl Store {
         req: SelectPages<'_>,
         buf: &mut PageBuf<'_>,
     ) -> StoreResult<Selection<Range<usize>>> {
+        let start = Instant::now();
         seq.check_layer(req.layer)?;
         let heads = seq.check_heads(req.heads)?;
         check_request(seq, &req)?;
+        // Traced: selections that touch pages' bytes.
+        let tracer = (req.swap_in || req.with_data).then(|| self.tracer(seq)).flatten();
         let mut out = Selection {
             heads: Vec::new(),
             data: Vec::new(),
@@ -260,6 +264,7 @@ impl Store {
         }
         out.timing.rank_us = micros(ranking.elapsed());
         let chosen: Vec<Arc<PhysPage>> = ranked.chosen.values().cloned().collect();
+        let tiers = tracer.as_ref().map(|_| tiers_of(&ranked.chosen));
         self.device.note_used(&chosen);
         let mut timed_out = false;
         if req.swap_in {
@@ -283,6 +288,10 @@ impl Store {
             let reading = Instant::now();
             out.data = self.read_selected(seq, &lanes, &ranked.chosen, &out.heads, buf)?;
             out.timing.read_us = micros(reading.elapsed());
+        }
+        if let (Some(tracer), Some(tiers)) = (tracer, tiers) {
+            let swap = req.swap_in.then_some(&out.swap);
+            tracer.selection(seq, req.layer, &lanes, &tiers, swap, micros(start.elapsed()));
         }
         Ok(out)
     }

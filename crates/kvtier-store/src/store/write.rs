@@ -174,6 +174,14 @@ struct NewPage {
     key: Option<ShareKey>,
 }
 
+/// An append, the position it wrote at and the (lane, page)s it opened.
+type Appended = (AppendOutcome, u64, Vec<(usize, usize)>);
+
+/// The (lane, page)s a write added.
+fn placed(published: &Published) -> Vec<(usize, usize)> {
+    published.mapped.iter().map(|&(lane, page, _)| (lane, page)).collect()
+}
+
 /// What publishing a batch added.
 #[derive(Default)]
 struct Published {
@@ -191,6 +199,7 @@ impl Store {
     }
 
     fn put_locked(&self, seq: &mut Sequence, req: PutPages<'_>) -> StoreResult<PutOutcome> {
+        let start = Instant::now();
         self.check_persist(req.persist)?;
         let batch = put_batch(seq, &req)?;
         let published = charged(seq, &batch, |seq| self.put_new(seq, &req, &batch))?;
@@ -200,6 +209,8 @@ impl Store {
         Counters::add(&self.counters.pages_written, published.written);
         Counters::add(&self.counters.pages_shared, published.shared);
         Counters::add(&self.counters.bytes_written, req.kv.len() as u64);
+        let step = u64::from(req.first_page) * u64::from(batch.layout.page_size());
+        self.trace_write(seq, req.layer, step, &placed(&published), start);
         Ok(PutOutcome {
             pages_written: published.written,
             pages_shared: published.shared,
@@ -234,10 +245,11 @@ impl Store {
         let start = Instant::now();
         let mut appended = self.catalog.write(key, |seq| {
             let locked = Instant::now();
-            let mut appended = self.append_locked(seq, req)?;
+            let (mut appended, step, opened) = self.append_locked(seq, req)?;
             let policy = Instant::now();
             self.run_auto_policy(seq, req.layer);
             appended.timing.policy_us = micros(policy.elapsed());
+            self.trace_write(seq, req.layer, step, &opened, start);
             appended.timing.lock_wait_us = micros(locked - start);
             Ok(appended)
         })?;
@@ -245,7 +257,8 @@ impl Store {
         Ok(appended)
     }
 
-    fn append_locked(&self, seq: &mut Sequence, req: AppendTokens<'_>) -> StoreResult<AppendOutcome> {
+    /// The append, the position it wrote at and the (lane, page)s it opened.
+    fn append_locked(&self, seq: &mut Sequence, req: AppendTokens<'_>) -> StoreResult<Appended> {
         self.check_persist(req.persist)?;
         let (batch, tokens, fill) = append_batch(seq, &req)?;
         let mut timing = AppendTiming::default();
@@ -259,12 +272,20 @@ impl Store {
             u64::from(req.num_tokens) * batch.lanes.len() as u64,
         );
         Counters::add(&self.counters.bytes_written, req.kv.len() as u64);
-        Ok(AppendOutcome {
+        let outcome = AppendOutcome {
             tokens: tokens + u64::from(req.num_tokens),
             pages_opened: published.written,
             durability,
             timing,
-        })
+        };
+        Ok((outcome, tokens, placed(&published)))
+    }
+
+    /// A write's trace record, if a recording runs: the pages it placed.
+    fn trace_write(&self, seq: &Sequence, layer: u32, step: u64, placed: &[(usize, usize)], start: Instant) {
+        if let Some(tracer) = self.tracer(seq) {
+            tracer.write(seq, layer, step, placed, micros(start.elapsed()));
+        }
     }
 
     /// Fills the partial pages, then reserves, copies and publishes the new

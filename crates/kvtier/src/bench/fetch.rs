@@ -4,7 +4,6 @@
 //! per page, fetched with MGET — same pages, same sizes, same order, in one
 //! run. Selection is kvtier's in both, so this compares the serving paths.
 
-use std::io::BufRead;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -15,57 +14,65 @@ use kvtier_server::{BoundServer, ServerConfig};
 use kvtier_store::{Store, StoreConfig};
 
 use super::decode::Shape;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
+
+use crate::trace::Trace;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
-/// One line of a decode trace: the pages a selection chose, per KV head.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct TraceEntry {
-    pub(crate) sequence: usize,
-    pub(crate) step: usize,
-    pub(crate) layer: u32,
-    pub(crate) pages: Vec<Vec<u32>>,
-    /// What the layer's selection and append cost when recorded (what
-    /// `kvtier tune` fits its latency model to); absent in older traces.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) timing: Option<LayerTiming>,
+/// One fetch of the replay: a read of the trace, its pages per KV head.
+#[derive(Debug, Clone)]
+struct FetchEntry {
+    sequence: usize,
+    layer: u32,
+    pages: Vec<Vec<u32>>,
 }
 
-/// One layer of one decode step as the bench measured it.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
-pub(crate) struct LayerTiming {
-    /// The layer's SelectPages and AppendTokens calls, as the client saw them.
-    pub(crate) us: u64,
-    /// Pages its swap-in brought from host memory and from NVMe, and the
-    /// server's time for each.
-    pub(crate) from_host: u32,
-    pub(crate) from_nvme: u32,
-    pub(crate) host_us: u64,
-    pub(crate) nvme_us: u64,
+/// What the replay loads before fetching: every page below the largest
+/// one read, in every lane of every sequence.
+#[derive(Debug, Clone, Copy)]
+struct Loaded {
+    sequences: usize,
+    pages_per_lane: u32,
 }
 
-/// The shape a trace was recorded with (its first line).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct TraceHeader {
-    /// Layers, KV heads, query heads, head dim.
-    pub(crate) shape: [u32; 4],
-    pub(crate) dtype: String,
-    pub(crate) page_size: u32,
-    /// Pages each (layer, KV head) held by the end of the run.
-    pub(crate) pages_per_lane: u32,
-    pub(crate) sequences: usize,
-    /// Tokens each sequence was prefilled with before its first step (the
-    /// writes `kvtier tune` replays with the selections); absent in traces
-    /// recorded before it was added.
-    #[serde(default)]
-    pub(crate) context: Option<u64>,
+/// The trace's reads as fetches; its sequences must share one shape.
+fn fetches(trace: &Trace) -> anyhow::Result<(Loaded, Shape, Vec<FetchEntry>)> {
+    let shape = trace.shapes[0].clone();
+    ensure!(
+        trace.shapes.iter().all(|s| s.layout() == shape.layout()),
+        "the trace's sequences have different shapes; bench fetch replays one"
+    );
+    let entries: Vec<FetchEntry> = trace
+        .events
+        .iter()
+        .filter(|e| !e.write)
+        .map(|e| {
+            let mut pages = vec![Vec::new(); shape.kv_heads as usize];
+            for h in &e.access.heads {
+                pages[h.head as usize].extend(&h.pages);
+            }
+            FetchEntry {
+                sequence: e.sequence,
+                layer: e.access.layer,
+                pages,
+            }
+        })
+        .collect();
+    let most = entries.iter().flat_map(|e| e.pages.iter().flatten()).max();
+    let loaded = Loaded {
+        sequences: trace.shapes.len(),
+        pages_per_lane: most.map_or(0, |&p| p + 1),
+    };
+    Ok((loaded, shape, entries))
 }
 
 #[derive(Debug, Args)]
 pub(crate) struct FetchBenchArgs {
-    /// A trace written by `kvtier bench decode --trace`.
+    /// An access trace: written by `kvtier bench decode --trace`, or
+    /// recorded by a server (`kvtier serve --access-trace`); its reads are
+    /// replayed as fetches.
     #[arg(long)]
     trace: PathBuf,
     /// A running kvtier server (http://host:port) instead of an in-process one.
@@ -138,31 +145,8 @@ fn side(latencies: &[u64], floor: &[u64], bytes: u64, seconds: f64) -> Side {
     }
 }
 
-pub(crate) fn read_trace(path: &PathBuf) -> anyhow::Result<(TraceHeader, Shape, Vec<TraceEntry>)> {
-    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut lines = std::io::BufReader::new(file).lines();
-    let header: TraceHeader = serde_json::from_str(&lines.next().context("an empty trace")??)?;
-    let shape = Shape::custom(header.shape, &header.dtype, header.page_size)?;
-    let entries = lines
-        .enumerate()
-        .map(|(i, l)| serde_json::from_str(&l?).with_context(|| format!("trace line {}", i + 2)))
-        .collect::<anyhow::Result<Vec<TraceEntry>>>()?;
-    ensure!(!entries.is_empty(), "the trace has no fetches");
-    for (i, e) in entries.iter().enumerate() {
-        ensure!(
-            e.sequence < header.sequences
-                && e.layer < shape.layers
-                && e.pages.len() == shape.kv_heads as usize
-                && e.pages.iter().flatten().all(|&p| p < header.pages_per_lane),
-            "trace line {}: outside the header's shape",
-            i + 2
-        );
-    }
-    Ok((header, shape, entries))
-}
-
 pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
-    let (header, shape, entries) = read_trace(&args.trace)?;
+    let (header, shape, entries) = fetches(&Trace::read(&args.trace)?)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     // The floor runs where the kvtier server does: in this process, or in
     // a process of its own.
@@ -251,11 +235,7 @@ const FLOOR_CALLS: usize = 2000;
 /// A kvtier server for the replay: the one at `addr`, or an in-process one
 /// holding every page in host memory, on a runtime of its own as
 /// `kvtier serve` would be (the replay's client runs on one thread).
-async fn kvtier_client(
-    addr: Option<&str>,
-    h: &TraceHeader,
-    shape: &Shape,
-) -> anyhow::Result<(Client, Option<InProcess>)> {
+async fn kvtier_client(addr: Option<&str>, h: &Loaded, shape: &Shape) -> anyhow::Result<(Client, Option<InProcess>)> {
     if let Some(addr) = addr {
         return Ok((Client::connect(addr.to_owned()).await?, None));
     }
@@ -319,9 +299,9 @@ struct InProcess {
 /// echo floor's latencies, measured alternately with kvtier's empty calls.
 async fn replay_kvtier(
     (addr, shm_socket): (Option<&str>, Option<&std::path::Path>),
-    h: &TraceHeader,
+    h: &Loaded,
     shape: &Shape,
-    entries: &[TraceEntry],
+    entries: &[FetchEntry],
     echo_server: &super::echo::EchoServerHandle,
 ) -> anyhow::Result<(Side, Option<Side>, Vec<u64>)> {
     let (mut client, in_process) = kvtier_client(addr, h, shape).await?;
@@ -400,8 +380,8 @@ async fn replay_kvtier(
 /// or into a region), seconds in all.
 async fn replay(
     client: &mut Client,
-    entries: &[TraceEntry],
-    request: impl Fn(&TraceEntry) -> pb::FetchPagesRequest,
+    entries: &[FetchEntry],
+    request: impl Fn(&FetchEntry) -> pb::FetchPagesRequest,
 ) -> anyhow::Result<(Vec<u64>, u64, f64)> {
     let mut latencies = Vec::with_capacity(entries.len());
     let mut bytes = 0u64;
@@ -481,7 +461,7 @@ fn redis_key(seq: usize, layer: u32, head: usize, page: u32) -> Vec<u8> {
 
 /// Runs `command` (SET with a value, or UNLINK) on every page of the trace's
 /// sequences, one pipelined batch per (sequence, layer, KV head).
-async fn every_page(redis: &mut Redis, h: &TraceHeader, shape: &Shape, command: &[&[u8]]) -> anyhow::Result<()> {
+async fn every_page(redis: &mut Redis, h: &Loaded, shape: &Shape, command: &[&[u8]]) -> anyhow::Result<()> {
     for s in 0..h.sequences {
         for layer in 0..shape.layers {
             for head in 0..shape.kv_heads as usize {
@@ -504,7 +484,7 @@ async fn every_page(redis: &mut Redis, h: &TraceHeader, shape: &Shape, command: 
 
 /// Loads every page as one value, then fetches each entry's pages with one
 /// MGET; deletes its keys at the end.
-async fn replay_redis(addr: &str, h: &TraceHeader, shape: &Shape, entries: &[TraceEntry]) -> anyhow::Result<Side> {
+async fn replay_redis(addr: &str, h: &Loaded, shape: &Shape, entries: &[FetchEntry]) -> anyhow::Result<Side> {
     let mut redis = Redis::connect(addr).await?;
     let value = vec![0u8; shape.page_bytes()];
     every_page(&mut redis, h, shape, &[b"SET", &value]).await?;

@@ -1,7 +1,7 @@
 //! `kvtier bench`: measurements whose results go under `bench/results/`.
 //! Compare ratios measured in the same run; these machines are noisy.
 
-mod decode;
+pub(crate) mod decode;
 mod echo;
 pub(crate) mod fetch;
 pub(crate) mod plot;

@@ -4,13 +4,15 @@
 //! pays its predicted misses at the per-page swap-in costs the recording
 //! measured (from host memory, from NVMe).
 
-/// One counted read: its step, and the smallest device and host sizes in
-/// which it hits (`None`: a first access).
+/// One counted read: its step, the smallest device and host sizes in
+/// which it hits (`None`: a first access), and the tier the recording
+/// served it from, when it says (`D`, `H`, `N`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Read {
     pub(crate) step: u32,
     pub(crate) device: Option<u64>,
     pub(crate) host: Option<u64>,
+    pub(crate) served: Option<char>,
 }
 
 #[derive(Debug)]
@@ -18,6 +20,8 @@ pub(crate) struct LatencyModel {
     /// Per step: the recorded time of its layers without their swap-ins (µs).
     pub(crate) base_us: Vec<f64>,
     pub(crate) reads: Vec<Read>,
+    /// How many reads each stands for (1/R of a trace sampled at rate R).
+    pub(crate) read_weight: f64,
     /// Swap-in cost per page by source (µs), as recorded or given.
     pub(crate) host_page_us: Option<f64>,
     pub(crate) nvme_page_us: Option<f64>,
@@ -29,18 +33,25 @@ impl LatencyModel {
     fn steps_us(&self, device: u64, host: u64) -> anyhow::Result<Vec<f64>> {
         let mut steps = self.base_us.clone();
         for r in &self.reads {
-            if r.device.is_some_and(|need| need <= device) {
-                continue;
-            }
-            let cost = if r.host.is_some_and(|need| need <= host) {
-                self.host_page_us.ok_or_else(|| {
-                    anyhow::anyhow!("the trace has no swap-in from host memory to time: pass --host-page-us")
-                })?
-            } else {
-                self.nvme_page_us
-                    .ok_or_else(|| anyhow::anyhow!("the trace has no swap-in from NVMe to time: pass --nvme-page-us"))?
+            let source = match (r.device, r.host) {
+                (Some(need), _) if need <= device => continue,
+                (_, Some(need)) if need <= host => 'H',
+                (_, Some(_)) => 'N',
+                // A first access (the recording began after the page was
+                // written) costs what it cost when recorded; without a
+                // record of that, a read from NVMe.
+                (_, None) => r.served.unwrap_or('N'),
             };
-            steps[r.step as usize] += cost;
+            let cost = match source {
+                'D' => continue,
+                'H' => self.host_page_us.ok_or_else(|| {
+                    anyhow::anyhow!("the trace has no swap-in from host memory to time: pass --host-page-us")
+                })?,
+                _ => self.nvme_page_us.ok_or_else(|| {
+                    anyhow::anyhow!("the trace has no swap-in from NVMe to time: pass --nvme-page-us")
+                })?,
+            };
+            steps[r.step as usize] += cost * self.read_weight;
         }
         Ok(steps)
     }
@@ -87,18 +98,22 @@ mod tests {
                     step: 0,
                     device: Some(10),
                     host: Some(10),
+                    served: None,
                 },
                 Read {
                     step: 1,
                     device: Some(50),
                     host: Some(50),
+                    served: None,
                 },
                 Read {
                     step: 1,
                     device: None,
                     host: None,
+                    served: None,
                 },
             ],
+            read_weight: 1.0,
             host_page_us: Some(5.0),
             nvme_page_us: Some(40.0),
         };
@@ -111,6 +126,16 @@ mod tests {
         assert_eq!(model.smallest_for_p99(145.0, 100, 1000).unwrap(), Some(0));
         assert_eq!(model.smallest_for_p99(140.0, 100, 1000).unwrap(), Some(50));
         assert_eq!(model.smallest_for_p99(139.0, 100, 1000).unwrap(), None);
+        // A first access recorded as served from host memory costs that.
+        let mut recorded = LatencyModel {
+            reads: model.reads.clone(),
+            ..model
+        };
+        recorded.reads[2].served = Some('H');
+        assert_eq!(recorded.steps_us(10, 100).unwrap(), vec![100.0, 110.0]);
+        recorded.reads[2].served = Some('D');
+        assert_eq!(recorded.steps_us(10, 100).unwrap(), vec![100.0, 105.0]);
+        let model = recorded;
         let untimed = LatencyModel {
             host_page_us: None,
             ..model

@@ -1,30 +1,38 @@
 //! `kvtier tune TRACE`: tier sizes from a workload's own accesses. The
-//! trace (`kvtier bench decode --trace`) lists every selection; with the
-//! prefill and the appends that the bench interleaves with them, it is the
-//! access stream the store's tiers see. Both tiers are LRU caches of that
-//! stream — the device an inclusive LRU over host memory that admits every
-//! written page and every page a selection swaps in, host memory an LRU of
-//! everything — so one pass of byte-weighted stack distances (`stack.rs`)
-//! gives each tier's exact miss ratio at every size. With the trace's
+//! trace — recorded by the server (`kvtier serve --access-trace`, or
+//! `SetAccessTrace`) or by `kvtier bench decode --trace` — lists every
+//! write and every read of pages in the order the store saw them. Both
+//! tiers are LRU caches of that stream — the device an inclusive LRU over
+//! host memory that admits every written page and every page a selection
+//! swaps in, host memory an LRU of everything — so one pass of
+//! byte-weighted stack distances (`stack.rs`) gives each tier's exact miss
+//! ratio at every size. Reads that make nothing hot (fetches, selections
+//! without a swap-in) count for host memory only. With the trace's
 //! timings, `latency.rs` predicts step latency at every size too.
+//!
+//! A trace too large to replay whole is sampled by page hash
+//! (`--sample`), on top of any sampling at recording: SHARDS-style, each
+//! kept page keeps all its accesses and distances are scaled by the rate.
 
 mod latency;
 mod stack;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{Context, ensure};
 use clap::Args;
 use serde::Serialize;
 
-use crate::bench::fetch::{TraceEntry, TraceHeader, read_trace};
 use crate::bench::plot::{Chart, Series};
+use crate::trace::{Event, Trace};
 use latency::{LatencyModel, Read};
 use stack::{MissCurve, StackDistances};
 
 #[derive(Debug, Args)]
 pub(crate) struct TuneArgs {
-    /// A trace written by `kvtier bench decode --trace FILE`.
+    /// An access trace: recorded by `kvtier serve --access-trace FILE` (or
+    /// the SetAccessTrace RPC), or written by `kvtier bench decode --trace FILE`.
     trace: PathBuf,
     /// The largest share of selected pages that may miss a tier.
     #[arg(long, default_value_t = 0.05)]
@@ -48,6 +56,10 @@ pub(crate) struct TuneArgs {
     /// Swap-in cost per page from NVMe, in µs (default: as recorded).
     #[arg(long)]
     nvme_page_us: Option<f64>,
+    /// Replay only this share of the pages (by page hash; distances are
+    /// scaled back), for traces too large to replay whole.
+    #[arg(long, default_value_t = 1.0)]
+    sample: f64,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -59,111 +71,135 @@ pub(crate) struct TuneArgs {
 /// One page of one (sequence, layer, KV head).
 type PageKey = (u32, u32, u32, u32);
 
+/// Whether a replay sampled at `rate` keeps `key` (all of its accesses or
+/// none). Seeded apart from the recorder's hash, so that both samplings
+/// compose to the product of their rates.
+fn keeps(key: PageKey, rate: f64) -> bool {
+    if rate >= 1.0 {
+        return true;
+    }
+    let (s, l, h, p) = key;
+    let mut x = (u64::from(s) << 40 ^ u64::from(l) << 24 ^ u64::from(h) << 16 ^ u64::from(p))
+        .wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (x ^ (x >> 31)) < (rate * 2f64.powi(64)) as u64
+}
+
 /// The access stream, replayed into each tier's stack distances.
 struct Replay {
     device: StackDistances<PageKey>,
     host: StackDistances<PageKey>,
-    page_bytes: u64,
     reads: Vec<Read>,
+    /// Bytes of the distinct pages seen (of the sample).
+    distinct_bytes: u64,
 }
 
 impl Replay {
     /// A write puts the page in both tiers; it is not a hit or a miss.
-    fn write(&mut self, key: PageKey) {
-        self.device.access(key, self.page_bytes, false);
-        self.host.access(key, self.page_bytes, false);
+    fn write(&mut self, key: PageKey, bytes: u64) {
+        if self.device.access(key, bytes, false).is_none() {
+            self.distinct_bytes += bytes;
+        }
+        self.host.access(key, bytes, false);
     }
 
-    /// A page a selection of step `step` chose: made hot, so on the device
-    /// afterwards.
-    fn read(&mut self, key: PageKey, step: u32) {
-        let device = self.device.access(key, self.page_bytes, true);
-        let host = self.host.access(key, self.page_bytes, true);
-        self.reads.push(Read { step, device, host });
+    /// A page a selection of step `step` made hot: on the device afterwards.
+    /// `served`: where the recording says it came from, if it says.
+    fn read_hot(&mut self, key: PageKey, bytes: u64, step: u32, served: Option<char>) {
+        let device = self.device.access(key, bytes, true);
+        if device.is_none() {
+            self.distinct_bytes += bytes;
+        }
+        let host = self.host.access(key, bytes, true);
+        self.reads.push(Read {
+            step,
+            device,
+            host,
+            served,
+        });
+    }
+
+    /// A page read where it is (a fetch): host memory sees it.
+    fn read_in_place(&mut self, key: PageKey, bytes: u64) {
+        if self.host.access(key, bytes, true).is_none() {
+            self.distinct_bytes += bytes;
+        }
     }
 }
 
-/// What a replay gives: each tier's curve, and the latency model.
+/// What a replay gives: each tier's curve, the latency model and the
+/// bytes of the distinct pages the trace touched.
 struct Replayed {
     device: MissCurve,
     host: MissCurve,
     latency: LatencyModel,
+    distinct_bytes: u64,
 }
 
-/// Replays the prefill, then each step's selections and appends, as
-/// `kvtier bench decode` made them.
-fn replay(header: &TraceHeader, entries: &mut [TraceEntry], page_bytes: u64) -> anyhow::Result<Replayed> {
-    let context = header
-        .context
-        .context("the trace has no `context` (recorded by an older kvtier); record it again")?;
-    let [layers, kv_heads, ..] = header.shape;
-    let page_size = u64::from(header.page_size);
-    let prefill_pages = context.div_ceil(page_size) as u32;
-    let selected: usize = entries
-        .iter()
-        .map(|e| e.pages.iter().map(Vec::len).sum::<usize>())
-        .sum();
-    let prefill = header.sequences * (layers * kv_heads) as usize * prefill_pages as usize;
-    let events = selected + prefill + entries.len() * kv_heads as usize;
-    let mut r = Replay {
-        device: StackDistances::new(events),
-        host: StackDistances::new(events),
-        page_bytes,
-        reads: Vec::with_capacity(selected),
+/// Replays the trace's writes and reads in the order recorded, the pages
+/// of `rate` (this replay's sampling; the recording's is in the header).
+fn replay(trace: &Trace, rate: f64) -> Replayed {
+    let scale = 1.0 / (trace.header.sample * rate);
+    // Each kept page, with the tier the recording served it from.
+    let pages_of = |e: &Event| -> Vec<(PageKey, Option<char>)> {
+        let (seq, layer) = (e.sequence as u32, e.access.layer);
+        e.access
+            .heads
+            .iter()
+            .flat_map(|h| {
+                let mut served = h.from.chars();
+                h.pages.iter().map(move |&p| ((seq, layer, h.head, p), served.next()))
+            })
+            .filter(|&(k, _)| keeps(k, rate))
+            .collect()
     };
-    for seq in 0..header.sequences as u32 {
-        for layer in 0..layers {
-            for head in 0..kv_heads {
-                for page in 0..prefill_pages {
-                    r.write((seq, layer, head, page));
-                }
-            }
-        }
-    }
-    // Sequences decode side by side: step by step, each sequence's layers.
-    entries.sort_by_key(|e| (e.step, e.sequence, e.layer));
+    let events: usize = trace.events.iter().map(|e| pages_of(e).len()).sum();
+    let mut r = Replay {
+        device: StackDistances::new(events, scale),
+        host: StackDistances::new(events, scale),
+        reads: Vec::new(),
+        distinct_bytes: 0,
+    };
+    // A decode step is a sequence's layers at one position, in order of
+    // first appearance.
+    let mut steps: HashMap<(usize, u64), u32> = HashMap::new();
     let mut base_us: Vec<f64> = Vec::new();
-    let mut step_of = None;
     let (mut host, mut nvme) = ((0u64, 0u64), (0u64, 0u64)); // (pages, µs)
-    for e in entries.iter() {
-        if step_of != Some((e.step, e.sequence)) {
-            step_of = Some((e.step, e.sequence));
+    let mut timed = true;
+    for e in &trace.events {
+        let a = &e.access;
+        let step = *steps.entry((e.sequence, a.step)).or_insert_with(|| {
             base_us.push(0.0);
-        }
-        let step = (base_us.len() - 1) as u32;
-        if let Some(t) = e.timing {
-            base_us[step as usize] += t.us.saturating_sub(t.host_us + t.nvme_us) as f64;
-            host = (host.0 + u64::from(t.from_host), host.1 + t.host_us);
-            nvme = (nvme.0 + u64::from(t.from_nvme), nvme.1 + t.nvme_us);
-        }
-        let seq = e.sequence as u32;
-        for (head, pages) in e.pages.iter().enumerate() {
-            for &page in pages {
-                r.read((seq, e.layer, head as u32, page), step);
-            }
-        }
-        // The step's append to this layer opens a new page on a page
-        // boundary (placed like any write); a write into the partial last
-        // page neither admits nor refreshes it.
-        let position = context + e.step as u64;
-        if position.is_multiple_of(page_size) {
-            for head in 0..kv_heads {
-                r.write((seq, e.layer, head, (position / page_size) as u32));
+            (base_us.len() - 1) as u32
+        });
+        let swap = a.swap.unwrap_or_default();
+        timed &= !a.hot || a.swap.is_some();
+        base_us[step as usize] += a.us.saturating_sub(swap.host_us + swap.nvme_us) as f64;
+        host = (host.0 + u64::from(swap.from_host), host.1 + swap.host_us);
+        nvme = (nvme.0 + u64::from(swap.from_nvme), nvme.1 + swap.nvme_us);
+        let bytes = trace.shapes[e.sequence].page_bytes() as u64;
+        for (key, served) in pages_of(e) {
+            match (e.write, a.hot) {
+                (true, _) => r.write(key, bytes),
+                (false, true) => r.read_hot(key, bytes, step, served),
+                (false, false) => r.read_in_place(key, bytes),
             }
         }
     }
     let per_page = |(pages, us): (u64, u64)| (pages > 0).then(|| us as f64 / pages as f64);
-    let timed = entries.iter().all(|e| e.timing.is_some());
-    Ok(Replayed {
+    Replayed {
         device: r.device.curve(),
         host: r.host.curve(),
         latency: LatencyModel {
             base_us: if timed { base_us } else { Vec::new() },
             reads: r.reads,
+            read_weight: scale,
             host_page_us: per_page(host),
             nvme_page_us: per_page(nvme),
         },
-    })
+        distinct_bytes: (r.distinct_bytes as f64 * scale) as u64,
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -192,6 +228,8 @@ struct LatencyReport {
 #[derive(Debug, Serialize)]
 struct Report {
     trace: PathBuf,
+    /// The share of pages replayed: the recording's sample times `--sample`.
+    sample: f64,
     /// As `kvtier bench decode` sizes tiers: every lane's pages, plus one.
     working_set_bytes: u64,
     selected_pages: u64,
@@ -211,22 +249,26 @@ pub(crate) fn run(args: TuneArgs) -> anyhow::Result<()> {
         (0.0..1.0).contains(&args.target_miss),
         "--target-miss: a share in [0, 1)"
     );
-    let (header, shape, mut entries) = read_trace(&args.trace)?;
-    let page_bytes = shape.page_bytes() as u64;
+    ensure!(args.sample > 0.0 && args.sample <= 1.0, "--sample: a share in (0, 1]");
+    let trace = Trace::read(&args.trace)?;
+    if let Some((reason, dropped)) = &trace.ended {
+        eprintln!("note: the recording stopped early ({reason}) and dropped {dropped} records");
+    }
     let Replayed {
         device,
         host,
         mut latency,
-    } = replay(&header, &mut entries, page_bytes)?;
+        distinct_bytes,
+    } = replay(&trace, args.sample);
     latency.host_page_us = args.host_page_us.or(latency.host_page_us);
     latency.nvme_page_us = args.nvme_page_us.or(latency.nvme_page_us);
     let timed = !latency.base_us.is_empty();
     ensure!(
         timed || args.target_p99_ms.is_none(),
-        "--target-p99-ms: the trace has no timings (recorded by an older kvtier); record it again"
+        "--target-p99-ms: the trace has swap-ins without timings; record it again"
     );
-    let lanes = u64::from(shape.layers * shape.kv_heads) * header.sequences as u64;
-    let working_set = lanes * (u64::from(header.pages_per_lane) + 1) * page_bytes;
+    // The bytes the recording sized its tiers by, or those it touched.
+    let working_set = trace.header.working_set_bytes.unwrap_or(distinct_bytes).max(1);
     let host_bytes = args.host_bytes.map_or(working_set, |b| b.0);
     let point = |fraction: f64| -> anyhow::Result<Point> {
         let bytes = (working_set as f64 * fraction) as u64;
@@ -264,6 +306,7 @@ pub(crate) fn run(args: TuneArgs) -> anyhow::Result<()> {
     };
     let report = Report {
         trace: args.trace.clone(),
+        sample: trace.header.sample * args.sample,
         working_set_bytes: working_set,
         selected_pages: device.accesses(),
         target_miss: args.target_miss,
@@ -410,4 +453,80 @@ fn plot(r: &Report, out: &std::path::Path) -> anyhow::Result<()> {
         series,
     }
     .write(out, "step-p99")
+}
+
+#[cfg(test)]
+mod tests {
+    use kvtier_store::{Access, HeadPages, TRACE_FORMAT, TraceHeader};
+
+    use super::*;
+    use crate::bench::decode::Shape;
+
+    /// A trace of `reads` swap-ins of one page each over `pages` pages of 4
+    /// KV heads, skewed towards low pages (about Zipf's law).
+    fn skewed_trace(pages: u32, reads: usize) -> Trace {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let events = (0..reads)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+                let page = ((f64::from(pages)).powf(u) - 1.0) as u32;
+                Event {
+                    sequence: 0,
+                    write: false,
+                    access: Access {
+                        t_us: i as u64,
+                        seq: 7,
+                        layer: 0,
+                        step: i as u64,
+                        heads: vec![HeadPages {
+                            head: (x % 4) as u32,
+                            pages: vec![page],
+                            from: String::new(),
+                        }],
+                        hot: true,
+                        us: 0,
+                        swap: None,
+                    },
+                }
+            })
+            .collect();
+        Trace {
+            header: TraceHeader {
+                kvtier_trace: TRACE_FORMAT,
+                source: "test".into(),
+                sample: 1.0,
+                working_set_bytes: None,
+            },
+            shapes: vec![Shape::custom([1, 4, 4, 64], "f16", 16).unwrap()],
+            events,
+            ended: None,
+        }
+    }
+
+    #[test]
+    fn a_sampled_replay_estimates_the_whole_streams_miss_ratios() {
+        let trace = skewed_trace(4000, 60_000);
+        let exact = replay(&trace, 1.0);
+        let sampled = replay(&trace, 0.2);
+        let ws = exact.distinct_bytes;
+        let estimate = sampled.distinct_bytes as f64 / ws as f64;
+        assert!(
+            (0.85..1.15).contains(&estimate),
+            "distinct bytes estimated at {estimate}×"
+        );
+        for share in [0.05, 0.1, 0.2, 0.4, 0.7] {
+            let bytes = (ws as f64 * share) as u64;
+            let (want, got) = (exact.device.miss_ratio(bytes), sampled.device.miss_ratio(bytes));
+            assert!(
+                (want - got).abs() < 0.03,
+                "at {share} of the pages: exact {want}, sampled {got}"
+            );
+        }
+        // Sampling keeps whole pages: about a fifth of the accesses.
+        let kept = sampled.device.accesses() as f64 / exact.device.accesses() as f64;
+        assert!((0.15..0.25).contains(&kept), "kept {kept} of the accesses");
+    }
 }

@@ -7,6 +7,10 @@
 //! The distinct bytes between two accesses are a range sum over a Fenwick
 //! tree indexed by access time, in which each item's size sits at its most
 //! recent access: O(log n) per access.
+//!
+//! Of a stream sampled by item hash at rate R (SHARDS, Waldspurger et al.,
+//! FAST '15), the distinct bytes between two accesses of a kept item are
+//! about R times the full stream's: `scale` = 1/R scales them back.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -47,17 +51,22 @@ pub(crate) struct StackDistances<K> {
     needs: Vec<u64>,
     /// Counted first accesses: misses at every size.
     cold: u64,
+    /// What the distinct bytes seen between accesses stand for (1/R of a
+    /// stream sampled at rate R).
+    scale: f64,
 }
 
 impl<K: Hash + Eq> StackDistances<K> {
-    /// For a stream of at most `accesses` accesses.
-    pub(crate) fn new(accesses: usize) -> Self {
+    /// For a stream of at most `accesses` accesses, sampled at rate
+    /// 1/`scale` (1: the whole stream).
+    pub(crate) fn new(accesses: usize, scale: f64) -> Self {
         Self {
             last: HashMap::new(),
             tree: Fenwick(vec![0; accesses + 1]),
             now: 0,
             needs: Vec::new(),
             cold: 0,
+            scale,
         }
     }
 
@@ -73,7 +82,7 @@ impl<K: Hash + Eq> StackDistances<K> {
         let need = previous.map(|p| {
             let between = self.tree.prefix(t) - self.tree.prefix(p + 1);
             self.tree.add(p, -(bytes as i64));
-            between as u64 + bytes
+            (between as f64 * self.scale).round() as u64 + bytes
         });
         if counted {
             match need {
@@ -169,7 +178,7 @@ mod tests {
         ) {
             // An item keeps one size, as a page does.
             let stream: Vec<(u8, u64, bool)> = stream.iter().map(|&(i, _, c)| (i, u64::from(i % 4) + 1, c)).collect();
-            let mut d = StackDistances::new(stream.len());
+            let mut d = StackDistances::new(stream.len(), 1.0);
             for &(item, bytes, counted) in &stream {
                 d.access(item, bytes, counted);
             }

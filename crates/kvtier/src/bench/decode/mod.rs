@@ -15,8 +15,8 @@ use clap::Args;
 use kvtier_client::pb;
 use serde::Serialize;
 
-use super::fetch::TraceHeader;
 use super::plot::{Chart, Series};
+use kvtier_store::{Access, HeadPages, TRACE_FORMAT, TraceHeader, TraceRecord};
 use run::DataPlane;
 pub(crate) use run::histogram;
 use run::{Class, Measured, RunConfig};
@@ -444,6 +444,15 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         ];
         Shape::custom(parts, a.dtype.as_deref().unwrap_or("bf16"), a.page_size).context("--dtype")?
     } else {
+        let custom = [a.layers, a.kv_heads, a.query_heads, a.head_dim]
+            .iter()
+            .any(Option::is_some);
+        ensure!(
+            !custom && a.dtype.is_none(),
+            "--layers, --kv-heads, --query-heads, --head-dim and --dtype shape a model with --preset custom; \
+             --preset {} has its own shape",
+            a.preset
+        );
         Shape::preset(&a.preset, a.page_size)?
     };
     ensure!(
@@ -494,24 +503,69 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
     })
 }
 
-/// The trace file: its header (the shape and how many pages a lane will
-/// hold), then one line per selection.
+/// The trace file, in the format the server records (`kvtier_store::TraceRecord`):
+/// the header (sized against the working set as this run sized its tiers),
+/// each sequence's shape and prefill, then every selection and append in
+/// the order they finished.
 fn write_trace(path: &std::path::Path, cfg: &RunConfig, m: &Measured) -> anyhow::Result<()> {
     use std::io::Write;
     let s = &cfg.shape;
+    let pages_per_lane = (cfg.context + cfg.steps).div_ceil(s.page_size as usize) as u64;
+    let lanes = u64::from(s.layers * s.kv_heads) * cfg.sequences as u64;
     let header = TraceHeader {
-        shape: [s.layers, s.kv_heads, s.query_heads, s.head_dim],
-        dtype: s.dtype.into(),
-        page_size: s.page_size,
-        pages_per_lane: (cfg.context + cfg.steps).div_ceil(s.page_size as usize) as u32,
-        sequences: cfg.sequences,
-        context: Some(cfg.context as u64),
+        kvtier_trace: TRACE_FORMAT,
+        source: "bench decode".into(),
+        sample: 1.0,
+        working_set_bytes: Some(lanes * (pages_per_lane + 1) * s.page_bytes() as u64),
     };
     let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut out = std::io::BufWriter::new(file);
-    writeln!(out, "{}", serde_json::to_string(&header)?)?;
-    for entry in &m.trace {
-        writeln!(out, "{}", serde_json::to_string(entry)?)?;
+    fn line(out: &mut impl Write, record: &impl serde::Serialize) -> anyhow::Result<()> {
+        writeln!(out, "{}", serde_json::to_string(record)?)?;
+        Ok(())
+    }
+    line(&mut out, &header)?;
+    let prefill: Vec<u32> = (0..cfg.context.div_ceil(s.page_size as usize) as u32).collect();
+    for seq in 0..cfg.sequences as u64 {
+        line(
+            &mut out,
+            &TraceRecord::Sequence {
+                seq,
+                shape: [s.layers, s.kv_heads, s.query_heads, s.head_dim],
+                dtype: s.dtype.into(),
+                page_size: s.page_size,
+            },
+        )?;
+        for layer in 0..s.layers {
+            let heads = (0..s.kv_heads)
+                .map(|head| HeadPages {
+                    head,
+                    pages: prefill.clone(),
+                    from: String::new(),
+                })
+                .collect();
+            line(
+                &mut out,
+                &TraceRecord::Write(Access {
+                    t_us: 0,
+                    seq,
+                    layer,
+                    step: 0,
+                    heads,
+                    hot: false,
+                    us: 0,
+                    swap: None,
+                }),
+            )?;
+        }
+    }
+    let mut records: Vec<&TraceRecord> = m.trace.iter().collect();
+    records.sort_by_key(|r| match r {
+        TraceRecord::Read(a) | TraceRecord::Write(a) => a.t_us,
+        _ => 0,
+    });
+    for r in records {
+        line(&mut out, r)?;
     }
     out.flush()?;
     Ok(())

@@ -14,7 +14,7 @@ use kvtier_store::{EngineChoice, NvmeConfig, Store, StoreConfig};
 use serde::Serialize;
 
 use super::workload::{Queries, SequenceData, Shape};
-use crate::bench::fetch::{LayerTiming, TraceEntry};
+use kvtier_store::{Access, HeadPages, SwapTiming, TraceRecord};
 
 /// Everything one run needs.
 #[derive(Debug, Clone, Serialize)]
@@ -143,8 +143,9 @@ pub(crate) struct Measured {
     pub(crate) before: pb::Stats,
     pub(crate) after: pb::Stats,
     pub(crate) prefill_seconds: f64,
-    /// With `record_trace`: every selection, in step order per sequence.
-    pub(crate) trace: Vec<TraceEntry>,
+    /// With `record_trace`: every selection and append, in the order they
+    /// finished.
+    pub(crate) trace: Vec<TraceRecord>,
 }
 
 /// A server for the run and how to reach it.
@@ -253,7 +254,7 @@ async fn prefill(client: &mut Client, seq: &str, data: &SequenceData, cfg: &RunC
 struct SequenceRun {
     steps: Vec<Step>,
     read_fraction: f64,
-    trace: Vec<TraceEntry>,
+    trace: Vec<TraceRecord>,
 }
 
 /// Runs the steps of sequence number `index`.
@@ -353,23 +354,47 @@ async fn decode(
             m.append_us += t.elapsed().as_micros() as u64;
             m.append.add(&appended.timing.unwrap_or_default());
             if cfg.record_trace {
-                trace.push(TraceEntry {
-                    sequence: index,
-                    step,
+                let access = |heads: Vec<HeadPages>, us: u64| Access {
+                    t_us: start.elapsed().as_micros() as u64,
+                    seq: index as u64,
                     layer,
-                    pages: sel
-                        .heads
-                        .iter()
-                        .map(|h| h.pages.iter().map(|p| p.page).collect())
-                        .collect(),
-                    timing: Some(LayerTiming {
-                        us: selected.as_micros() as u64 + t.elapsed().as_micros() as u64,
+                    step: position as u64,
+                    heads,
+                    hot: false,
+                    us,
+                    swap: None,
+                };
+                let chosen = sel
+                    .heads
+                    .iter()
+                    .map(|h| HeadPages {
+                        head: h.kv_head,
+                        pages: h.pages.iter().map(|p| p.page).collect(),
+                        from: String::new(),
+                    })
+                    .collect();
+                trace.push(TraceRecord::Read(Access {
+                    hot: true,
+                    swap: Some(SwapTiming {
                         from_host: sel.swap.from_host,
                         from_nvme: sel.swap.from_nvme,
                         host_us: sel.swap.host_us,
                         nvme_us: sel.swap.nvme_us,
                     }),
-                });
+                    ..access(chosen, selected.as_micros() as u64)
+                }));
+                // The append opens a page on a page boundary.
+                let opened = (position % s.page_size as usize == 0).then_some((position / s.page_size as usize) as u32);
+                let written = (0..s.kv_heads)
+                    .filter_map(|head| {
+                        opened.map(|page| HeadPages {
+                            head,
+                            pages: vec![page],
+                            from: String::new(),
+                        })
+                    })
+                    .collect();
+                trace.push(TraceRecord::Write(access(written, t.elapsed().as_micros() as u64)));
             }
         }
         data.advance();

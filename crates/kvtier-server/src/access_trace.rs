@@ -1,0 +1,68 @@
+//! `SetAccessTrace`'s conversions: a request to a recording's settings
+//! (the server names the file), a status to its message.
+
+use kvtier_core::wire;
+use kvtier_proto::v1 as pb;
+use kvtier_store::{TraceConfig, TraceStatus};
+use tonic::Status;
+
+use crate::service::TraceSettings;
+use crate::status::invalid;
+
+/// A start request's recording: sampled as asked, bounded as asked or by
+/// the server's default, in a new file under the server's trace directory.
+pub(crate) fn config(r: &pb::SetAccessTraceRequest, settings: &TraceSettings) -> Result<TraceConfig, Status> {
+    let sample = match r.sample_rate {
+        0.0 => 1.0,
+        s if s > 0.0 && s <= 1.0 => s,
+        s => return Err(invalid(wire::SAMPLE_RATE, format!("is {s}, a share in (0, 1] needed"))),
+    };
+    let dir = settings.dir.as_ref().ok_or_else(|| {
+        Status::failed_precondition(format!(
+            "{}: this server has no trace directory (set access_trace.dir)",
+            wire::RECORD.path
+        ))
+    })?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Status::unavailable(format!("creating the trace directory {}: {e}", dir.display())))?;
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    Ok(TraceConfig {
+        path: dir.join(format!("access-{millis}.trace")),
+        sample,
+        max_bytes: match r.max_bytes {
+            0 => settings.max_bytes,
+            n => n,
+        },
+    })
+}
+
+/// A stop request sets nothing else.
+pub(crate) fn check_stop(r: &pb::SetAccessTraceRequest) -> Result<(), Status> {
+    for (set, field) in [
+        (r.sample_rate != 0.0, wire::SAMPLE_RATE),
+        (r.max_bytes != 0, wire::MAX_BYTES),
+    ] {
+        if set {
+            return Err(invalid(field, "applies to starting a recording; set record too"));
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn status_to_pb(status: Option<TraceStatus>) -> pb::AccessTraceStatus {
+    let Some(s) = status else {
+        return pb::AccessTraceStatus::default();
+    };
+    pb::AccessTraceStatus {
+        recording: s.recording,
+        path: s.config.path.display().to_string(),
+        sample_rate: s.config.sample,
+        max_bytes: s.config.max_bytes,
+        records: s.records,
+        bytes: s.bytes,
+        dropped: s.dropped,
+        full: s.full,
+    }
+}

@@ -1,0 +1,437 @@
+//! Access traces: which pages each call read or wrote, from which tier, at
+//! which decode step — the input of `kvtier tune`. `kvtier bench decode
+//! --trace` writes the same format from the client's side.
+//!
+//! The format is JSON lines: a [`TraceHeader`], then [`TraceRecord`]s. A
+//! sequence appears as a `sequence` record (its shape) before its first
+//! access; sequences are named by a salted 53-bit hash of (tenant,
+//! sequence id), so a trace names no tenant and no sequence, and the ids
+//! stay exact in any JSON reader.
+//!
+//! Off by default, a call pays one atomic load. On, pages are sampled by
+//! a hash of (sequence, layer, KV head, page) — SHARDS-style spatial
+//! sampling: a kept page keeps every one of its accesses, so its reuse
+//! distances survive, scaled by the rate — and each call's record goes
+//! through a bounded channel to a writer thread. The serving path never
+//! waits for the disk: a record that finds the channel full is dropped and
+//! counted; the file stops at its size bound with an `end` record.
+
+use std::collections::HashSet;
+use std::hash::BuildHasher;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use kvtier_core::{ColdTier, Layout, PageState, SequenceKey, wire};
+use serde::{Deserialize, Serialize};
+
+use crate::sync::{lock, read, write};
+use crate::{StoreError, StoreResult};
+
+/// The format's version, in every header.
+pub const TRACE_FORMAT: u32 = 2;
+
+/// Records waiting for the writer thread before the next one is dropped.
+const CHANNEL_RECORDS: usize = 4096;
+
+/// A trace's first line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TraceHeader {
+    /// [`TRACE_FORMAT`].
+    pub kvtier_trace: u32,
+    /// Who recorded it: `server` or `bench decode`.
+    pub source: String,
+    /// The share of pages whose accesses were kept (1: all of them).
+    pub sample: f64,
+    /// The bytes the recording sized its tiers against, when it knew them
+    /// (`bench decode`: every lane's pages, plus one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub working_set_bytes: Option<u64>,
+}
+
+/// One line after the header.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum TraceRecord {
+    /// A sequence's shape, before its first access.
+    Sequence {
+        seq: u64,
+        /// Layers, KV heads, query heads, head dim.
+        shape: [u32; 4],
+        dtype: String,
+        page_size: u32,
+    },
+    /// Pages a call read: a selection that made them hot or read their
+    /// bytes, or a fetch.
+    Read(Access),
+    /// Pages a write placed (new pages; an append that only fills a
+    /// partial page lists none).
+    Write(Access),
+    /// Why the recording stopped before it was stopped, and what it
+    /// dropped.
+    End { reason: String, dropped: u64 },
+}
+
+/// One call's pages in one layer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Access {
+    /// Microseconds since the recording began.
+    pub t_us: u64,
+    pub seq: u64,
+    pub layer: u32,
+    /// The decode step: the layer's position (tokens before the call's
+    /// first row) — a step's layers share it.
+    pub step: u64,
+    pub heads: Vec<HeadPages>,
+    /// A read that made its pages hot (a swap-in): the device tier saw it.
+    #[serde(default)]
+    pub hot: bool,
+    /// The call's time in microseconds.
+    pub us: u64,
+    /// What its swap-in moved and how long that took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swap: Option<SwapTiming>,
+}
+
+/// A KV head's pages in one access.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HeadPages {
+    pub head: u32,
+    pub pages: Vec<u32>,
+    /// Where each page was served from, one letter per page: `D` device,
+    /// `H` host memory, `N` NVMe, `S` a summary, `G` gone; empty when the
+    /// recorder did not know.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub from: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct SwapTiming {
+    pub from_host: u32,
+    pub from_nvme: u32,
+    pub host_us: u64,
+    pub nvme_us: u64,
+}
+
+/// The letter of [`HeadPages::from`] for a page in `state`.
+pub fn tier_letter(state: PageState) -> char {
+    match state {
+        PageState::Hot => 'D',
+        PageState::Cold(ColdTier::Host) => 'H',
+        PageState::Cold(ColdTier::Nvme) => 'N',
+        PageState::Summary => 'S',
+        PageState::Gone => 'G',
+    }
+}
+
+/// Where and how much to record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceConfig {
+    /// Created (or truncated) when the recording starts.
+    pub path: PathBuf,
+    /// The share of pages whose accesses are kept, in (0, 1].
+    pub sample: f64,
+    /// The file stops growing here.
+    pub max_bytes: u64,
+}
+
+/// A recording, running or finished.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceStatus {
+    pub config: TraceConfig,
+    pub recording: bool,
+    /// Records written and their bytes.
+    pub records: u64,
+    pub bytes: u64,
+    /// Records dropped: the channel was full, or the size bound was reached.
+    pub dropped: u64,
+    /// The size bound was reached.
+    pub full: bool,
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    records: AtomicU64,
+    bytes: AtomicU64,
+    dropped: AtomicU64,
+    full: AtomicBool,
+}
+
+/// A record on its way to the writer, with its sequence's layout.
+struct Event {
+    layout: Arc<Layout>,
+    record: TraceRecord,
+}
+
+#[derive(Debug)]
+struct Recorder {
+    config: TraceConfig,
+    salt: std::collections::hash_map::RandomState,
+    /// Pages whose hash is below this are kept (`None`: every page).
+    keep_below: Option<u64>,
+    started: Instant,
+    tx: SyncSender<Event>,
+    counts: Arc<Counts>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Event")
+            .field("record", &self.record)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The store's recorder: off, or one recording.
+#[derive(Debug, Default)]
+pub(crate) struct AccessTrace {
+    on: AtomicBool,
+    current: RwLock<Option<Arc<Recorder>>>,
+    /// The last recording, once stopped.
+    last: Mutex<Option<TraceStatus>>,
+}
+
+/// A recording in progress, as one call sees it.
+pub(crate) struct Tracer {
+    recorder: Arc<Recorder>,
+    seq: u64,
+    layout: Arc<Layout>,
+}
+
+impl AccessTrace {
+    /// The recording, if one runs, for a call on `key`'s sequence.
+    pub(crate) fn tracer(&self, key: &SequenceKey, layout: &Arc<Layout>) -> Option<Tracer> {
+        if !self.on.load(Ordering::Relaxed) {
+            return None;
+        }
+        let recorder = read(&self.current).clone()?;
+        Some(Tracer {
+            seq: recorder.salt.hash_one(key) & ((1 << 53) - 1),
+            recorder,
+            layout: Arc::clone(layout),
+        })
+    }
+
+    pub(crate) fn start(&self, config: TraceConfig, source: &str) -> StoreResult<TraceStatus> {
+        if !(config.sample > 0.0 && config.sample <= 1.0) {
+            return Err(StoreError::invalid(
+                wire::SAMPLE_RATE.path,
+                format!("is {}, a share in (0, 1] needed", config.sample),
+            ));
+        }
+        let mut current = write(&self.current);
+        if let Some(r) = current.as_ref() {
+            return Err(StoreError::precondition(
+                wire::RECORD.path,
+                format!("a recording to {} is running; stop it first", r.config.path.display()),
+            ));
+        }
+        let header = TraceHeader {
+            kvtier_trace: TRACE_FORMAT,
+            source: source.into(),
+            sample: config.sample,
+            working_set_bytes: None,
+        };
+        let io = |e: std::io::Error| {
+            StoreError::Unavailable(kvtier_tiers::TierError::Io {
+                op: "recording page accesses",
+                offset: 0,
+                errno: e.raw_os_error(),
+                message: format!("{}: {e}", config.path.display()),
+            })
+        };
+        let file = std::fs::File::create(&config.path).map_err(io)?;
+        let (tx, rx) = sync_channel(CHANNEL_RECORDS);
+        let counts = Arc::new(Counts::default());
+        let mut out = std::io::BufWriter::new(file);
+        let line = serde_json::to_string(&header).map_err(|e| StoreError::Internal(e.to_string()))?;
+        writeln!(out, "{line}").map_err(io)?;
+        counts.bytes.store(line.len() as u64 + 1, Ordering::Relaxed);
+        let writer = {
+            let (counts, max_bytes) = (Arc::clone(&counts), config.max_bytes);
+            std::thread::Builder::new()
+                .name("kvtier-trace".into())
+                .spawn(move || write_records(rx, out, &counts, max_bytes))
+                .map_err(io)?
+        };
+        let keep_below = (config.sample < 1.0).then(|| (config.sample * 2f64.powi(64)) as u64);
+        let recorder = Arc::new(Recorder {
+            config,
+            salt: std::collections::hash_map::RandomState::new(),
+            keep_below,
+            started: Instant::now(),
+            tx,
+            counts,
+            writer: Mutex::new(Some(writer)),
+        });
+        let status = recorder.status(true);
+        tracing::info!(path = %status.config.path.display(), sample = status.config.sample, max_bytes = status.config.max_bytes, "recording page accesses");
+        *current = Some(recorder);
+        self.on.store(true, Ordering::Relaxed);
+        Ok(status)
+    }
+
+    /// Stops the recording, once its writer has written everything queued;
+    /// then, or with none running, the last recording's status.
+    pub(crate) fn stop(&self) -> Option<TraceStatus> {
+        let recorder = {
+            let mut current = write(&self.current);
+            self.on.store(false, Ordering::Relaxed);
+            current.take()
+        };
+        if let Some(recorder) = recorder {
+            // Calls holding a tracer keep the sender alive; the writer ends
+            // when the last of them is gone.
+            let writer = lock(&recorder.writer).take();
+            let counts = Arc::clone(&recorder.counts);
+            let config = recorder.config.clone();
+            drop(recorder);
+            if let Some(w) = writer
+                && w.join().is_err()
+            {
+                tracing::error!("the access trace's writer panicked");
+            }
+            let status = status_of(config, &counts, false);
+            tracing::info!(path = %status.config.path.display(), records = status.records, bytes = status.bytes, dropped = status.dropped, "stopped recording page accesses");
+            *lock(&self.last) = Some(status);
+        }
+        self.status()
+    }
+
+    /// The running recording's status, or the last one's.
+    pub(crate) fn status(&self) -> Option<TraceStatus> {
+        match read(&self.current).as_ref() {
+            Some(r) => Some(r.status(true)),
+            None => lock(&self.last).clone(),
+        }
+    }
+}
+
+impl Recorder {
+    fn status(&self, recording: bool) -> TraceStatus {
+        status_of(self.config.clone(), &self.counts, recording)
+    }
+}
+
+fn status_of(config: TraceConfig, counts: &Counts, recording: bool) -> TraceStatus {
+    TraceStatus {
+        config,
+        recording,
+        records: counts.records.load(Ordering::Relaxed),
+        bytes: counts.bytes.load(Ordering::Relaxed),
+        dropped: counts.dropped.load(Ordering::Relaxed),
+        full: counts.full.load(Ordering::Relaxed),
+    }
+}
+
+impl Tracer {
+    /// Whether the sample keeps this page's accesses.
+    pub(crate) fn keeps(&self, layer: u32, head: u32, page: u32) -> bool {
+        let Some(below) = self.recorder.keep_below else {
+            return true;
+        };
+        let key = self.seq ^ (u64::from(layer) << 53) ^ (u64::from(head) << 32) ^ u64::from(page);
+        mix(key) < below
+    }
+
+    /// An access with no pages yet, stamped now.
+    pub(crate) fn access(&self, layer: u32, step: u64, us: u64) -> Access {
+        Access {
+            t_us: self.recorder.started.elapsed().as_micros() as u64,
+            seq: self.seq,
+            layer,
+            step,
+            heads: Vec::new(),
+            hot: false,
+            us,
+            swap: None,
+        }
+    }
+
+    /// Hands `record` to the writer; drops it if the writer is behind.
+    pub(crate) fn record(&self, record: TraceRecord) {
+        let event = Event {
+            layout: Arc::clone(&self.layout),
+            record,
+        };
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.recorder.tx.try_send(event) {
+            self.recorder.counts.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A 64-bit mixer (splitmix64's finaliser): page hashes spread uniformly.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The writer thread: each sequence's shape before its first access, then
+/// the records, until the senders are gone or the size bound is reached.
+fn write_records(rx: Receiver<Event>, mut out: std::io::BufWriter<std::fs::File>, counts: &Counts, max_bytes: u64) {
+    let mut seen = HashSet::new();
+    let mut failed = None;
+    for event in &rx {
+        if failed.is_some() || counts.full.load(Ordering::Relaxed) {
+            counts.dropped.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        let seq = match &event.record {
+            TraceRecord::Read(a) | TraceRecord::Write(a) => a.seq,
+            _ => continue,
+        };
+        let mut lines = String::new();
+        if !seen.contains(&seq) {
+            let l = &event.layout;
+            let shape = TraceRecord::Sequence {
+                seq,
+                shape: [l.num_layers(), l.num_kv_heads(), l.num_query_heads(), l.head_dim()],
+                dtype: l.dtype().name().into(),
+                page_size: l.page_size(),
+            };
+            lines.push_str(&to_line(&shape));
+        }
+        lines.push_str(&to_line(&event.record));
+        let bytes = counts.bytes.load(Ordering::Relaxed);
+        if bytes + lines.len() as u64 > max_bytes {
+            counts.full.store(true, Ordering::Relaxed);
+            counts.dropped.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        if let Err(e) = out.write_all(lines.as_bytes()) {
+            tracing::error!(error = %e, "writing the access trace failed; the recording stops");
+            failed = Some(e.to_string());
+            continue;
+        }
+        seen.insert(seq);
+        counts.bytes.fetch_add(lines.len() as u64, Ordering::Relaxed);
+        counts.records.fetch_add(1, Ordering::Relaxed);
+    }
+    let dropped = counts.dropped.load(Ordering::Relaxed);
+    let reason = match (failed, counts.full.load(Ordering::Relaxed)) {
+        (Some(e), _) => Some(format!("write failed: {e}")),
+        (None, true) => Some("max_bytes".to_string()),
+        (None, false) => None,
+    };
+    // The end record may pass the bound by its own few bytes.
+    let end = reason.map(|reason| TraceRecord::End { reason, dropped });
+    let result = end
+        .map_or(Ok(()), |end| out.write_all(to_line(&end).as_bytes()))
+        .and_then(|()| out.flush());
+    if let Err(e) = result {
+        tracing::error!(error = %e, "finishing the access trace failed");
+    }
+}
+
+fn to_line(record: &TraceRecord) -> String {
+    // A record is numbers and known strings: it always serialises.
+    let mut line = serde_json::to_string(record).unwrap_or_default();
+    line.push('\n');
+    line
+}

@@ -1,0 +1,116 @@
+//! Reading access traces — recorded by the server (`--access-trace`,
+//! `SetAccessTrace`) or by `kvtier bench decode --trace`; the format is
+//! `kvtier_store::TraceRecord`'s — for `kvtier tune` and `kvtier bench
+//! fetch`.
+
+use std::collections::HashMap;
+use std::io::BufRead;
+use std::path::Path;
+
+use anyhow::{Context, bail, ensure};
+use kvtier_store::{Access, TRACE_FORMAT, TraceHeader, TraceRecord};
+
+use crate::bench::decode::Shape;
+
+/// One access of a trace, its sequence numbered in order of appearance.
+#[derive(Debug, Clone)]
+pub(crate) struct Event {
+    pub(crate) sequence: usize,
+    pub(crate) write: bool,
+    pub(crate) access: Access,
+}
+
+#[derive(Debug)]
+pub(crate) struct Trace {
+    pub(crate) header: TraceHeader,
+    /// Each sequence's shape, in order of appearance.
+    pub(crate) shapes: Vec<Shape>,
+    /// Reads and writes, in the order recorded.
+    pub(crate) events: Vec<Event>,
+    /// Why the recording stopped early, and how many records it dropped.
+    pub(crate) ended: Option<(String, u64)>,
+}
+
+impl Trace {
+    /// Reads and checks a trace: every access names a sequence described
+    /// before it, and stays inside that sequence's shape.
+    pub(crate) fn read(path: &Path) -> anyhow::Result<Self> {
+        let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let mut lines = std::io::BufReader::new(file).lines();
+        let first = lines.next().context("an empty trace")??;
+        let header: TraceHeader = serde_json::from_str(&first).with_context(|| {
+            format!(
+                "{}: line 1 is not a kvtier trace header (format {TRACE_FORMAT}; record the trace again with this kvtier)",
+                path.display()
+            )
+        })?;
+        ensure!(
+            header.kvtier_trace == TRACE_FORMAT,
+            "{}: format {} (this kvtier reads {TRACE_FORMAT}); record it again",
+            path.display(),
+            header.kvtier_trace
+        );
+        ensure!(
+            header.sample > 0.0 && header.sample <= 1.0,
+            "{}: sample {} is not in (0, 1]",
+            path.display(),
+            header.sample
+        );
+        let mut trace = Trace {
+            header,
+            shapes: Vec::new(),
+            events: Vec::new(),
+            ended: None,
+        };
+        let mut index: HashMap<u64, usize> = HashMap::new();
+        for (i, line) in lines.enumerate() {
+            let at = || format!("{} line {}", path.display(), i + 2);
+            let record: TraceRecord = serde_json::from_str(&line?).with_context(at)?;
+            let (write, access) = match record {
+                TraceRecord::Sequence {
+                    seq,
+                    shape,
+                    dtype,
+                    page_size,
+                } => {
+                    ensure!(!index.contains_key(&seq), "{}: sequence {seq} described twice", at());
+                    index.insert(seq, trace.shapes.len());
+                    trace
+                        .shapes
+                        .push(Shape::custom(shape, &dtype, page_size).with_context(at)?);
+                    continue;
+                }
+                TraceRecord::End { reason, dropped } => {
+                    trace.ended = Some((reason, dropped));
+                    continue;
+                }
+                TraceRecord::Read(a) => (false, a),
+                TraceRecord::Write(a) => (true, a),
+            };
+            let Some(&sequence) = index.get(&access.seq) else {
+                bail!("{}: sequence {} has no `sequence` record before it", at(), access.seq);
+            };
+            let shape = &trace.shapes[sequence];
+            ensure!(
+                access.layer < shape.layers
+                    && access
+                        .heads
+                        .iter()
+                        .all(|h| h.head < shape.kv_heads && (h.from.is_empty() || h.from.len() == h.pages.len())),
+                "{}: outside its sequence's shape",
+                at()
+            );
+            trace.events.push(Event {
+                sequence,
+                write,
+                access,
+            });
+        }
+        ensure!(
+            trace.events.iter().any(|e| !e.write),
+            "{}: the trace has no reads",
+            path.display()
+        );
+        Ok(trace)
+    }
+}
