@@ -258,12 +258,17 @@ mod tests {
     kvtier_tiers::tier_conformance_tests!(
         cuda_device,
         |capacity| tier(capacity, SwapPath::Kernel),
-        skip = crate::gpu_missing()
+        skip = crate::gpu_missing(),
+        #[cfg_attr(kvtier_no_gpu, ignore = "no CUDA driver where this was built; run with --include-ignored on a GPU machine")]
     );
 
     /// The gather kernel and the copy engine put the same bytes in the same
     /// places and write the same page table.
     #[test]
+    #[cfg_attr(
+        kvtier_no_gpu,
+        ignore = "no CUDA driver where this was built; run with --include-ignored on a GPU machine"
+    )]
     fn kernel_and_copy_engine_agree_bit_exact() {
         if let Some(reason) = crate::gpu_missing() {
             println!("skipped: {reason}");

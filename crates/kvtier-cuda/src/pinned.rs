@@ -134,5 +134,10 @@ mod tests {
         PinnedHostTier::new(&Gpu::open().expect("a GPU (the tests skip without one)"), capacity).unwrap()
     }
 
-    kvtier_tiers::tier_conformance_tests!(pinned_host, tier, skip = crate::gpu_missing());
+    kvtier_tiers::tier_conformance_tests!(
+        pinned_host,
+        tier,
+        skip = crate::gpu_missing(),
+        #[cfg_attr(kvtier_no_gpu, ignore = "no CUDA driver where this was built; run with --include-ignored on a GPU machine")]
+    );
 }

@@ -252,13 +252,14 @@ pub fn drop_before_completion<T: Tier>(make: impl Fn(u64) -> T) {
 
 /// Instantiates the whole suite as `#[test]`s in a module named `$name`.
 /// With `skip = expr` (an `Option<String>` reason), every test prints the
-/// reason and returns when it is `Some`.
+/// reason and returns when it is `Some`; attributes after it (`#[ignore =
+/// "..."]`, under a `cfg_attr`) go on every test.
 #[macro_export]
 macro_rules! tier_conformance_tests {
     ($name:ident, $make:expr) => {
         $crate::tier_conformance_tests!($name, $make, skip = None::<String>);
     };
-    ($name:ident, $make:expr, skip = $skip:expr) => {
+    ($name:ident, $make:expr, skip = $skip:expr $(, #[$attr:meta])* $(,)?) => {
         mod $name {
             #[allow(unused_imports)]
             use super::*;
@@ -270,48 +271,56 @@ macro_rules! tier_conformance_tests {
                 }
                 reason.is_some()
             }
+            $(#[$attr])*
             #[test]
             fn round_trip() {
                 if !skipped() {
                     c::round_trip($make);
                 }
             }
+            $(#[$attr])*
             #[test]
             fn full_tier() {
                 if !skipped() {
                     c::full_tier($make);
                 }
             }
+            $(#[$attr])*
             #[test]
             fn out_of_range() {
                 if !skipped() {
                     c::out_of_range($make);
                 }
             }
+            $(#[$attr])*
             #[test]
             fn free_and_reuse() {
                 if !skipped() {
                     c::free_and_reuse($make);
                 }
             }
+            $(#[$attr])*
             #[test]
             fn foreign_slot() {
                 if !skipped() {
                     c::foreign_slot($make);
                 }
             }
+            $(#[$attr])*
             #[test]
             fn concurrent_readers_and_writers() {
                 if !skipped() {
                     c::concurrent_readers_and_writers($make);
                 }
             }
+            $(#[$attr])*
             #[test]
             fn owned_batches() {
                 if !skipped() {
                     c::owned_batches($make);
                 }
             }
+            $(#[$attr])*
             #[test]
             fn drop_before_completion() {
                 if !skipped() {

@@ -152,12 +152,12 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg_attr(kvtier_no_realkv, ignore = "no realkv dataset: data/realkv/make.sh builds it")]
     fn reads_the_realkv_arrays() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/realkv/small/layer04.npz");
-        if !path.exists() {
-            println!("skipped: {} is not present", path.display());
+        let Some(dir) = crate::eval::tests::dataset() else {
             return;
-        }
+        };
+        let path = dir.join("layer04.npz");
         let arrays = read_npz(&path).unwrap();
         assert_eq!(arrays["q"].shape, [9, 2048, 64]);
         assert_eq!(arrays["k"].descr, "<f2");
