@@ -4,6 +4,7 @@ mod alloc;
 mod bench;
 mod config;
 mod eval;
+mod health;
 mod serve;
 mod trace;
 mod tune;
@@ -27,11 +28,13 @@ enum Command {
     Serve(Box<serve::ServeArgs>),
     /// Selection quality on a realkv dataset: recall, attention mass, output error, read sparsity.
     Eval(eval::EvalArgs),
-    /// Benchmarks (`kvtier bench select`).
+    /// Benchmarks: select, tier, swapin, decode, fetch (results go under bench/results/).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
     /// Tier sizes from a workload's accesses: miss-ratio curves and the smallest sizes that meet a target.
     Tune(tune::TuneArgs),
+    /// Whether a server is serving (gRPC health check; exit status 0 if it is).
+    Health(health::HealthArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -49,5 +52,6 @@ fn main() -> anyhow::Result<()> {
             bench::run(command)
         }
         Command::Tune(args) => tune::run(args),
+        Command::Health(args) => health::run(args),
     }
 }

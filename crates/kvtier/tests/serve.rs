@@ -71,6 +71,20 @@ async fn serve_with_defaults_answers_health_reflection_and_metrics() {
 
     let status = wait_for_health(Instant::now() + Duration::from_secs(30)).await;
     assert_eq!(status, ServingStatus::Serving);
+    // `kvtier health` (the Docker image's HEALTHCHECK) says so too, and
+    // fails where nothing serves.
+    let health = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .arg("health")
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let up = health(&[]);
+    assert!(up.status.success(), "{}", String::from_utf8_lossy(&up.stderr));
+    let down = health(&["--addr", "http://127.0.0.1:1", "--timeout-ms", "500"]);
+    assert!(!down.status.success());
+    assert!(String::from_utf8_lossy(&down.stderr).contains("127.0.0.1:1"));
     assert!(
         dir.path().join("kvtier-data").is_dir(),
         "data directory under the working directory"
