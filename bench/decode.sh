@@ -5,13 +5,14 @@
 #   llama3-8b-host: llama3-8b layout, 32K context, device 10/25/50 % of the
 #                   sequence, host holding all of it
 #   llama3-8b-nvme: the same with host at 50 % and the rest on NVMe
-#   smollm2-realkv: real queries (../shared/data/realkv/small) on smollm2-135m
+#   smollm2-realkv: real queries (data/realkv/small, built if absent) on smollm2-135m
 # Usage: bench/decode.sh [path/to/kvtier] [steps]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-}
 steps=${2:-256}
-realkv=${KVTIER_REALKV:-../shared/data/realkv/small}
+realkv=${KVTIER_REALKV:-data/realkv/small}
+[ -n "${KVTIER_REALKV:-}" ] || data/realkv/make.sh
 if [ -z "$bin" ]; then
   cargo build --release --locked -q -p kvtier
   bin=target/release/kvtier

@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-}
-data=${2:-../shared/data/realkv/small}
+data=${2:-data/realkv/small}
+[ -n "${2:-}" ] || data/realkv/make.sh
 if [ -z "$bin" ]; then
   cargo build --release --locked -q -p kvtier
   bin=target/release/kvtier

@@ -8,7 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-}
-data=${KVTIER_REALKV:-../shared/data/realkv/small}
+data=${KVTIER_REALKV:-data/realkv/small}
+[ -n "${KVTIER_REALKV:-}" ] || data/realkv/make.sh
 if [ -z "$bin" ]; then
   cargo build --release --locked -q -p kvtier
   bin=target/release/kvtier

@@ -11,6 +11,7 @@
 # Usage: bench/redis-compare.sh [path/to/kvtier]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ -n "${KVTIER_REALKV:-}" ] || data/realkv/make.sh
 bin=${1:-}
 if ! command -v redis-server >/dev/null; then
   echo "installing redis-server (Debian package)"
@@ -44,7 +45,7 @@ jsonl=$out/redis-compare.jsonl
 : > "$jsonl"
 declare -A decode=(
   [llama3-8b]="--preset llama3-8b --context 8192 --steps 64 --budget-pages 32"
-  [smollm2-realkv]="--preset smollm2-135m --queries realkv:${KVTIER_REALKV:-../shared/data/realkv/small} --context 1536 --steps 128 --budget-pages 16"
+  [smollm2-realkv]="--preset smollm2-135m --queries realkv:${KVTIER_REALKV:-data/realkv/small} --context 1536 --steps 128 --budget-pages 16"
 )
 for name in llama3-8b smollm2-realkv; do
   echo "== $name: recording the selections"

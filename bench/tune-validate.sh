@@ -5,10 +5,11 @@
 # then measures the miss ratio `kvtier bench decode` sees at each of those
 # sizes. Writes bench/results/tune-validation.md and the tune plots under
 # bench/results/tune/.
-# Usage: bench/tune-validate.sh [realkv dir]   (default ../shared/data/realkv/small)
+# Usage: bench/tune-validate.sh [realkv dir]   (default data/realkv/small, built if absent)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-realkv=${1:-../shared/data/realkv/small}
+realkv=${1:-data/realkv/small}
+[ -n "${1:-}" ] || data/realkv/make.sh
 cargo build -q --release --locked -p kvtier
 kvtier=target/release/kvtier
 work=$(mktemp -d)

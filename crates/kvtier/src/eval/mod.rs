@@ -639,18 +639,16 @@ fn print_table(report: &Report) {
 mod tests {
     use super::*;
 
-    /// The realkv dataset: built in the repository (`data/realkv/make.sh`)
-    /// or beside it. Tests that need it are ignored when it is absent at
-    /// build time (`build.rs`).
+    /// The realkv dataset, as `data/realkv/make.sh` builds it. Tests that
+    /// need it are ignored when it is absent at build time (`build.rs`).
     pub(crate) fn dataset() -> Option<PathBuf> {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let found = [root.join("data/realkv/small"), root.join("../shared/data/realkv/small")]
-            .into_iter()
-            .find(|d| d.join("meta.json").exists());
-        if found.is_none() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/realkv/small");
+        if dir.join("meta.json").exists() {
+            Some(dir)
+        } else {
             println!("skipped: no realkv dataset (data/realkv/make.sh builds it)");
+            None
         }
-        found
     }
 
     fn args(dir: PathBuf, budget: &str, sinks: u32, window: u32, aggregation: AggregationArg) -> EvalArgs {
