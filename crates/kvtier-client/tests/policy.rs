@@ -1,4 +1,4 @@
-//! Policies over gRPC (DESIGN.md §5): ApplyPolicy evicts, summarizes or
+//! Policies over gRPC (docs/CONCEPTS.md §5): ApplyPolicy evicts, summarizes or
 //! offloads what its scorer does not keep, with reason `policy`; reported
 //! attention decides what H2O keeps; attention the store computes for given
 //! queries decides max-mass and reports the dropped mass; registered policies

@@ -62,7 +62,7 @@ fn put(dtype: pb::DType, bytes: &mut [u8], i: usize, v: f32) {
 }
 
 /// The reference: bounds from the raw keys (not the server's digests), the
-/// rule of DESIGN.md §3 by full sort.
+/// rule of docs/CONCEPTS.md §3 by full sort.
 fn reference(dtype: pb::DType, lane: &LaneData, queries: &[f32], k: usize, s: usize, w: usize) -> Vec<(u32, f32)> {
     let tokens = lane.keys.len() / (D * size_of(dtype));
     let n = tokens.div_ceil(PAGE);

@@ -1,5 +1,5 @@
 //! The four-state machine over gRPC: every legal transition does what
-//! DESIGN.md §2 says and loses nothing it should not; every illegal one is
+//! docs/CONCEPTS.md §2 says and loses nothing it should not; every illegal one is
 //! refused with FAILED_PRECONDITION and changes nothing.
 
 mod common;

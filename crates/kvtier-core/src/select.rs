@@ -1,4 +1,4 @@
-//! Top-k page selection from per-page scores (DESIGN.md §3, §6): sinks and
+//! Top-k page selection from per-page scores (docs/CONCEPTS.md §3, §6): sinks and
 //! a recent window always in, the rest by highest score, ties to the lower
 //! page index, result in position order. Partial selection, not a sort.
 

@@ -1,5 +1,5 @@
 //! The four page states and the only transitions allowed between them
-//! (DESIGN.md §2). The state says where the *original* K/V bytes are.
+//! (docs/CONCEPTS.md §2). The state says where the *original* K/V bytes are.
 
 use std::fmt;
 
@@ -203,7 +203,7 @@ mod tests {
         Action::Evict,
     ];
 
-    /// DESIGN.md §2 written out as the list of allowed (from, to) edges,
+    /// docs/CONCEPTS.md §2 written out as the list of allowed (from, to) edges,
     /// independently of `apply`.
     fn allowed(from: PageState, to: PageState) -> bool {
         use ColdTier::*;

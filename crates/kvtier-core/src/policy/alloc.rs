@@ -1,4 +1,4 @@
-//! Budget allocators (DESIGN.md §5): how a total page budget is split over
+//! Budget allocators (docs/CONCEPTS.md §5): how a total page budget is split over
 //! lanes, over any scorer.
 
 use std::cmp::Ordering;

@@ -1,4 +1,4 @@
-//! Eviction policies at page granularity (DESIGN.md §5): which pages of each
+//! Eviction policies at page granularity (docs/CONCEPTS.md §5): which pages of each
 //! lane to keep within a budget. The caller applies its action (evict,
 //! summarize, offload) to the rest.
 //!

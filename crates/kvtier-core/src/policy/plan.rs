@@ -1,4 +1,4 @@
-//! The plan (DESIGN.md §5): each lane's budget from the allocator, then the
+//! The plan (docs/CONCEPTS.md §5): each lane's budget from the allocator, then the
 //! lane's pages: protected first, in priority order, then the highest scores.
 
 use super::{Allocator, PageScores};

@@ -1,4 +1,4 @@
-//! Page scorers (DESIGN.md §5): each turns one lane's attention into page
+//! Page scorers (docs/CONCEPTS.md §5): each turns one lane's attention into page
 //! scores and the pages it protects. Token scores become page scores by sum,
 //! so a page is as worth keeping as its attention mass, and a window or sink
 //! that reaches into a page keeps the whole page.

@@ -1,4 +1,4 @@
-//! Per-lane attention statistics (DESIGN.md §5), fed by the store's own
+//! Per-lane attention statistics (docs/CONCEPTS.md §5), fed by the store's own
 //! selection computations or by worker reports, read by the scorers.
 
 use std::collections::VecDeque;

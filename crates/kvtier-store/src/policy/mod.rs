@@ -1,4 +1,4 @@
-//! Policies over a sequence's pages (DESIGN.md §5): which pages leave for
+//! Policies over a sequence's pages (docs/CONCEPTS.md §5): which pages leave for
 //! good (evict → gone), are compressed (summarize → summary) or are only
 //! demoted (offload → cold). Scoring and budget allocation are the core's
 //! (`kvtier_core::policy`); here they meet the pages: which pages are

@@ -1,4 +1,4 @@
-//! Query-driven selection (DESIGN.md §3): score every page of each lane in
+//! Query-driven selection (docs/CONCEPTS.md §3): score every page of each lane in
 //! the head range through its digest, choose the top pages, report them in
 //! position order with bound and state, count the gone ones that would have
 //! been chosen, and optionally read the chosen pages.
@@ -163,7 +163,7 @@ pub fn data_bound(layout: &Layout, tokens: u64, budget_pages: u32, kv_heads: u32
 }
 
 impl Store {
-    /// Selects pages (DESIGN.md §3) and, as asked, makes them hot, prefetches
+    /// Selects pages (docs/CONCEPTS.md §3) and, as asked, makes them hot, prefetches
     /// what comes next, leases them and reads them.
     pub fn select_pages(self: &Arc<Self>, key: &SequenceKey, req: SelectPages<'_>) -> StoreResult<Selection> {
         let start = Instant::now();

@@ -232,7 +232,7 @@ impl<'a> PolicyRun<'a> {
 }
 
 /// One method's quality at one budget, averaged over layers, query heads
-/// and decode positions; the measures DESIGN.md §2 keeps apart.
+/// and decode positions; the measures docs/CONCEPTS.md §2 keeps apart.
 #[derive(Debug, Clone, Default, Serialize)]
 pub(crate) struct PolicyRow {
     pub(crate) method: String,
