@@ -20,7 +20,7 @@ jsonl=$out/tier-vs-fio.jsonl
 : > "$jsonl"
 for bs in 16 64 256; do
   for qd in 1 32; do
-    kv=$("$bin" bench tier --tier nvme --path "$file" --size "$size" --block-size "${bs}KiB" \
+    kv=$("$bin" bench tier --tier nvme --path "$file" --keep --size "$size" --block-size "${bs}KiB" \
           --queue-depth "$qd" --seconds "$secs" --json)
     fio_json=$(fio --name=randread --filename="$file" --ioengine=io_uring --direct=1 --rw=randread \
           --bs="${bs}k" --iodepth="$qd" --runtime="$secs" --time_based --size=1G --output-format=json)
@@ -41,7 +41,7 @@ rm -f "$file"
   echo "# NVMe tier vs fio, random reads"
   echo
   echo "- command: \`bench/tier-vs-fio.sh\` — per row, back to back on one 1 GiB file:"
-  echo "  \`kvtier bench tier --tier nvme --path F --size 1GiB --block-size B --queue-depth Q --seconds $secs --json\`"
+  echo "  \`kvtier bench tier --tier nvme --path F --keep --size 1GiB --block-size B --queue-depth Q --seconds $secs --json\`"
   echo "  (fills every slot with random-order writes, then random slot reads) and"
   echo "  \`fio --ioengine=io_uring --direct=1 --rw=randread --bs=B --iodepth=Q --runtime=$secs --time_based --size=1G\`"
   echo "- machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(df -hT "$(dirname "$file")" | awk 'NR==2{print $2" on "$1}'); $(uname -r); fio $(fio --version)"

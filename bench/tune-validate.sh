@@ -22,6 +22,7 @@ validate() { # name, fractions, p99 target (ms), bench args...
   local name=$1 fractions=$2 target=$3
   shift 3
   "$kvtier" bench decode "$@" --device-fraction 0.25 --trace "$work/$name.trace" --out "$work/$name-trace" > /dev/null
+  rm -rf "${out:?}/$name"
   "$kvtier" tune "$work/$name.trace" --device-fraction "$fractions" --target-p99-ms "$target" --json --out "$out/$name" > "$work/$name-tune.json"
   for f in ${fractions//,/ }; do
     "$kvtier" bench decode "$@" --device-fraction "$f" --json --out "$work/$name-$f" > "$work/$name-$f.json"

@@ -265,10 +265,10 @@ impl BoundServer {
         });
         tracing::info!(
             grpc = %self.grpc.local_addr().map_err(ServerError::Metrics)?,
-            metrics = ?self.config.metrics_listen,
+            metrics = %self.config.metrics_listen.map_or("off".to_owned(), |a| format!("http://{a}/metrics")),
             tls = self.config.tls.is_some(),
             auth = self.config.auth.enabled(),
-            shm_socket = ?self.config.shm_socket,
+            shm_socket = %self.config.shm_socket.as_ref().map_or("off".to_owned(), |p| p.display().to_string()),
             "serving kvtier.v1"
         );
         // Larger HTTP/2 windows and frames: the defaults cap one client at

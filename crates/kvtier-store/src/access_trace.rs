@@ -51,6 +51,10 @@ pub struct TraceHeader {
     /// (`bench decode`: every lane's pages, plus one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub working_set_bytes: Option<u64>,
+    /// The device tier the timings were measured on: `gpu`, or `emulated`
+    /// (in host memory; no GPU number).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
 }
 
 /// One line after the header.
@@ -217,7 +221,7 @@ impl AccessTrace {
         })
     }
 
-    pub(crate) fn start(&self, config: TraceConfig, source: &str) -> StoreResult<TraceStatus> {
+    pub(crate) fn start(&self, config: TraceConfig, source: &str, device: &str) -> StoreResult<TraceStatus> {
         if !(config.sample > 0.0 && config.sample <= 1.0) {
             return Err(StoreError::invalid(
                 wire::SAMPLE_RATE.path,
@@ -236,6 +240,7 @@ impl AccessTrace {
             source: source.into(),
             sample: config.sample,
             working_set_bytes: None,
+            device: Some(device.into()),
         };
         let io = |e: std::io::Error| {
             StoreError::Unavailable(kvtier_tiers::TierError::Io {

@@ -44,6 +44,18 @@ impl FromStr for ByteSize {
     }
 }
 
+/// In the largest binary unit that keeps it at least 1, as a log shows it:
+/// `1.0 GiB`, `512.0 MiB`, `4096 B`.
+impl std::fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let units = [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)];
+        match units.iter().find(|(_, shift)| self.0 >= 1 << shift) {
+            Some((unit, shift)) => write!(f, "{:.1} {unit}", self.0 as f64 / (1u64 << shift) as f64),
+            None => write!(f, "{} B", self.0),
+        }
+    }
+}
+
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         #[derive(Deserialize)]
@@ -293,6 +305,9 @@ mod tests {
         assert!("4 parsecs".parse::<ByteSize>().is_err());
         assert!("GiB".parse::<ByteSize>().is_err());
         assert!("99999999999TiB".parse::<ByteSize>().is_err());
+        assert_eq!(ByteSize(1 << 30).to_string(), "1.0 GiB");
+        assert_eq!(ByteSize(3 << 19).to_string(), "1.5 MiB");
+        assert_eq!(ByteSize(1000).to_string(), "1000 B");
     }
 
     #[test]

@@ -138,6 +138,23 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let defaults = ServerConfig::default();
     let (default_device, default_host) = default_tier_bytes();
+    // How each tier was sized, for the startup line.
+    let sized = |given: Option<ByteSize>, default: &'static str| match given {
+        Some(_) => "as configured",
+        None => default,
+    };
+    let device_sized = sized(
+        args.device_bytes.or(file.tiers.device_bytes),
+        "default: 1/16 of available memory, at most 1 GiB",
+    );
+    let host_sized = sized(
+        args.host_bytes.or(file.tiers.host_bytes),
+        "default: 1/4 of available memory, at most 8 GiB",
+    );
+    let nvme_sized = sized(
+        args.nvme_bytes.or(file.tiers.nvme_bytes),
+        "default: 1/4 of the free disk, at most 16 GiB, sparse",
+    );
     let mut server = ServerConfig {
         listen: args.listen.or(file.listen).unwrap_or(defaults.listen),
         metrics_listen: match args.metrics_listen.or(file.metrics_listen) {
@@ -261,10 +278,15 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         ..store
     };
     tracing::info!(
+        config = %args.config.as_ref().map_or("none (embedded defaults and flags)".into(), |p| p.display().to_string()),
         data_dir = %data_dir.display(),
-        device_bytes = store.device_bytes,
-        host_bytes = store.host_bytes,
-        nvme_bytes,
+        device = %format!("{} ({device_sized})", ByteSize(store.device_bytes)),
+        host = %format!("{} ({host_sized})", ByteSize(store.host_bytes)),
+        nvme = %match nvme_bytes {
+            0 => "off".to_owned(),
+            n => format!("{} ({nvme_sized})", ByteSize(n)),
+        },
+        durability = ?store.durability,
         "starting kvtier"
     );
 

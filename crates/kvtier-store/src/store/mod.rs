@@ -182,7 +182,8 @@ impl Store {
         let device = match device {
             Some(d) => d,
             None => {
-                tracing::info!(
+                // Debug: whoever chose no GPU tier (`kvtier serve`) says why.
+                tracing::debug!(
                     device_bytes = config.device_bytes,
                     "the device tier is emulated in host memory"
                 );

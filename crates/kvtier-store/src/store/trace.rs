@@ -19,7 +19,12 @@ impl Store {
     /// Starts recording page accesses to `config.path`; refused while a
     /// recording runs.
     pub fn start_access_trace(&self, config: TraceConfig) -> StoreResult<TraceStatus> {
-        self.trace.start(config, "server")
+        let device = if self.device.tier().emulated() {
+            "emulated"
+        } else {
+            "gpu"
+        };
+        self.trace.start(config, "server", device)
     }
 
     /// Stops the recording (once everything queued is written) and returns

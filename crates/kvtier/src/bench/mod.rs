@@ -40,6 +40,31 @@ pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
     }
 }
 
+/// Marks a directory whose contents a kvtier run wrote, and may replace.
+const OUT_MARKER: &str = ".kvtier-out";
+
+/// Prepares `dir` for one run's outputs, so that none of an earlier run's
+/// sits beside them: created if absent; emptied if an earlier run wrote it
+/// (its marker file says so); refused if it holds anything else.
+pub(crate) fn fresh_out_dir(dir: &std::path::Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let held = std::fs::read_dir(dir).map(|mut d| d.next().is_some()).unwrap_or(false);
+    if held {
+        anyhow::ensure!(
+            dir.join(OUT_MARKER).exists(),
+            "--out {}: holds files no kvtier run wrote; give a new or empty directory",
+            dir.display()
+        );
+        std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(
+        dir.join(OUT_MARKER),
+        "written by kvtier; replaced as a whole by the next run\n",
+    )
+    .with_context(|| format!("writing into {}", dir.display()))
+}
+
 /// Prints `result` as one JSON object, or as the line `text` makes of it.
 pub(crate) fn emit<T: serde::Serialize>(json: bool, result: &T, text: impl FnOnce(&T) -> String) -> anyhow::Result<()> {
     if json {
@@ -63,4 +88,24 @@ pub(crate) fn median_time(min_runs: usize, min_total: Duration, mut f: impl FnMu
     }
     times.sort_unstable();
     (times[times.len() / 2], times.len())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_output_directory_is_replaced_whole_and_never_one_kvtier_did_not_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        super::fresh_out_dir(&out).unwrap();
+        std::fs::write(out.join("stale.png"), b"an earlier run's plot").unwrap();
+        super::fresh_out_dir(&out).unwrap();
+        assert!(!out.join("stale.png").exists(), "an earlier run's output is cleared");
+        let foreign = dir.path().join("mine");
+        std::fs::create_dir(&foreign).unwrap();
+        std::fs::write(foreign.join("notes.txt"), b"keep me").unwrap();
+        let err = super::fresh_out_dir(&foreign).unwrap_err().to_string();
+        assert!(err.contains("no kvtier run wrote"), "{err}");
+        assert!(foreign.join("notes.txt").exists());
+        super::fresh_out_dir(&dir.path().join("empty")).unwrap();
+    }
 }

@@ -26,6 +26,7 @@ pub(crate) struct TierBenchArgs {
     /// Bytes per page slot (a multiple of 4 KiB).
     #[arg(long, default_value = "64KiB")]
     block_size: ByteSize,
+    /// I/Os in flight at once.
     #[arg(long, default_value_t = 32)]
     queue_depth: u32,
     /// Seconds of random reads.
@@ -37,6 +38,10 @@ pub(crate) struct TierBenchArgs {
     /// auto, uring or psync.
     #[arg(long, default_value = "auto")]
     engine: String,
+    /// Keep the file afterwards (a file this run created is removed).
+    #[arg(long)]
+    keep: bool,
+    /// Print one JSON object instead of a line.
     #[arg(long)]
     json: bool,
 }
@@ -87,6 +92,7 @@ pub(crate) fn run(args: TierBenchArgs) -> anyhow::Result<()> {
         "psync" => EngineChoice::Psync,
         other => bail!("--engine {other:?}: one of auto, uring, psync"),
     };
+    let created = !args.path.exists();
     let tier = NvmeTier::open(NvmeConfig {
         path: args.path.clone(),
         capacity: args.size.0,
@@ -171,9 +177,14 @@ pub(crate) fn run(args: TierBenchArgs) -> anyhow::Result<()> {
         std::hint::spin_loop();
     }
     let read_secs = read_start.elapsed().as_secs_f64();
+    let engine = tier.backend();
+    drop(tier);
+    if created && !args.keep {
+        std::fs::remove_file(&args.path).with_context(|| format!("removing {}", args.path.display()))?;
+    }
     let report = Report {
         tier: args.tier,
-        engine: tier.backend(),
+        engine,
         path: args.path.display().to_string(),
         block_size: block,
         queue_depth: args.queue_depth,

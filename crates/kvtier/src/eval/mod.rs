@@ -40,6 +40,8 @@ pub(crate) struct EvalArgs {
     /// Most recent pages always selected (count against the budget).
     #[arg(long, default_value_t = 1)]
     window: u32,
+    /// How a KV head's query group ranks a page: max (the sound bound over
+    /// the group), mean, or per-query-head (one selection per query head).
     #[arg(long, value_enum, default_value_t = AggregationArg::Max)]
     aggregation: AggregationArg,
     /// Decode positions: the last N positions of the dataset.
@@ -266,7 +268,9 @@ fn evaluate_policies(
     let allocator = Allocator::defaults(&args.allocator)
         .with_context(|| format!("--allocator {}: not one of uniform, pyramid, ada", args.allocator))?;
     let mut rows = Vec::new();
-    for scorer in &scorers {
+    for (i, scorer) in scorers.iter().enumerate() {
+        // Each policy runs the store over every decode position: seconds each.
+        eprintln!("eval: policy {} ({}/{})", names[i], i + 1, scorers.len());
         rows.push(policy::evaluate_policy(
             data,
             *scorer,

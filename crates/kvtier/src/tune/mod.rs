@@ -20,7 +20,7 @@ mod stack;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use anyhow::{Context, ensure};
+use anyhow::ensure;
 use clap::Args;
 use serde::Serialize;
 
@@ -63,7 +63,7 @@ pub(crate) struct TuneArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
-    /// Where the plots go (SVG and PNG).
+    /// Where the plots go (SVG and PNG); replaced as a whole by each run.
     #[arg(long, default_value = "kvtier-tune-out")]
     out: PathBuf,
 }
@@ -230,6 +230,9 @@ struct Report {
     trace: PathBuf,
     /// The share of pages replayed: the recording's sample times `--sample`.
     sample: f64,
+    /// The device tier the recording's timings come from (`gpu`,
+    /// `emulated`), when it says.
+    device: Option<String>,
     /// As `kvtier bench decode` sizes tiers: every lane's pages, plus one.
     working_set_bytes: u64,
     selected_pages: u64,
@@ -307,6 +310,7 @@ pub(crate) fn run(args: TuneArgs) -> anyhow::Result<()> {
     let report = Report {
         trace: args.trace.clone(),
         sample: trace.header.sample * args.sample,
+        device: trace.header.device.clone(),
         working_set_bytes: working_set,
         selected_pages: device.accesses(),
         target_miss: args.target_miss,
@@ -392,7 +396,7 @@ fn print_table(r: &Report, out: &std::path::Path) {
 }
 
 fn plot(r: &Report, out: &std::path::Path) -> anyhow::Result<()> {
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    crate::bench::fresh_out_dir(out)?;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let line = |name: &str, f: fn(&Point) -> f64| Series {
         name: name.to_owned(),
@@ -443,8 +447,13 @@ fn plot(r: &Report, out: &std::path::Path) -> anyhow::Result<()> {
     }
     Chart {
         title: format!(
-            "Predicted decode-step p99 against device size (host {:.0} MiB)",
-            mib(latency.host_bytes)
+            "Predicted decode-step p99 against device size (host {:.0} MiB; timings from a{} device)",
+            mib(latency.host_bytes),
+            match r.device.as_deref() {
+                Some("emulated") => "n emulated",
+                Some(_) => " GPU",
+                None => "n unrecorded",
+            }
         ),
         x_label: "device tier size (MiB)".into(),
         y_label: "step p99 (ms)".into(),
@@ -499,6 +508,7 @@ mod tests {
                 source: "test".into(),
                 sample: 1.0,
                 working_set_bytes: None,
+                device: None,
             },
             shapes: vec![Shape::custom([1, 4, 4, 64], "f16", 16).unwrap()],
             events,

@@ -28,12 +28,16 @@ pub(crate) struct DecodeArgs {
     /// llama3-8b, smollm2-135m, or custom (with --layers ... --dtype).
     #[arg(long, default_value = "smollm2-135m")]
     preset: String,
+    /// Layers (with --preset custom).
     #[arg(long)]
     layers: Option<u32>,
+    /// KV heads per layer (with --preset custom).
     #[arg(long)]
     kv_heads: Option<u32>,
+    /// Query heads per layer, a multiple of the KV heads (with --preset custom).
     #[arg(long)]
     query_heads: Option<u32>,
+    /// Elements per head (with --preset custom).
     #[arg(long)]
     head_dim: Option<u32>,
     /// f32, f16 or bf16 (custom layouts).
@@ -42,18 +46,22 @@ pub(crate) struct DecodeArgs {
     /// Tokens of context before decoding starts.
     #[arg(long, default_value_t = 4096)]
     context: usize,
+    /// Tokens per page.
     #[arg(long, default_value_t = 16)]
     page_size: u32,
     /// Pages selected per KV head per step (sinks and window included).
     #[arg(long, default_value_t = 32)]
     budget_pages: u32,
+    /// Leading pages every selection keeps (attention sinks).
     #[arg(long, default_value_t = 1)]
     sinks: u32,
+    /// Newest pages every selection keeps.
     #[arg(long, default_value_t = 1)]
     window: u32,
     /// Sequences decoding concurrently.
     #[arg(long, default_value_t = 1)]
     sequences: usize,
+    /// Decode steps per sequence (each: every layer's selection and append).
     #[arg(long, default_value_t = 64)]
     steps: usize,
     /// In-process server: device tier as a share of the working set.
@@ -69,11 +77,14 @@ pub(crate) struct DecodeArgs {
     /// Synthetic queries: share of the active query dimensions replaced per step.
     #[arg(long, default_value_t = 0.1)]
     drift: f64,
+    /// Seed of the synthetic keys and queries.
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Open loop: steps per second per sequence, latency from the intended start.
     #[arg(long)]
     rate: Option<f64>,
+    /// Pages ranked next after each selection to promote in the background,
+    /// per KV head (0: no prefetch).
     #[arg(long, default_value_t = 0)]
     prefetch_pages: u32,
     /// Swap-in deadline per SelectPages, microseconds (0: none).
@@ -100,7 +111,8 @@ pub(crate) struct DecodeArgs {
     /// A small run (under a minute here) that produces every miss class.
     #[arg(long)]
     quick: bool,
-    /// Where the report and plots go.
+    /// Where the report, steps.csv and plots go; replaced as a whole by
+    /// each run (refused if it holds files no kvtier run wrote).
     #[arg(long, default_value = "kvtier-bench-out")]
     out: PathBuf,
     /// Print the report as one JSON object.
@@ -162,7 +174,13 @@ struct Report {
     emulated_device: bool,
     steps: u64,
     steps_per_s: f64,
+    /// Open loop: the steps per second each sequence achieved, against
+    /// `config.rate`; when it falls short, latencies include queueing
+    /// behind the schedule.
+    achieved_rate: Option<f64>,
+    rate_missed: bool,
     prefill_seconds: f64,
+    /// Only the classes that occurred.
     classes: std::collections::BTreeMap<&'static str, ClassReport>,
     bytes_moved: BytesMoved,
     prefetch: Prefetch,
@@ -218,6 +236,9 @@ fn report(cfg: RunConfig, m: &Measured) -> Report {
     let mut classes = std::collections::BTreeMap::new();
     for class in Class::ALL {
         let mut steps: Vec<&run::Step> = m.steps.iter().filter(|s| s.class == class).collect();
+        if steps.is_empty() {
+            continue;
+        }
         let h = histogram(steps.iter().map(|s| s.latency_us));
         steps.sort_by_key(|s| s.latency_us);
         let slowest = &steps[steps.len() - steps.len().div_ceil(100).min(steps.len())..];
@@ -239,10 +260,14 @@ fn report(cfg: RunConfig, m: &Measured) -> Report {
     let (b, a) = (&m.before, &m.after);
     let host = (pb::PageState::Cold, pb::Tier::Host);
     let nvme = (pb::PageState::Cold, pb::Tier::Nvme);
+    let steps_per_s = m.steps.len() as f64 / m.wall.as_secs_f64();
+    let achieved_rate = cfg.rate.map(|_| steps_per_s / cfg.sequences as f64);
     Report {
         emulated_device: a.tiers.iter().any(|t| t.tier() == pb::Tier::Device && t.emulated),
         steps: m.steps.len() as u64,
-        steps_per_s: m.steps.len() as f64 / m.wall.as_secs_f64(),
+        steps_per_s,
+        achieved_rate,
+        rate_missed: cfg.rate.zip(achieved_rate).is_some_and(|(want, got)| got < 0.95 * want),
         prefill_seconds: m.prefill_seconds,
         classes,
         bytes_moved: BytesMoved {
@@ -291,6 +316,11 @@ fn print_table(r: &Report) {
         c.queries,
         if r.emulated_device { "  [device EMULATED]" } else { "" }
     );
+    let absent: Vec<&str> = Class::ALL
+        .iter()
+        .map(|c| c.name())
+        .filter(|n| !r.classes.contains_key(n))
+        .collect();
     println!(
         "{:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9}   slowest 1 %, µs: transport + rank + swap host + swap nvme + read + other = select; append",
         "class", "steps", "p50 µs", "p90 µs", "p99 µs", "p99.9 µs", "max µs"
@@ -315,6 +345,9 @@ fn print_table(r: &Report) {
             b.append_us
         );
     }
+    if !absent.is_empty() {
+        println!("{:>6} no steps", absent.join(", "));
+    }
     let m = &r.bytes_moved;
     println!(
         "{:.1} steps/s; device miss ratio {:.4}; moved host→device {:.1} MB, nvme→device {:.1} MB, host→nvme {:.1} MB; served {:.1} MB; read fraction {:.3}; prefetch issued {} used {}",
@@ -331,16 +364,16 @@ fn print_table(r: &Report) {
 }
 
 /// Every step as a CSV row, for looking at outliers.
-fn steps_csv(dir: &std::path::Path, m: &Measured, stem: &str) -> anyhow::Result<()> {
+fn steps_csv(dir: &std::path::Path, m: &Measured, stem: &str, device: &str) -> anyhow::Result<()> {
     let mut out = String::from(
-        "at_s,latency_us,class,select_us,store_us,rank_us,swap_host_us,swap_nvme_us,read_us,append_us,bytes,\
+        "device,at_s,latency_us,class,select_us,store_us,rank_us,swap_host_us,swap_nvme_us,read_us,append_us,bytes,\
          append_store_us,append_max_us,append_lock_wait_us,append_reserve_us,append_migration_wait_us,\
          append_migration_us,append_durability_us,append_policy_us\n",
     );
     for s in &m.steps {
         let a = &s.append;
         out += &format!(
-            "{:.6},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+            "{device},{:.6},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
             s.at,
             s.latency_us,
             s.class.name(),
@@ -366,8 +399,10 @@ fn steps_csv(dir: &std::path::Path, m: &Measured, stem: &str) -> anyhow::Result<
     std::fs::write(&path, out).with_context(|| format!("writing {}", path.display()))
 }
 
-fn plots(dir: &std::path::Path, m: &Measured, stem: &str) -> anyhow::Result<()> {
-    steps_csv(dir, m, stem)?;
+/// The steps as CSV and plots; `device` (`emulated` or `gpu`) is in every
+/// row and every title.
+fn plots(dir: &std::path::Path, m: &Measured, stem: &str, device: &str) -> anyhow::Result<()> {
+    steps_csv(dir, m, stem, device)?;
     let mut cdf = Vec::new();
     let mut time = Vec::new();
     for class in Class::ALL {
@@ -405,7 +440,7 @@ fn plots(dir: &std::path::Path, m: &Measured, stem: &str) -> anyhow::Result<()> 
         });
     }
     Chart {
-        title: "Step latency CDF by miss class".into(),
+        title: format!("Step latency CDF by miss class (device {device})"),
         x_label: "step latency (µs, log)".into(),
         y_label: "fraction of steps".into(),
         log_x: true,
@@ -414,7 +449,7 @@ fn plots(dir: &std::path::Path, m: &Measured, stem: &str) -> anyhow::Result<()> 
     }
     .write(dir, &format!("{stem}cdf"))?;
     Chart {
-        title: "Step latency over time".into(),
+        title: format!("Step latency over time (device {device})"),
         x_label: "time since the first step (s)".into(),
         y_label: "step latency (µs, log)".into(),
         log_x: false,
@@ -507,7 +542,7 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
 /// the header (sized against the working set as this run sized its tiers),
 /// each sequence's shape and prefill, then every selection and append in
 /// the order they finished.
-fn write_trace(path: &std::path::Path, cfg: &RunConfig, m: &Measured) -> anyhow::Result<()> {
+fn write_trace(path: &std::path::Path, cfg: &RunConfig, m: &Measured, emulated: bool) -> anyhow::Result<()> {
     use std::io::Write;
     let s = &cfg.shape;
     let pages_per_lane = (cfg.context + cfg.steps).div_ceil(s.page_size as usize) as u64;
@@ -517,6 +552,7 @@ fn write_trace(path: &std::path::Path, cfg: &RunConfig, m: &Measured) -> anyhow:
         source: "bench decode".into(),
         sample: 1.0,
         working_set_bytes: Some(lanes * (pages_per_lane + 1) * s.page_bytes() as u64),
+        device: Some(if emulated { "emulated" } else { "gpu" }.into()),
     };
     let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut out = std::io::BufWriter::new(file);
@@ -571,6 +607,21 @@ fn write_trace(path: &std::path::Path, cfg: &RunConfig, m: &Measured) -> anyhow:
     Ok(())
 }
 
+fn device_label(r: &Report) -> &'static str {
+    if r.emulated_device { "emulated" } else { "gpu" }
+}
+
+/// An open-loop run whose sequences fell behind their schedule measured
+/// queueing too: say so, where it cannot be missed.
+fn warn_if_rate_missed(r: &Report) {
+    if let (true, Some(want), Some(got)) = (r.rate_missed, r.config.rate, r.achieved_rate) {
+        eprintln!(
+            "warning: open loop at {want} steps/s per sequence, but {got:.1} were achieved: the steps fell behind \
+             their schedule, so their latencies include time queued behind it (lower --rate to measure the steps alone)"
+        );
+    }
+}
+
 /// Applies `name=value` to a copy of the arguments.
 fn with_param(args: &DecodeArgs, name: &str, value: &str) -> anyhow::Result<DecodeArgs> {
     let mut a = args.clone();
@@ -591,16 +642,16 @@ fn with_param(args: &DecodeArgs, name: &str, value: &str) -> anyhow::Result<Deco
 }
 
 pub(crate) fn run(args: DecodeArgs) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    super::fresh_out_dir(&args.out)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let Some(sweep) = &args.sweep else {
         let cfg = config(&args)?;
         let measured = runtime.block_on(run::run(cfg.clone()))?;
-        plots(&args.out, &measured, "")?;
+        let r = report(cfg.clone(), &measured);
+        plots(&args.out, &measured, "", device_label(&r))?;
         if let Some(path) = &args.trace {
-            write_trace(path, &cfg, &measured)?;
+            write_trace(path, &cfg, &measured, r.emulated_device)?;
         }
-        let r = report(cfg, &measured);
         std::fs::write(args.out.join("report.json"), serde_json::to_string_pretty(&r)?)?;
         if args.json {
             println!("{}", serde_json::to_string(&r)?);
@@ -608,10 +659,23 @@ pub(crate) fn run(args: DecodeArgs) -> anyhow::Result<()> {
             print_table(&r);
             eprintln!("report and plots in {}", args.out.display());
         }
+        warn_if_rate_missed(&r);
         // The quick run is the CI smoke test of the miss paths: one that
         // missed a class has tested less than it claims.
-        if let Some((name, _)) = r.classes.iter().find(|(_, k)| args.quick && k.count == 0) {
-            bail!("the --quick run produced no {name} step; its tier sizes no longer exercise every miss class");
+        if let Some(name) = Class::ALL
+            .iter()
+            .map(|c| c.name())
+            .find(|n| args.quick && !r.classes.contains_key(n))
+        {
+            match &args.addr {
+                Some(addr) => bail!(
+                    "the --quick run produced no {name} step: the server at {addr} has its own tier sizes, \
+                     and --quick sizes only its in-process server's"
+                ),
+                None => {
+                    bail!("the --quick run produced no {name} step; its tier sizes no longer exercise every miss class")
+                }
+            }
         }
         return Ok(());
     };
@@ -629,24 +693,27 @@ pub(crate) fn run(args: DecodeArgs) -> anyhow::Result<()> {
             dots: false,
         })
         .collect();
+    let mut device = "emulated";
     for value in values.split(',') {
         let cfg = config(&with_param(&args, name, value)?)?;
         let measured = runtime.block_on(run::run(cfg.clone()))?;
-        plots(&args.out, &measured, &format!("{name}-{value}-"))?;
+        let r = report(cfg.clone(), &measured);
+        device = device_label(&r);
+        plots(&args.out, &measured, &format!("{name}-{value}-"), device)?;
         let all = histogram(measured.steps.iter().map(|s| s.latency_us));
         let x: f64 = value.parse()?;
         for (series, q) in lines.iter_mut().zip([0.5, 0.99, 0.999]) {
             series.points.push((x, all.value_at_quantile(q) as f64));
         }
-        let r = report(cfg, &measured);
         if !args.json {
             println!("== {name} = {value}");
             print_table(&r);
         }
+        warn_if_rate_missed(&r);
         rows.push(serde_json::json!({ "param": name, "value": x, "report": r }));
     }
     Chart {
-        title: format!("Step latency against {name}"),
+        title: format!("Step latency against {name} (device {device})"),
         x_label: name.into(),
         y_label: "step latency (µs, log)".into(),
         log_x: false,

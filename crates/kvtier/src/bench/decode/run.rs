@@ -223,7 +223,13 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
 }
 
 /// Prefills `context` tokens of every layer, in messages of about 16 MiB.
-async fn prefill(client: &mut Client, seq: &str, data: &SequenceData, cfg: &RunConfig) -> anyhow::Result<()> {
+async fn prefill(
+    client: &mut Client,
+    seq: &str,
+    data: &SequenceData,
+    cfg: &RunConfig,
+    done: &Mutex<usize>,
+) -> anyhow::Result<()> {
     let s = &cfg.shape;
     let per_token = s.kv_heads as usize * 2 * s.row_bytes();
     let chunk_pages = ((16 << 20) / (per_token * s.page_size as usize)).max(1);
@@ -246,6 +252,7 @@ async fn prefill(client: &mut Client, seq: &str, data: &SequenceData, cfg: &RunC
             .put_page_stream(writes)
             .await
             .with_context(|| format!("prefilling layer {layer}"))?;
+        *done.lock().unwrap_or_else(|p| p.into_inner()) += 1;
     }
     Ok(())
 }
@@ -422,8 +429,9 @@ fn checkpoint_at(store: Arc<Store>, done: Arc<Mutex<usize>>, at: usize) {
     });
 }
 
-/// Prints a progress bar on stderr while steps run, when the run is long.
-fn progress_bar(done: Arc<Mutex<usize>>, total: usize) -> tokio::task::JoinHandle<()> {
+/// Prints a progress bar on stderr while a phase runs (`what`: its unit),
+/// once it has taken more than a few seconds.
+fn progress_bar(done: Arc<Mutex<usize>>, total: usize, what: &'static str) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let start = Instant::now();
         loop {
@@ -432,7 +440,7 @@ fn progress_bar(done: Arc<Mutex<usize>>, total: usize) -> tokio::task::JoinHandl
             if start.elapsed() > Duration::from_secs(3) {
                 let filled = 30 * n / total.max(1);
                 eprint!(
-                    "\r[{}{}] {n}/{total} steps",
+                    "\r[{}{}] {n}/{total} {what}",
                     "#".repeat(filled),
                     " ".repeat(30 - filled)
                 );
@@ -452,6 +460,12 @@ pub(crate) async fn run(cfg: RunConfig) -> anyhow::Result<Measured> {
     let mut client = Client::connect(target.addr.clone()).await?;
     let cfg = Arc::new(cfg);
     let prefill_start = Instant::now();
+    let prefilled = Arc::new(Mutex::new(0));
+    let prefill_bar = progress_bar(
+        Arc::clone(&prefilled),
+        cfg.sequences * cfg.shape.layers as usize,
+        "layers prefilled",
+    );
     let mut sequences = Vec::new();
     for i in 0..cfg.sequences {
         let seq = format!("bench-{}-{i}", std::process::id());
@@ -463,13 +477,14 @@ pub(crate) async fn run(cfg: RunConfig) -> anyhow::Result<Measured> {
             cfg.budget_pages as usize,
         );
         client.create_sequence(&seq, cfg.shape.layout(), vec![]).await?;
-        prefill(&mut client, &seq, &data, &cfg).await?;
+        prefill(&mut client, &seq, &data, &cfg, &prefilled).await?;
         sequences.push((seq, data));
     }
+    prefill_bar.await?;
     let prefill_seconds = prefill_start.elapsed().as_secs_f64();
     let before = client.stats().await?;
     let progress = Arc::new(Mutex::new(0));
-    let bar = progress_bar(Arc::clone(&progress), cfg.steps * cfg.sequences);
+    let bar = progress_bar(Arc::clone(&progress), cfg.steps * cfg.sequences, "steps");
     let start = Instant::now();
     let tasks: Vec<_> = sequences
         .into_iter()
