@@ -85,6 +85,7 @@ pub(crate) struct FetchBenchArgs {
     /// plane too (the in-process server always offers one).
     #[arg(long, value_name = "PATH")]
     shm_socket: Option<std::path::PathBuf>,
+    /// Print one JSON object.
     #[arg(long)]
     json: bool,
 }

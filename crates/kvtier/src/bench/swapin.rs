@@ -24,8 +24,10 @@ pub(crate) struct SwapinBenchArgs {
     /// kernel or copy_engine (on a GPU).
     #[arg(long, default_value = "kernel")]
     path: String,
+    /// At least this many timed swap-ins (after one warm-up); the median counts.
     #[arg(long, default_value_t = 20)]
     runs: usize,
+    /// Print one JSON object.
     #[arg(long)]
     json: bool,
 }
