@@ -49,6 +49,7 @@ impl Drop for EchoServerHandle {
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct EchoArgs {
+    /// Where to listen (port 0: any free one; the address is printed).
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: std::net::SocketAddr,
 }

@@ -17,8 +17,10 @@ pub(crate) struct SelectBenchArgs {
     /// Pages in the digest column (one lane).
     #[arg(long, default_value_t = 65536)]
     pages: usize,
+    /// Elements per key row.
     #[arg(long, default_value_t = 128)]
     head_dim: usize,
+    /// The keys' element type (digests are kept in it).
     #[arg(long, value_enum, default_value_t = DTypeArg::F16)]
     dtype: DTypeArg,
     /// Query heads per KV head scored in the same pass (GQA group).
