@@ -8,6 +8,7 @@ pub mod chunked;
 pub mod digest;
 pub mod dtype;
 pub mod error;
+pub mod hash;
 pub mod ids;
 pub mod lane;
 pub mod layout;

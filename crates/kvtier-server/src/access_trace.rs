@@ -28,8 +28,17 @@ pub(crate) fn config(r: &pb::SetAccessTraceRequest, settings: &TraceSettings) ->
     let millis = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
+    // A new name: an earlier recording (started in the same millisecond) is
+    // never overwritten.
+    let path = (0..)
+        .map(|n| match n {
+            0 => dir.join(format!("access-{millis}.trace")),
+            n => dir.join(format!("access-{millis}-{n}.trace")),
+        })
+        .find(|p| !p.exists())
+        .unwrap_or_else(|| dir.join(format!("access-{millis}.trace")));
     Ok(TraceConfig {
-        path: dir.join(format!("access-{millis}.trace")),
+        path,
         sample,
         max_bytes: match r.max_bytes {
             0 => settings.max_bytes,

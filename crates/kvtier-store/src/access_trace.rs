@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use kvtier_core::hash::mix64;
 use kvtier_core::{ColdTier, Layout, PageState, SequenceKey, wire};
 use serde::{Deserialize, Serialize};
 
@@ -75,6 +76,9 @@ pub enum TraceRecord {
     /// Pages a write placed (new pages; an append that only fills a
     /// partial page lists none).
     Write(Access),
+    /// The sequence was dropped: a sequence created again under the same
+    /// name is another one (with its own `sequence` record).
+    Drop { t_us: u64, seq: u64 },
     /// Why the recording stopped before it was stopped, and what it
     /// dropped.
     End { reason: String, dropped: u64 },
@@ -86,9 +90,12 @@ pub struct Access {
     /// Microseconds since the recording began.
     pub t_us: u64,
     pub seq: u64,
+    /// The stored layer: layers that share one KV (a layer group) are
+    /// recorded as the group's first layer, so their pages are one page.
     pub layer: u32,
     /// The decode step: the layer's position (tokens before the call's
-    /// first row) — a step's layers share it.
+    /// first row) — a step's layers share it. A write's step is where it
+    /// began.
     pub step: u64,
     pub heads: Vec<HeadPages>,
     /// A read that made its pages hot (a swap-in): the device tier saw it.
@@ -205,6 +212,14 @@ pub(crate) struct Tracer {
     recorder: Arc<Recorder>,
     seq: u64,
     layout: Arc<Layout>,
+}
+
+/// A store that goes away finishes its recording: everything queued is
+/// written and the file flushed.
+impl Drop for AccessTrace {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 impl AccessTrace {
@@ -335,27 +350,44 @@ fn status_of(config: TraceConfig, counts: &Counts, recording: bool) -> TraceStat
 }
 
 impl Tracer {
-    /// Whether the sample keeps this page's accesses.
+    /// Whether the sample keeps this page's accesses (`layer` stored).
     pub(crate) fn keeps(&self, layer: u32, head: u32, page: u32) -> bool {
         let Some(below) = self.recorder.keep_below else {
             return true;
         };
-        let key = self.seq ^ (u64::from(layer) << 53) ^ (u64::from(head) << 32) ^ u64::from(page);
-        mix(key) < below
+        let key = mix64(mix64(mix64(self.seq ^ u64::from(layer)) ^ u64::from(head)) ^ u64::from(page));
+        key < below
     }
 
-    /// An access with no pages yet, stamped now.
+    /// The layer a record names for `layer`: its layer group's first.
+    pub(crate) fn stored_layer(&self, layer: u32) -> u32 {
+        self.layout.group_of(layer).map_or(layer, |g| g.first_layer)
+    }
+
+    fn now_us(&self) -> u64 {
+        self.recorder.started.elapsed().as_micros() as u64
+    }
+
+    /// An access of `layer` with no pages yet, stamped now.
     pub(crate) fn access(&self, layer: u32, step: u64, us: u64) -> Access {
         Access {
-            t_us: self.recorder.started.elapsed().as_micros() as u64,
+            t_us: self.now_us(),
             seq: self.seq,
-            layer,
+            layer: self.stored_layer(layer),
             step,
             heads: Vec::new(),
             hot: false,
             us,
             swap: None,
         }
+    }
+
+    /// Records that the sequence was dropped.
+    pub(crate) fn dropped(&self) {
+        self.record(TraceRecord::Drop {
+            t_us: self.now_us(),
+            seq: self.seq,
+        });
     }
 
     /// Hands `record` to the writer; drops it if the writer is behind.
@@ -370,13 +402,6 @@ impl Tracer {
     }
 }
 
-/// A 64-bit mixer (splitmix64's finaliser): page hashes spread uniformly.
-fn mix(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
 /// The writer thread: each sequence's shape before its first access, then
 /// the records, until the senders are gone or the size bound is reached.
 fn write_records(rx: Receiver<Event>, mut out: std::io::BufWriter<std::fs::File>, counts: &Counts, max_bytes: u64) {
@@ -387,12 +412,13 @@ fn write_records(rx: Receiver<Event>, mut out: std::io::BufWriter<std::fs::File>
             counts.dropped.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        let seq = match &event.record {
-            TraceRecord::Read(a) | TraceRecord::Write(a) => a.seq,
-            _ => continue,
+        let (seq, access) = match &event.record {
+            TraceRecord::Read(a) | TraceRecord::Write(a) => (a.seq, true),
+            TraceRecord::Drop { seq, .. } => (*seq, false),
+            TraceRecord::Sequence { .. } | TraceRecord::End { .. } => continue,
         };
         let mut lines = String::new();
-        if !seen.contains(&seq) {
+        if access && !seen.contains(&seq) {
             let l = &event.layout;
             let shape = TraceRecord::Sequence {
                 seq,
@@ -414,7 +440,11 @@ fn write_records(rx: Receiver<Event>, mut out: std::io::BufWriter<std::fs::File>
             failed = Some(e.to_string());
             continue;
         }
-        seen.insert(seq);
+        if access {
+            seen.insert(seq);
+        } else {
+            seen.remove(&seq);
+        }
         counts.bytes.fetch_add(lines.len() as u64, Ordering::Relaxed);
         counts.records.fetch_add(1, Ordering::Relaxed);
     }

@@ -23,7 +23,8 @@ pub(crate) struct Event {
 #[derive(Debug)]
 pub(crate) struct Trace {
     pub(crate) header: TraceHeader,
-    /// Each sequence's shape, in order of appearance.
+    /// Each sequence's shape, in order of appearance (a name dropped and
+    /// created again counts twice).
     pub(crate) shapes: Vec<Shape>,
     /// Reads and writes, in the order recorded.
     pub(crate) events: Vec<Event>,
@@ -82,6 +83,11 @@ impl Trace {
                 }
                 TraceRecord::End { reason, dropped } => {
                     trace.ended = Some((reason, dropped));
+                    continue;
+                }
+                // A sequence created again under the name is another one.
+                TraceRecord::Drop { seq, .. } => {
+                    index.remove(&seq);
                     continue;
                 }
                 TraceRecord::Read(a) => (false, a),

@@ -240,6 +240,46 @@ async fn recordings_over_grpc_are_sampled_bounded_and_for_admins() {
         "kept {kept} of the pages at a rate of 0.5"
     );
 
+    // A name dropped and created again with another layout is another
+    // sequence: the recording describes it again, and tune reads both.
+    admin.start_access_trace(1.0, 0).await.unwrap();
+    for (layers, heads) in [(2, 2), (3, 1)] {
+        let layout = kvtier_client::layout(layers, heads, heads * 2, 8, pb::DType::DtypeF16, 16);
+        tenant.create_sequence("again", layout, vec![]).await.unwrap();
+        let kv = vec![1u8; heads as usize * 32 * 2 * 8 * 2];
+        tenant
+            .put_pages("again", layers - 1, 0..heads, 0, 32, kv.into())
+            .await
+            .unwrap();
+        let req = pb::FetchPagesRequest {
+            sequence_id: "again".into(),
+            layer: layers - 1,
+            kv_head_count: heads,
+            ..Default::default()
+        };
+        tenant.fetch(req).await.unwrap();
+        tenant.drop_sequence("again").await.unwrap();
+    }
+    let stopped = admin.stop_access_trace().await.unwrap();
+    let (_, recorded) = records(Path::new(&stopped.path));
+    let shapes: Vec<[u32; 4]> = recorded
+        .iter()
+        .filter_map(|r| match r {
+            TraceRecord::Sequence { shape, .. } => Some(*shape),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(shapes, [[2, 2, 4, 8], [3, 1, 2, 8]]);
+    assert_eq!(
+        recorded
+            .iter()
+            .filter(|r| matches!(r, TraceRecord::Drop { .. }))
+            .count(),
+        2
+    );
+    let plots = dir.path().join("tune-again");
+    kvtier(&["tune", &stopped.path, "--json", "--out", plots.to_str().unwrap()]);
+
     // Bounded: the file stops at its bound and says so.
     let started = admin.start_access_trace(1.0, 2048).await.unwrap();
     workload(&mut tenant).await;

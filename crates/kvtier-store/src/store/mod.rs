@@ -38,8 +38,9 @@
 //!    appended while its placement (or its sequence's) lock is held, so the
 //!    journal orders them as the changes happened.
 //!
-//! The LRUs (`host.rs`, `device/`), the leases and the workers' queue are
-//! leaves: held alone, for one update, never while a page's lock is held
+//! The LRUs (`host.rs`, `device/`), the leases, the workers' queue and the
+//! access trace's recorder (`access_trace.rs`: read-locked to clone a
+//! handle, its channel never waited on) are leaves: held alone, for one update, never while a page's lock is held
 //! and never with another lock taken under them (a reader touches the LRU
 //! after releasing the page; migration and demotion pop one entry at a
 //! time, then take the page's lock).

@@ -73,6 +73,9 @@ impl Store {
         // created again under the key journals its start after it.
         seq.dropped = true;
         self.durable.journal(|| vec![Record::Drop { key: key.clone() }]);
+        if let Some(tracer) = self.tracer(&seq) {
+            tracer.dropped();
+        }
         self.catalog.remove(key);
         self.release_pages(&mut seq);
         drop(seq);

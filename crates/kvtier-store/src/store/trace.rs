@@ -74,7 +74,7 @@ impl Tracer {
         });
         for &(head, lane) in lanes {
             let pages = tiers.range((lane, 0)..(lane + 1, 0)).map(|(&(_, p), &t)| (p as u32, t));
-            access.heads.push(self.head_pages(layer, head, pages));
+            access.heads.push(self.head_pages(access.layer, head, pages));
         }
         self.record(TraceRecord::Read(access));
     }
@@ -94,7 +94,7 @@ impl Tracer {
                 .iter()
                 .filter(|(h, ..)| *h == head)
                 .map(|&(_, p, s)| (p, tier_letter(s)));
-            access.heads.push(self.head_pages(layer, head, of_head));
+            access.heads.push(self.head_pages(access.layer, head, of_head));
         }
         access.heads.retain(|h| !h.pages.is_empty());
         self.record(TraceRecord::Read(access));
@@ -116,12 +116,15 @@ impl Tracer {
                 .push((page as u32, tier));
         }
         for (head, pages) in by_head {
-            access.heads.push(self.head_pages(layer, head, pages.into_iter()));
+            access
+                .heads
+                .push(self.head_pages(access.layer, head, pages.into_iter()));
         }
         self.record(TraceRecord::Write(access));
     }
 
-    /// The sampled pages of one head, with their tiers.
+    /// The sampled pages of one head of stored layer `layer`, with their
+    /// tiers.
     fn head_pages(&self, layer: u32, head: u32, pages: impl Iterator<Item = (u32, char)>) -> HeadPages {
         let (pages, from) = pages.filter(|&(p, _)| self.keeps(layer, head, p)).unzip();
         HeadPages { head, pages, from }

@@ -24,6 +24,8 @@ use anyhow::ensure;
 use clap::Args;
 use serde::Serialize;
 
+use kvtier_core::hash::mix64;
+
 use crate::bench::plot::{Chart, Series};
 use crate::trace::{Event, Trace};
 use latency::{LatencyModel, Read};
@@ -74,16 +76,12 @@ type PageKey = (u32, u32, u32, u32);
 /// Whether a replay sampled at `rate` keeps `key` (all of its accesses or
 /// none). Seeded apart from the recorder's hash, so that both samplings
 /// compose to the product of their rates.
-fn keeps(key: PageKey, rate: f64) -> bool {
-    if rate >= 1.0 {
-        return true;
-    }
-    let (s, l, h, p) = key;
-    let mut x = (u64::from(s) << 40 ^ u64::from(l) << 24 ^ u64::from(h) << 16 ^ u64::from(p))
-        .wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    (x ^ (x >> 31)) < (rate * 2f64.powi(64)) as u64
+fn keeps((s, l, h, p): PageKey, rate: f64) -> bool {
+    const SEED: u64 = 0x9e37_79b9_7f4a_7c15;
+    let hash = [l, h, p]
+        .iter()
+        .fold(mix64(u64::from(s) ^ SEED), |x, &v| mix64(x ^ u64::from(v)));
+    kvtier_core::hash::keeps(hash, rate)
 }
 
 /// The access stream, replayed into each tier's stack distances.
@@ -96,22 +94,27 @@ struct Replay {
 }
 
 impl Replay {
-    /// A write puts the page in both tiers; it is not a hit or a miss.
-    fn write(&mut self, key: PageKey, bytes: u64) {
-        if self.device.access(key, bytes, false).is_none() {
+    /// Host memory sees every access: its first one of a page counts the
+    /// page's bytes.
+    fn host_access(&mut self, key: PageKey, bytes: u64, counted: bool) -> Option<u64> {
+        let need = self.host.access(key, bytes, counted);
+        if need.is_none() {
             self.distinct_bytes += bytes;
         }
-        self.host.access(key, bytes, false);
+        need
+    }
+
+    /// A write puts the page in both tiers; it is not a hit or a miss.
+    fn write(&mut self, key: PageKey, bytes: u64) {
+        self.device.access(key, bytes, false);
+        self.host_access(key, bytes, false);
     }
 
     /// A page a selection of step `step` made hot: on the device afterwards.
     /// `served`: where the recording says it came from, if it says.
     fn read_hot(&mut self, key: PageKey, bytes: u64, step: u32, served: Option<char>) {
         let device = self.device.access(key, bytes, true);
-        if device.is_none() {
-            self.distinct_bytes += bytes;
-        }
-        let host = self.host.access(key, bytes, true);
+        let host = self.host_access(key, bytes, true);
         self.reads.push(Read {
             step,
             device,
@@ -122,9 +125,7 @@ impl Replay {
 
     /// A page read where it is (a fetch): host memory sees it.
     fn read_in_place(&mut self, key: PageKey, bytes: u64) {
-        if self.host.access(key, bytes, true).is_none() {
-            self.distinct_bytes += bytes;
-        }
+        self.host_access(key, bytes, true);
     }
 }
 
@@ -162,17 +163,21 @@ fn replay(trace: &Trace, rate: f64) -> Replayed {
         distinct_bytes: 0,
     };
     // A decode step is a sequence's layers at one position, in order of
-    // first appearance.
+    // first appearance; only steps with a swap-in are decode steps (a
+    // prefill's writes are not).
     let mut steps: HashMap<(usize, u64), u32> = HashMap::new();
     let mut base_us: Vec<f64> = Vec::new();
+    let mut decode: Vec<bool> = Vec::new();
     let (mut host, mut nvme) = ((0u64, 0u64), (0u64, 0u64)); // (pages, µs)
     let mut timed = true;
     for e in &trace.events {
         let a = &e.access;
         let step = *steps.entry((e.sequence, a.step)).or_insert_with(|| {
             base_us.push(0.0);
+            decode.push(false);
             (base_us.len() - 1) as u32
         });
+        decode[step as usize] |= a.hot && !e.write;
         let swap = a.swap.unwrap_or_default();
         timed &= !a.hot || a.swap.is_some();
         base_us[step as usize] += a.us.saturating_sub(swap.host_us + swap.nvme_us) as f64;
@@ -187,12 +192,24 @@ fn replay(trace: &Trace, rate: f64) -> Replayed {
             }
         }
     }
+    // Renumber the decode steps; every counted read is in one.
+    let mut renumbered = Vec::with_capacity(decode.len());
+    let mut decode_us = Vec::new();
+    for (us, is_decode) in base_us.into_iter().zip(decode) {
+        renumbered.push(decode_us.len() as u32);
+        if is_decode {
+            decode_us.push(us);
+        }
+    }
+    for read in &mut r.reads {
+        read.step = renumbered[read.step as usize];
+    }
     let per_page = |(pages, us): (u64, u64)| (pages > 0).then(|| us as f64 / pages as f64);
     Replayed {
         device: r.device.curve(),
         host: r.host.curve(),
         latency: LatencyModel {
-            base_us: if timed { base_us } else { Vec::new() },
+            base_us: if timed { decode_us } else { Vec::new() },
             reads: r.reads,
             read_weight: scale,
             host_page_us: per_page(host),
@@ -273,6 +290,17 @@ pub(crate) fn run(args: TuneArgs) -> anyhow::Result<()> {
     // The bytes the recording sized its tiers by, or those it touched.
     let working_set = trace.header.working_set_bytes.unwrap_or(distinct_bytes).max(1);
     let host_bytes = args.host_bytes.map_or(working_set, |b| b.0);
+    // Predicting latency down to no device needs what a swap-in from each
+    // tier costs; a recording that never swapped in from one cannot say.
+    let timed = timed
+        && match latency.quantile_us(0.99, 0, host_bytes) {
+            Ok(_) => true,
+            Err(e) if args.target_p99_ms.is_none() => {
+                eprintln!("note: no latency predictions: {e}");
+                false
+            }
+            Err(e) => return Err(e.context("--target-p99-ms")),
+        };
     let point = |fraction: f64| -> anyhow::Result<Point> {
         let bytes = (working_set as f64 * fraction) as u64;
         let quantile = |q| -> anyhow::Result<Option<f64>> {
@@ -514,6 +542,46 @@ mod tests {
             events,
             ended: None,
         }
+    }
+
+    /// A prefill (writes only, however slow) is not a decode step: the
+    /// latency quantiles are over the steps that selected pages.
+    #[test]
+    fn writes_alone_make_no_decode_step() {
+        let mut trace = skewed_trace(64, 100);
+        for (i, e) in trace.events.iter_mut().enumerate() {
+            e.access.us = 100;
+            e.access.step = 1_000 + i as u64;
+            e.access.swap = Some(Default::default());
+        }
+        let prefill = Event {
+            sequence: 0,
+            write: true,
+            access: Access {
+                t_us: 0,
+                seq: 7,
+                layer: 0,
+                step: 0,
+                heads: vec![HeadPages {
+                    head: 0,
+                    pages: (0..64).collect(),
+                    from: String::new(),
+                }],
+                hot: false,
+                us: 5_000_000,
+                swap: None,
+            },
+        };
+        trace.events.insert(0, prefill);
+        let latency = replay(&trace, 1.0).latency;
+        assert_eq!(latency.base_us.len(), 100, "one decode step per selection");
+        let full = 1 << 30;
+        let with_costs = LatencyModel {
+            host_page_us: Some(1.0),
+            nvme_page_us: Some(1.0),
+            ..latency
+        };
+        assert!(with_costs.quantile_us(1.0, full, full).unwrap() < 1_000.0);
     }
 
     #[test]
