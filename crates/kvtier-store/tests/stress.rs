@@ -46,11 +46,9 @@ fn key(name: &str) -> SequenceKey {
     SequenceKey::parse("t", name).unwrap()
 }
 
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
+/// One SplitMix64 step: the golden-ratio increment, then the mixer.
+fn mix(x: u64) -> u64 {
+    kvtier_core::hash::mix64(x.wrapping_add(0x9e37_79b9_7f4a_7c15))
 }
 
 /// One row (K, or V with `value`) of `name`'s `lane` at `pos`: a function of

@@ -249,7 +249,9 @@ impl Store {
             let policy = Instant::now();
             self.run_auto_policy(seq, req.layer);
             appended.timing.policy_us = micros(policy.elapsed());
-            self.trace_write(seq, req.layer, step, &opened, start);
+            // Timed from the lock, as a selection is: waiting for another
+            // call on the sequence is that call's time.
+            self.trace_write(seq, req.layer, step, &opened, locked);
             appended.timing.lock_wait_us = micros(locked - start);
             Ok(appended)
         })?;

@@ -52,11 +52,9 @@ pub fn prefix_hashes(doc: u8) -> Vec<bytes::Bytes> {
         .collect()
 }
 
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
+/// One SplitMix64 step: the golden-ratio increment, then the mixer.
+fn mix(x: u64) -> u64 {
+    kvtier_core::hash::mix64(x.wrapping_add(0x9e37_79b9_7f4a_7c15))
 }
 
 /// What a page is, as far as the model knows.
