@@ -7,36 +7,32 @@ use kvtier_store::{TraceConfig, TraceStatus};
 use tonic::Status;
 
 use crate::service::TraceSettings;
-use crate::status::invalid;
+use crate::status::{invalid, to_status};
 
 /// A start request's recording: sampled as asked, bounded as asked or by
-/// the server's default, in a new file under the server's trace directory.
+/// the server's default, in a new file under the server's trace directory
+/// (created by the store, once it accepts the recording).
 pub(crate) fn config(r: &pb::SetAccessTraceRequest, settings: &TraceSettings) -> Result<TraceConfig, Status> {
-    let sample = match r.sample_rate {
-        0.0 => 1.0,
-        s if s > 0.0 && s <= 1.0 => s,
-        s => return Err(invalid(wire::SAMPLE_RATE, format!("is {s}, a share in (0, 1] needed"))),
-    };
+    let sample = if r.sample_rate == 0.0 { 1.0 } else { r.sample_rate };
+    kvtier_store::check_sample(sample).map_err(to_status)?;
     let dir = settings.dir.as_ref().ok_or_else(|| {
         Status::failed_precondition(format!(
             "{}: this server has no trace directory (set access_trace.dir)",
             wire::RECORD.path
         ))
     })?;
-    std::fs::create_dir_all(dir)
-        .map_err(|e| Status::unavailable(format!("creating the trace directory {}: {e}", dir.display())))?;
     let millis = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
     // A new name: an earlier recording (started in the same millisecond) is
     // never overwritten.
-    let path = (0..)
-        .map(|n| match n {
-            0 => dir.join(format!("access-{millis}.trace")),
-            n => dir.join(format!("access-{millis}-{n}.trace")),
-        })
-        .find(|p| !p.exists())
-        .unwrap_or_else(|| dir.join(format!("access-{millis}.trace")));
+    let mut path = dir.join(format!("access-{millis}.trace"));
+    for n in 1.. {
+        if !path.exists() {
+            break;
+        }
+        path = dir.join(format!("access-{millis}-{n}.trace"));
+    }
     Ok(TraceConfig {
         path,
         sample,

@@ -142,12 +142,24 @@ pub fn tier_letter(state: PageState) -> char {
 /// Where and how much to record.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TraceConfig {
-    /// Created (or truncated) when the recording starts.
+    /// Created (or truncated), with its directory, when the recording starts.
     pub path: PathBuf,
     /// The share of pages whose accesses are kept, in (0, 1].
     pub sample: f64,
     /// The file stops growing here.
     pub max_bytes: u64,
+}
+
+/// Refuses a sample rate outside (0, 1], naming the request's field.
+pub fn check_sample(sample: f64) -> StoreResult<()> {
+    if sample > 0.0 && sample <= 1.0 {
+        Ok(())
+    } else {
+        Err(StoreError::invalid(
+            wire::SAMPLE_RATE.path,
+            format!("is {sample}, a share in (0, 1] needed"),
+        ))
+    }
 }
 
 /// A recording, running or finished.
@@ -237,12 +249,7 @@ impl AccessTrace {
     }
 
     pub(crate) fn start(&self, config: TraceConfig, source: &str, device: &str) -> StoreResult<TraceStatus> {
-        if !(config.sample > 0.0 && config.sample <= 1.0) {
-            return Err(StoreError::invalid(
-                wire::SAMPLE_RATE.path,
-                format!("is {}, a share in (0, 1] needed", config.sample),
-            ));
-        }
+        check_sample(config.sample)?;
         let mut current = write(&self.current);
         if let Some(r) = current.as_ref() {
             return Err(StoreError::precondition(
@@ -265,6 +272,9 @@ impl AccessTrace {
                 message: format!("{}: {e}", config.path.display()),
             })
         };
+        if let Some(dir) = config.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
         let file = std::fs::File::create(&config.path).map_err(io)?;
         let (tx, rx) = sync_channel(CHANNEL_RECORDS);
         let counts = Arc::new(Counts::default());

@@ -24,7 +24,8 @@ mod store;
 mod sync;
 
 pub use access_trace::{
-    Access, HeadPages, SwapTiming, TRACE_FORMAT, TraceConfig, TraceHeader, TraceRecord, TraceStatus, tier_letter,
+    Access, HeadPages, SwapTiming, TRACE_FORMAT, TraceConfig, TraceHeader, TraceRecord, TraceStatus, check_sample,
+    tier_letter,
 };
 pub use accounts::{Limits, OverLimit, Quota, Usage};
 pub use catalog::HeadRange;

@@ -162,9 +162,8 @@ impl Store {
         self.device.touch(hot);
         Counters::add(&self.counters.bytes_read, (buf.used() - before) as u64);
         if let Some(tracer) = self.tracer(seq) {
-            let lanes: Vec<(u32, usize)> = seq.lanes_of(req.layer, seq.check_heads(req.heads)?).collect();
-            let pages: Vec<_> = out.iter().map(|p| (p.kv_head, p.page, p.state)).collect();
-            tracer.fetch(seq, req.layer, &lanes, &pages, micros(start.elapsed()));
+            let states = out.iter().map(|p| p.state);
+            tracer.fetch(seq, req.layer, chosen, states, micros(start.elapsed()));
         }
         Ok(out)
     }

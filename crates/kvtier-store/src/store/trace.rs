@@ -33,11 +33,6 @@ impl Store {
         self.trace.stop()
     }
 
-    /// The running recording's status, or the last one's.
-    pub fn access_trace_status(&self) -> Option<TraceStatus> {
-        self.trace.status()
-    }
-
     /// The recording, if one runs, for a call on `seq`.
     pub(super) fn tracer(&self, seq: &Sequence) -> Option<Tracer> {
         self.trace.tracer(&seq.key, &seq.layout)
@@ -64,7 +59,7 @@ impl Tracer {
         swap: Option<&SwapReport>,
         us: u64,
     ) {
-        let mut access = self.access(layer, step_of(seq, lanes), us);
+        let mut access = self.access(layer, step_of(seq, lanes.first().map(|&(_, lane)| lane)), us);
         access.hot = swap.is_some();
         access.swap = swap.map(|s| SwapTiming {
             from_host: s.from_host,
@@ -79,24 +74,27 @@ impl Tracer {
         self.record(TraceRecord::Read(access));
     }
 
-    /// A fetch's record: `pages` are (KV head, page, state when read).
+    /// A fetch chunk's record: `chosen` are its (KV head, lane, page)s,
+    /// head after head, and `states` each one's state when read.
     pub(super) fn fetch(
         &self,
         seq: &Sequence,
         layer: u32,
-        lanes: &[(u32, usize)],
-        pages: &[(u32, u32, PageState)],
+        chosen: &[(u32, usize, usize)],
+        states: impl Iterator<Item = PageState>,
         us: u64,
     ) {
-        let mut access = self.access(layer, step_of(seq, lanes), us);
-        for &(head, _) in lanes {
-            let of_head = pages
-                .iter()
-                .filter(|(h, ..)| *h == head)
-                .map(|&(_, p, s)| (p, tier_letter(s)));
-            access.heads.push(self.head_pages(access.layer, head, of_head));
+        let step = step_of(seq, chosen.first().map(|&(_, lane, _)| lane));
+        let mut access = self.access(layer, step, us);
+        let read: Vec<(u32, u32, char)> = chosen
+            .iter()
+            .zip(states)
+            .map(|(&(head, _, page), state)| (head, page as u32, tier_letter(state)))
+            .collect();
+        for run in read.chunk_by(|a, b| a.0 == b.0) {
+            let pages = run.iter().map(|&(_, page, tier)| (page, tier));
+            access.heads.push(self.head_pages(access.layer, run[0].0, pages));
         }
-        access.heads.retain(|h| !h.pages.is_empty());
         self.record(TraceRecord::Read(access));
     }
 
@@ -131,8 +129,8 @@ impl Tracer {
     }
 }
 
-/// The decode step a call on `lanes` belongs to: the position its layer
-/// has reached.
-fn step_of(seq: &Sequence, lanes: &[(u32, usize)]) -> u64 {
-    lanes.first().map_or(0, |&(_, lane)| seq.lanes[lane].tokens())
+/// The decode step a call on `lane` (any of its layer's) belongs to: the
+/// position its layer has reached.
+fn step_of(seq: &Sequence, lane: Option<usize>) -> u64 {
+    lane.map_or(0, |lane| seq.lanes[lane].tokens())
 }
