@@ -59,9 +59,93 @@ impl<T> ChunkedVec<T> {
     }
 }
 
+/// Fixed-size byte entries kept in chunks of `per_chunk` contiguous
+/// entries: scanning is a few sequential reads, and growing never moves what
+/// is there (see [`ChunkedVec`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkedEntries {
+    entry_bytes: usize,
+    per_chunk: usize,
+    chunks: Vec<Vec<u8>>,
+    len: usize,
+}
+
+impl ChunkedEntries {
+    pub fn new(entry_bytes: usize, per_chunk: usize) -> Self {
+        Self {
+            entry_bytes,
+            per_chunk,
+            chunks: Vec::new(),
+            len: 0,
+        }
+    }
+
+    pub fn entry_bytes(&self) -> usize {
+        self.entry_bytes
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of all entries.
+    pub fn byte_len(&self) -> usize {
+        self.len * self.entry_bytes
+    }
+
+    /// The entries in order: every chunk holds `per_chunk` entries but the last.
+    pub fn chunks(&self) -> impl Iterator<Item = &[u8]> {
+        self.chunks.iter().map(Vec::as_slice)
+    }
+
+    pub fn get(&self, i: usize) -> &[u8] {
+        let at = i % self.per_chunk * self.entry_bytes;
+        &self.chunks[i / self.per_chunk][at..at + self.entry_bytes]
+    }
+
+    pub fn get_mut(&mut self, i: usize) -> &mut [u8] {
+        let at = i % self.per_chunk * self.entry_bytes;
+        &mut self.chunks[i / self.per_chunk][at..at + self.entry_bytes]
+    }
+
+    /// Appends a zeroed entry and returns it.
+    pub fn push_zeroed(&mut self) -> &mut [u8] {
+        if self.len.is_multiple_of(self.per_chunk) {
+            // The first chunk grows as needed (most columns stay small);
+            // later ones are made whole.
+            let capacity = if self.chunks.is_empty() { 0 } else { self.per_chunk * self.entry_bytes };
+            self.chunks.push(Vec::with_capacity(capacity));
+        }
+        let chunk = self.chunks.last_mut().expect("pushed above");
+        chunk.resize(chunk.len() + self.entry_bytes, 0);
+        self.len += 1;
+        let end = chunk.len();
+        &mut chunk[end - self.entry_bytes..]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn entries_keep_their_order_across_chunks() {
+        let mut e = ChunkedEntries::new(3, 4);
+        for i in 0..10u8 {
+            e.push_zeroed()[0] = i;
+        }
+        assert_eq!((e.len(), e.byte_len()), (10, 30));
+        e.get_mut(5)[2] = 9;
+        let sizes: Vec<usize> = e.chunks().map(<[u8]>::len).collect();
+        assert_eq!(sizes, [12, 12, 6]);
+        assert_eq!(e.get(5), [5, 0, 9]);
+        let firsts: Vec<u8> = e.chunks().flat_map(|c| c.chunks(3).map(|x| x[0]).collect::<Vec<_>>()).collect();
+        assert_eq!(firsts, (0..10).collect::<Vec<u8>>());
+    }
 
     #[test]
     fn behaves_like_a_vector_across_chunks() {

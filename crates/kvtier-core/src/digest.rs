@@ -3,6 +3,7 @@
 //! representable, so a digest is exact, never rounded.
 
 use crate::DType;
+use crate::chunked::ChunkedEntries;
 
 /// Pages per chunk of a [`DigestColumn`].
 pub const DIGEST_CHUNK_PAGES: usize = 256;
@@ -17,8 +18,7 @@ pub const DIGEST_CHUNK_PAGES: usize = 256;
 pub struct DigestColumn {
     dtype: DType,
     head_dim: usize,
-    chunks: Vec<Vec<u8>>,
-    pages: usize,
+    entries: ChunkedEntries,
 }
 
 impl DigestColumn {
@@ -26,8 +26,7 @@ impl DigestColumn {
         Self {
             dtype,
             head_dim,
-            chunks: Vec::new(),
-            pages: 0,
+            entries: ChunkedEntries::new(2 * head_dim * dtype.size(), DIGEST_CHUNK_PAGES),
         }
     }
 
@@ -45,35 +44,32 @@ impl DigestColumn {
 
     /// Bytes of one page's digest: `2 · head_dim` elements.
     pub fn entry_bytes(&self) -> usize {
-        2 * self.row_bytes()
+        self.entries.entry_bytes()
     }
 
     pub fn pages(&self) -> usize {
-        self.pages
+        self.entries.len()
     }
 
     /// Bytes of all entries.
     pub fn byte_len(&self) -> usize {
-        self.pages * self.entry_bytes()
+        self.entries.byte_len()
     }
 
     /// The entries in page order: every chunk holds [`DIGEST_CHUNK_PAGES`]
     /// entries but the last.
     pub fn chunks(&self) -> impl Iterator<Item = &[u8]> {
-        self.chunks.iter().map(Vec::as_slice)
+        self.entries.chunks()
     }
 
     /// Page `page`'s digest: min row then max row.
     pub fn entry(&self, page: usize) -> &[u8] {
-        let n = self.entry_bytes();
-        let at = page % DIGEST_CHUNK_PAGES * n;
-        &self.chunks[page / DIGEST_CHUNK_PAGES][at..at + n]
+        self.entries.get(page)
     }
 
-    fn entry_mut(&mut self, page: usize) -> &mut [u8] {
-        let n = self.entry_bytes();
-        let at = page % DIGEST_CHUNK_PAGES * n;
-        &mut self.chunks[page / DIGEST_CHUNK_PAGES][at..at + n]
+    /// Page `page`'s entry, to be rewritten whole (a cuboid recomputed).
+    pub fn entry_mut(&mut self, page: usize) -> &mut [u8] {
+        self.entries.get_mut(page)
     }
 
     pub fn min_row(&self, page: usize) -> &[u8] {
@@ -84,23 +80,9 @@ impl DigestColumn {
         &self.entry(page)[self.row_bytes()..]
     }
 
-    /// Appends `entry` as the digest of a new last page.
-    fn push(&mut self, entry: [&[u8]; 2]) {
-        if self.pages.is_multiple_of(DIGEST_CHUNK_PAGES) {
-            // The first chunk grows as needed (most columns in tests and
-            // single-page digests stay small); later ones are made whole.
-            let capacity = if self.chunks.is_empty() {
-                0
-            } else {
-                DIGEST_CHUNK_PAGES * self.entry_bytes()
-            };
-            self.chunks.push(Vec::with_capacity(capacity));
-        }
-        let chunk = self.chunks.last_mut().expect("pushed above");
-        for part in entry {
-            chunk.extend_from_slice(part);
-        }
-        self.pages += 1;
+    /// Appends a zeroed entry for a new last page and returns it.
+    pub fn push_zeroed(&mut self) -> &mut [u8] {
+        self.entries.push_zeroed()
     }
 
     /// Appends the digest of a new page from its first key rows
@@ -111,14 +93,16 @@ impl DigestColumn {
             keys.len() >= row && keys.len().is_multiple_of(row),
             "open_page needs whole key rows"
         );
-        self.push([&keys[..row], &keys[..row]]);
-        self.extend_page(self.pages - 1, &keys[row..]);
+        let entry = self.push_zeroed();
+        entry[..row].copy_from_slice(&keys[..row]);
+        entry[row..].copy_from_slice(&keys[..row]);
+        self.extend_page(self.pages() - 1, &keys[row..]);
     }
 
     /// Appends a digest computed elsewhere (a shared page's).
     pub fn push_entry(&mut self, entry: &[u8]) {
         assert_eq!(entry.len(), self.entry_bytes(), "digest entry size");
-        self.push([entry, &[]]);
+        self.push_zeroed().copy_from_slice(entry);
     }
 
     /// Folds further key rows of page `page` into its digest.

@@ -1,8 +1,8 @@
 //! A lane is the append-only run of pages of one (stored layer, KV head) of
-//! one sequence, with the digest of every page.
+//! one sequence, with the index (digest, cuboid, sketches) of every page.
 
 use crate::chunked::ChunkedVec;
-use crate::{DType, DigestColumn, Reason};
+use crate::{DType, DigestColumn, PageIndex, Reason};
 
 /// What a logical page maps to. `P` is the owner's reference to a physical
 /// page (its placement tells hot from cold), `S` its summary storage.
@@ -18,7 +18,7 @@ pub struct Lane<P, S> {
     page_size: u32,
     tokens: u64,
     pages: ChunkedVec<LogicalPage<P, S>>,
-    digests: DigestColumn,
+    index: PageIndex,
 }
 
 /// Where `n` appended tokens go: `fill` rows into the partial last page, then
@@ -35,7 +35,7 @@ impl<P, S> Lane<P, S> {
             page_size,
             tokens: 0,
             pages: ChunkedVec::default(),
-            digests: DigestColumn::new(dtype, head_dim),
+            index: PageIndex::new(dtype, head_dim, page_size),
         }
     }
 
@@ -58,7 +58,11 @@ impl<P, S> Lane<P, S> {
     }
 
     pub fn digests(&self) -> &DigestColumn {
-        &self.digests
+        self.index.digests()
+    }
+
+    pub fn index(&self) -> &PageIndex {
+        &self.index
     }
 
     /// Valid rows of page `page` (the last page may be partial).
@@ -90,25 +94,32 @@ impl<P, S> Lane<P, S> {
     /// Opens a new page holding `keys.len() / row` rows. The last page must
     /// be full.
     pub fn push_page(&mut self, page: LogicalPage<P, S>, keys: &[u8]) {
-        let rows = keys.len() / (self.digests.entry_bytes() / 2);
+        let rows = keys.len() / self.key_row_bytes();
         self.check_push(rows);
-        self.digests.open_page(keys);
+        self.index.open_page(keys);
         self.pages.push(page);
         self.tokens += rows as u64;
     }
 
-    /// Opens a new full page whose digest is already known (a shared page).
-    pub fn push_full_page(&mut self, page: LogicalPage<P, S>, digest_entry: &[u8]) {
-        self.push_known(page, self.page_size, digest_entry);
+    /// Opens a new page whose index entry ([`PageIndex::entry`]) is
+    /// already known (a shared page, a page recovered from a manifest); the
+    /// entry says how many rows it holds.
+    pub fn push_known(&mut self, page: LogicalPage<P, S>, entry: &[u8]) {
+        let digest = self.index.digests().entry_bytes();
+        let rows = entry.len().saturating_sub(digest) / self.index.sketch_row_bytes();
+        self.check_push(rows);
+        self.index.push_entry(entry);
+        self.pages.push(page);
+        self.tokens += rows as u64;
     }
 
-    /// Opens a new page of `rows` tokens whose digest is already known (a
-    /// shared page, a page recovered from a manifest).
-    pub fn push_known(&mut self, page: LogicalPage<P, S>, rows: u32, digest_entry: &[u8]) {
-        self.check_push(rows as usize);
-        self.digests.push_entry(digest_entry);
-        self.pages.push(page);
-        self.tokens += u64::from(rows);
+    /// Page `page`'s index entry, for its rows.
+    pub fn index_entry(&self, page: usize) -> Vec<u8> {
+        self.index.entry(page, self.rows_in(page))
+    }
+
+    fn key_row_bytes(&self) -> usize {
+        self.index.digests().entry_bytes() / 2
     }
 
     fn check_push(&self, rows: usize) {
@@ -122,10 +133,10 @@ impl<P, S> Lane<P, S> {
     /// Adds key rows to the partial last page, whose storage the caller has
     /// already written.
     pub fn extend_last(&mut self, keys: &[u8]) {
-        let rows = keys.len() / (self.digests.entry_bytes() / 2);
+        let rows = keys.len() / self.key_row_bytes();
         assert!(rows as u32 <= self.room_in_last(), "rows beyond the last page");
         let last = self.pages.len() - 1;
-        self.digests.extend_page(last, keys);
+        self.index.extend_page(last, self.rows_in(last), keys);
         self.tokens += rows as u64;
     }
 

@@ -71,6 +71,16 @@ pub struct Budget {
     pub window: usize,
 }
 
+/// A top-p budget: after the forced pages, pages by score until the chosen
+/// pages hold `p` of the total score of the pages that could be chosen (for
+/// scores that are estimated attention masses, `p` of the estimated mass),
+/// never fewer than `min_pages` nor more than the budget.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TopP {
+    pub p: f32,
+    pub min_pages: usize,
+}
+
 /// Orders (score, page) best first: higher score, then lower page.
 fn rank(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
     b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
@@ -80,11 +90,20 @@ fn rank(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
 /// With a shard, `Global` selects over every page and keeps the caller's,
 /// `Local` selects among the caller's pages only.
 pub fn select(scores: &[f32], budget: Budget, shard: Option<Shard>) -> Vec<usize> {
+    select_with(scores, budget, shard, None)
+}
+
+/// [`select`], with a top-p budget cutting the selection short where the
+/// chosen pages already hold `p` of the score.
+pub fn select_with(scores: &[f32], budget: Budget, shard: Option<Shard>, top_p: Option<TopP>) -> Vec<usize> {
     let n = scores.len();
     let owned = |p: usize| shard.is_none_or(|s| s.owns(p, n));
     let local = shard.is_some_and(|s| s.scope == Scope::Local);
     let candidate = |p: usize| !local || owned(p);
-    let mut chosen = top(scores, candidate, budget);
+    let mut chosen = top(scores, &candidate, budget);
+    if let Some(top_p) = top_p {
+        chosen = cut(scores, &candidate, budget, top_p, chosen);
+    }
     if shard.is_some_and(|s| s.scope == Scope::Global) {
         chosen.retain(|&p| owned(p));
     }
@@ -92,7 +111,7 @@ pub fn select(scores: &[f32], budget: Budget, shard: Option<Shard>) -> Vec<usize
 }
 
 /// The selection among the pages for which `candidate` holds.
-fn top(scores: &[f32], candidate: impl Fn(usize) -> bool, budget: Budget) -> Vec<usize> {
+fn top(scores: &[f32], candidate: &impl Fn(usize) -> bool, budget: Budget) -> Vec<usize> {
     let n = scores.len();
     let forced = |p: usize| p < budget.sinks || p + budget.window >= n;
     // The budget comes from the request: a client may ask for billions.
@@ -115,6 +134,33 @@ fn top(scores: &[f32], candidate: impl Fn(usize) -> bool, budget: Budget) -> Vec
     chosen.extend(rest.iter().map(|&(_, p)| p as usize));
     chosen.sort_unstable();
     chosen
+}
+
+/// The forced pages of `chosen`, then its others best first until the
+/// share of the candidates' total score reaches `p` (at least `min_pages`).
+fn cut(
+    scores: &[f32],
+    candidate: &impl Fn(usize) -> bool,
+    budget: Budget,
+    top_p: TopP,
+    chosen: Vec<usize>,
+) -> Vec<usize> {
+    let n = scores.len();
+    let forced = |p: usize| p < budget.sinks || p + budget.window >= n;
+    let total: f64 = (0..n).filter(|&p| candidate(p)).map(|p| f64::from(scores[p].max(0.0))).sum();
+    let (mut kept, mut others): (Vec<usize>, Vec<usize>) = chosen.into_iter().partition(|&p| forced(p));
+    others.sort_unstable_by(|&a, &b| rank(&(scores[a], a as u32), &(scores[b], b as u32)));
+    let mut held: f64 = kept.iter().map(|&p| f64::from(scores[p].max(0.0))).sum();
+    let goal = f64::from(top_p.p) * total;
+    for p in others {
+        if held >= goal && kept.len() >= top_p.min_pages {
+            break;
+        }
+        held += f64::from(scores[p].max(0.0));
+        kept.push(p);
+    }
+    kept.sort_unstable();
+    kept
 }
 
 #[cfg(test)]
@@ -209,6 +255,43 @@ mod tests {
                 for &p in mine.iter().filter(|p| !got.contains(p) && !forced(**p)) {
                     prop_assert!(rank(&(scores[p], p as u32), &worst) == Ordering::Greater);
                 }
+            }
+        }
+    }
+
+    proptest! {
+        /// A top-p selection is the full selection's forced pages and its
+        /// best others, the fewest that reach `p` of the total (at least
+        /// `min_pages`).
+        #[test]
+        fn top_p_keeps_the_fewest_best_pages_that_reach_p(
+            scores in proptest::collection::vec((0u8..20).prop_map(|v| f32::from(v) / 20.0), 0..60),
+            k in 0usize..30, s in 0usize..3, w in 0usize..3,
+            p in 0.0f32..1.0, min_pages in 0usize..10,
+        ) {
+            let b = budget_for(k, s, w);
+            let full = select(&scores, b, None);
+            let cut = select_with(&scores, b, None, Some(TopP { p, min_pages }));
+            let n = scores.len();
+            let forced = |q: usize| q < b.sinks || q + b.window >= n;
+            prop_assert!(cut.iter().all(|q| full.contains(q)));
+            prop_assert!(full.iter().filter(|&&q| forced(q)).all(|q| cut.contains(q)));
+            let total: f32 = scores.iter().sum();
+            let held = |set: &[usize]| set.iter().map(|&q| scores[q]).sum::<f32>();
+            let mut others: Vec<usize> = cut.iter().copied().filter(|&q| !forced(q)).collect();
+            if !others.is_empty() {
+                // Dropping the weakest other page would miss the goal or the minimum.
+                others.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]).then(b.cmp(&a)));
+                let weakest = others[0];
+                let without: Vec<usize> = cut.iter().copied().filter(|&q| q != weakest).collect();
+                prop_assert!(held(&without) < p * total - 1e-4 || without.len() < min_pages);
+                // Nothing left out of the full selection beats it.
+                for q in full.iter().filter(|q| !cut.contains(q)) {
+                    prop_assert!(scores[*q] <= scores[weakest]);
+                }
+            }
+            if cut.len() < full.len() {
+                prop_assert!(held(&cut) >= p * total - 1e-4 && cut.len() >= min_pages);
             }
         }
     }

@@ -1,0 +1,429 @@
+//! How a lane's pages are ranked for a query group (docs/CONCEPTS.md §3.2):
+//!
+//! - `quest`: the sound upper bound `U(q, P)` from each page's min/max digest;
+//! - `cuboid`: `q·c + |q|·ρ` from each page's box of mean and mean deviation
+//!   (tighter, not a bound);
+//! - `sketch`: every token's logit estimated from its int4 sketch, softmax
+//!   over the lane, each page ranked by its estimated attention mass;
+//! - `two-stage`: the cuboid keeps `candidates ×` the budget, and only those
+//!   pages are re-ranked by their sketches' estimated mass.
+//!
+//! The scores of a GQA group's query heads are combined per page as the
+//! request's [`Aggregation`] says (for masses: max or mean of each head's
+//! mass, or one selection per query head). Mass scores also allow a top-p
+//! budget.
+
+use std::ops::Range;
+
+use crate::score::score_column;
+use crate::select::{Aggregation, Budget, Shard, TopP, select, select_with};
+use crate::sketch_score::sketch_logits;
+use crate::{DIGEST_CHUNK_PAGES, DigestColumn, PageIndex};
+
+/// Which estimate ranks pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mode {
+    Quest,
+    Cuboid,
+    Sketch,
+    TwoStage,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 4] = [Mode::Quest, Mode::Cuboid, Mode::Sketch, Mode::TwoStage];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Mode::Quest => "quest",
+            Mode::Cuboid => "cuboid",
+            Mode::Sketch => "sketch",
+            Mode::TwoStage => "two-stage",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
+
+    /// Whether pages are ranked by estimated attention mass (which a top-p
+    /// budget needs).
+    pub const fn estimates_mass(self) -> bool {
+        matches!(self, Mode::Sketch | Mode::TwoStage)
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How a selection ranks, beyond its budget.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ranking {
+    pub mode: Mode,
+    /// Two-stage: stage one keeps this many times the budget (at least 1).
+    pub candidates: u32,
+    /// The attention's softmax scale, applied to estimated logits (most
+    /// models: `1/√head_dim`).
+    pub softmax_scale: f32,
+    pub top_p: Option<TopP>,
+}
+
+/// The stage-one factor when a request names none.
+pub const DEFAULT_CANDIDATES: u32 = 4;
+
+/// The mode a request that names none gets (chosen by measurement:
+/// bench/results/selection.md).
+pub const DEFAULT_MODE: Mode = Mode::TwoStage;
+
+impl Ranking {
+    /// `mode` with the default factor and `1/√head_dim`, no top-p.
+    pub fn new(mode: Mode, head_dim: usize) -> Self {
+        Self {
+            mode,
+            candidates: DEFAULT_CANDIDATES,
+            softmax_scale: 1.0 / (head_dim as f32).sqrt(),
+            top_p: None,
+        }
+    }
+}
+
+/// One lane's ranking problem.
+#[derive(Debug, Clone, Copy)]
+pub struct LaneQuery<'a> {
+    pub index: &'a PageIndex,
+    /// Tokens in the lane (the last page may be partial).
+    pub tokens: u64,
+    /// `[group][head_dim]`: the KV head's query heads.
+    pub queries: &'a [f32],
+    pub aggregation: Aggregation,
+    pub budget: Budget,
+    pub shard: Option<Shard>,
+    pub ranking: Ranking,
+}
+
+/// The choice of one KV head, or of one of its query heads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeadRank {
+    /// Without aggregation: which query head of the group.
+    pub query_head: Option<u32>,
+    /// One score per page of the lane: what it was ranked by (a bound or an
+    /// estimated mass; −1 for pages two-stage never re-ranked).
+    pub scores: Vec<f32>,
+    /// In position order.
+    pub chosen: Vec<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaneRanking {
+    pub heads: Vec<HeadRank>,
+    /// Index bytes read: digests or boxes, and sketch rows.
+    pub bytes_scanned: u64,
+}
+
+/// Ranks one lane's pages and chooses, per the query's mode.
+pub fn rank_lane(q: &LaneQuery<'_>) -> LaneRanking {
+    let index = q.index;
+    let d = index.digests().head_dim();
+    let group = q.queries.len() / d;
+    let mode = q.ranking.mode;
+    let mut bytes = 0u64;
+    let column = match mode {
+        Mode::Quest => Some(index.digests()),
+        Mode::Cuboid | Mode::TwoStage => Some(index.boxes()),
+        Mode::Sketch => None,
+    };
+    let bounds = column.map(|c| {
+        bytes += c.byte_len() as u64;
+        score_all(c, q.queries)
+    });
+    let selectors: Vec<(Option<u32>, Range<usize>)> = match q.aggregation {
+        Aggregation::PerQueryHead => (0..group).map(|g| (Some(g as u32), g..g + 1)).collect(),
+        Aggregation::Max | Aggregation::Mean => vec![(None, 0..group)],
+    };
+    let n = index.digests().pages();
+    let mut heads = Vec::with_capacity(selectors.len());
+    for (query_head, members) in selectors {
+        let queries = &q.queries[members.start * d..members.end * d];
+        let scores = match (mode, &bounds) {
+            (Mode::Quest | Mode::Cuboid, Some(b)) => combine(b, group, members, q.aggregation),
+            (Mode::Sketch, _) => {
+                let all: Vec<usize> = (0..n).collect();
+                let (masses, read) = masses(q, &all, queries);
+                bytes += read;
+                masses
+            }
+            (Mode::TwoStage, Some(b)) => {
+                let first = combine(b, group, members, q.aggregation);
+                let wide = Budget {
+                    pages: q.budget.pages.saturating_mul(q.ranking.candidates.max(1) as usize),
+                    ..q.budget
+                };
+                // Stage one keeps candidates over every page the final
+                // choice may take: a global share is cut only at the end.
+                let local = q.shard.filter(|s| s.scope == crate::select::Scope::Local);
+                let candidates = select(&first, wide, local);
+                let (masses, read) = masses(q, &candidates, queries);
+                bytes += read;
+                let mut scores = vec![-1.0; n];
+                for (&p, m) in candidates.iter().zip(masses) {
+                    scores[p] = m;
+                }
+                scores
+            }
+            _ => unreachable!("every mode but sketch scores a digest column"),
+        };
+        let top_p = q.ranking.top_p.filter(|_| mode.estimates_mass());
+        let chosen = select_with(&scores, q.budget, q.shard, top_p);
+        heads.push(HeadRank {
+            query_head,
+            scores,
+            chosen,
+        });
+    }
+    LaneRanking {
+        heads,
+        bytes_scanned: bytes,
+    }
+}
+
+/// `U` of every (page, query): `[page][group]`.
+fn score_all(column: &DigestColumn, queries: &[f32]) -> Vec<f32> {
+    let (d, group) = (column.head_dim(), queries.len() / column.head_dim());
+    let mut scores = vec![0f32; column.pages() * group];
+    for (entries, out) in column.chunks().zip(scores.chunks_mut(DIGEST_CHUNK_PAGES * group)) {
+        score_column(column.dtype(), d, entries, queries, out);
+    }
+    scores
+}
+
+/// One score per page from the scores of query heads `members` of each
+/// page's `group`: the max, the mean, or the one head's.
+fn combine(scores: &[f32], group: usize, members: Range<usize>, aggregation: Aggregation) -> Vec<f32> {
+    let scale = match aggregation {
+        Aggregation::Mean => 1.0 / members.len() as f32,
+        Aggregation::Max | Aggregation::PerQueryHead => 1.0,
+    };
+    scores
+        .chunks_exact(group)
+        .map(|page| fold(&page[members.clone()], aggregation, scale))
+        .collect()
+}
+
+/// Scaling first keeps a mean of scores near the top of the f32 range
+/// finite; the result is saturated so that no rounding makes one infinite.
+fn fold(scores: &[f32], aggregation: Aggregation, scale: f32) -> f32 {
+    let first = scores[0] * scale;
+    let folded = scores[1..].iter().fold(first, |a, &b| match aggregation {
+        Aggregation::Mean => a + b * scale,
+        Aggregation::Max | Aggregation::PerQueryHead => a.max(b * scale),
+    });
+    folded.clamp(-f32::MAX, f32::MAX)
+}
+
+/// Each of `pages`' estimated attention mass for the query heads `queries`
+/// (softmax over the tokens of `pages`, from their sketches), combined over
+/// the heads; and the sketch bytes read.
+fn masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>, u64) {
+    let index = q.index;
+    let d = index.digests().head_dim();
+    let heads = queries.len() / d;
+    let (page_size, row) = (index.page_size() as u64, index.sketch_row_bytes());
+    let rows_in = |p: usize| q.tokens.saturating_sub(p as u64 * page_size).min(page_size) as usize;
+    let total: usize = pages.iter().map(|&p| rows_in(p)).sum();
+    let mut logits = vec![0f32; total * heads];
+    let mut at = 0;
+    for &p in pages {
+        let rows = rows_in(p);
+        sketch_logits(
+            d,
+            &index.sketch(p)[..rows * row],
+            queries,
+            &mut logits[at..at + rows * heads],
+        );
+        at += rows * heads;
+    }
+    let mut combined = vec![0f32; pages.len()];
+    for j in 0..heads {
+        let top = logits
+            .iter()
+            .skip(j)
+            .step_by(heads)
+            .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let mut per_page = Vec::with_capacity(pages.len());
+        let (mut sum, mut at) = (0f64, 0);
+        for &p in pages {
+            let rows = rows_in(p);
+            let w: f32 = logits[at..at + rows * heads]
+                .iter()
+                .skip(j)
+                .step_by(heads)
+                .map(|&l| ((l - top) * q.ranking.softmax_scale).exp())
+                .sum();
+            sum += f64::from(w);
+            per_page.push(w);
+            at += rows * heads;
+        }
+        let norm = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
+        for (c, w) in combined.iter_mut().zip(per_page) {
+            let m = w * norm;
+            *c = match q.aggregation {
+                Aggregation::Mean => *c + m / heads as f32,
+                Aggregation::Max | Aggregation::PerQueryHead => c.max(m),
+            };
+        }
+    }
+    (combined, (total * row) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+    use crate::sketch::{decode_row, row_bytes};
+    use proptest::prelude::*;
+
+    /// A lane of `tokens` keys (f16) in pages of `page_size`.
+    fn lane(d: usize, page_size: u32, keys: &[f32]) -> (PageIndex, u64) {
+        let dtype = DType::F16;
+        let mut bytes = vec![0u8; keys.len() * 2];
+        for (i, k) in keys.iter().enumerate() {
+            dtype.put_f32(&mut bytes, i, *k);
+        }
+        let mut index = PageIndex::new(dtype, d, page_size);
+        for page in bytes.chunks(page_size as usize * d * 2) {
+            index.open_page(page);
+        }
+        (index, (keys.len() / d) as u64)
+    }
+
+    /// Each page's estimated mass, the slow way: decode every sketch row,
+    /// softmax in f64 over the tokens of `pages`.
+    fn reference_masses(index: &PageIndex, tokens: u64, pages: &[usize], q: &[f32], scale: f32) -> Vec<f64> {
+        let d = q.len();
+        let ps = index.page_size() as u64;
+        let mut key = vec![0f32; d];
+        let logits: Vec<Vec<f64>> = pages
+            .iter()
+            .map(|&p| {
+                let rows = tokens.saturating_sub(p as u64 * ps).min(ps) as usize;
+                (0..rows)
+                    .map(|t| {
+                        let n = row_bytes(d);
+                        decode_row(d, &index.sketch(p)[t * n..(t + 1) * n], &mut key);
+                        key.iter().zip(q).map(|(k, q)| f64::from(*k) * f64::from(*q)).sum::<f64>() * f64::from(scale)
+                    })
+                    .collect()
+            })
+            .collect();
+        let top = logits.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
+        let total: f64 = logits.iter().flatten().map(|l| (l - top).exp()).sum();
+        logits.iter().map(|page| page.iter().map(|l| (l - top).exp()).sum::<f64>() / total).collect()
+    }
+
+    proptest! {
+        /// Sketch and two-stage scores are the reference masses (per query
+        /// head, then the group's max), and the choice is the top of them.
+        #[test]
+        fn mass_modes_equal_a_decoded_softmax(
+            d in prop_oneof![Just(8usize), Just(16usize), Just(20usize)],
+            page_size in 1u32..6,
+            tokens in 1usize..60,
+            group in 1usize..4,
+            budget in 1usize..8,
+            candidates in 1u32..4,
+            values in proptest::collection::vec(-3.0f32..3.0, 1400),
+        ) {
+            let (index, tokens) = lane(d, page_size, &values[..tokens * d]);
+            let queries = &values[values.len() - group * d..];
+            let budget = Budget { pages: budget, sinks: 0, window: 0 };
+            for mode in [Mode::Sketch, Mode::TwoStage] {
+                let ranking = Ranking { candidates, ..Ranking::new(mode, d) };
+                let query = LaneQuery { index: &index, tokens, queries, aggregation: Aggregation::Max, budget, shard: None, ranking };
+                let got = rank_lane(&query);
+                prop_assert_eq!(got.heads.len(), 1);
+                let head = &got.heads[0];
+                let n = index.digests().pages();
+                let pool: Vec<usize> = match mode {
+                    Mode::Sketch => (0..n).collect(),
+                    _ => {
+                        let bounds = score_all(index.boxes(), queries);
+                        let first = combine(&bounds, group, 0..group, Aggregation::Max);
+                        select(&first, Budget { pages: budget.pages * candidates as usize, ..budget }, None)
+                    }
+                };
+                let mut want = vec![-1f64; n];
+                for q in queries.chunks_exact(d) {
+                    for (&p, m) in pool.iter().zip(reference_masses(&index, tokens, &pool, q, ranking.softmax_scale)) {
+                        want[p] = want[p].max(m);
+                    }
+                }
+                for p in 0..n {
+                    prop_assert!((f64::from(head.scores[p]) - want[p]).abs() < 1e-4, "{mode} page {p}: {} vs {}", head.scores[p], want[p]);
+                }
+                prop_assert_eq!(head.chosen.len(), budget.pages.min(n));
+                prop_assert!(head.chosen.iter().all(|p| pool.contains(p)));
+                let worst = head.chosen.iter().map(|&p| want[p]).fold(f64::INFINITY, f64::min);
+                for p in (0..n).filter(|p| !head.chosen.contains(p)) {
+                    prop_assert!(want[p] <= worst + 1e-4, "{mode}: page {p} ({}) left out, {worst} chosen", want[p]);
+                }
+            }
+        }
+
+        /// Quest and cuboid rank by their columns' scores (the group's max).
+        #[test]
+        fn digest_modes_rank_by_their_column(
+            tokens in 1usize..60,
+            budget in 1usize..8,
+            values in proptest::collection::vec(-3.0f32..3.0, 600),
+        ) {
+            let d = 8;
+            let (index, tokens) = lane(d, 4, &values[..tokens * d]);
+            let queries = &values[values.len() - 2 * d..];
+            let budget = Budget { pages: budget, sinks: 1, window: 1 };
+            for (mode, column) in [(Mode::Quest, index.digests()), (Mode::Cuboid, index.boxes())] {
+                let query = LaneQuery { index: &index, tokens, queries, aggregation: Aggregation::Max, budget, shard: None, ranking: Ranking::new(mode, d) };
+                let got = rank_lane(&query);
+                let bounds = combine(&score_all(column, queries), 2, 0..2, Aggregation::Max);
+                prop_assert_eq!(&got.heads[0].scores, &bounds);
+                prop_assert_eq!(&got.heads[0].chosen, &select(&bounds, budget, None));
+                prop_assert_eq!(got.bytes_scanned, column.byte_len() as u64);
+            }
+        }
+    }
+
+    #[test]
+    fn the_sketch_finds_the_page_a_loose_bound_hides() {
+        // Page 1 holds the one key aligned with the query; every other page
+        // spans a wide box in two channels (Quest's bound is high for all)
+        // but no key in them scores well.
+        let d = 8;
+        let mut keys = Vec::new();
+        for page in 0..8 {
+            for t in 0..4 {
+                let mut k = [0f32; 8];
+                if page == 1 && t == 2 {
+                    k[0] = 3.0;
+                    k[1] = 3.0;
+                } else {
+                    k[t % 2] = if t < 2 { 4.0 } else { -4.0 };
+                }
+                keys.extend(k);
+            }
+        }
+        let (index, tokens) = lane(d, 4, &keys);
+        let mut q = [0f32; 8];
+        q[0] = 2.0;
+        q[1] = 2.0;
+        let budget = Budget { pages: 1, sinks: 0, window: 0 };
+        let chosen = |mode| {
+            let query = LaneQuery { index: &index, tokens, queries: &q, aggregation: Aggregation::Max, budget, shard: None, ranking: Ranking::new(mode, d) };
+            rank_lane(&query).heads[0].chosen.clone()
+        };
+        assert_eq!(chosen(Mode::Sketch), [1]);
+        assert_eq!(chosen(Mode::TwoStage), [1]);
+        // Quest's bound ties every page (max 4 in both channels): it takes page 0.
+        assert_eq!(chosen(Mode::Quest), [0]);
+    }
+}
