@@ -371,10 +371,15 @@ impl Client {
             prefetch_pages: req.prefetch_pages,
             lease_ms: req.lease_ms,
             shm: req.shm,
+            mode: req.mode as i32,
+            candidates: req.candidates,
+            softmax_scale: req.softmax_scale,
+            top_p: req.top_p,
+            min_pages: req.min_pages,
         }
     }
 
-    /// Chooses the pages `req` needs (Quest) and, as asked, makes them hot,
+    /// Chooses the pages `req` needs (ranked as its mode says) and, as asked, makes them hot,
     /// prefetches what comes next, leases them and returns their bytes.
     pub async fn select_pages(&mut self, sequence_id: &str, req: &SelectRequest) -> Result<SelectResult> {
         let msg = self.select_message(sequence_id, req);
@@ -391,6 +396,7 @@ impl Client {
             }
             if let Some(timing) = chunk.timing {
                 out.timing = timing;
+                out.mode = pb::SelectionMode::try_from(chunk.mode).unwrap_or_default();
             }
             out.prefetch_queued += chunk.prefetch_queued;
             if chunk.lease_id != 0 {
@@ -511,6 +517,16 @@ pub struct SelectRequest {
     /// With `include_data`: the pages' bytes go to this window of a
     /// registered [`crate::ShmRegion`] instead of the messages.
     pub shm: Option<pb::ShmWindow>,
+    /// How pages are ranked; `Unspecified`: the server's default.
+    pub mode: pb::SelectionMode,
+    /// Two-stage: stage one keeps `candidates ×` the budget (0: 4).
+    pub candidates: u32,
+    /// Softmax scale of estimated logits (0: `1/√head_dim`).
+    pub softmax_scale: f32,
+    /// Top-p budget (sketch, two-stage): stop once the chosen pages hold
+    /// this share of the estimated mass, with at least `min_pages` (0: off).
+    pub top_p: f32,
+    pub min_pages: u32,
 }
 
 impl SelectRequest {
@@ -531,6 +547,11 @@ impl SelectRequest {
             prefetch_pages: 0,
             lease_ms: 0,
             shm: None,
+            mode: pb::SelectionMode::Unspecified,
+            candidates: 0,
+            softmax_scale: 0.0,
+            top_p: 0.0,
+            min_pages: 0,
         }
     }
 }
@@ -541,7 +562,10 @@ pub struct SelectResult {
     /// With `include_data`: the chosen pages that are not gone.
     pub pages: Vec<pb::Page>,
     pub pages_scored: u64,
+    /// Index bytes read: digests or cuboids, and sketch rows.
     pub digest_bytes: u64,
+    /// The mode that ranked.
+    pub mode: pb::SelectionMode,
     pub swap: pb::SwapReport,
     /// Where the server spent the call's time.
     pub timing: pb::SelectTiming,

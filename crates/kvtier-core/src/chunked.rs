@@ -117,7 +117,11 @@ impl ChunkedEntries {
         if self.len.is_multiple_of(self.per_chunk) {
             // The first chunk grows as needed (most columns stay small);
             // later ones are made whole.
-            let capacity = if self.chunks.is_empty() { 0 } else { self.per_chunk * self.entry_bytes };
+            let capacity = if self.chunks.is_empty() {
+                0
+            } else {
+                self.per_chunk * self.entry_bytes
+            };
             self.chunks.push(Vec::with_capacity(capacity));
         }
         let chunk = self.chunks.last_mut().expect("pushed above");
@@ -143,7 +147,10 @@ mod tests {
         let sizes: Vec<usize> = e.chunks().map(<[u8]>::len).collect();
         assert_eq!(sizes, [12, 12, 6]);
         assert_eq!(e.get(5), [5, 0, 9]);
-        let firsts: Vec<u8> = e.chunks().flat_map(|c| c.chunks(3).map(|x| x[0]).collect::<Vec<_>>()).collect();
+        let firsts: Vec<u8> = e
+            .chunks()
+            .flat_map(|c| c.chunks(3).map(|x| x[0]).collect::<Vec<_>>())
+            .collect();
         assert_eq!(firsts, (0..10).collect::<Vec<u8>>());
     }
 

@@ -113,7 +113,12 @@ impl PageIndex {
     fn refresh_box(&mut self, page: usize, rows: usize) {
         let (dtype, d) = (self.digests.dtype(), self.digests.head_dim());
         let n = sketch::row_bytes(d);
-        cuboid_entry(dtype, d, &self.sketches.get(page)[..rows * n], self.boxes.entry_mut(page));
+        cuboid_entry(
+            dtype,
+            d,
+            &self.sketches.get(page)[..rows * n],
+            self.boxes.entry_mut(page),
+        );
     }
 
     /// Page `page`'s entry for its first `rows` rows.

@@ -64,11 +64,14 @@ pub struct Ranking {
     pub mode: Mode,
     /// Two-stage: stage one keeps this many times the budget (at least 1).
     pub candidates: u32,
-    /// The attention's softmax scale, applied to estimated logits (most
-    /// models: `1/√head_dim`).
-    pub softmax_scale: f32,
+    /// The attention's softmax scale, applied to estimated logits; `None`:
+    /// `1/√head_dim`, as most models use.
+    pub softmax_scale: Option<f32>,
     pub top_p: Option<TopP>,
 }
+
+/// The most stage-one candidates per budget page a request may ask for.
+pub const MAX_CANDIDATES: u32 = 64;
 
 /// The stage-one factor when a request names none.
 pub const DEFAULT_CANDIDATES: u32 = 4;
@@ -78,14 +81,20 @@ pub const DEFAULT_CANDIDATES: u32 = 4;
 pub const DEFAULT_MODE: Mode = Mode::TwoStage;
 
 impl Ranking {
-    /// `mode` with the default factor and `1/√head_dim`, no top-p.
-    pub fn new(mode: Mode, head_dim: usize) -> Self {
+    /// `mode` with the default factor and softmax scale, no top-p.
+    pub fn new(mode: Mode) -> Self {
         Self {
             mode,
             candidates: DEFAULT_CANDIDATES,
-            softmax_scale: 1.0 / (head_dim as f32).sqrt(),
+            softmax_scale: None,
             top_p: None,
         }
+    }
+}
+
+impl Default for Ranking {
+    fn default() -> Self {
+        Self::new(DEFAULT_MODE)
     }
 }
 
@@ -231,6 +240,7 @@ fn masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>, u64
     let heads = queries.len() / d;
     let (page_size, row) = (index.page_size() as u64, index.sketch_row_bytes());
     let rows_in = |p: usize| q.tokens.saturating_sub(p as u64 * page_size).min(page_size) as usize;
+    let scale = q.ranking.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
     let total: usize = pages.iter().map(|&p| rows_in(p)).sum();
     let mut logits = vec![0f32; total * heads];
     let mut at = 0;
@@ -259,7 +269,7 @@ fn masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>, u64
                 .iter()
                 .skip(j)
                 .step_by(heads)
-                .map(|&l| ((l - top) * q.ranking.softmax_scale).exp())
+                .map(|&l| ((l - top) * scale).exp())
                 .sum();
             sum += f64::from(w);
             per_page.push(w);
@@ -312,14 +322,21 @@ mod tests {
                     .map(|t| {
                         let n = row_bytes(d);
                         decode_row(d, &index.sketch(p)[t * n..(t + 1) * n], &mut key);
-                        key.iter().zip(q).map(|(k, q)| f64::from(*k) * f64::from(*q)).sum::<f64>() * f64::from(scale)
+                        key.iter()
+                            .zip(q)
+                            .map(|(k, q)| f64::from(*k) * f64::from(*q))
+                            .sum::<f64>()
+                            * f64::from(scale)
                     })
                     .collect()
             })
             .collect();
         let top = logits.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
         let total: f64 = logits.iter().flatten().map(|l| (l - top).exp()).sum();
-        logits.iter().map(|page| page.iter().map(|l| (l - top).exp()).sum::<f64>() / total).collect()
+        logits
+            .iter()
+            .map(|page| page.iter().map(|l| (l - top).exp()).sum::<f64>() / total)
+            .collect()
     }
 
     proptest! {
@@ -339,7 +356,7 @@ mod tests {
             let queries = &values[values.len() - group * d..];
             let budget = Budget { pages: budget, sinks: 0, window: 0 };
             for mode in [Mode::Sketch, Mode::TwoStage] {
-                let ranking = Ranking { candidates, ..Ranking::new(mode, d) };
+                let ranking = Ranking { candidates, ..Ranking::new(mode) };
                 let query = LaneQuery { index: &index, tokens, queries, aggregation: Aggregation::Max, budget, shard: None, ranking };
                 let got = rank_lane(&query);
                 prop_assert_eq!(got.heads.len(), 1);
@@ -355,7 +372,7 @@ mod tests {
                 };
                 let mut want = vec![-1f64; n];
                 for q in queries.chunks_exact(d) {
-                    for (&p, m) in pool.iter().zip(reference_masses(&index, tokens, &pool, q, ranking.softmax_scale)) {
+                    for (&p, m) in pool.iter().zip(reference_masses(&index, tokens, &pool, q, 1.0 / (d as f32).sqrt())) {
                         want[p] = want[p].max(m);
                     }
                 }
@@ -383,7 +400,7 @@ mod tests {
             let queries = &values[values.len() - 2 * d..];
             let budget = Budget { pages: budget, sinks: 1, window: 1 };
             for (mode, column) in [(Mode::Quest, index.digests()), (Mode::Cuboid, index.boxes())] {
-                let query = LaneQuery { index: &index, tokens, queries, aggregation: Aggregation::Max, budget, shard: None, ranking: Ranking::new(mode, d) };
+                let query = LaneQuery { index: &index, tokens, queries, aggregation: Aggregation::Max, budget, shard: None, ranking: Ranking::new(mode) };
                 let got = rank_lane(&query);
                 let bounds = combine(&score_all(column, queries), 2, 0..2, Aggregation::Max);
                 prop_assert_eq!(&got.heads[0].scores, &bounds);
@@ -416,9 +433,21 @@ mod tests {
         let mut q = [0f32; 8];
         q[0] = 2.0;
         q[1] = 2.0;
-        let budget = Budget { pages: 1, sinks: 0, window: 0 };
+        let budget = Budget {
+            pages: 1,
+            sinks: 0,
+            window: 0,
+        };
         let chosen = |mode| {
-            let query = LaneQuery { index: &index, tokens, queries: &q, aggregation: Aggregation::Max, budget, shard: None, ranking: Ranking::new(mode, d) };
+            let query = LaneQuery {
+                index: &index,
+                tokens,
+                queries: &q,
+                aggregation: Aggregation::Max,
+                budget,
+                shard: None,
+                ranking: Ranking::new(mode),
+            };
             rank_lane(&query).heads[0].chosen.clone()
         };
         assert_eq!(chosen(Mode::Sketch), [1]);

@@ -147,7 +147,10 @@ fn cut(
 ) -> Vec<usize> {
     let n = scores.len();
     let forced = |p: usize| p < budget.sinks || p + budget.window >= n;
-    let total: f64 = (0..n).filter(|&p| candidate(p)).map(|p| f64::from(scores[p].max(0.0))).sum();
+    let total: f64 = (0..n)
+        .filter(|&p| candidate(p))
+        .map(|p| f64::from(scores[p].max(0.0)))
+        .sum();
     let (mut kept, mut others): (Vec<usize>, Vec<usize>) = chosen.into_iter().partition(|&p| forced(p));
     others.sort_unstable_by(|&a, &b| rank(&(scores[a], a as u32), &(scores[b], b as u32)));
     let mut held: f64 = kept.iter().map(|&p| f64::from(scores[p].max(0.0))).sum();

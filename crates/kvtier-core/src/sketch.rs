@@ -33,9 +33,9 @@ pub fn encode_row(dtype: DType, head_dim: usize, key: &[u8], out: &mut [u8]) {
     debug_assert_eq!(out.len(), row_bytes(head_dim));
     let limit = f16::MAX.to_f32();
     let value = |r: usize| dtype.get_f32(key, r).clamp(-limit, limit);
-    let (lo, hi) = (0..head_dim).map(value).fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), v| {
-        (lo.min(v), hi.max(v))
-    });
+    let (lo, hi) = (0..head_dim)
+        .map(value)
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
     let zero = saturate(lo);
     let scale = saturate((hi - zero.to_f32()) / LEVELS);
     let (z, s) = (zero.to_f32(), scale.to_f32());
@@ -148,7 +148,11 @@ mod tests {
         let mut back = vec![0f32; d];
         decode_row(d, &row, &mut back);
         assert_eq!(back, [2.5; 5]);
-        let row = encode(DType::F32, d, &encode_values(DType::F32, &[3e38, -3e38, 0.0, 1.0, -1.0]));
+        let row = encode(
+            DType::F32,
+            d,
+            &encode_values(DType::F32, &[3e38, -3e38, 0.0, 1.0, -1.0]),
+        );
         decode_row(d, &row, &mut back);
         assert!(back.iter().all(|v| v.is_finite()), "{back:?}");
         let (scale, _) = scale_zero(d, &row);

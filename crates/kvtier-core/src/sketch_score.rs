@@ -183,7 +183,9 @@ mod tests {
     #[test]
     fn extreme_queries_give_finite_logits() {
         let d = 16;
-        let keys: Vec<u8> = (0..d).flat_map(|i| (if i % 2 == 0 { 60000.0f32 } else { -60000.0 }).to_le_bytes()).collect();
+        let keys: Vec<u8> = (0..d)
+            .flat_map(|i| (if i % 2 == 0 { 60000.0f32 } else { -60000.0 }).to_le_bytes())
+            .collect();
         let rows = encode(DType::F32, d, &keys);
         let queries = vec![f32::MAX; d];
         for kernel in kernels() {

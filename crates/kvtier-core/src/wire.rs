@@ -87,6 +87,11 @@ fields! {
     BUDGET_PAGES = "budget_pages" in &[SELECT];
     SINK_PAGES = "sink_pages" in &[SELECT];
     AGGREGATION = "aggregation" in &[SELECT];
+    MODE = "mode" in &[SELECT];
+    CANDIDATES = "candidates" in &[SELECT];
+    SOFTMAX_SCALE = "softmax_scale" in &[SELECT];
+    TOP_P = "top_p" in &[SELECT];
+    MIN_PAGES = "min_pages" in &[SELECT];
     SHARD_WORLD = "shard.world" in &[SELECT];
     SHARD_RANK = "shard.rank" in &[SELECT];
     SHARD_OWNERSHIP = "shard.ownership" in &[SELECT];

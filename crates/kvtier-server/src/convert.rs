@@ -1,7 +1,8 @@
 //! Conversions between `kvtier.v1` messages and store types. Every refusal
 //! names the protobuf field.
 
-use kvtier_core::select::{Aggregation, Ownership, Scope, Shard};
+use kvtier_core::rank::{DEFAULT_CANDIDATES, DEFAULT_MODE, Mode, Ranking};
+use kvtier_core::select::{Aggregation, Ownership, Scope, Shard, TopP};
 use kvtier_core::{Action, ColdTier, DType, LayerGroup, Layout, LayoutSpec, PageState, Reason, SequenceKey, wire};
 use kvtier_proto::v1 as pb;
 use kvtier_store::{
@@ -273,6 +274,52 @@ pub(crate) fn aggregation(value: i32) -> Result<Aggregation, Status> {
             wire::AGGREGATION,
             format!("{value} is not one of AGGREGATION_MAX, AGGREGATION_MEAN, AGGREGATION_PER_QUERY_HEAD"),
         )),
+    }
+}
+
+/// A request's ranking: its mode (unspecified: the default), candidates,
+/// softmax scale and top-p, the zeros meaning "the default".
+pub(crate) fn ranking(r: &pb::SelectPagesRequest) -> Result<Ranking, Status> {
+    let mode = match pb::SelectionMode::try_from(r.mode) {
+        Ok(pb::SelectionMode::Unspecified) => DEFAULT_MODE,
+        Ok(pb::SelectionMode::Quest) => Mode::Quest,
+        Ok(pb::SelectionMode::Cuboid) => Mode::Cuboid,
+        Ok(pb::SelectionMode::Sketch) => Mode::Sketch,
+        Ok(pb::SelectionMode::TwoStage) => Mode::TwoStage,
+        Err(_) => {
+            return Err(invalid(
+                wire::MODE,
+                format!(
+                    "{} is not one of SELECTION_MODE_QUEST, SELECTION_MODE_CUBOID, SELECTION_MODE_SKETCH, SELECTION_MODE_TWO_STAGE",
+                    r.mode
+                ),
+            ));
+        }
+    };
+    if r.top_p == 0.0 && r.min_pages > 0 {
+        return Err(invalid(wire::MIN_PAGES, "applies to a top-p budget; set top_p too"));
+    }
+    Ok(Ranking {
+        mode,
+        candidates: if r.candidates == 0 {
+            DEFAULT_CANDIDATES
+        } else {
+            r.candidates
+        },
+        softmax_scale: (r.softmax_scale != 0.0).then_some(r.softmax_scale),
+        top_p: (r.top_p != 0.0).then_some(TopP {
+            p: r.top_p,
+            min_pages: r.min_pages as usize,
+        }),
+    })
+}
+
+pub(crate) fn mode_to_pb(mode: Mode) -> pb::SelectionMode {
+    match mode {
+        Mode::Quest => pb::SelectionMode::Quest,
+        Mode::Cuboid => pb::SelectionMode::Cuboid,
+        Mode::Sketch => pb::SelectionMode::Sketch,
+        Mode::TwoStage => pb::SelectionMode::TwoStage,
     }
 }
 

@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
+use kvtier_core::rank::Ranking;
 use kvtier_core::{Layout, SequenceKey};
 use kvtier_proto::v1 as pb;
 use kvtier_store::{
@@ -100,10 +101,14 @@ pub(crate) fn holding<T>(messages: Vec<T>, mut held: Option<Held>) -> Vec<Held_<
 
 /// The digest bytes a selection of `kv_heads` heads scans: every page's
 /// min and max rows.
-pub(crate) fn digests_scanned(kv_heads: u32, (layout, tokens): &(Arc<Layout>, u64)) -> usize {
-    let heads = kv_heads.min(layout.num_kv_heads());
-    let pages = tokens.div_ceil(u64::from(layout.page_size())) * u64::from(heads);
-    usize::try_from(pages.saturating_mul(2 * layout.row_bytes() as u64)).unwrap_or(usize::MAX)
+pub(crate) fn index_scanned(
+    kv_heads: u32,
+    budget_pages: u32,
+    ranking: &Ranking,
+    (layout, tokens): &(Arc<Layout>, u64),
+) -> usize {
+    let heads = kv_heads.min(layout.num_kv_heads()) as usize;
+    kvtier_store::index_scan_bytes(layout, *tokens, budget_pages as usize, ranking).saturating_mul(heads)
 }
 
 /// A selection with its data read straight into `window`, or into a new
@@ -148,6 +153,7 @@ pub(crate) fn select_messages<B>(
             at.saturating_duration_since(std::time::Instant::now()).as_millis() as u64
         }),
         timing: Some(convert::timing_to_pb(&selection.timing)),
+        mode: convert::mode_to_pb(selection.mode) as i32,
     };
     let heads = selection.heads.iter().map(convert::head_selection_to_pb).collect();
     let mut head_runs = chunk::fit(heads, first.encoded_len(), limit, "KV head's selection")?.into_iter();

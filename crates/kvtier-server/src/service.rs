@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use kvtier_core::rank::Ranking;
 use kvtier_core::select::{Aggregation, Budget, Shard};
 use kvtier_core::{Reason, SequenceKey, TenantId, wire};
 use kvtier_proto::v1 as pb;
@@ -21,7 +22,7 @@ use crate::blocking::{blocking, sized};
 use crate::gate::RequestBytes;
 use crate::inflight::{Holding, InFlight};
 use crate::responses::{
-    FetchJob, FetchStream, SelectStream, digests_scanned, holding, page_messages, select_into, select_messages,
+    FetchJob, FetchStream, SelectStream, holding, index_scanned, page_messages, select_into, select_messages,
     send_chunks,
 };
 use crate::shm::Regions;
@@ -98,7 +99,14 @@ impl KvTierService {
 }
 
 /// The parts of a selection request that need converting.
-fn selection_inputs(r: &pb::SelectPagesRequest) -> Result<(Vec<f32>, Aggregation, Option<Shard>), Status> {
+struct SelectionInputs {
+    queries: Vec<f32>,
+    aggregation: Aggregation,
+    shard: Option<Shard>,
+    ranking: Ranking,
+}
+
+fn selection_inputs(r: &pb::SelectPagesRequest) -> Result<SelectionInputs, Status> {
     if r.lease_ms as u128 > kvtier_store::MAX_LEASE.as_millis() {
         return Err(invalid(
             wire::LEASE_MS,
@@ -112,31 +120,28 @@ fn selection_inputs(r: &pb::SelectPagesRequest) -> Result<(Vec<f32>, Aggregation
     if r.deadline_us > 0 && !r.swap_in {
         return Err(invalid(wire::DEADLINE_US, "applies to a swap-in; set swap_in too"));
     }
-    Ok((
-        convert::f32s(wire::QUERIES, &r.queries)?,
-        convert::aggregation(r.aggregation)?,
-        convert::shard(r.shard)?,
-    ))
+    Ok(SelectionInputs {
+        queries: convert::f32s(wire::QUERIES, &r.queries)?,
+        aggregation: convert::aggregation(r.aggregation)?,
+        shard: convert::shard(r.shard)?,
+        ranking: convert::ranking(r)?,
+    })
 }
 
-fn select_request<'a>(
-    r: &pb::SelectPagesRequest,
-    queries: &'a [f32],
-    aggregation: Aggregation,
-    shard: Option<Shard>,
-) -> SelectPages<'a> {
+fn select_request<'a>(r: &pb::SelectPagesRequest, inputs: &'a SelectionInputs) -> SelectPages<'a> {
     let millis = |ms: u32| (ms > 0).then(|| std::time::Duration::from_millis(u64::from(ms)));
     SelectPages {
         layer: r.layer,
         heads: convert::heads(r.kv_head_start, r.kv_head_count),
-        queries,
+        queries: &inputs.queries,
         budget: Budget {
             pages: r.budget_pages as usize,
             sinks: r.sink_pages as usize,
             window: r.window_pages as usize,
         },
-        aggregation,
-        shard,
+        aggregation: inputs.aggregation,
+        ranking: inputs.ranking,
+        shard: inputs.shard,
         with_data: r.include_data,
         swap_in: r.swap_in,
         deadline: (r.deadline_us > 0).then(|| std::time::Duration::from_micros(u64::from(r.deadline_us))),
@@ -300,7 +305,7 @@ impl KvTier for KvTierService {
         let (caller, mut r) = open(request)?;
         let key = key(&caller, &r.tenant, &r.sequence_id)?;
         let limit = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
-        let (queries, aggregation, shard) = selection_inputs(&r)?;
+        let inputs = selection_inputs(&r)?;
         let shm = r.shm.take();
         if shm.is_some() && !r.include_data {
             return Err(invalid(wire::SHM, "carries page bytes; set include_data too"));
@@ -309,8 +314,8 @@ impl KvTier for KvTierService {
         // The data's room in flight, at most what the selection can choose,
         // is taken before the store reads any of it.
         let shape = self.store.shape(&key).map_err(to_status)?;
-        let scanned = digests_scanned(r.kv_head_count, &shape);
-        let bound = kvtier_store::data_bound(&shape.0, shape.1, r.budget_pages, r.kv_head_count, aggregation);
+        let scanned = index_scanned(r.kv_head_count, r.budget_pages, &inputs.ranking, &shape);
+        let bound = kvtier_store::data_bound(&shape.0, shape.1, r.budget_pages, r.kv_head_count, inputs.aggregation);
         // Refused before the selection moves anything.
         let mut window = match &shm {
             Some(w) => Some(self.regions.window(&tenant, w, bound)?),
@@ -333,13 +338,7 @@ impl KvTier for KvTierService {
             false => scanned.saturating_add(room),
         };
         let (selection, data) = sized(&self.store, work, move |s| {
-            select_into(
-                s,
-                &key,
-                select_request(&r, &queries, aggregation, shard),
-                window.as_mut(),
-                room,
-            )
+            select_into(s, &key, select_request(&r, &inputs), window.as_mut(), room)
         })
         .await?;
         let lease = selection.lease;
@@ -372,9 +371,9 @@ impl KvTier for KvTierService {
                 ));
             }
         }
-        let (queries, aggregation, shard) = selection_inputs(&r)?;
+        let inputs = selection_inputs(&r)?;
         let pages_queued = self
-            .call(move |s| s.prefetch_query(&key, select_request(&r, &queries, aggregation, shard)))
+            .call(move |s| s.prefetch_query(&key, select_request(&r, &inputs)))
             .await?;
         Ok(Response::new(pb::PrefetchResponse { pages_queued }))
     }

@@ -44,7 +44,7 @@ pub use store::{
     AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, Created, DeviceCache, FetchCursor,
     FetchPages, FetchedChunk, FetchedPage, HeadSelection, Miss, PageList, PageSelection, PutOutcome, PutPages,
     ReportAttention, SelectPages, SelectTiming, SelectedPage, Selection, SetPageState, Store, StoreConfig,
-    TransitionOutcome, data_bound,
+    TransitionOutcome, data_bound, index_scan_bytes,
 };
 
 /// Whether this process may use io_uring (for tests that pick an engine).

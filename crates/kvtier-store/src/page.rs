@@ -20,8 +20,8 @@ pub(crate) struct PhysPage {
     pub(crate) id: u64,
     pub(crate) layout: Arc<Layout>,
     /// Kept for shared pages, so a sequence that attaches the page gets its
-    /// digest without reading the page.
-    pub(crate) digest: Option<Box<[u8]>>,
+    /// index entry (digest and sketches) without reading the page.
+    pub(crate) index_entry: Option<Box<[u8]>>,
     pub(crate) place: RwLock<Placement>,
     /// Holders that need the page to stay where it is (a swap-in in flight,
     /// a lease): a pinned page is never demoted, migrated or moved.
@@ -37,14 +37,14 @@ impl PhysPage {
     pub(crate) fn new(
         id: u64,
         layout: Arc<Layout>,
-        digest: Option<Box<[u8]>>,
+        index_entry: Option<Box<[u8]>>,
         place: Placement,
         charge: PageCharge,
     ) -> Self {
         Self {
             id,
             layout,
-            digest,
+            index_entry,
             place: RwLock::new(place),
             pins: AtomicU32::new(0),
             prefetched: AtomicBool::new(false),

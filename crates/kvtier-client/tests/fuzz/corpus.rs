@@ -146,41 +146,50 @@ impl Corpus {
                     });
                 }
                 let select =
-                    |data: bool, swap: bool, lease: u32, aggregation: pb::Aggregation| pb::SelectPagesRequest {
-                        tenant: t.clone(),
-                        sequence_id: id.clone(),
-                        layer: 0,
-                        kv_head_start: 0,
-                        kv_head_count: heads,
-                        queries: floats((heads * group * dim) as usize),
-                        budget_pages: 3,
-                        sink_pages: 1,
-                        window_pages: 1,
-                        aggregation: aggregation as i32,
-                        shard: None,
-                        include_data: data,
-                        max_chunk_bytes: 0,
-                        swap_in: swap,
-                        deadline_us: if swap { 5_000 } else { 0 },
-                        prefetch_pages: 1,
-                        lease_ms: lease,
-                        shm: (data && !swap).then_some(pb::ShmWindow {
-                            region_id: 1,
-                            offset: 0,
-                            length: 1 << 20,
-                        }),
+                    |data: bool, swap: bool, lease: u32, aggregation: pb::Aggregation, mode: pb::SelectionMode| {
+                        let mass = matches!(mode, pb::SelectionMode::Sketch | pb::SelectionMode::TwoStage);
+                        pb::SelectPagesRequest {
+                            tenant: t.clone(),
+                            sequence_id: id.clone(),
+                            layer: 0,
+                            kv_head_start: 0,
+                            kv_head_count: heads,
+                            queries: floats((heads * group * dim) as usize),
+                            budget_pages: 3,
+                            sink_pages: 1,
+                            window_pages: 1,
+                            aggregation: aggregation as i32,
+                            shard: None,
+                            include_data: data,
+                            max_chunk_bytes: 0,
+                            swap_in: swap,
+                            deadline_us: if swap { 5_000 } else { 0 },
+                            prefetch_pages: 1,
+                            lease_ms: lease,
+                            shm: (data && !swap).then_some(pb::ShmWindow {
+                                region_id: 1,
+                                offset: 0,
+                                length: 1 << 20,
+                            }),
+                            mode: mode as i32,
+                            candidates: if mass { 2 } else { 0 },
+                            softmax_scale: 0.0,
+                            top_p: if mass { 0.9 } else { 0.0 },
+                            min_pages: if mass { 2 } else { 0 },
+                        }
                     };
-                for (data, swap, lease, aggregation) in [
-                    (true, false, 0, pb::Aggregation::Max),
-                    (false, true, 50, pb::Aggregation::Mean),
-                    (true, true, 0, pb::Aggregation::PerQueryHead),
+                for (data, swap, lease, aggregation, mode) in [
+                    (true, false, 0, pb::Aggregation::Max, pb::SelectionMode::Quest),
+                    (false, true, 50, pb::Aggregation::Mean, pb::SelectionMode::TwoStage),
+                    (true, true, 0, pb::Aggregation::PerQueryHead, pb::SelectionMode::Sketch),
+                    (false, false, 0, pb::Aggregation::Max, pb::SelectionMode::Cuboid),
                 ] {
                     add("SelectPages", &|| {
-                        select(data, swap, lease, aggregation).encode_to_vec()
+                        select(data, swap, lease, aggregation, mode).encode_to_vec()
                     });
                 }
                 add("Prefetch", &|| {
-                    select(false, false, 0, pb::Aggregation::Max).encode_to_vec()
+                    select(false, false, 0, pb::Aggregation::Max, pb::SelectionMode::Unspecified).encode_to_vec()
                 });
                 add("ReleaseLease", &|| {
                     pb::ReleaseLeaseRequest {

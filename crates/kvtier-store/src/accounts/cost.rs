@@ -5,7 +5,7 @@
 use std::mem::size_of;
 
 use kvtier_core::policy::TokenStats;
-use kvtier_core::{Layout, SequenceKey};
+use kvtier_core::{Layout, PageIndex, SequenceKey};
 
 use crate::catalog::Sequence;
 use crate::page::{PhysPage, StoreLane, StorePage};
@@ -27,18 +27,21 @@ pub(crate) fn sequence(key: &SequenceKey, layout: &Layout, hashes: &[impl AsRef<
     size_of::<Sequence>() as u64 + SEQUENCE_EXTRA + key + hashes + lanes
 }
 
-/// `logical` new pages in the lanes' tables (entry and digest), of which
-/// `physical` are new physical pages.
+/// `logical` new pages in the lanes' tables (entry and index: digest,
+/// cuboid, sketches), of which `physical` are new physical pages.
 pub(crate) fn pages(layout: &Layout, logical: u64, physical: u64) -> u64 {
-    // A digest entry is a min row and a max row in the key dtype.
-    let entry = (size_of::<StorePage>() + 2 * layout.row_bytes()) as u64;
-    logical * entry + physical * physical_page()
+    let index = PageIndex::bytes_per_page(layout.dtype(), layout.head_dim() as usize, layout.page_size());
+    let entry = (size_of::<StorePage>() + index) as u64;
+    logical * entry + physical * physical_page(layout)
 }
 
 /// One physical page: its struct, its `Arc`, its page-table and LRU
-/// entries (charged to the page itself, see [`super::PageCharge`]).
-pub(crate) fn physical_page() -> u64 {
-    size_of::<PhysPage>() as u64 + PHYSICAL_PAGE_EXTRA
+/// entries, and (if it may be shared) the index entry it carries for the
+/// sequences that attach it (charged to the page itself, see
+/// [`super::PageCharge`]).
+pub(crate) fn physical_page(layout: &Layout) -> u64 {
+    let shared = PageIndex::entry_len(layout.dtype(), layout.head_dim() as usize, layout.page_size());
+    (size_of::<PhysPage>() + shared) as u64 + PHYSICAL_PAGE_EXTRA
 }
 
 /// Policy statistics of `lanes` lanes growing by `tokens` positions

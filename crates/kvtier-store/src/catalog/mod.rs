@@ -229,7 +229,7 @@ impl Catalog {
                 .map(|lane| {
                     let id = table.find(&seq.share_key(p, lane))?;
                     let page = table.get(id)?;
-                    page.digest.is_some().then(|| (id, Arc::clone(page)))
+                    page.index_entry.is_some().then(|| (id, Arc::clone(page)))
                 })
                 .collect();
             let Some(found) = found else { break };
@@ -237,8 +237,8 @@ impl Catalog {
                 break;
             }
             for (lane, (id, page)) in found.into_iter().enumerate() {
-                let digest = page.digest.clone().unwrap_or_default();
-                seq.lanes[lane].push_full_page(LogicalPage::Physical(PageRef { id, page }), &digest);
+                let entry = page.index_entry.clone().unwrap_or_default();
+                seq.lanes[lane].push_known(LogicalPage::Physical(PageRef { id, page }), &entry);
             }
             attached = p as u64 + 1;
         }

@@ -313,11 +313,7 @@ impl Durable {
 /// which the first `rows` rows are the page's.
 fn persist_record(page: &PhysPage, offset: u64, len: u64, crc: u32, rows: u32, bytes: &[u8]) -> Record {
     let layout = &page.layout;
-    let mut digest = kvtier_core::DigestColumn::new(layout.dtype(), layout.head_dim() as usize);
     let keys = &bytes[..rows as usize * layout.row_bytes()];
-    if !keys.is_empty() {
-        digest.open_page(keys);
-    }
     Record::Persist {
         phys: page.id,
         offset,
@@ -327,7 +323,7 @@ fn persist_record(page: &PhysPage, offset: u64, len: u64, crc: u32, rows: u32, b
         digest: if keys.is_empty() {
             Vec::new()
         } else {
-            digest.entry(0).to_vec()
+            kvtier_core::PageIndex::entry_of(layout.dtype(), layout.head_dim() as usize, keys)
         },
     }
 }

@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use kvtier_core::{Layout, Reason, SequenceKey};
+use kvtier_core::{Layout, PageIndex, Reason, SequenceKey};
 
 use super::record::{PageAt, Record};
 
@@ -47,7 +47,8 @@ pub(crate) struct SequenceImage {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PageImage {
     pub(crate) rows: u32,
-    /// `2 · row_bytes` (min row then max row), zeros when unknown.
+    /// The page's index entry for its rows (`PageIndex::entry`: min row,
+    /// max row, a sketch row per token), zeros when unknown.
     pub(crate) digest: Vec<u8>,
     pub(crate) kind: PageKind,
 }
@@ -252,12 +253,14 @@ impl Replay {
     /// One page (`inner`: not its lane's last), and whether the lane ends
     /// with it (a durable prefix).
     fn resolve_page(&self, layout: &Layout, entry: Option<&Entry>, inner: bool) -> (PageImage, bool) {
-        let (page_size, entry_bytes) = (layout.page_size(), 2 * layout.row_bytes());
-        let digest = |d: &Vec<u8>| {
-            if d.len() == entry_bytes {
+        let page_size = layout.page_size();
+        let entry_len = |rows: u32| PageIndex::entry_len(layout.dtype(), layout.head_dim() as usize, rows);
+        // A recorded index entry for exactly `rows` rows, or zeros.
+        let digest = |d: &Vec<u8>, rows: u32| {
+            if d.len() == entry_len(rows) {
                 d.clone()
             } else {
-                vec![0; entry_bytes]
+                vec![0; entry_len(rows)]
             }
         };
         // Every page but the last was full.
@@ -267,7 +270,7 @@ impl Replay {
             let kind = PageKind::Gone(Reason::LostOnRestart);
             let page = PageImage {
                 rows: page_size,
-                digest: vec![0; entry_bytes],
+                digest: vec![0; entry_len(page_size)],
                 kind,
             };
             return (page, false);
@@ -284,22 +287,25 @@ impl Replay {
                 (None, None) => PageKind::Gone(Reason::LostOnRestart),
                 (None, Some(copy)) => {
                     let prefix = inner && copy.rows < page_size;
+                    let rows = if prefix { copy.rows.max(1) } else { rows(copy.rows) };
+                    let recorded = if copy.digest.len() == entry_len(rows) {
+                        &copy.digest
+                    } else {
+                        &entry.digest
+                    };
                     let page = PageImage {
-                        rows: if prefix { copy.rows.max(1) } else { rows(copy.rows) },
-                        digest: digest(if copy.digest.len() == entry_bytes {
-                            &copy.digest
-                        } else {
-                            &entry.digest
-                        }),
+                        rows,
+                        digest: digest(recorded, rows),
                         kind: PageKind::Copy { phys: *phys },
                     };
                     return (page, prefix);
                 }
             },
         };
+        let rows = rows(entry.rows);
         let page = PageImage {
-            rows: rows(entry.rows),
-            digest: digest(&entry.digest),
+            rows,
+            digest: digest(&entry.digest, rows),
             kind,
         };
         (page, false)

@@ -134,8 +134,9 @@ fn page_at(seq: &Sequence, lane: usize, page: usize) -> PageAt {
     }
 }
 
+/// The page's index entry (digest and sketches) as the manifest keeps it.
 fn digest(seq: &Sequence, lane: usize, page: usize) -> Vec<u8> {
-    seq.lanes[lane].digests().entry(page).to_vec()
+    seq.lanes[lane].index_entry(page)
 }
 
 /// Pages from `from` on that hold original bytes without a current copy.

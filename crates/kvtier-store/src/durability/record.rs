@@ -16,7 +16,7 @@ use kvtier_core::{DType, LayerGroup, Layout, LayoutSpec, Reason, SequenceKey};
 use super::ManifestError;
 
 /// The format written by this version; a file of another version is refused.
-pub(crate) const FORMAT_VERSION: u32 = 2;
+pub(crate) const FORMAT_VERSION: u32 = 3;
 
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Record {

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kvtier_core::{Layout, LogicalPage, Reason};
+use kvtier_core::{Layout, LogicalPage, PageIndex, Reason};
 use kvtier_tiers::TierKind;
 
 use super::Durable;
@@ -61,9 +61,9 @@ impl Durable {
             for (lane, pages) in rec.lanes.into_iter().enumerate() {
                 logical += pages.len() as u64;
                 for (p, page) in pages.into_iter().enumerate() {
-                    let (rows, digest) = (page.rows, page.digest.clone());
+                    let entry = page.digest.clone();
                     let logical = self.recover_page(&mut r, &seq, (lane, p), page);
-                    seq.lanes[lane].push_known(logical, rows, &digest);
+                    seq.lanes[lane].push_known(logical, &entry);
                 }
             }
             let pages = cost::pages(&seq.layout, logical, 0) + r.extra;
@@ -94,12 +94,14 @@ impl Durable {
                             .copies
                             .get(&phys)
                             .and_then(|copy| {
-                                let charge = r.accounts.page_charge(seq.charge.account(), cost::physical_page());
+                                let charge = r
+                                    .accounts
+                                    .page_charge(seq.charge.account(), cost::physical_page(&seq.layout));
                                 self.claim(phys, copy, &seq.layout, charge)
                             })
                             .and_then(|physical| {
-                                // A page is shared only with the digest that attaching needs.
-                                let share = share.filter(|_| physical.digest.is_some());
+                                // A page is shared only with the index entry that attaching needs.
+                                let share = share.filter(|_| physical.index_entry.is_some());
                                 catalog.adopt(physical, share).ok()
                             });
                         let out = adopted.as_ref().map(|a| PageRef {
@@ -164,9 +166,10 @@ impl Durable {
             version: 0,
             lost: None,
         };
-        let digest = (copy.rows == layout.page_size() && copy.digest.len() == 2 * layout.row_bytes())
+        let full = PageIndex::entry_len(layout.dtype(), layout.head_dim() as usize, layout.page_size());
+        let entry = (copy.rows == layout.page_size() && copy.digest.len() == full)
             .then(|| copy.digest.clone().into_boxed_slice());
-        Some(Arc::new(PhysPage::new(phys, Arc::clone(layout), digest, place, charge)))
+        Some(Arc::new(PhysPage::new(phys, Arc::clone(layout), entry, place, charge)))
     }
 
     /// A host slot holding `bytes`.

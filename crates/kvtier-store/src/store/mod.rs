@@ -72,7 +72,9 @@ use kvtier_tiers::{ArenaTier, NvmeConfig, NvmeTier, Tier, TierKind};
 
 pub use fetch::{FetchCursor, FetchPages, FetchedChunk, FetchedPage, PageList};
 pub use policy::{ApplyPolicy, AttentionWeights, ReportAttention};
-pub use select::{HeadSelection, Miss, SelectPages, SelectTiming, SelectedPage, Selection, data_bound};
+pub use select::{
+    HeadSelection, Miss, SelectPages, SelectTiming, SelectedPage, Selection, data_bound, index_scan_bytes,
+};
 pub use sequences::Created;
 pub use transition::{PageSelection, SetPageState, TransitionOutcome};
 pub use write::{AppendOutcome, AppendTiming, AppendTokens, PutOutcome, PutPages};

@@ -3,14 +3,14 @@
 //! position order with bound and state, count the gone ones that would have
 //! been chosen, and optionally read the chosen pages.
 
-use kvtier_core::score::score_column;
+use kvtier_core::rank::{LaneQuery, MAX_CANDIDATES, Mode, Ranking, rank_lane as rank_pages};
 use kvtier_core::select::{Aggregation, Budget, Shard, select};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_core::{DIGEST_CHUNK_PAGES, Layout, LogicalPage, PageState, Reason, SequenceKey, TenantId, parallel, wire};
+use kvtier_core::{Layout, LogicalPage, PageState, Reason, SequenceKey, TenantId, parallel, wire};
 
 use super::fetch::FetchedPage;
 use super::trace::tiers_of;
@@ -33,6 +33,8 @@ pub struct SelectPages<'a> {
     pub queries: &'a [f32],
     pub budget: Budget,
     pub aggregation: Aggregation,
+    /// How pages are ranked: mode, candidates, softmax scale, top-p.
+    pub ranking: Ranking,
     /// Context-parallel caller; `None` selects over the whole lane.
     pub shard: Option<Shard>,
     /// Also read the selected pages (gone pages have no data).
@@ -59,6 +61,7 @@ impl<'a> SelectPages<'a> {
             queries,
             budget,
             aggregation: Aggregation::Max,
+            ranking: Ranking::default(),
             shard: None,
             with_data: false,
             swap_in: false,
@@ -81,8 +84,10 @@ pub enum Miss {
 #[derive(Debug, Clone, PartialEq)]
 pub struct SelectedPage {
     pub page: u32,
-    /// The score the page was ranked by: `U` aggregated over the group (or
-    /// one query head's `U`).
+    /// The score the page was ranked by, aggregated over the group (or one
+    /// query head's): `U` (quest), the cuboid's score, or the estimated
+    /// attention mass (sketch, two-stage; −1 for a page two-stage did not
+    /// re-rank).
     pub bound: f32,
     /// After the swap-in, if one was asked for.
     pub state: PageState,
@@ -108,7 +113,8 @@ pub struct Selection<B = Vec<u8>> {
     /// With `with_data`: every selected page that is not gone, once per
     /// (KV head, page), by KV head then position.
     pub data: Vec<FetchedPage<B>>,
-    /// Pages scored (lane pages × KV heads) and the digest bytes read.
+    /// Pages scored (lane pages × KV heads) and the index bytes read
+    /// (digests or cuboids, and sketch rows).
     pub pages_scored: u64,
     pub digest_bytes: u64,
     /// What the swap-in did (zeros without one; counts as of the return).
@@ -118,6 +124,8 @@ pub struct Selection<B = Vec<u8>> {
     /// The lease pinning the selected pages, and when it expires.
     pub lease: Option<(u64, Instant)>,
     pub timing: SelectTiming,
+    /// The mode that ranked.
+    pub mode: Mode,
 }
 
 impl<B> Selection<B> {
@@ -132,6 +140,7 @@ impl<B> Selection<B> {
             prefetch_queued: self.prefetch_queued,
             lease: self.lease,
             timing: self.timing,
+            mode: self.mode,
         }
     }
 }
@@ -245,6 +254,7 @@ impl Store {
             prefetch_queued: 0,
             lease: None,
             timing: SelectTiming::default(),
+            mode: req.ranking.mode,
         };
         let ranking = Instant::now();
         let mut ranked = Ranked::default();
@@ -252,7 +262,10 @@ impl Store {
         // Lanes are ranked independently, over the cores when there is
         // enough to scan, and merged in request order: the same selection
         // as one thread would make.
-        let scan: usize = lanes.iter().map(|&(_, l)| seq.lanes[l].digests().byte_len()).sum();
+        let scan: usize = lanes
+            .iter()
+            .map(|&(_, l)| index_scan_bytes(&seq.layout, seq.lanes[l].tokens(), req.budget.pages, &req.ranking))
+            .sum();
         let threads = parallel::threads_for(lanes.len(), scan, parallel::cores());
         let indexed: Vec<(usize, (u32, usize))> = lanes.iter().copied().enumerate().collect();
         for lane in parallel::map(&indexed, threads, |&(i, lane)| rank_lane(seq, &req, i, lane)) {
@@ -456,59 +469,49 @@ struct LaneRank {
     digest_bytes: u64,
 }
 
-/// Scores every page of one lane (the `i`-th of the request, KV head `h`)
-/// through its digest, and chooses.
+/// Ranks every page of one lane (the `i`-th of the request, KV head `h`)
+/// as the request's mode says, and chooses.
 fn rank_lane(seq: &Sequence, req: &SelectPages<'_>, i: usize, (h, lane_index): (u32, usize)) -> LaneRank {
     let layout = &seq.layout;
     let (d, group) = (layout.head_dim() as usize, layout.group_size() as usize);
     let lane = &seq.lanes[lane_index];
-    let n = lane.num_pages();
-    let queries = &req.queries[i * group * d..(i + 1) * group * d];
-    let mut scores = vec![0f32; n * group];
-    for (digests, scores) in lane
-        .digests()
-        .chunks()
-        .zip(scores.chunks_mut(DIGEST_CHUNK_PAGES * group))
-    {
-        score_column(layout.dtype(), d, digests, queries, scores);
-    }
+    let ranked = rank_pages(&LaneQuery {
+        index: lane.index(),
+        tokens: lane.tokens(),
+        queries: &req.queries[i * group * d..(i + 1) * group * d],
+        aggregation: req.aggregation,
+        budget: req.budget,
+        shard: req.shard,
+        ranking: req.ranking,
+    });
     let mut out = LaneRank {
         heads: Vec::new(),
         chosen: Vec::new(),
         next: Vec::new(),
-        pages_scored: n as u64,
-        digest_bytes: lane.digests().byte_len() as u64,
-    };
-    let per_head: Vec<(Option<u32>, Vec<f32>)> = match req.aggregation {
-        Aggregation::Max => vec![(None, fold(&scores, group, |a, b| a.max(b), 1.0))],
-        Aggregation::Mean => vec![(None, fold(&scores, group, |a, b| a + b, 1.0 / group as f32))],
-        Aggregation::PerQueryHead => (0..group)
-            .map(|g| {
-                let q = (h as usize * group + g) as u32;
-                (Some(q), scores.iter().skip(g).step_by(group).copied().collect())
-            })
-            .collect(),
+        pages_scored: lane.num_pages() as u64,
+        digest_bytes: ranked.bytes_scanned,
     };
     let physical = |p: usize| match lane.page(p) {
         Some(LogicalPage::Physical(r)) => Some(Arc::clone(&r.page)),
         _ => None,
     };
-    for (query_head, bounds) in per_head {
-        let chosen = select(&bounds, req.budget, req.shard);
+    for head in ranked.heads {
+        let query_head = head.query_head.map(|g| h * group as u32 + g);
         if req.prefetch_pages > 0 {
             let wider = Budget {
                 pages: req.budget.pages + req.prefetch_pages,
                 ..req.budget
             };
-            for p in select(&bounds, wider, req.shard) {
-                if chosen.binary_search(&p).is_err()
+            for p in select(&head.scores, wider, req.shard) {
+                if head.chosen.binary_search(&p).is_err()
                     && let Some(page) = physical(p)
                 {
                     out.next.push(((lane_index, p), page));
                 }
             }
         }
-        let pages = chosen
+        let pages = head
+            .chosen
             .iter()
             .map(|&p| {
                 if let Some(page) = physical(p) {
@@ -516,7 +519,7 @@ fn rank_lane(seq: &Sequence, req: &SelectPages<'_>, i: usize, (h, lane_index): (
                 }
                 SelectedPage {
                     page: p as u32,
-                    bound: bounds[p],
+                    bound: head.scores[p],
                     state: PageState::Gone,
                     miss: None,
                 }
@@ -530,6 +533,22 @@ fn rank_lane(seq: &Sequence, req: &SelectPages<'_>, i: usize, (h, lane_index): (
         });
     }
     out
+}
+
+/// About how many index bytes ranking one lane of `tokens` tokens reads:
+/// digests or cuboids, and the sketch rows the mode scores.
+pub fn index_scan_bytes(layout: &Layout, tokens: u64, budget_pages: usize, ranking: &Ranking) -> usize {
+    let pages = tokens.div_ceil(u64::from(layout.page_size())) as usize;
+    let column = pages.saturating_mul(2 * layout.row_bytes());
+    let sketches = (tokens as usize).saturating_mul(kvtier_core::sketch::row_bytes(layout.head_dim() as usize));
+    match ranking.mode {
+        Mode::Quest | Mode::Cuboid => column,
+        Mode::Sketch => sketches,
+        Mode::TwoStage => {
+            let wide = budget_pages.saturating_mul(ranking.candidates as usize).min(pages);
+            column.saturating_add(sketches / pages.max(1) * wide)
+        }
+    }
 }
 
 /// Each selected page's state as of now, and, after a swap-in (`Some(timed
@@ -546,21 +565,6 @@ fn settle_states(seq: &Sequence, lanes: &[(u32, usize)], heads: &mut [HeadSelect
         }
         head.selected_but_gone = head.pages.iter().filter(|p| p.state == PageState::Gone).count() as u32;
     }
-}
-
-/// One score per page from its group's: each scaled, then combined. Scaling
-/// first keeps a mean of scores near the top of the f32 range finite, and
-/// the result is saturated so that no rounding makes one infinite.
-fn fold(scores: &[f32], group: usize, combine: impl Fn(f32, f32) -> f32, scale: f32) -> Vec<f32> {
-    scores
-        .chunks_exact(group)
-        .map(|g| {
-            g[1..]
-                .iter()
-                .fold(g[0] * scale, |a, &b| combine(a, b * scale))
-                .clamp(-f32::MAX, f32::MAX)
-        })
-        .collect()
 }
 
 fn check_request(seq: &Sequence, req: &SelectPages<'_>) -> StoreResult<()> {
@@ -600,6 +604,7 @@ fn check_request(seq: &Sequence, req: &SelectPages<'_>) -> StoreResult<()> {
             ),
         ));
     }
+    check_ranking(&req.ranking, b)?;
     if let Some(s) = req.shard {
         if s.world == 0 || s.world > 4096 {
             return Err(StoreError::invalid(
@@ -611,6 +616,50 @@ fn check_request(seq: &Sequence, req: &SelectPages<'_>) -> StoreResult<()> {
             return Err(StoreError::invalid(
                 wire::SHARD_RANK,
                 format!("is {}, must be below world ({})", s.rank, s.world),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_ranking(r: &Ranking, b: Budget) -> StoreResult<()> {
+    if r.mode == Mode::TwoStage && !(1..=MAX_CANDIDATES).contains(&r.candidates) {
+        return Err(StoreError::invalid(
+            wire::CANDIDATES,
+            format!("is {}, must be in 1..={MAX_CANDIDATES}", r.candidates),
+        ));
+    }
+    if let Some(scale) = r.softmax_scale
+        && !(scale.is_finite() && scale > 0.0)
+    {
+        return Err(StoreError::invalid(
+            wire::SOFTMAX_SCALE,
+            format!("is {scale}, must be finite and positive"),
+        ));
+    }
+    if let Some(top_p) = r.top_p {
+        if !r.mode.estimates_mass() {
+            return Err(StoreError::invalid(
+                wire::TOP_P,
+                format!(
+                    "needs a mode that estimates attention mass (sketch or two-stage), not {}",
+                    r.mode
+                ),
+            ));
+        }
+        if !(top_p.p > 0.0 && top_p.p <= 1.0) {
+            return Err(StoreError::invalid(
+                wire::TOP_P,
+                format!("is {}, must be in (0, 1]", top_p.p),
+            ));
+        }
+        if top_p.min_pages > b.pages {
+            return Err(StoreError::invalid(
+                wire::MIN_PAGES,
+                format!(
+                    "is {}, above budget_pages ({}), the most a top-p selection takes",
+                    top_p.min_pages, b.pages
+                ),
             ));
         }
     }

@@ -10,7 +10,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvtier_core::{DigestColumn, Layout, LogicalPage, Reason, SequenceKey, wire};
+use kvtier_core::{Layout, LogicalPage, PageIndex, Reason, SequenceKey, wire};
 use kvtier_tiers::Slot;
 
 use super::{Store, micros};
@@ -481,7 +481,7 @@ impl Store {
                 Planned::Shared(r) => (r, true),
                 Planned::New(page) => {
                     out.new_pages += 1;
-                    let charge = seq.charge.split(cost::physical_page());
+                    let charge = seq.charge.split(cost::physical_page(&batch.layout));
                     self.new_physical(page, batch, range.len(), keys, charge)?
                 }
             };
@@ -494,8 +494,8 @@ impl Store {
                 }
             }
             let phys = r.page.id;
-            match r.page.digest.clone() {
-                Some(digest) => seq.lanes[lane].push_full_page(LogicalPage::Physical(r), &digest),
+            match r.page.index_entry.clone() {
+                Some(entry) => seq.lanes[lane].push_known(LogicalPage::Physical(r), &entry),
                 None => seq.lanes[lane].push_page(LogicalPage::Physical(r), keys),
             }
             out.mapped.push((lane, seq.lanes[lane].num_pages() - 1, phys));
@@ -516,13 +516,12 @@ impl Store {
         charge: PageCharge,
     ) -> StoreResult<(PageRef, bool)> {
         let layout = &batch.layout;
-        let digest = page.key.as_ref().map(|_| {
-            let mut digest = DigestColumn::new(layout.dtype(), layout.head_dim() as usize);
-            digest.open_page(keys);
-            Box::from(digest.entry(0))
-        });
+        let entry = page
+            .key
+            .as_ref()
+            .map(|_| Box::from(PageIndex::entry_of(layout.dtype(), layout.head_dim() as usize, keys)));
         let place = Placement::new(page.device, page.host, rows as u32);
-        let physical = Arc::new(PhysPage::new(page.id, Arc::clone(layout), digest, place, charge));
+        let physical = Arc::new(PhysPage::new(page.id, Arc::clone(layout), entry, place, charge));
         self.host.touch([&physical]);
         self.catalog.publish(physical, page.key)
     }
