@@ -328,11 +328,21 @@ class _Api:
         prefetch_pages: int = 0,
         lease_ms: int = 0,
         shm: Shm = None,
+        mode: Optional[str] = None,
+        candidates: int = 0,
+        softmax_scale: float = 0.0,
+        top_p: float = 0.0,
+        min_pages: int = 0,
     ) -> Selection:
         """Chooses the pages a decode step's ``queries`` (``[query heads,
         head_dim]`` of the KV heads' groups, post-RoPE) need: per KV head the
-        top ``budget_pages`` by Quest's bound, ``sink_pages`` first and
-        ``window_pages`` last pages included. Aggregation over a group:
+        top ``budget_pages`` as ``mode`` ranks them (``"quest"``, the sound
+        bound; ``"cuboid"``; ``"sketch"`` or ``"two_stage"``, by attention
+        mass estimated from per-token key sketches; ``None``: the server's
+        default, two-stage), ``sink_pages`` first and ``window_pages`` last
+        pages included. ``candidates``: two-stage's stage-one factor (0: 4);
+        ``softmax_scale`` (0: 1/sqrt(head_dim)); ``top_p``/``min_pages``: a
+        top-p budget for the mass modes (0: off). Aggregation over a group:
         ``"max"``, ``"mean"`` or ``"per_query_head"``. ``shard``: a
         context-parallel rank as ``(rank, world[, "contiguous"|"strided"[,
         "global"|"local"]])``. ``swap_in`` makes the chosen pages hot
@@ -355,6 +365,7 @@ class _Api:
                 "prefetch_pages": prefetch_pages,
                 "lease_ms": lease_ms,
                 "shm": window.to_proto() if window else None,
+                **_ranking(mode, candidates, softmax_scale, top_p, min_pages),
             }
             request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
             replies = yield _Rpc("SelectPages", request)
@@ -374,6 +385,8 @@ class _Api:
         window_pages: int = 0,
         aggregation: str = "max",
         shard: Any = None,
+        mode: Optional[str] = None,
+        candidates: int = 0,
     ) -> int:
         """Promotes, in the background, what ``select`` with these
         arguments would choose (a layer ahead, say); returns the pages
@@ -381,7 +394,13 @@ class _Api:
 
         def steps() -> Steps[int]:
             layout = yield from self._layout(sequence_id)
-            options = {"sink_pages": sink_pages, "window_pages": window_pages, "aggregation": aggregation, "shard": shard}
+            options = {
+                "sink_pages": sink_pages,
+                "window_pages": window_pages,
+                "aggregation": aggregation,
+                "shard": shard,
+                **_ranking(mode, candidates, 0.0, 0.0, 0),
+            }
             request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
             return (yield _Rpc("Prefetch", request))["pages_queued"]
 
@@ -549,6 +568,18 @@ class _Api:
             return (yield _Rpc(method, request))
 
         return self._run(steps())
+
+
+def _ranking(mode: Optional[str], candidates: int, softmax_scale: float, top_p: float, min_pages: int) -> Dict[str, Any]:
+    """A selection's ranking fields; ``mode`` as the CLI spells it
+    (``two-stage``) or as the proto does (``two_stage``)."""
+    return {
+        "mode": 0 if mode is None else mode.replace("-", "_"),
+        "candidates": candidates,
+        "softmax_scale": softmax_scale,
+        "top_p": top_p,
+        "min_pages": min_pages,
+    }
 
 
 def _shard(shard: Any) -> Optional[Dict[str, Any]]:

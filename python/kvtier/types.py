@@ -121,6 +121,9 @@ class Selection:
     prefetch_queued: int
     lease_id: Optional[int]
     lease_expires_in_ms: int
+    #: The mode that ranked: ``"quest"``, ``"cuboid"``, ``"sketch"`` or
+    #: ``"two_stage"``; a page's ``bound`` is its score in that mode.
+    mode: str = "two_stage"
 
     def gather(self, kv_head: int) -> Tuple[np.ndarray, np.ndarray, List[Page]]:
         """The data pages of ``kv_head`` in position order, their K and V
@@ -243,4 +246,5 @@ def selection_from_proto(
         prefetch_queued=first["prefetch_queued"],
         lease_id=first["lease_id"] or None,
         lease_expires_in_ms=first["lease_expires_in_ms"],
+        mode=first["mode"],
     )

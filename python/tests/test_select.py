@@ -9,10 +9,12 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import kvtier
+from kvtier import errors
 
 _ids = itertools.count()
 
@@ -73,8 +75,9 @@ def test_select_matches_a_numpy_model_of_quest(client, case):
     try:
         client.put(seq, 0, as_input(keys, case["dtype"]), as_input(-keys, case["dtype"]))
         sel = client.select(
-            seq, 0, q, budget, sink_pages=sinks, window_pages=window, aggregation=case["aggregation"]
+            seq, 0, q, budget, sink_pages=sinks, window_pages=window, aggregation=case["aggregation"], mode="quest"
         )
+        assert sel.mode == "quest"
         assert sel.pages_scored == h * n
         assert [s.kv_head for s in sel.heads] == list(range(h))
         for head in sel.heads:
@@ -142,3 +145,35 @@ def test_context_parallel_shards_together_choose_what_the_unsharded_call_chooses
         union = [p.page for part in parts for p in part.heads[0].pages]
         assert sorted(union) == sorted(whole) and len(union) == len(whole)
     client.drop("cp")
+
+
+def test_mass_modes_estimate_each_query_heads_attention(client):
+    """Sketch mode over every page: each query head's page masses sum to
+    one; a top-p cut keeps the best pages; ``two-stage`` is the default and
+    may be spelled either way."""
+    rng = np.random.default_rng(5)
+    layout = kvtier.Layout(1, 2, 4, 16, "f16", 4)
+    keys = rng.standard_normal((2, 37, 16)).astype(np.float32)
+    q = rng.standard_normal((4, 16)).astype(np.float32)
+    seq = f"mass-{next(_ids)}"
+    client.create(seq, layout)
+    try:
+        client.put(seq, 0, keys, -keys)
+        assert client.select(seq, 0, q, 2, include_data=False).mode == "two_stage"
+        assert client.select(seq, 0, q, 2, include_data=False, mode="two-stage").mode == "two_stage"
+        whole = client.select(seq, 0, q, 10, include_data=False, mode="sketch", aggregation="per_query_head")
+        assert whole.mode == "sketch" and len(whole.heads) == 4
+        for head in whole.heads:
+            assert len(head.pages) == 10
+            assert abs(sum(p.bound for p in head.pages) - 1.0) < 1e-4
+        cut = client.select(seq, 0, q, 10, include_data=False, mode="sketch", aggregation="per_query_head", top_p=0.5)
+        for head, full in zip(cut.heads, whole.heads):
+            masses = sorted((p.bound for p in full.pages), reverse=True)
+            fewest = int(np.searchsorted(np.cumsum(masses), 0.5 - 1e-5)) + 1
+            assert len(head.pages) == fewest
+        with pytest.raises(ValueError, match="mode"):
+            client.select(seq, 0, q, 2, mode="best")
+        with pytest.raises(errors.InvalidArgument, match="top_p"):
+            client.select(seq, 0, q, 2, mode="quest", top_p=0.9)
+    finally:
+        client.drop(seq)

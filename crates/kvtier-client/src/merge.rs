@@ -54,7 +54,25 @@ impl Partitioned {
 
     /// The exact global selection for `req` (no shard), with global page
     /// numbers, per (KV head, query head). Pages' data is not fetched.
+    ///
+    /// Merging needs scores that mean the same on every server: quest
+    /// (the default here) or cuboid. Estimated masses are normalised over
+    /// each server's own pages, so sketch, two-stage and top-p are refused.
     pub async fn select(&mut self, req: &SelectRequest) -> Result<Vec<pb::HeadSelection>> {
+        let mode = match req.mode {
+            pb::SelectionMode::Unspecified => pb::SelectionMode::Quest,
+            m => m,
+        };
+        if matches!(mode, pb::SelectionMode::Sketch | pb::SelectionMode::TwoStage) || req.top_p != 0.0 {
+            return Err(tonic::Status::invalid_argument(format!(
+                "mode: merging selections across servers needs scores comparable across them \
+                 (SELECTION_MODE_QUEST or SELECTION_MODE_CUBOID), not {} with top_p {}: \
+                 estimated masses are normalised over each server's pages",
+                mode.as_str_name(),
+                req.top_p
+            ))
+            .into());
+        }
         let n = self.pages();
         let (k, s, w) = (req.budget_pages, req.sink_pages, req.window_pages);
         let forced = |p: u32| p < s || p + w >= n;
@@ -77,6 +95,7 @@ impl Partitioned {
                 (prefix, suffix)
             };
             let local = SelectRequest {
+                mode,
                 budget_pages: local_forced + room,
                 sink_pages: sinks,
                 window_pages: window,

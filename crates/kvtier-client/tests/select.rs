@@ -16,6 +16,15 @@ fn layout(dtype: pb::DType) -> pb::Layout {
     kvtier_client::layout(1, KV_HEADS, KV_HEADS * GROUP as u32, D as u32, dtype, PAGE as u32)
 }
 
+/// A Quest selection (the mode these references model; the server's
+/// default is another).
+fn quest(layer: u32, kv_heads: std::ops::Range<u32>, queries: Vec<f32>, budget_pages: u32) -> SelectRequest {
+    SelectRequest {
+        mode: pb::SelectionMode::Quest,
+        ..SelectRequest::new(layer, kv_heads, queries, budget_pages)
+    }
+}
+
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -120,7 +129,7 @@ async fn selection_matches_a_brute_force_reference() {
                 let req = SelectRequest {
                     sink_pages: s,
                     window_pages: w,
-                    ..SelectRequest::new(0, 0..KV_HEADS, q.clone(), k)
+                    ..quest(0, 0..KV_HEADS, q.clone(), k)
                 };
                 let got = client.select_pages(&seq, &req).await.unwrap();
                 assert_eq!(got.heads.len(), KV_HEADS as usize);
@@ -165,7 +174,7 @@ async fn partial_pages_gone_pages_data_and_aggregations() {
         .unwrap();
     let q = vec![1.0f32; KV_HEADS as usize * GROUP * D];
     let got = client
-        .select_pages("p", &SelectRequest::new(0, 0..KV_HEADS, q.clone(), 3))
+        .select_pages("p", &quest(0, 0..KV_HEADS, q.clone(), 3))
         .await
         .unwrap();
     for head in &got.heads {
@@ -184,7 +193,7 @@ async fn partial_pages_gone_pages_data_and_aggregations() {
         .unwrap();
     let req = SelectRequest {
         include_data: true,
-        ..SelectRequest::new(0, 0..KV_HEADS, q.clone(), 3)
+        ..quest(0, 0..KV_HEADS, q.clone(), 3)
     };
     let got = client.select_pages("p", &req).await.unwrap();
     assert_eq!(got.heads[0].selected_but_gone, 1);
@@ -236,7 +245,7 @@ async fn partial_pages_gone_pages_data_and_aggregations() {
     // Per query head: one selection per query head, numbered globally.
     let req = SelectRequest {
         aggregation: pb::Aggregation::PerQueryHead,
-        ..SelectRequest::new(0, 1..2, vec![1.0; GROUP * D], 2)
+        ..quest(0, 1..2, vec![1.0; GROUP * D], 2)
     };
     let got = client.select_pages("p", &req).await.unwrap();
     let heads: Vec<(u32, Option<u32>)> = got.heads.iter().map(|h| (h.kv_head, h.query_head)).collect();
@@ -255,7 +264,7 @@ async fn context_parallel_shares_union_to_the_unsharded_selection() {
             let req = SelectRequest {
                 sink_pages: 1,
                 window_pages: 2,
-                ..SelectRequest::new(0, 0..KV_HEADS, q, 7)
+                ..quest(0, 0..KV_HEADS, q, 7)
             };
             let whole = client.select_pages("cp", &req).await.unwrap();
             let mut union: Vec<Vec<(u32, f32)>> = vec![Vec::new(); KV_HEADS as usize];
@@ -364,21 +373,82 @@ async fn multi_server_merge_equals_single_server_selection() {
         (30, 0, 0),
         (8, 0, 8),
     ] {
-        for aggregation in [
-            pb::Aggregation::Max,
-            pb::Aggregation::Mean,
-            pb::Aggregation::PerQueryHead,
+        for (aggregation, mode) in [
+            (pb::Aggregation::Max, pb::SelectionMode::Quest),
+            (pb::Aggregation::Mean, pb::SelectionMode::Cuboid),
+            (pb::Aggregation::PerQueryHead, pb::SelectionMode::Quest),
+            (pb::Aggregation::Max, pb::SelectionMode::Cuboid),
         ] {
             let q = queries(&mut rng, KV_HEADS as usize);
             let req = SelectRequest {
                 sink_pages: s,
                 window_pages: w,
                 aggregation,
-                ..SelectRequest::new(0, 0..KV_HEADS, q, k)
+                mode,
+                ..quest(0, 0..KV_HEADS, q, k)
             };
             let want = one.select_pages("whole", &req).await.unwrap().heads;
             let got = split.select(&req).await.unwrap();
-            assert_eq!(got, want, "k {k} s {s} w {w} {aggregation:?}");
+            assert_eq!(got, want, "k {k} s {s} w {w} {aggregation:?} {mode:?}");
+        }
+    }
+    // Estimated masses are normalised per server: no exact merge.
+    let req = SelectRequest {
+        mode: pb::SelectionMode::TwoStage,
+        ..quest(0, 0..KV_HEADS, queries(&mut rng, KV_HEADS as usize), 4)
+    };
+    let err = split.select(&req).await.unwrap_err().to_string();
+    assert!(err.contains("mode:"), "{err}");
+}
+
+/// The estimated-mass modes over gRPC: each query head's masses over the
+/// whole lane sum to one, the mode is echoed (two-stage when unnamed), and
+/// a top-p selection keeps the fewest best pages that reach p.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mass_modes_estimate_a_distribution_and_honour_top_p() {
+    let server = TestServer::default().await;
+    let mut client = server.client().await;
+    let mut rng = Rng(11);
+    let tokens = 41; // 11 pages, the last partial
+    write(&mut client, "m", pb::DType::DtypeF16, tokens, &mut rng).await;
+    let pages = tokens.div_ceil(PAGE) as u32;
+    let q = queries(&mut rng, KV_HEADS as usize);
+    let unnamed = client
+        .select_pages("m", &SelectRequest::new(0, 0..KV_HEADS, q.clone(), 2))
+        .await
+        .unwrap();
+    assert_eq!(unnamed.mode, pb::SelectionMode::TwoStage);
+    let all = SelectRequest {
+        mode: pb::SelectionMode::Sketch,
+        aggregation: pb::Aggregation::PerQueryHead,
+        ..SelectRequest::new(0, 0..KV_HEADS, q.clone(), pages)
+    };
+    let answer = client.select_pages("m", &all).await.unwrap();
+    assert_eq!(answer.mode, pb::SelectionMode::Sketch);
+    assert_eq!(answer.heads.len(), KV_HEADS as usize * GROUP);
+    for head in &answer.heads {
+        assert_eq!(head.pages.len(), pages as usize);
+        let total: f32 = head.pages.iter().map(|p| p.bound).sum();
+        assert!((total - 1.0).abs() < 1e-4, "{head:?}");
+    }
+    for p in [0.3f32, 0.6, 0.95] {
+        let req = SelectRequest {
+            top_p: p,
+            min_pages: 1,
+            ..all.clone()
+        };
+        let cut = client.select_pages("m", &req).await.unwrap();
+        for (head, whole) in cut.heads.iter().zip(&answer.heads) {
+            let mut masses: Vec<f32> = whole.pages.iter().map(|p| p.bound).collect();
+            masses.sort_by(|a, b| b.total_cmp(a));
+            let held: f32 = head.pages.iter().map(|p| p.bound).sum();
+            let need = masses.iter().scan(0f32, |s, m| {
+                *s += m;
+                Some(*s)
+            });
+            let fewest = need.take_while(|&s| s < p - 1e-5).count() + 1;
+            assert_eq!(head.pages.len(), fewest.min(pages as usize), "p {p}: {head:?}");
+            assert!(held >= p - 1e-4, "p {p}: {held}");
         }
     }
 }
@@ -389,7 +459,7 @@ async fn bad_selection_requests_name_their_field() {
     let mut client = server.client().await;
     let mut rng = Rng(3);
     write(&mut client, "b", pb::DType::DtypeF32, 10, &mut rng).await;
-    let ok = SelectRequest::new(0, 0..KV_HEADS, vec![0.5; KV_HEADS as usize * GROUP * D], 2);
+    let ok = quest(0, 0..KV_HEADS, vec![0.5; KV_HEADS as usize * GROUP * D], 2);
     let mut nan = ok.clone();
     nan.queries[7] = f32::NAN;
     let cases = [
@@ -415,6 +485,53 @@ async fn bad_selection_requests_name_their_field() {
                 ..ok.clone()
             },
             "sink_pages:",
+        ),
+        (
+            SelectRequest {
+                top_p: 0.9,
+                ..ok.clone()
+            },
+            "top_p:",
+        ),
+        (
+            SelectRequest {
+                mode: pb::SelectionMode::Sketch,
+                top_p: 1.5,
+                ..ok.clone()
+            },
+            "top_p:",
+        ),
+        (
+            SelectRequest {
+                mode: pb::SelectionMode::TwoStage,
+                top_p: 0.5,
+                min_pages: 3,
+                ..ok.clone()
+            },
+            "min_pages:",
+        ),
+        (
+            SelectRequest {
+                min_pages: 1,
+                ..ok.clone()
+            },
+            "min_pages:",
+        ),
+        (
+            SelectRequest {
+                mode: pb::SelectionMode::TwoStage,
+                candidates: 65,
+                ..ok.clone()
+            },
+            "candidates:",
+        ),
+        (
+            SelectRequest {
+                mode: pb::SelectionMode::Sketch,
+                softmax_scale: -1.0,
+                ..ok.clone()
+            },
+            "softmax_scale:",
         ),
         (
             SelectRequest {
@@ -534,7 +651,7 @@ async fn keys_at_the_ends_of_the_range_get_finite_bounds_that_rank() {
             .await
             .unwrap();
         let answer = c
-            .select_pages(&name, &SelectRequest::new(0, 0..1, vec![f32::MAX, f32::MAX], 1))
+            .select_pages(&name, &quest(0, 0..1, vec![f32::MAX, f32::MAX], 1))
             .await
             .unwrap();
         let chosen = &answer.heads[0].pages;

@@ -48,6 +48,27 @@ impl DType {
         }
     }
 
+    /// Widens `out.len()` elements of a little-endian buffer into `out`.
+    pub fn widen(self, bytes: &[u8], out: &mut [f32]) {
+        match self {
+            DType::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            DType::F16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
+            }
+            DType::Bf16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                }
+            }
+        }
+    }
+
     /// Widens a whole little-endian buffer to f32.
     pub fn to_f32_vec(self, bytes: &[u8]) -> Vec<f32> {
         (0..bytes.len() / self.size()).map(|i| self.get_f32(bytes, i)).collect()

@@ -1,11 +1,11 @@
-//! A lane's resident page index (docs/CONCEPTS.md §3): per page its Quest
-//! digest (min and max rows, the sound bound), the cuboid of its keys
-//! (centre ± mean deviation, derived from the sketches) and one int4 sketch
-//! per token. Everything selection reads; none of it needs the page.
+//! A lane's resident page index (docs/CONCEPTS.md §3.1): per page its Quest
+//! digest (min and max rows, the sound bound) and one int4 sketch per
+//! token. Everything selection reads; none of it needs the page. (A page's
+//! cuboid is a function of its sketches, computed when a selection asks for
+//! it rather than kept: it would cost as much memory as the digest.)
 //!
 //! A page's *entry* — what a shared page carries and what the manifest
-//! records — is its digest followed by the sketch rows of its tokens. The
-//! cuboid is a function of the sketches and is recomputed, never stored.
+//! records — is its digest followed by the sketch rows of its tokens.
 
 use crate::chunked::ChunkedEntries;
 use crate::sketch::{self, cuboid_entry};
@@ -14,7 +14,6 @@ use crate::{DIGEST_CHUNK_PAGES, DType, DigestColumn};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageIndex {
     digests: DigestColumn,
-    boxes: DigestColumn,
     /// `page_size` sketch rows per page; rows past a partial last page's
     /// end are zero.
     sketches: ChunkedEntries,
@@ -26,7 +25,6 @@ impl PageIndex {
         let page_size = page_size as usize;
         Self {
             digests: DigestColumn::new(dtype, head_dim),
-            boxes: DigestColumn::new(dtype, head_dim),
             sketches: ChunkedEntries::new(page_size * sketch::row_bytes(head_dim), DIGEST_CHUNK_PAGES),
             page_size,
         }
@@ -36,9 +34,17 @@ impl PageIndex {
         &self.digests
     }
 
-    /// Each page's cuboid, as digest entries `[c − ρ][c + ρ]`.
-    pub fn boxes(&self) -> &DigestColumn {
-        &self.boxes
+    /// The cuboids of pages `0..pages` (each of its first `rows(page)`
+    /// sketched rows) as digest entries `[c − ρ][c + ρ]`, in page order.
+    pub fn cuboids(&self, pages: usize, rows: impl Fn(usize) -> usize) -> Vec<u8> {
+        let (dtype, d) = (self.digests.dtype(), self.digests.head_dim());
+        let n = self.sketch_row_bytes();
+        let entry = self.digests.entry_bytes();
+        let mut out = vec![0u8; pages * entry];
+        for (p, out) in out.chunks_exact_mut(entry).enumerate() {
+            cuboid_entry(dtype, d, &self.sketch(p)[..rows(p) * n], out);
+        }
+        out
     }
 
     /// The sketch rows in page order, in chunks of [`DIGEST_CHUNK_PAGES`]
@@ -60,10 +66,10 @@ impl PageIndex {
         self.page_size
     }
 
-    /// Resident bytes of one page's index for this layout: digest, cuboid
-    /// and `page_size` sketch rows.
+    /// Resident bytes of one page's index for this layout: digest and
+    /// `page_size` sketch rows.
     pub fn bytes_per_page(dtype: DType, head_dim: usize, page_size: u32) -> usize {
-        2 * 2 * head_dim * dtype.size() + page_size as usize * sketch::row_bytes(head_dim)
+        Self::entry_len(dtype, head_dim, page_size)
     }
 
     /// Bytes of an entry of a page of `rows` tokens.
@@ -84,7 +90,6 @@ impl PageIndex {
     /// Indexes a new page from its first key rows.
     pub fn open_page(&mut self, keys: &[u8]) {
         self.digests.open_page(keys);
-        self.boxes.push_zeroed();
         self.sketches.push_zeroed();
         self.add_rows(self.digests.pages() - 1, 0, keys);
     }
@@ -101,24 +106,7 @@ impl PageIndex {
         let rows = keys.len() / (d * dtype.size());
         assert!(from + rows <= self.page_size, "rows beyond the page");
         let slots = self.sketches.get_mut(page);
-        for (key, slot) in keys
-            .chunks_exact(d * dtype.size())
-            .zip(slots[from * n..].chunks_exact_mut(n))
-        {
-            sketch::encode_row(dtype, d, key, slot);
-        }
-        self.refresh_box(page, from + rows);
-    }
-
-    fn refresh_box(&mut self, page: usize, rows: usize) {
-        let (dtype, d) = (self.digests.dtype(), self.digests.head_dim());
-        let n = sketch::row_bytes(d);
-        cuboid_entry(
-            dtype,
-            d,
-            &self.sketches.get(page)[..rows * n],
-            self.boxes.entry_mut(page),
-        );
+        sketch::encode_into(dtype, d, keys, &mut slots[from * n..(from + rows) * n]);
     }
 
     /// Page `page`'s entry for its first `rows` rows.
@@ -140,9 +128,7 @@ impl PageIndex {
         let rows = (entry.len() - digest) / n;
         assert!(rows <= self.page_size, "index entry of at most page_size rows");
         self.digests.push_entry(&entry[..digest]);
-        self.boxes.push_zeroed();
         self.sketches.push_zeroed()[..rows * n].copy_from_slice(&entry[digest..]);
-        self.refresh_box(self.digests.pages() - 1, rows);
         rows as u32
     }
 }

@@ -5,8 +5,11 @@
 //!   (tighter, not a bound);
 //! - `sketch`: every token's logit estimated from its int4 sketch, softmax
 //!   over the lane, each page ranked by its estimated attention mass;
-//! - `two-stage`: the cuboid keeps `candidates ×` the budget, and only those
-//!   pages are re-ranked by their sketches' estimated mass.
+//! - `two-stage`: Quest's bound keeps `candidates ×` the budget, and only
+//!   those pages are re-ranked by their sketches' estimated mass. (Stage one
+//!   is the sound bound, not the cuboid: on real keys the cuboid's means
+//!   dilute the single heavy tokens that carry most mass, and a cuboid
+//!   stage one lost them — bench/results/selection.md.)
 //!
 //! The scores of a GQA group's query heads are combined per page as the
 //! request's [`Aggregation`] says (for masses: max or mean of each head's
@@ -127,7 +130,7 @@ pub struct HeadRank {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LaneRanking {
     pub heads: Vec<HeadRank>,
-    /// Index bytes read: digests or boxes, and sketch rows.
+    /// Index bytes read: digests, and sketch rows.
     pub bytes_scanned: u64,
 }
 
@@ -138,20 +141,28 @@ pub fn rank_lane(q: &LaneQuery<'_>) -> LaneRanking {
     let group = q.queries.len() / d;
     let mode = q.ranking.mode;
     let mut bytes = 0u64;
-    let column = match mode {
-        Mode::Quest => Some(index.digests()),
-        Mode::Cuboid | Mode::TwoStage => Some(index.boxes()),
+    let n = index.digests().pages();
+    let bounds = match mode {
+        Mode::Quest | Mode::TwoStage => {
+            bytes += index.digests().byte_len() as u64;
+            Some(score_all(index.digests(), q.queries))
+        }
+        Mode::Cuboid => {
+            // Each page's cuboid from its sketches, scored like a digest.
+            let cuboids = index.cuboids(n, |p| rows_in(q, p));
+            bytes += (q.tokens as usize * index.sketch_row_bytes()) as u64;
+            let mut column = DigestColumn::new(index.digests().dtype(), d);
+            for entry in cuboids.chunks_exact(index.digests().entry_bytes()) {
+                column.push_entry(entry);
+            }
+            Some(score_all(&column, q.queries))
+        }
         Mode::Sketch => None,
     };
-    let bounds = column.map(|c| {
-        bytes += c.byte_len() as u64;
-        score_all(c, q.queries)
-    });
     let selectors: Vec<(Option<u32>, Range<usize>)> = match q.aggregation {
         Aggregation::PerQueryHead => (0..group).map(|g| (Some(g as u32), g..g + 1)).collect(),
         Aggregation::Max | Aggregation::Mean => vec![(None, 0..group)],
     };
-    let n = index.digests().pages();
     let mut heads = Vec::with_capacity(selectors.len());
     for (query_head, members) in selectors {
         let queries = &q.queries[members.start * d..members.end * d];
@@ -197,6 +208,12 @@ pub fn rank_lane(q: &LaneQuery<'_>) -> LaneRanking {
     }
 }
 
+/// Rows of page `p` of the query's lane (the last may be partial).
+fn rows_in(q: &LaneQuery<'_>, p: usize) -> usize {
+    let page_size = q.index.page_size() as u64;
+    q.tokens.saturating_sub(p as u64 * page_size).min(page_size) as usize
+}
+
 /// `U` of every (page, query): `[page][group]`.
 fn score_all(column: &DigestColumn, queries: &[f32]) -> Vec<f32> {
     let (d, group) = (column.head_dim(), queries.len() / column.head_dim());
@@ -238,8 +255,8 @@ fn masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>, u64
     let index = q.index;
     let d = index.digests().head_dim();
     let heads = queries.len() / d;
-    let (page_size, row) = (index.page_size() as u64, index.sketch_row_bytes());
-    let rows_in = |p: usize| q.tokens.saturating_sub(p as u64 * page_size).min(page_size) as usize;
+    let row = index.sketch_row_bytes();
+    let rows_in = |p: usize| rows_in(q, p);
     let scale = q.ranking.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
     let total: usize = pages.iter().map(|&p| rows_in(p)).sum();
     let mut logits = vec![0f32; total * heads];
@@ -365,7 +382,7 @@ mod tests {
                 let pool: Vec<usize> = match mode {
                     Mode::Sketch => (0..n).collect(),
                     _ => {
-                        let bounds = score_all(index.boxes(), queries);
+                        let bounds = score_all(index.digests(), queries);
                         let first = combine(&bounds, group, 0..group, Aggregation::Max);
                         select(&first, Budget { pages: budget.pages * candidates as usize, ..budget }, None)
                     }
@@ -399,13 +416,19 @@ mod tests {
             let (index, tokens) = lane(d, 4, &values[..tokens * d]);
             let queries = &values[values.len() - 2 * d..];
             let budget = Budget { pages: budget, sinks: 1, window: 1 };
-            for (mode, column) in [(Mode::Quest, index.digests()), (Mode::Cuboid, index.boxes())] {
+            let mut cuboids = DigestColumn::new(DType::F16, d);
+            for p in 0..index.digests().pages() {
+                let rows = (tokens as usize - 4 * p).min(4);
+                let mut entry = vec![0u8; index.digests().entry_bytes()];
+                crate::sketch::cuboid_entry(DType::F16, d, &index.sketch(p)[..rows * row_bytes(d)], &mut entry);
+                cuboids.push_entry(&entry);
+            }
+            for (mode, column) in [(Mode::Quest, index.digests()), (Mode::Cuboid, &cuboids)] {
                 let query = LaneQuery { index: &index, tokens, queries, aggregation: Aggregation::Max, budget, shard: None, ranking: Ranking::new(mode) };
                 let got = rank_lane(&query);
                 let bounds = combine(&score_all(column, queries), 2, 0..2, Aggregation::Max);
                 prop_assert_eq!(&got.heads[0].scores, &bounds);
                 prop_assert_eq!(&got.heads[0].chosen, &select(&bounds, budget, None));
-                prop_assert_eq!(got.bytes_scanned, column.byte_len() as u64);
             }
         }
     }

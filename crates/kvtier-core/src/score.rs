@@ -92,8 +92,8 @@ fn saturated(dtype: DType, head_dim: usize, digests: &[u8], queries: &[f32], at:
     let row = head_dim * dtype.size();
     let entry = &digests[page * 2 * row..(page + 1) * 2 * row];
     let (mut min, mut max) = (vec![0f32; head_dim], vec![0f32; head_dim]);
-    decode(dtype, &entry[..row], &mut min);
-    decode(dtype, &entry[row..], &mut max);
+    dtype.widen(&entry[..row], &mut min);
+    dtype.widen(&entry[row..], &mut max);
     let q = &queries[j * head_dim..(j + 1) * head_dim];
     let sum: f64 = q
         .iter()
@@ -111,35 +111,14 @@ fn scalar(dtype: DType, head_dim: usize, digests: &[u8], queries: &[f32], out: &
     let row = head_dim * dtype.size();
     let (mut min, mut max) = (vec![0f32; head_dim], vec![0f32; head_dim]);
     for (page, entry) in digests.chunks_exact(2 * row).enumerate() {
-        decode(dtype, &entry[..row], &mut min);
-        decode(dtype, &entry[row..], &mut max);
+        dtype.widen(&entry[..row], &mut min);
+        dtype.widen(&entry[row..], &mut max);
         for (j, q) in queries.chunks_exact(head_dim).enumerate() {
             out[page * group + j] = q
                 .iter()
                 .zip(min.iter().zip(&max))
                 .map(|(q, (lo, hi))| (q * hi).max(q * lo))
                 .sum();
-        }
-    }
-}
-
-/// Widens a row of `dtype` elements into `out`.
-fn decode(dtype: DType, bytes: &[u8], out: &mut [f32]) {
-    match dtype {
-        DType::F32 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-        DType::F16 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-            }
-        }
-        DType::Bf16 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
-            }
         }
     }
 }

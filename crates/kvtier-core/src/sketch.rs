@@ -27,39 +27,48 @@ fn saturate(v: f32) -> f16 {
     f16::from_f32(v.clamp(-f16::MAX.to_f32(), f16::MAX.to_f32()))
 }
 
-/// Writes the sketch of one key row (`head_dim` elements of `dtype`) into
-/// `out` ([`row_bytes`] long).
-pub fn encode_row(dtype: DType, head_dim: usize, key: &[u8], out: &mut [u8]) {
-    debug_assert_eq!(out.len(), row_bytes(head_dim));
+/// Writes the sketch of one key row, widened to f32 (`head_dim` values),
+/// into `out` ([`row_bytes`] long).
+fn encode_values(key: &[f32], out: &mut [u8]) {
+    let head_dim = key.len();
     let limit = f16::MAX.to_f32();
-    let value = |r: usize| dtype.get_f32(key, r).clamp(-limit, limit);
-    let (lo, hi) = (0..head_dim)
-        .map(value)
-        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    let (lo, hi) = key.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+        (lo.min(v), hi.max(v))
+    });
     let zero = saturate(lo);
-    let scale = saturate((hi - zero.to_f32()) / LEVELS);
+    let scale = saturate((hi.clamp(-limit, limit) - zero.to_f32()) / LEVELS);
     let (z, s) = (zero.to_f32(), scale.to_f32());
-    let codes = &mut out[..head_dim.div_ceil(2)];
+    let tail = head_dim.div_ceil(2);
+    let codes = &mut out[..tail];
     codes.fill(0);
     if s > 0.0 {
-        for r in 0..head_dim {
-            let code = ((value(r) - z) / s).round().clamp(0.0, LEVELS) as u8;
+        for (r, &v) in key.iter().enumerate() {
+            let code = ((v.clamp(-limit, limit) - z) / s).round().clamp(0.0, LEVELS) as u8;
             codes[r / 2] |= code << (4 * (r % 2));
         }
     }
-    let tail = head_dim.div_ceil(2);
     out[tail..tail + 2].copy_from_slice(&scale.to_le_bytes());
     out[tail + 2..tail + 4].copy_from_slice(&zero.to_le_bytes());
 }
 
+/// Writes the sketch rows of `keys` (`[rows][head_dim]` of `dtype`) into
+/// `out` (`rows ×` [`row_bytes`]).
+pub fn encode_into(dtype: DType, head_dim: usize, keys: &[u8], out: &mut [u8]) {
+    let key_row = head_dim * dtype.size();
+    let mut values = vec![0f32; head_dim];
+    for (key, row) in keys
+        .chunks_exact(key_row)
+        .zip(out.chunks_exact_mut(row_bytes(head_dim)))
+    {
+        dtype.widen(key, &mut values);
+        encode_values(&values, row);
+    }
+}
+
 /// The sketch rows of `keys` (`[rows][head_dim]` of `dtype`).
 pub fn encode(dtype: DType, head_dim: usize, keys: &[u8]) -> Vec<u8> {
-    let key_row = head_dim * dtype.size();
-    let n = row_bytes(head_dim);
-    let mut out = vec![0u8; keys.len() / key_row * n];
-    for (key, row) in keys.chunks_exact(key_row).zip(out.chunks_exact_mut(n)) {
-        encode_row(dtype, head_dim, key, row);
-    }
+    let mut out = vec![0u8; keys.len() / (head_dim * dtype.size()) * row_bytes(head_dim)];
+    encode_into(dtype, head_dim, keys, &mut out);
     out
 }
 
@@ -89,17 +98,26 @@ pub fn decode_row(head_dim: usize, row: &[u8], out: &mut [f32]) {
 /// scores it as `q·c + |q|·ρ`. Not a bound: a tighter, unsound estimate.
 pub fn cuboid_entry(dtype: DType, head_dim: usize, rows: &[u8], out: &mut [u8]) {
     let n = row_bytes(head_dim);
-    let count = rows.len() / n;
-    let mut keys = vec![0f32; count * head_dim];
-    for (row, key) in rows.chunks_exact(n).zip(keys.chunks_exact_mut(head_dim)) {
-        decode_row(head_dim, row, key);
+    let count = (rows.len() / n).max(1) as f32;
+    let mut key = vec![0f32; head_dim];
+    let mut centre = vec![0f32; head_dim];
+    for row in rows.chunks_exact(n) {
+        decode_row(head_dim, row, &mut key);
+        centre.iter_mut().zip(&key).for_each(|(c, k)| *c += k);
     }
-    for r in 0..head_dim {
-        let channel = || keys.iter().skip(r).step_by(head_dim);
-        let centre = channel().sum::<f32>() / count.max(1) as f32;
-        let radius = channel().map(|k| (k - centre).abs()).sum::<f32>() / count.max(1) as f32;
-        dtype.put_f32(out, r, centre - radius);
-        dtype.put_f32(out, head_dim + r, centre + radius);
+    centre.iter_mut().for_each(|c| *c /= count);
+    let mut radius = vec![0f32; head_dim];
+    for row in rows.chunks_exact(n) {
+        decode_row(head_dim, row, &mut key);
+        radius
+            .iter_mut()
+            .zip(key.iter().zip(&centre))
+            .for_each(|(r, (k, c))| *r += (k - c).abs());
+    }
+    for (r, (c, rho)) in centre.iter().zip(&radius).enumerate() {
+        let rho = rho / count;
+        dtype.put_f32(out, r, c - rho);
+        dtype.put_f32(out, head_dim + r, c + rho);
     }
 }
 

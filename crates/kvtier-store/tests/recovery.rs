@@ -6,10 +6,12 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use kvtier_core::rank::{Mode, Ranking};
+use kvtier_core::select::Budget;
 use kvtier_core::{ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey};
 use kvtier_store::{
     AppendTokens, EngineChoice, FetchPages, HeadRange, NvmeConfig, PageContent, PageList, PageSelection, PutPages,
-    SetPageState, Store, StoreConfig,
+    SelectPages, SetPageState, Store, StoreConfig,
 };
 
 const PAGE: usize = 4;
@@ -358,19 +360,44 @@ fn digests(store: &Store, seq: &str) -> Vec<(u32, u32, Option<Vec<u8>>)> {
         .collect()
 }
 
+/// Every page's score in every ranking mode: the sketch modes' depend on
+/// each token's sketch, the cuboid's on the sketches too.
+fn scores(store: &Arc<Store>, seq: &str) -> Vec<Vec<f32>> {
+    let queries: Vec<f32> = (0..HEADS as usize * DIM).map(|i| (i % 5) as f32 - 2.0).collect();
+    Mode::ALL
+        .into_iter()
+        .flat_map(|mode| {
+            let budget = Budget {
+                pages: 64,
+                sinks: 0,
+                window: 0,
+            };
+            let req = SelectPages {
+                ranking: Ranking::new(mode),
+                ..SelectPages::new(0, heads(), &queries, budget)
+            };
+            let selection = store.select_pages(&key(seq), req).unwrap();
+            selection
+                .heads
+                .into_iter()
+                .map(|h| h.pages.iter().map(|p| p.bound).collect())
+        })
+        .collect()
+}
+
 #[test]
-fn digests_survive_restarts_and_checkpoints_partial_pages_included() {
+fn digests_and_sketches_survive_restarts_and_checkpoints_partial_pages_included() {
     let dir = tempfile::tempdir().unwrap();
     let before = {
         let store = open(dir.path());
         store.create_sequence(key("a"), layout(), vec![]).unwrap();
         put(&store, "a", 0, &kv(1, 0..6), 6, true);
-        digests(&store, "a")
+        (digests(&store, "a"), scores(&store, "a"))
     };
     // The first restart replays the journal and checkpoints; the second
     // replays that checkpoint.
     for _ in 0..2 {
         let store = open(dir.path());
-        assert_eq!(digests(&store, "a"), before);
+        assert_eq!((digests(&store, "a"), scores(&store, "a")), before);
     }
 }

@@ -259,6 +259,13 @@ pub(crate) fn available_memory() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// The default metadata budget: the page index alone (digest, cuboid, key
+/// sketches) is about a quarter of the KV bytes it indexes, wherever they
+/// are, so a quarter of what the host and NVMe tiers hold, at least 1 GiB.
+pub(crate) fn default_metadata_bytes(host_bytes: u64, nvme_bytes: u64) -> u64 {
+    (host_bytes.saturating_add(nvme_bytes) / 4).max(1 << 30)
+}
+
 /// Default tier sizes for this machine: a quarter of available memory for the
 /// host tier (at most 8 GiB), a sixteenth for the emulated device (at most
 /// 1 GiB), so a default server never starves its host.

@@ -11,7 +11,7 @@ use kvtier_cuda::{CudaDeviceTier, PinnedHostTier, SwapPath};
 use kvtier_server::{BoundServer, ServerConfig, TlsFiles};
 use kvtier_store::{DeviceCache, Durability, EngineChoice, NvmeConfig, Store, StoreConfig, Tier, TraceConfig};
 
-use crate::config::{ByteSize, FileConfig, default_nvme_bytes, default_tier_bytes};
+use crate::config::{ByteSize, FileConfig, default_metadata_bytes, default_nvme_bytes, default_tier_bytes};
 
 #[derive(Debug, Args)]
 pub(crate) struct ServeArgs {
@@ -57,8 +57,10 @@ pub(crate) struct ServeArgs {
     /// Largest gRPC message accepted or sent [default: 64MiB].
     #[arg(long, value_name = "SIZE")]
     max_message_bytes: Option<ByteSize>,
-    /// Resident metadata of all sequences (lanes, page tables, digests,
-    /// statistics); more is refused with RESOURCE_EXHAUSTED [default: 1GiB].
+    /// Resident metadata of all sequences (lanes, page tables, page index:
+    /// digests, cuboids and key sketches, about a quarter of the KV bytes;
+    /// statistics); more is refused with RESOURCE_EXHAUSTED [default: a
+    /// quarter of the host and NVMe tiers, at least 1GiB].
     #[arg(long, value_name = "SIZE")]
     metadata_bytes: Option<ByteSize>,
     /// Request and response bytes held at once over all calls: a request
@@ -272,11 +274,19 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         queue_depth: file.tiers.nvme_queue_depth.unwrap_or(32),
         direct: true,
     });
-    let store = StoreConfig {
+    let metadata_given = args.metadata_bytes.is_some() || file.limits.metadata_bytes.is_some();
+    let mut store = StoreConfig {
         manifest_path: nvme.as_ref().map(|_| data_dir.join("manifest")),
         nvme,
         ..store
     };
+    if !metadata_given {
+        store.limits.metadata_bytes = default_metadata_bytes(store.host_bytes, nvme_bytes);
+    }
+    let metadata_sized = sized(
+        metadata_given.then_some(ByteSize(0)),
+        "default: 1/4 of host + NVMe, at least 1 GiB",
+    );
     tracing::info!(
         config = %args.config.as_ref().map_or("none (embedded defaults and flags)".into(), |p| p.display().to_string()),
         data_dir = %data_dir.display(),
@@ -286,6 +296,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             0 => "off".to_owned(),
             n => format!("{} ({nvme_sized})", ByteSize(n)),
         },
+        metadata = %format!("{} ({metadata_sized})", ByteSize(store.limits.metadata_bytes)),
         durability = ?store.durability,
         "starting kvtier"
     );

@@ -27,21 +27,25 @@ pub(crate) fn sequence(key: &SequenceKey, layout: &Layout, hashes: &[impl AsRef<
     size_of::<Sequence>() as u64 + SEQUENCE_EXTRA + key + hashes + lanes
 }
 
-/// `logical` new pages in the lanes' tables (entry and index: digest,
-/// cuboid, sketches), of which `physical` are new physical pages.
-pub(crate) fn pages(layout: &Layout, logical: u64, physical: u64) -> u64 {
+/// `logical` new pages in the lanes' tables (entry and index: digest and
+/// sketches), of which `physical` are new physical pages (`shareable`: with
+/// the index entry a shared page carries).
+pub(crate) fn pages(layout: &Layout, logical: u64, physical: u64, shareable: bool) -> u64 {
     let index = PageIndex::bytes_per_page(layout.dtype(), layout.head_dim() as usize, layout.page_size());
     let entry = (size_of::<StorePage>() + index) as u64;
-    logical * entry + physical * physical_page(layout)
+    logical * entry + physical * physical_page(layout, shareable)
 }
 
 /// One physical page: its struct, its `Arc`, its page-table and LRU
-/// entries, and (if it may be shared) the index entry it carries for the
+/// entries, and, if it may be shared, the index entry it carries for the
 /// sequences that attach it (charged to the page itself, see
 /// [`super::PageCharge`]).
-pub(crate) fn physical_page(layout: &Layout) -> u64 {
-    let shared = PageIndex::entry_len(layout.dtype(), layout.head_dim() as usize, layout.page_size());
-    (size_of::<PhysPage>() + shared) as u64 + PHYSICAL_PAGE_EXTRA
+pub(crate) fn physical_page(layout: &Layout, shareable: bool) -> u64 {
+    let entry = match shareable {
+        true => PageIndex::entry_len(layout.dtype(), layout.head_dim() as usize, layout.page_size()),
+        false => 0,
+    };
+    (size_of::<PhysPage>() + entry) as u64 + PHYSICAL_PAGE_EXTRA
 }
 
 /// Policy statistics of `lanes` lanes growing by `tokens` positions

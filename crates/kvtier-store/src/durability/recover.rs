@@ -66,7 +66,7 @@ impl Durable {
                     seq.lanes[lane].push_known(logical, &entry);
                 }
             }
-            let pages = cost::pages(&seq.layout, logical, 0) + r.extra;
+            let pages = cost::pages(&seq.layout, logical, 0, false) + r.extra;
             seq.charge.force(pages);
             r.report.sequences += 1;
             catalog.insert_recovered(seq);
@@ -94,9 +94,10 @@ impl Durable {
                             .copies
                             .get(&phys)
                             .and_then(|copy| {
-                                let charge = r
-                                    .accounts
-                                    .page_charge(seq.charge.account(), cost::physical_page(&seq.layout));
+                                let charge = r.accounts.page_charge(
+                                    seq.charge.account(),
+                                    cost::physical_page(&seq.layout, share.is_some()),
+                                );
                                 self.claim(phys, copy, &seq.layout, charge)
                             })
                             .and_then(|physical| {

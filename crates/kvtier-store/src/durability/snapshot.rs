@@ -63,14 +63,15 @@ impl Durable {
                     } else {
                         if let Some(copy) = place.nvme.as_ref().or(place.durable_prefix.as_ref()) {
                             // The lane's digest covers at least the copy's
-                            // rows, so it bounds them (a partial page's too).
+                            // rows, so it bounds them (a partial page's
+                            // too); the sketches are the copy's rows'.
                             copies.entry(r.page.id).or_insert_with(|| Record::Persist {
                                 phys: r.page.id,
                                 offset: copy.slot.offset(),
                                 len: copy.slot.len(),
                                 crc: copy.crc,
                                 rows: copy.rows,
-                                digest: l.digests().entry(p).to_vec(),
+                                digest: l.index().entry(p, copy.rows),
                             });
                         }
                         map_record(seq, lane, p, r.page.id)

@@ -536,14 +536,15 @@ fn rank_lane(seq: &Sequence, req: &SelectPages<'_>, i: usize, (h, lane_index): (
 }
 
 /// About how many index bytes ranking one lane of `tokens` tokens reads:
-/// digests or cuboids, and the sketch rows the mode scores.
+/// digests, and the sketch rows the mode scores (cuboids are made from
+/// every sketch).
 pub fn index_scan_bytes(layout: &Layout, tokens: u64, budget_pages: usize, ranking: &Ranking) -> usize {
     let pages = tokens.div_ceil(u64::from(layout.page_size())) as usize;
     let column = pages.saturating_mul(2 * layout.row_bytes());
     let sketches = (tokens as usize).saturating_mul(kvtier_core::sketch::row_bytes(layout.head_dim() as usize));
     match ranking.mode {
-        Mode::Quest | Mode::Cuboid => column,
-        Mode::Sketch => sketches,
+        Mode::Quest => column,
+        Mode::Cuboid | Mode::Sketch => sketches,
         Mode::TwoStage => {
             let wide = budget_pages.saturating_mul(ranking.candidates as usize).min(pages);
             column.saturating_add(sketches / pages.max(1) * wide)

@@ -43,7 +43,7 @@ impl Store {
         let charge = self.accounts.open(&key, cost, false)?;
         let mut seq = Sequence::new(key.clone(), Arc::new(layout), hashes, charge);
         let attached_pages = self.catalog.attach_prefix(&mut seq);
-        let attached = cost::pages(&seq.layout, attached_pages * seq.lanes.len() as u64, 0);
+        let attached = cost::pages(&seq.layout, attached_pages * seq.lanes.len() as u64, 0, false);
         if let Err(e) = seq.charge.grow(attached) {
             self.release_pages(&mut seq);
             return Err(e.into());

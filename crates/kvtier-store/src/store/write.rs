@@ -481,7 +481,7 @@ impl Store {
                 Planned::Shared(r) => (r, true),
                 Planned::New(page) => {
                     out.new_pages += 1;
-                    let charge = seq.charge.split(cost::physical_page(&batch.layout));
+                    let charge = seq.charge.split(cost::physical_page(&batch.layout, shareable(seq)));
                     self.new_physical(page, batch, range.len(), keys, charge)?
                 }
             };
@@ -562,12 +562,15 @@ fn charged(
     write: impl FnOnce(&mut Sequence) -> StoreResult<Published>,
 ) -> StoreResult<Published> {
     let pages = (batch.lanes.len() * batch.ranges.len()) as u64;
-    let bytes = cost::pages(&batch.layout, pages, pages);
+    let share = shareable(seq);
+    let bytes = cost::pages(&batch.layout, pages, pages, share);
     let before = seq.charge.bytes();
     seq.charge.grow(bytes)?;
     let published = write(seq);
     match &published {
-        Ok(p) => seq.charge.shrink(cost::pages(&batch.layout, 0, pages - p.new_pages)),
+        Ok(p) => seq
+            .charge
+            .shrink(cost::pages(&batch.layout, 0, pages - p.new_pages, share)),
         // What has not moved to pages published before the failure.
         Err(_) => seq.charge.shrink(seq.charge.bytes().saturating_sub(before)),
     }
@@ -692,4 +695,10 @@ fn partial_pages(seq: &Sequence, lanes: &[usize], fill: usize) -> Vec<Arc<PhysPa
             _ => None,
         })
         .collect()
+}
+
+/// Whether a sequence's new physical pages may be shared, so carry an index
+/// entry for the sequences that attach them: only with prefix hashes.
+fn shareable(seq: &Sequence) -> bool {
+    !seq.hashes.is_empty()
 }

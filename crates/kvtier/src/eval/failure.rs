@@ -18,6 +18,7 @@
 //! into KV head 0 (and the queries of its group rewritten where planted).
 
 use kvtier_core::policy::{Allocator, Scorer};
+use kvtier_core::rank::Ranking;
 use kvtier_core::select::{Aggregation, Budget};
 use kvtier_store::SelectPages;
 use serde::Serialize;
@@ -261,8 +262,15 @@ pub(crate) fn run_policy(
     Ok(verdict(s, &kept[0][0], data, scorer.name(), "kept"))
 }
 
-/// Quest over the whole sequence for the final query, at the same budget.
-pub(crate) fn run_quest(s: &Scenario, data: &str, page: u32, budget_tokens: u32) -> anyhow::Result<FailureTest> {
+/// Query-driven selection, ranked as `ranking` says, over the whole
+/// sequence for the final query, at the same budget.
+pub(crate) fn run_selection(
+    s: &Scenario,
+    data: &str,
+    ranking: Ranking,
+    page: u32,
+    budget_tokens: u32,
+) -> anyhow::Result<FailureTest> {
     let d = &s.data;
     let (store, key, heads) = d.store(page, s.name, d.tokens)?;
     let queries = d.queries_at(d.tokens - 1);
@@ -275,6 +283,7 @@ pub(crate) fn run_quest(s: &Scenario, data: &str, page: u32, budget_tokens: u32)
         &key,
         SelectPages {
             aggregation: Aggregation::Max,
+            ranking,
             ..SelectPages::new(0, heads, &queries, budget)
         },
     )?;
@@ -283,12 +292,13 @@ pub(crate) fn run_quest(s: &Scenario, data: &str, page: u32, budget_tokens: u32)
         let start = p.page as usize * page as usize;
         available[start..(start + page as usize).min(d.tokens)].fill(true);
     }
-    Ok(verdict(s, &available, data, "quest", "selected"))
+    Ok(verdict(s, &available, data, ranking.mode.name(), "selected"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvtier_core::rank::Mode;
 
     fn outcomes(scorer: &str, strength: f32) -> Vec<(&'static str, bool)> {
         let base = synthetic(512, 64, 7);
@@ -296,7 +306,7 @@ mod tests {
             .iter()
             .map(|s| {
                 let t = match scorer {
-                    "quest" => run_quest(s, "synthetic", 16, 128),
+                    "quest" => run_selection(s, "synthetic", Ranking::new(Mode::Quest), 16, 128),
                     name => run_policy(
                         s,
                         "synthetic",

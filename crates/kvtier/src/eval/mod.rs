@@ -7,6 +7,7 @@
 
 mod data;
 mod failure;
+mod modes;
 pub(crate) mod npz;
 mod policy;
 
@@ -16,6 +17,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, ensure};
 use clap::{Args, ValueEnum};
 use kvtier_core::policy::{Allocator, Scorer};
+use kvtier_core::rank::Ranking;
+use kvtier_core::select::TopP;
 use kvtier_core::select::{Aggregation, Budget};
 use kvtier_store::{AppendTokens, SelectPages};
 use serde::Serialize;
@@ -44,6 +47,23 @@ pub(crate) struct EvalArgs {
     /// the group), mean, or per-query-head (one selection per query head).
     #[arg(long, value_enum, default_value_t = AggregationArg::Max)]
     aggregation: AggregationArg,
+    /// How pages are ranked: quest, cuboid, sketch, two-stage, or several
+    /// (comma-separated) or `all` to compare them at the same pages read
+    /// (adds gap closed: the share of the Quest → oracle mass gap each
+    /// closes, pooled over heads and positions). Default: the server's
+    /// default mode.
+    #[arg(long, value_delimiter = ',')]
+    mode: Vec<String>,
+    /// Two-stage: stage one keeps this many times the budget.
+    #[arg(long, default_value_t = kvtier_core::rank::DEFAULT_CANDIDATES)]
+    candidates: u32,
+    /// Top-p budget (sketch, two-stage): stop adding pages once they hold
+    /// this share of the estimated mass; the token budget is the most.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// With --top-p: the fewest pages per head.
+    #[arg(long, default_value_t = 0)]
+    min_pages: u32,
     /// Decode positions: the last N positions of the dataset.
     #[arg(long, default_value_t = 64)]
     last: usize,
@@ -96,6 +116,12 @@ pub(crate) struct EvalConfig {
     positions: Vec<usize>,
     layers: Vec<u32>,
     kernel: &'static str,
+    mode: &'static str,
+    candidates: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_p: Option<f32>,
+    #[serde(skip)]
+    ranking: Ranking,
 }
 
 /// Quality of one (layer, KV head), averaged over positions and the query
@@ -116,8 +142,14 @@ pub(crate) struct Row {
     rel_err: f64,
     /// Bytes read / bytes resident (K and V of the selected pages).
     read_fraction: f64,
-    /// Resident digest bytes of the lane at the last position.
-    digest_bytes: u64,
+    /// Pages read per KV head per step (every page any of its query heads
+    /// chose).
+    pages_read: f64,
+    /// Index bytes (digests or cuboids, sketch rows) scanned per KV head
+    /// per step.
+    index_bytes: f64,
+    /// Ranking time of one selection (all KV heads of a layer), µs.
+    rank_us: f64,
     /// Largest ‖(o_full − o_S) − (1 − p)(o_dropped − o_S)‖ / ‖o_full‖ seen; ~1e-16.
     identity_residual: f64,
 }
@@ -132,6 +164,9 @@ pub(crate) struct Report {
     policy: Option<Vec<PolicyRow>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     failure_tests: Option<Vec<FailureTest>>,
+    /// With several modes: each at the same budget, and the gap it closes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    modes: Option<Vec<modes::ModeRow>>,
 }
 
 #[derive(Debug)]
@@ -208,6 +243,22 @@ pub(crate) fn evaluate(args: &EvalArgs) -> anyhow::Result<Report> {
             meta.layers
         );
     }
+    let modes = modes::parse(&args.mode)?;
+    if let Some(p) = args.top_p {
+        ensure!(p > 0.0 && p <= 1.0, "--top-p must be in (0, 1]");
+        ensure!(
+            modes.iter().all(|m| m.estimates_mass()),
+            "--top-p needs modes that estimate attention mass (sketch, two-stage)"
+        );
+    }
+    let ranking = Ranking {
+        candidates: args.candidates,
+        top_p: args.top_p.map(|p| TopP {
+            p,
+            min_pages: args.min_pages as usize,
+        }),
+        ..Ranking::new(modes[0])
+    };
     let config = EvalConfig {
         dataset: args.dataset.display().to_string(),
         page_size: args.page_size,
@@ -219,6 +270,10 @@ pub(crate) fn evaluate(args: &EvalArgs) -> anyhow::Result<Report> {
         positions: (meta.tokens - args.last..meta.tokens).collect(),
         layers: layers.clone(),
         kernel: kvtier_core::score::Kernel::detect().name(),
+        mode: modes[0].name(),
+        candidates: args.candidates,
+        top_p: args.top_p,
+        ranking,
     };
     let data: Vec<LayerData> = layers
         .iter()
@@ -229,6 +284,9 @@ pub(crate) fn evaluate(args: &EvalArgs) -> anyhow::Result<Report> {
         rows.extend(evaluate_layer(d, &config)?);
     }
     let overall = average(&rows);
+    let modes = (modes.len() > 1)
+        .then(|| modes::compare(&config, &data, &modes, &rows))
+        .transpose()?;
     let (policy, failure_tests) = if args.policy.is_empty() {
         (None, None)
     } else {
@@ -241,12 +299,14 @@ pub(crate) fn evaluate(args: &EvalArgs) -> anyhow::Result<Report> {
         overall,
         policy,
         failure_tests,
+        modes,
     })
 }
 
-/// Each policy at the budget, then Quest at the same bytes read and dense;
-/// then the failure tests for each policy and Quest, on synthetic data and
-/// on a realkv layer with planted keys.
+/// Each policy at the budget, then query-driven selection (the first
+/// `--mode`) at the same bytes read and dense; then the failure tests for
+/// each policy and the selection, on synthetic data and on a realkv layer
+/// with planted keys.
 fn evaluate_policies(
     args: &EvalArgs,
     config: &EvalConfig,
@@ -309,7 +369,7 @@ fn evaluate_policies(
                 .collect(),
         }
     };
-    rows.push(unevicted("quest", quest, Some(budget)));
+    rows.push(unevicted(config.mode, quest, Some(budget)));
     let dense_config = EvalConfig {
         budget_tokens: None,
         budget_pages: None,
@@ -333,7 +393,7 @@ fn evaluate_policies(
             for scorer in &scorers {
                 tests.push(failure::run_policy(&scenario, label, scorer, &allocator, page, budget)?);
             }
-            tests.push(failure::run_quest(&scenario, label, page, budget)?);
+            tests.push(failure::run_selection(&scenario, label, config.ranking, page, budget)?);
         }
     }
     Ok((rows, tests))
@@ -350,7 +410,9 @@ fn average(rows: &[Row]) -> Row {
         oracle_mass: mean(|r| r.oracle_mass),
         rel_err: mean(|r| r.rel_err),
         read_fraction: mean(|r| r.read_fraction),
-        digest_bytes: (rows.iter().map(|r| r.digest_bytes).sum::<u64>() as f64 / n) as u64,
+        pages_read: mean(|r| r.pages_read),
+        index_bytes: mean(|r| r.index_bytes),
+        rank_us: mean(|r| r.rank_us),
         identity_residual: rows.iter().map(|r| r.identity_residual).fold(0.0, f64::max),
     }
 }
@@ -391,9 +453,11 @@ fn evaluate_layer(data: &LayerData, config: &EvalConfig) -> anyhow::Result<Vec<R
             &key,
             SelectPages {
                 aggregation: config.aggregation.into(),
+                ranking: config.ranking,
                 ..SelectPages::new(0, heads, &queries, budget)
             },
         )?;
+        let rank_us = selection.timing.rank_us as f64;
         for kv_head in 0..kvh {
             let chosen_for = |g: usize| -> Vec<bool> {
                 let sel = match config.aggregation {
@@ -424,7 +488,8 @@ fn evaluate_layer(data: &LayerData, config: &EvalConfig) -> anyhow::Result<Vec<R
                     d,
                     scale: data.scale,
                 };
-                let m = attention.metrics(&mask, page, config.budget_tokens);
+                let forced = (budget.sinks, budget.window);
+                let m = attention.metrics(&mask, page, config.budget_tokens, forced);
                 let s = &mut sums[kv_head];
                 s.recall += m.recall;
                 s.mass += m.mass;
@@ -433,10 +498,13 @@ fn evaluate_layer(data: &LayerData, config: &EvalConfig) -> anyhow::Result<Vec<R
                 s.identity_residual = s.identity_residual.max(m.identity_residual);
                 samples[kv_head] += 1;
             }
-            sums[kv_head].read_fraction += read.iter().filter(|r| **r).count() as f64 / (t + 1) as f64;
+            let s = &mut sums[kv_head];
+            s.read_fraction += read.iter().filter(|r| **r).count() as f64 / (t + 1) as f64;
+            s.pages_read += (0..pages).filter(|&pg| read[pg * page]).count() as f64;
         }
         for s in &mut sums {
-            s.digest_bytes = selection.digest_bytes / kvh as u64;
+            s.index_bytes += selection.digest_bytes as f64 / kvh as f64;
+            s.rank_us += rank_us;
         }
     }
     Ok(sums
@@ -454,7 +522,9 @@ fn evaluate_layer(data: &LayerData, config: &EvalConfig) -> anyhow::Result<Vec<R
                 oracle_mass: s.oracle_mass / n,
                 rel_err: s.rel_err / n,
                 read_fraction: s.read_fraction / positions,
-                digest_bytes: s.digest_bytes,
+                pages_read: s.pages_read / positions,
+                index_bytes: s.index_bytes / positions,
+                rank_us: s.rank_us / positions,
                 identity_residual: s.identity_residual,
             }
         })
@@ -493,8 +563,16 @@ pub(crate) struct Attention<'a> {
 
 impl Attention<'_> {
     /// Dense causal attention in f64, and how the selection `mask` (one flag
-    /// per key) compares with it.
-    pub(crate) fn metrics(&self, mask: &[bool], page: usize, budget_tokens: Option<u32>) -> Metrics {
+    /// per key) compares with it. The oracle takes the `forced` (sink,
+    /// window) pages the selection had to take, then the pages of most true
+    /// mass up to as many pages as the selection chose.
+    pub(crate) fn metrics(
+        &self,
+        mask: &[bool],
+        page: usize,
+        budget_tokens: Option<u32>,
+        (sinks, window): (usize, usize),
+    ) -> Metrics {
         let Attention {
             q,
             keys,
@@ -548,10 +626,15 @@ impl Attention<'_> {
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
         let recall = order[..k].iter().filter(|&&j| mask[j]).count() as f64 / k as f64;
-        let chosen_pages = (0..n.div_ceil(page)).filter(|&pg| mask[pg * page]).count();
-        let mut page_mass: Vec<f64> = p.chunks(page).map(|c| c.iter().sum()).collect();
-        page_mass.sort_by(|a, b| b.total_cmp(a));
-        let oracle_mass = page_mass[..chosen_pages].iter().sum();
+        let pages = n.div_ceil(page);
+        let chosen_pages = (0..pages).filter(|&pg| mask[pg * page]).count();
+        let page_mass: Vec<f64> = p.chunks(page).map(|c| c.iter().sum()).collect();
+        let forced = |pg: usize| pg < sinks || pg + window >= pages;
+        let (taken, mut rest): (Vec<(usize, f64)>, Vec<(usize, f64)>) =
+            page_mass.iter().copied().enumerate().partition(|&(pg, _)| forced(pg));
+        rest.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let room = chosen_pages.saturating_sub(taken.len());
+        let oracle_mass = taken.iter().map(|t| t.1).sum::<f64>() + rest.iter().take(room).map(|t| t.1).sum::<f64>();
         Metrics {
             recall,
             mass,
@@ -568,7 +651,7 @@ fn print_table(report: &Report) {
         format!("{b} tokens ({} pages)", b / c.page_size)
     });
     println!(
-        "kvtier eval  {}  page {}  budget {budget}  sinks {}  window {}  {:?}  positions {}..={}  kernel {}",
+        "kvtier eval  {}  page {}  budget {budget}  sinks {}  window {}  {:?}  positions {}..={}  mode {}  kernel {}",
         c.dataset,
         c.page_size,
         c.sink_pages,
@@ -576,11 +659,12 @@ fn print_table(report: &Report) {
         c.aggregation,
         c.positions[0],
         c.positions[c.positions.len() - 1],
+        c.mode,
         c.kernel
     );
     println!(
-        "{:>5} {:>7} {:>7} {:>7} {:>7} {:>8} {:>7} {:>8}",
-        "layer", "kv_head", "recall", "mass", "oracle", "rel_err", "read", "digestB"
+        "{:>5} {:>7} {:>7} {:>7} {:>7} {:>8} {:>7} {:>7} {:>8} {:>8}",
+        "layer", "kv_head", "recall", "mass", "oracle", "rel_err", "read", "pages", "indexB", "rank_us"
     );
     let mut by_layer: BTreeMap<u32, Vec<&Row>> = BTreeMap::new();
     for r in &report.rows {
@@ -588,8 +672,8 @@ fn print_table(report: &Report) {
     }
     let line = |label: String, r: &Row| {
         println!(
-            "{label} {:>7.4} {:>7.4} {:>7.4} {:>8.4} {:>7.4} {:>8}",
-            r.recall, r.mass, r.oracle_mass, r.rel_err, r.read_fraction, r.digest_bytes
+            "{label} {:>7.4} {:>7.4} {:>7.4} {:>8.4} {:>7.4} {:>7.1} {:>8.0} {:>8.0}",
+            r.recall, r.mass, r.oracle_mass, r.rel_err, r.read_fraction, r.pages_read, r.index_bytes, r.rank_us
         )
     };
     for rows in by_layer.values() {
@@ -598,6 +682,9 @@ fn print_table(report: &Report) {
         }
     }
     line(format!("{:>13}", "overall"), &report.overall);
+    if let Some(rows) = &report.modes {
+        modes::print(rows);
+    }
     if let Some(rows) = &report.policy {
         println!();
         println!(
@@ -665,6 +752,10 @@ mod tests {
             aggregation,
             last: 64,
             layers: vec![4, 13],
+            mode: vec!["quest".into()],
+            candidates: 4,
+            top_p: None,
+            min_pages: 0,
             policy: vec![],
             allocator: "uniform".into(),
             json: false,
@@ -772,7 +863,7 @@ mod tests {
         };
         // Pages of 4 keys; every third page left out.
         let mask: Vec<bool> = (0..n).map(|j| (j / 4) % 3 != 1).collect();
-        let m = attention.metrics(&mask, 4, Some(8));
+        let m = attention.metrics(&mask, 4, Some(8), (0, 0));
         assert!(m.identity_residual < 1e-12, "{m:?}");
         assert!(m.mass > 0.0 && m.mass < 1.0 && m.rel_err > 0.0);
         assert!(
@@ -781,7 +872,7 @@ mod tests {
         );
         // Everything selected: no error, full mass and recall.
         let all = vec![true; n];
-        let m = attention.metrics(&all, 4, Some(8));
+        let m = attention.metrics(&all, 4, Some(8), (0, 0));
         assert_eq!((m.recall, m.identity_residual), (1.0, 0.0));
         assert!((m.mass - 1.0).abs() < 1e-12 && m.rel_err < 1e-12);
     }

@@ -299,7 +299,7 @@ pub(crate) fn evaluate_policy(
                         d: data.head_dim,
                         scale: data.scale,
                     }
-                    .metrics(mask, page_size as usize, Some(budget_tokens));
+                    .metrics(mask, page_size as usize, Some(budget_tokens), (0, 0));
                     sum.add(&m);
                     samples += 1;
                     by_layer[l].0.add(&m);

@@ -58,6 +58,13 @@ pub(crate) struct DecodeArgs {
     /// Newest pages every selection keeps.
     #[arg(long, default_value_t = 1)]
     window: u32,
+    /// How selections rank pages: quest, cuboid, sketch or two-stage
+    /// (default: the server's default, two-stage).
+    #[arg(long, default_value = kvtier_core::rank::DEFAULT_MODE.name())]
+    mode: String,
+    /// Two-stage: stage one keeps this many times the budget.
+    #[arg(long, default_value_t = kvtier_core::rank::DEFAULT_CANDIDATES)]
+    candidates: u32,
     /// Sequences decoding concurrently.
     #[arg(long, default_value_t = 1)]
     sequences: usize,
@@ -300,7 +307,7 @@ fn quantile_us(steps: &[run::Step], q: f64) -> u64 {
 fn print_table(r: &Report) {
     let c = &r.config;
     println!(
-        "kvtier bench decode  {} ({} layers, {}/{} heads, d {}, {})  context {}  budget {} pages  {} seq × {} steps  device {:.0}%  host {:.0}%  queries {}{}",
+        "kvtier bench decode  {} ({} layers, {}/{} heads, d {}, {})  context {}  budget {} pages ({})  {} seq × {} steps  device {:.0}%  host {:.0}%  queries {}{}",
         c.shape.name,
         c.shape.layers,
         c.shape.kv_heads,
@@ -309,6 +316,7 @@ fn print_table(r: &Report) {
         c.shape.dtype,
         c.context,
         c.budget_pages,
+        c.mode,
         c.sequences,
         c.steps,
         100.0 * c.device_fraction,
@@ -520,6 +528,10 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         budget_pages: a.budget_pages,
         sink_pages: a.sinks,
         window_pages: a.window,
+        mode: kvtier_core::rank::Mode::parse(&a.mode)
+            .with_context(|| format!("--mode {}: not one of quest, cuboid, sketch, two-stage", a.mode))?
+            .name(),
+        candidates: a.candidates,
         sequences: a.sequences,
         steps: a.steps,
         device_fraction: a.device_fraction,

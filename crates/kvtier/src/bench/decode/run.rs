@@ -24,6 +24,9 @@ pub(crate) struct RunConfig {
     pub(crate) budget_pages: u32,
     pub(crate) sink_pages: u32,
     pub(crate) window_pages: u32,
+    /// The selection mode's name (`kvtier_core::rank::Mode`).
+    pub(crate) mode: &'static str,
+    pub(crate) candidates: u32,
     pub(crate) sequences: usize,
     pub(crate) steps: usize,
     /// Tier sizes as shares of the working set (the prefilled KV of all
@@ -197,6 +200,11 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
             queue_depth: 32,
             direct: true,
         }),
+        // The page index is about a quarter of the KV bytes.
+        limits: kvtier_store::Limits {
+            metadata_bytes: (working_set / 2).max(1 << 30),
+            ..kvtier_store::Limits::default()
+        },
         ..StoreConfig::default()
     };
     let store = Store::new(config)?;
@@ -318,6 +326,8 @@ async fn decode(
                 deadline: (cfg.deadline_us > 0).then(|| Duration::from_micros(u64::from(cfg.deadline_us))),
                 prefetch_pages: cfg.prefetch_pages,
                 shm: region.as_ref().map(|r| r.whole()),
+                mode: selection_mode(cfg.mode),
+                candidates: cfg.candidates,
                 ..SelectRequest::new(layer, 0..s.kv_heads, data.queries(layer, position), cfg.budget_pages)
             };
             let t = Instant::now();
@@ -535,4 +545,10 @@ pub(crate) fn histogram(values: impl Iterator<Item = u64>) -> Histogram<u64> {
         h.saturating_record(v.max(1));
     }
     h
+}
+
+/// The proto's name for a mode named as `kvtier_core::rank::Mode` names it.
+fn selection_mode(name: &str) -> pb::SelectionMode {
+    pb::SelectionMode::from_str_name(&format!("SELECTION_MODE_{}", name.replace('-', "_").to_uppercase()))
+        .unwrap_or(pb::SelectionMode::Unspecified)
 }
