@@ -256,51 +256,49 @@ fn masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>, u64
     let d = index.digests().head_dim();
     let heads = queries.len() / d;
     let row = index.sketch_row_bytes();
-    let rows_in = |p: usize| rows_in(q, p);
     let scale = q.ranking.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
-    let total: usize = pages.iter().map(|&p| rows_in(p)).sum();
+    // The pages' sketch rows side by side, scored in one kernel call.
+    let rows: Vec<usize> = pages.iter().map(|&p| rows_in(q, p)).collect();
+    let total: usize = rows.iter().sum();
+    let mut sketches = Vec::with_capacity(total * row);
+    for (&p, &r) in pages.iter().zip(&rows) {
+        sketches.extend_from_slice(&index.sketch(p)[..r * row]);
+    }
     let mut logits = vec![0f32; total * heads];
-    let mut at = 0;
-    for &p in pages {
-        let rows = rows_in(p);
-        sketch_logits(
-            d,
-            &index.sketch(p)[..rows * row],
-            queries,
-            &mut logits[at..at + rows * heads],
-        );
-        at += rows * heads;
+    sketch_logits(d, &sketches, queries, &mut logits);
+    let mut top = vec![f32::NEG_INFINITY; heads];
+    for token in logits.chunks_exact(heads) {
+        top.iter_mut().zip(token).for_each(|(t, &l)| *t = t.max(l));
     }
-    let mut combined = vec![0f32; pages.len()];
-    for j in 0..heads {
-        let top = logits
-            .iter()
-            .skip(j)
-            .step_by(heads)
-            .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        let mut per_page = Vec::with_capacity(pages.len());
-        let (mut sum, mut at) = (0f64, 0);
-        for &p in pages {
-            let rows = rows_in(p);
-            let w: f32 = logits[at..at + rows * heads]
-                .iter()
-                .skip(j)
-                .step_by(heads)
-                .map(|&l| ((l - top) * scale).exp())
-                .sum();
-            sum += f64::from(w);
-            per_page.push(w);
-            at += rows * heads;
+    // Per page and head the sum of exp((l − top) · scale); per head the total.
+    let mut weights = vec![0f32; pages.len() * heads];
+    let mut totals = vec![0f64; heads];
+    let mut tokens = logits.chunks_exact(heads);
+    for (page, &r) in weights.chunks_exact_mut(heads).zip(&rows) {
+        for token in tokens.by_ref().take(r) {
+            for ((w, &l), &t) in page.iter_mut().zip(token).zip(&top) {
+                *w += ((l - t) * scale).exp();
+            }
         }
-        let norm = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
-        for (c, w) in combined.iter_mut().zip(per_page) {
-            let m = w * norm;
-            *c = match q.aggregation {
-                Aggregation::Mean => *c + m / heads as f32,
-                Aggregation::Max | Aggregation::PerQueryHead => c.max(m),
-            };
-        }
+        totals
+            .iter_mut()
+            .zip(page.iter())
+            .for_each(|(z, &w)| *z += f64::from(w));
     }
+    let norms: Vec<f32> = totals
+        .iter()
+        .map(|&z| if z > 0.0 { (1.0 / z) as f32 } else { 0.0 })
+        .collect();
+    let combined = weights
+        .chunks_exact(heads)
+        .map(|page| {
+            let masses = page.iter().zip(&norms).map(|(w, n)| w * n);
+            match q.aggregation {
+                Aggregation::Mean => masses.sum::<f32>() / heads as f32,
+                Aggregation::Max | Aggregation::PerQueryHead => masses.fold(0.0, f32::max),
+            }
+        })
+        .collect();
     (combined, (total * row) as u64)
 }
 

@@ -1,8 +1,8 @@
 //! A query's estimated logit on every sketched token (docs/CONCEPTS.md
 //! §3.2): `q·k̂ = zero · Σq + scale · Σ_r q_r · code_r`, for each token of a
 //! run of sketch rows and each query head of a group, one pass over the
-//! rows. On x86-64 with AVX2 the codes are widened to f32 in registers
-//! (16 channels per 8 code bytes); elsewhere a scalar kernel computes the
+//! rows. On x86-64 with AVX2 and FMA the codes are widened to f32 in
+//! registers (16 channels per 8 code bytes); elsewhere a scalar kernel computes the
 //! same sums in another order. Results are saturated to the finite f32
 //! range, so a softmax over them never meets `inf − inf`.
 
@@ -26,9 +26,10 @@ pub fn sketch_logits_with(kernel: Kernel, head_dim: usize, rows: &[u8], queries:
     let sums: Vec<f32> = queries.chunks_exact(head_dim).map(|q| q.iter().sum()).collect();
     match kernel {
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 if Kernel::detect() == Kernel::Avx2 => {
-            // SAFETY: the CPU supports AVX2 (checked just above); the lengths
-            // were checked against each other, as `avx2::logits` requires.
+        Kernel::Avx2 if Kernel::detect() == Kernel::Avx2 && std::arch::is_x86_feature_detected!("fma") => {
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above); the
+            // lengths were checked against each other, as `avx2::logits`
+            // requires.
             unsafe { avx2::logits(head_dim, rows, queries, &sums, out) }
         }
         _ => scalar(head_dim, rows, queries, &sums, out),
@@ -56,7 +57,7 @@ mod avx2 {
     use crate::sketch::{code, row_bytes, scale_zero};
 
     /// # Safety
-    /// The CPU supports AVX2; `rows` holds whole sketch rows of `head_dim`,
+    /// The CPU supports AVX2 and FMA; `rows` holds whole sketch rows of `head_dim`,
     /// `queries` whole rows of `head_dim`, `sums` one sum per query, and
     /// `out` one slot per (row, query).
     pub(super) unsafe fn logits(head_dim: usize, rows: &[u8], queries: &[f32], sums: &[f32], out: &mut [f32]) {
@@ -76,7 +77,7 @@ mod avx2 {
     }
 
     /// Query heads `first..first + N` against every row; returns `N`.
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma")]
     unsafe fn block<const N: usize>(
         head_dim: usize,
         rows: &[u8],
@@ -90,7 +91,10 @@ mod avx2 {
         let q: [&[f32]; N] = std::array::from_fn(|j| &queries[(first + j) * head_dim..(first + j + 1) * head_dim]);
         let nibble = _mm_set1_epi8(0x0f);
         for (t, row) in rows.chunks_exact(row_bytes(head_dim)).enumerate() {
-            let mut acc = [_mm256_setzero_ps(); N];
+            // Two accumulators per query (channels 0..8 and 8..16 of each
+            // block) halve the chain of dependent multiply-adds.
+            let mut even = [_mm256_setzero_ps(); N];
+            let mut odd = [_mm256_setzero_ps(); N];
             for b in 0..blocks {
                 // SAFETY: channels `16b..16b + 16` lie within `head_dim`: their
                 // 8 code bytes start at `8b` inside the row's codes, and the
@@ -106,14 +110,15 @@ mod avx2 {
                     for j in 0..N {
                         let q0 = _mm256_loadu_ps(q[j].as_ptr().add(16 * b));
                         let q1 = _mm256_loadu_ps(q[j].as_ptr().add(16 * b + 8));
-                        acc[j] = _mm256_add_ps(acc[j], _mm256_add_ps(_mm256_mul_ps(c0, q0), _mm256_mul_ps(c1, q1)));
+                        even[j] = _mm256_fmadd_ps(c0, q0, even[j]);
+                        odd[j] = _mm256_fmadd_ps(c1, q1, odd[j]);
                     }
                 }
             }
             let (scale, zero) = scale_zero(head_dim, row);
             for j in 0..N {
                 let tail: f32 = (16 * blocks..head_dim).map(|r| q[j][r] * f32::from(code(row, r))).sum();
-                let dot = horizontal_sum(acc[j]) + tail;
+                let dot = horizontal_sum(_mm256_add_ps(even[j], odd[j])) + tail;
                 out[t * group + first + j] = zero * sums[first + j] + scale * dot;
             }
         }
