@@ -391,8 +391,8 @@ mod tests {
                         want[p] = want[p].max(m);
                     }
                 }
-                for p in 0..n {
-                    prop_assert!((f64::from(head.scores[p]) - want[p]).abs() < 1e-4, "{mode} page {p}: {} vs {}", head.scores[p], want[p]);
+                for (p, (&got, &want)) in head.scores.iter().zip(&want).enumerate() {
+                    prop_assert!((f64::from(got) - want).abs() < 1e-4, "{mode} page {p}: {got} vs {want}");
                 }
                 prop_assert_eq!(head.chosen.len(), budget.pages.min(n));
                 prop_assert!(head.chosen.iter().all(|p| pool.contains(p)));

@@ -122,7 +122,20 @@ async fn serve_with_defaults_answers_health_reflection_and_metrics() {
         body.contains("kvtier_tier_capacity_bytes{tier=\"device\",backend=\"emulated\",emulated=\"true\"}"),
         "{body}"
     );
-    assert!(body.contains("kvtier_metadata_limit_bytes 1073741824"), "{body}");
+    // The default metadata budget: a quarter of host + NVMe, at least 1 GiB.
+    let gauge = |prefix: &str| -> u64 {
+        let line = body
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("{prefix}: {body}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let tiers = gauge("kvtier_tier_capacity_bytes{tier=\"host\"") + gauge("kvtier_tier_capacity_bytes{tier=\"nvme\"");
+    assert_eq!(
+        gauge("kvtier_metadata_limit_bytes "),
+        (tiers / 4).max(1 << 30),
+        "{body}"
+    );
 
     // SIGTERM: a graceful stop with exit status 0.
     let pid = server.0.id().to_string();
