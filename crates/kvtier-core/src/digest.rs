@@ -128,24 +128,16 @@ impl DigestColumn {
 mod tests {
     use super::*;
 
-    fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
-        let mut out = vec![0u8; values.len() * dtype.size()];
-        for (i, v) in values.iter().enumerate() {
-            dtype.put_f32(&mut out, i, *v);
-        }
-        out
-    }
-
     #[test]
     fn open_and_extend_equal_a_one_shot_digest() {
         for dtype in DType::ALL {
             let rows = [[1.0f32, -2.0, 3.5], [0.5, 4.0, -1.0], [2.0, 0.0, 3.5]];
             let flat: Vec<f32> = rows.iter().flatten().copied().collect();
             let mut once = DigestColumn::new(dtype, 3);
-            once.open_page(&encode(dtype, &flat));
+            once.open_page(&dtype.encode(&flat));
             let mut stepwise = DigestColumn::new(dtype, 3);
-            stepwise.open_page(&encode(dtype, &rows[0]));
-            stepwise.extend_page(0, &encode(dtype, &flat[3..]));
+            stepwise.open_page(&dtype.encode(&rows[0]));
+            stepwise.extend_page(0, &dtype.encode(&flat[3..]));
             assert_eq!(once, stepwise);
             assert_eq!(dtype.to_f32_vec(once.min_row(0)), [0.5, -2.0, -1.0]);
             assert_eq!(dtype.to_f32_vec(once.max_row(0)), [2.0, 4.0, 3.5]);
@@ -156,9 +148,9 @@ mod tests {
     fn pages_are_independent() {
         let d = DType::F32;
         let mut c = DigestColumn::new(d, 2);
-        c.open_page(&encode(d, &[1.0, 1.0]));
-        c.open_page(&encode(d, &[-1.0, 5.0]));
-        c.extend_page(0, &encode(d, &[0.0, 2.0]));
+        c.open_page(&d.encode(&[1.0, 1.0]));
+        c.open_page(&d.encode(&[-1.0, 5.0]));
+        c.extend_page(0, &d.encode(&[0.0, 2.0]));
         assert_eq!(c.pages(), 2);
         assert_eq!(d.to_f32_vec(c.entry(0)), [0.0, 1.0, 1.0, 2.0]);
         assert_eq!(d.to_f32_vec(c.entry(1)), [-1.0, 5.0, -1.0, 5.0]);
@@ -171,14 +163,14 @@ mod tests {
         let mut c = DigestColumn::new(d, 1);
         let n = 2 * DIGEST_CHUNK_PAGES + 3;
         for p in 0..n {
-            c.open_page(&encode(d, &[p as f32]));
+            c.open_page(&d.encode(&[p as f32]));
         }
         let sizes: Vec<usize> = c.chunks().map(|k| k.len() / c.entry_bytes()).collect();
         assert_eq!(sizes, [DIGEST_CHUNK_PAGES, DIGEST_CHUNK_PAGES, 3]);
         let flat: Vec<f32> = c.chunks().flat_map(|k| d.to_f32_vec(k)).collect();
         let want: Vec<f32> = (0..n).flat_map(|p| [p as f32, p as f32]).collect();
         assert_eq!(flat, want);
-        c.extend_page(DIGEST_CHUNK_PAGES + 1, &encode(d, &[-7.0]));
+        c.extend_page(DIGEST_CHUNK_PAGES + 1, &d.encode(&[-7.0]));
         assert_eq!(
             d.to_f32_vec(c.entry(DIGEST_CHUNK_PAGES + 1)),
             [-7.0, (DIGEST_CHUNK_PAGES + 1) as f32]

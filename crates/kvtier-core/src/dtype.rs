@@ -69,6 +69,15 @@ impl DType {
         }
     }
 
+    /// `values` rounded to this type, little-endian.
+    pub fn encode(self, values: &[f32]) -> Vec<u8> {
+        let mut out = vec![0u8; values.len() * self.size()];
+        for (i, v) in values.iter().enumerate() {
+            self.put_f32(&mut out, i, *v);
+        }
+        out
+    }
+
     /// Widens a whole little-endian buffer to f32.
     pub fn to_f32_vec(self, bytes: &[u8]) -> Vec<f32> {
         (0..bytes.len() / self.size()).map(|i| self.get_f32(bytes, i)).collect()

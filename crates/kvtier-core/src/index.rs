@@ -138,14 +138,6 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn keys(dtype: DType, values: &[f32]) -> Vec<u8> {
-        let mut out = vec![0u8; values.len() * dtype.size()];
-        for (i, v) in values.iter().enumerate() {
-            dtype.put_f32(&mut out, i, *v);
-        }
-        out
-    }
-
     proptest! {
         /// However a page's rows arrive — at once, in pieces, or as the
         /// entry of a page indexed elsewhere — its index is the same.
@@ -158,7 +150,7 @@ mod tests {
         ) {
             for dtype in DType::ALL {
                 let rows: usize = splits.iter().sum::<usize>().min(page_size as usize);
-                let all = keys(dtype, &values[..rows * d]);
+                let all = dtype.encode(&values[..rows * d]);
                 let row = d * dtype.size();
                 let mut whole = PageIndex::new(dtype, d, page_size);
                 whole.open_page(&all);

@@ -312,10 +312,7 @@ mod tests {
     /// A lane of `tokens` keys (f16) in pages of `page_size`.
     fn lane(d: usize, page_size: u32, keys: &[f32]) -> (PageIndex, u64) {
         let dtype = DType::F16;
-        let mut bytes = vec![0u8; keys.len() * 2];
-        for (i, k) in keys.iter().enumerate() {
-            dtype.put_f32(&mut bytes, i, *k);
-        }
+        let bytes = dtype.encode(keys);
         let mut index = PageIndex::new(dtype, d, page_size);
         for page in bytes.chunks(page_size as usize * d * 2) {
             index.open_page(page);

@@ -124,7 +124,7 @@ fn scalar(dtype: DType, head_dim: usize, digests: &[u8], queries: &[f32], out: &
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
     use crate::DType;
@@ -267,10 +267,10 @@ mod avx2 {
     }
 
     /// The sum of the eight lanes. Callable only where AVX is enabled (the
-    /// kernel), which the compiler checks.
+    /// kernels), which the compiler checks.
     #[inline]
     #[target_feature(enable = "avx")]
-    fn horizontal_sum(v: __m256) -> f32 {
+    pub(crate) fn horizontal_sum(v: __m256) -> f32 {
         let pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
         _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps::<0b01>(quad, quad)))
@@ -282,14 +282,6 @@ mod tests {
     use super::*;
     use crate::DigestColumn;
     use proptest::prelude::*;
-
-    fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
-        let mut out = vec![0u8; values.len() * dtype.size()];
-        for (i, v) in values.iter().enumerate() {
-            dtype.put_f32(&mut out, i, *v);
-        }
-        out
-    }
 
     fn kernels() -> Vec<Kernel> {
         let mut k = vec![Kernel::Scalar];
@@ -305,7 +297,7 @@ mod tests {
     fn the_worked_example_from_the_issue() {
         // Page minima [[0,-5],[2,-1]], maxima [[4,1],[3,6]], q = [2,-3].
         for dtype in DType::ALL {
-            let digests = encode(dtype, &[0.0, -5.0, 4.0, 1.0, 2.0, -1.0, 3.0, 6.0]);
+            let digests = dtype.encode(&[0.0, -5.0, 4.0, 1.0, 2.0, -1.0, 3.0, 6.0]);
             for kernel in kernels() {
                 let mut out = [0f32; 2];
                 score_column_with(kernel, dtype, 2, &digests, &[2.0, -3.0], &mut out);
@@ -321,7 +313,7 @@ mod tests {
         let mut column = DigestColumn::new(dtype, d);
         let mut stored: Vec<Vec<f32>> = Vec::new();
         for keys in pages {
-            let bytes = encode(dtype, keys);
+            let bytes = dtype.encode(keys);
             column.open_page(&bytes);
             stored.push(dtype.to_f32_vec(&bytes)); // the keys as stored (rounded to dtype)
         }
@@ -392,7 +384,7 @@ mod tests {
             seed in proptest::collection::vec(-2.0f32..2.0, 2048),
         ) {
             let mut it = seed.iter().cycle().copied();
-            let digests = encode(dtype, &(0..pages * 2 * d).map(|_| it.next().unwrap()).collect::<Vec<_>>());
+            let digests = dtype.encode(&(0..pages * 2 * d).map(|_| it.next().unwrap()).collect::<Vec<_>>());
             let queries: Vec<f32> = (0..group * d).map(|_| it.next().unwrap()).collect();
             let mut scalar = vec![0f32; pages * group];
             let mut simd = scalar.clone();
@@ -434,7 +426,7 @@ mod tests {
             let queries: Vec<f32> = (0..group * d).map(|_| q.next().unwrap()).collect();
             let mut column = DigestColumn::new(dtype, d);
             for keys in &stored {
-                column.open_page(&encode(dtype, keys));
+                column.open_page(&dtype.encode(keys));
             }
             let whole: Vec<u8> = column.chunks().flatten().copied().collect();
             for kernel in kernels() {
@@ -468,7 +460,7 @@ mod tests {
         // above page 1's -2.
         for dtype in DType::ALL {
             let m = max_finite(dtype);
-            let digests = encode(dtype, &[m, -m, m, -m, -1.0, -1.0, -1.0, -1.0]);
+            let digests = dtype.encode(&[m, -m, m, -m, -1.0, -1.0, -1.0, -1.0]);
             for kernel in kernels() {
                 let mut out = [0f32; 2];
                 score_column_with(kernel, dtype, 2, &digests, &[f32::MAX, f32::MAX], &mut out);

@@ -126,14 +126,6 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn encode_values(dtype: DType, values: &[f32]) -> Vec<u8> {
-        let mut out = vec![0u8; values.len() * dtype.size()];
-        for (i, v) in values.iter().enumerate() {
-            dtype.put_f32(&mut out, i, *v);
-        }
-        out
-    }
-
     proptest! {
         /// Every element comes back within half a step of the row's own
         /// scale (plus the f16 rounding of zero and scale).
@@ -143,7 +135,7 @@ mod tests {
             values in proptest::collection::vec(-40.0f32..40.0, 70),
         ) {
             for dtype in DType::ALL {
-                let key = encode_values(dtype, &values[..d]);
+                let key = dtype.encode(&values[..d]);
                 let row = encode(dtype, d, &key);
                 prop_assert_eq!(row.len(), row_bytes(d));
                 let mut back = vec![0f32; d];
@@ -162,15 +154,11 @@ mod tests {
     #[test]
     fn a_constant_row_is_exact_and_extremes_saturate() {
         let d = 5;
-        let row = encode(DType::F32, d, &encode_values(DType::F32, &[2.5; 5]));
+        let row = encode(DType::F32, d, &DType::F32.encode(&[2.5; 5]));
         let mut back = vec![0f32; d];
         decode_row(d, &row, &mut back);
         assert_eq!(back, [2.5; 5]);
-        let row = encode(
-            DType::F32,
-            d,
-            &encode_values(DType::F32, &[3e38, -3e38, 0.0, 1.0, -1.0]),
-        );
+        let row = encode(DType::F32, d, &DType::F32.encode(&[3e38, -3e38, 0.0, 1.0, -1.0]));
         decode_row(d, &row, &mut back);
         assert!(back.iter().all(|v| v.is_finite()), "{back:?}");
         let (scale, _) = scale_zero(d, &row);
@@ -182,7 +170,7 @@ mod tests {
     fn the_cuboid_is_mean_and_mean_absolute_deviation() {
         // Two rows whose sketches are exact (each spans 0..15 in unit steps).
         let d = 2;
-        let keys = encode_values(DType::F32, &[0.0, 15.0, 15.0, 0.0]);
+        let keys = DType::F32.encode(&[0.0, 15.0, 15.0, 0.0]);
         let rows = encode(DType::F32, d, &keys);
         let mut entry = vec![0u8; 2 * d * 4];
         cuboid_entry(DType::F32, d, &rows, &mut entry);

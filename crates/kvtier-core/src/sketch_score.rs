@@ -54,6 +54,7 @@ fn scalar(head_dim: usize, rows: &[u8], queries: &[f32], sums: &[f32], out: &mut
 mod avx2 {
     use std::arch::x86_64::*;
 
+    use crate::score::avx2::horizontal_sum;
     use crate::sketch::{code, row_bytes, scale_zero};
 
     /// # Safety
@@ -123,15 +124,6 @@ mod avx2 {
             }
         }
         N
-    }
-
-    /// The sum of the eight lanes.
-    #[inline]
-    #[target_feature(enable = "avx")]
-    fn horizontal_sum(v: __m256) -> f32 {
-        let pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
-        _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps::<0b01>(quad, quad)))
     }
 }
 
