@@ -26,7 +26,8 @@ print(f"- command: `bench/selection.sh` (eval rows: `kvtier eval data/realkv/sma
       f"--budget-tokens B --sinks F --window F --mode all --json`; decode rows: `kvtier bench decode --preset llama3-8b "
       f"--context 32768 --steps {steps} --device-fraction 0.25 --mode M --json`)")
 cpu = sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'")
-print(f"- machine: {os.cpu_count()} cores, {cpu}, {sh('free -g | awk \"/Mem:/{print \\$2}\"')} GiB; {platform.release()}; no GPU (emulated device)")
+mem = sh("free -g | awk '/Mem:/{print $2}'")
+print(f"- machine: {os.cpu_count()} cores, {cpu}, {mem} GiB; {platform.release()}; no GPU (emulated device)")
 print(f"- date: {sh('date -u +%Y-%m-%dT%H:%MZ')}, commit {sh('git rev-parse --short HEAD')}")
 print("- data: realkv small (SmolLM2-135M, 2048 tokens = 128 pages of 16; 3 KV heads × 3 query heads; d = 64),")
 print("  layers 4, 13, 29, the last 128 decode positions; each position's keys appended to a real store, its real")
