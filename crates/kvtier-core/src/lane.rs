@@ -1,5 +1,5 @@
 //! A lane is the append-only run of pages of one (stored layer, KV head) of
-//! one sequence, with the index (digest, cuboid, sketches) of every page.
+//! one sequence, with the index (digest, key sketches) of every page.
 
 use crate::chunked::ChunkedVec;
 use crate::{DType, DigestColumn, PageIndex, Reason};

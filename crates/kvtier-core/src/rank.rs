@@ -163,19 +163,26 @@ pub fn rank_lane(q: &LaneQuery<'_>) -> LaneRanking {
         Aggregation::PerQueryHead => (0..group).map(|g| (Some(g as u32), g..g + 1)).collect(),
         Aggregation::Max | Aggregation::Mean => vec![(None, 0..group)],
     };
+    // Sketch: every page's mass for every query head of the group, once.
+    let lane_masses = (mode == Mode::Sketch).then(|| {
+        let all: Vec<usize> = (0..n).collect();
+        let (masses, read) = page_masses(q, &all, q.queries);
+        bytes += read;
+        masses
+    });
     let mut heads = Vec::with_capacity(selectors.len());
     for (query_head, members) in selectors {
         let queries = &q.queries[members.start * d..members.end * d];
         let scores = match (mode, &bounds) {
             (Mode::Quest | Mode::Cuboid, Some(b)) => combine(b, group, members, q.aggregation),
-            (Mode::Sketch, _) => {
-                let all: Vec<usize> = (0..n).collect();
-                let (masses, read) = masses(q, &all, queries);
-                bytes += read;
-                masses
-            }
+            (Mode::Sketch, _) => combine(
+                lane_masses.as_deref().unwrap_or_default(),
+                group,
+                members,
+                q.aggregation,
+            ),
             (Mode::TwoStage, Some(b)) => {
-                let first = combine(b, group, members, q.aggregation);
+                let first = combine(b, group, members.clone(), q.aggregation);
                 let wide = Budget {
                     pages: q.budget.pages.saturating_mul(q.ranking.candidates.max(1) as usize),
                     ..q.budget
@@ -184,10 +191,11 @@ pub fn rank_lane(q: &LaneQuery<'_>) -> LaneRanking {
                 // choice may take: a global share is cut only at the end.
                 let local = q.shard.filter(|s| s.scope == crate::select::Scope::Local);
                 let candidates = select(&first, wide, local);
-                let (masses, read) = masses(q, &candidates, queries);
+                let (masses, read) = page_masses(q, &candidates, queries);
                 bytes += read;
+                let heads = members.len();
                 let mut scores = vec![-1.0; n];
-                for (&p, m) in candidates.iter().zip(masses) {
+                for (&p, m) in candidates.iter().zip(combine(&masses, heads, 0..heads, q.aggregation)) {
                     scores[p] = m;
                 }
                 scores
@@ -248,10 +256,10 @@ fn fold(scores: &[f32], aggregation: Aggregation, scale: f32) -> f32 {
     folded.clamp(-f32::MAX, f32::MAX)
 }
 
-/// Each of `pages`' estimated attention mass for the query heads `queries`
-/// (softmax over the tokens of `pages`, from their sketches), combined over
-/// the heads; and the sketch bytes read.
-fn masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>, u64) {
+/// Each of `pages`' estimated attention mass for each query head of
+/// `queries` (softmax over the tokens of `pages`, from their sketches):
+/// `[page][head]`; and the sketch bytes read.
+fn page_masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>, u64) {
     let index = q.index;
     let d = index.digests().head_dim();
     let heads = queries.len() / d;
@@ -271,10 +279,10 @@ fn masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>, u64
         top.iter_mut().zip(token).for_each(|(t, &l)| *t = t.max(l));
     }
     // Per page and head the sum of exp((l − top) · scale); per head the total.
-    let mut weights = vec![0f32; pages.len() * heads];
+    let mut masses = vec![0f32; pages.len() * heads];
     let mut totals = vec![0f64; heads];
     let mut tokens = logits.chunks_exact(heads);
-    for (page, &r) in weights.chunks_exact_mut(heads).zip(&rows) {
+    for (page, &r) in masses.chunks_exact_mut(heads).zip(&rows) {
         for token in tokens.by_ref().take(r) {
             for ((w, &l), &t) in page.iter_mut().zip(token).zip(&top) {
                 *w += ((l - t) * scale).exp();
@@ -289,17 +297,10 @@ fn masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>, u64
         .iter()
         .map(|&z| if z > 0.0 { (1.0 / z) as f32 } else { 0.0 })
         .collect();
-    let combined = weights
-        .chunks_exact(heads)
-        .map(|page| {
-            let masses = page.iter().zip(&norms).map(|(w, n)| w * n);
-            match q.aggregation {
-                Aggregation::Mean => masses.sum::<f32>() / heads as f32,
-                Aggregation::Max | Aggregation::PerQueryHead => masses.fold(0.0, f32::max),
-            }
-        })
-        .collect();
-    (combined, (total * row) as u64)
+    for page in masses.chunks_exact_mut(heads) {
+        page.iter_mut().zip(&norms).for_each(|(m, n)| *m *= n);
+    }
+    (masses, (total * row) as u64)
 }
 
 #[cfg(test)]
@@ -353,7 +354,8 @@ mod tests {
 
     proptest! {
         /// Sketch and two-stage scores are the reference masses (per query
-        /// head, then the group's max), and the choice is the top of them.
+        /// head, then the group's max or mean, or each head's own), and the
+        /// choice is the top of them.
         #[test]
         fn mass_modes_equal_a_decoded_softmax(
             d in prop_oneof![Just(8usize), Just(16usize), Just(20usize)],
@@ -362,40 +364,55 @@ mod tests {
             group in 1usize..4,
             budget in 1usize..8,
             candidates in 1u32..4,
+            aggregation in 0usize..3,
             values in proptest::collection::vec(-3.0f32..3.0, 1400),
         ) {
             let (index, tokens) = lane(d, page_size, &values[..tokens * d]);
             let queries = &values[values.len() - group * d..];
             let budget = Budget { pages: budget, sinks: 0, window: 0 };
+            let aggregation = [Aggregation::Max, Aggregation::Mean, Aggregation::PerQueryHead][aggregation];
+            let n = index.digests().pages();
+            let scale = 1.0 / (d as f32).sqrt();
             for mode in [Mode::Sketch, Mode::TwoStage] {
                 let ranking = Ranking { candidates, ..Ranking::new(mode) };
-                let query = LaneQuery { index: &index, tokens, queries, aggregation: Aggregation::Max, budget, shard: None, ranking };
+                let query = LaneQuery { index: &index, tokens, queries, aggregation, budget, shard: None, ranking };
                 let got = rank_lane(&query);
-                prop_assert_eq!(got.heads.len(), 1);
-                let head = &got.heads[0];
-                let n = index.digests().pages();
-                let pool: Vec<usize> = match mode {
-                    Mode::Sketch => (0..n).collect(),
-                    _ => {
-                        let bounds = score_all(index.digests(), queries);
-                        let first = combine(&bounds, group, 0..group, Aggregation::Max);
-                        select(&first, Budget { pages: budget.pages * candidates as usize, ..budget }, None)
-                    }
+                let selectors: Vec<std::ops::Range<usize>> = match aggregation {
+                    Aggregation::PerQueryHead => (0..group).map(|g| g..g + 1).collect(),
+                    _ => std::iter::once(0..group).collect(),
                 };
-                let mut want = vec![-1f64; n];
-                for q in queries.chunks_exact(d) {
-                    for (&p, m) in pool.iter().zip(reference_masses(&index, tokens, &pool, q, 1.0 / (d as f32).sqrt())) {
-                        want[p] = want[p].max(m);
+                prop_assert_eq!(got.heads.len(), selectors.len());
+                for (head, members) in got.heads.iter().zip(selectors) {
+                    let pool: Vec<usize> = match mode {
+                        Mode::Sketch => (0..n).collect(),
+                        _ => {
+                            let bounds = score_all(index.digests(), queries);
+                            let first = combine(&bounds, group, members.clone(), aggregation);
+                            select(&first, Budget { pages: budget.pages * candidates as usize, ..budget }, None)
+                        }
+                    };
+                    // Each member head's masses over the pool, then the group's max or mean.
+                    let per_head: Vec<Vec<f64>> = members
+                        .clone()
+                        .map(|g| reference_masses(&index, tokens, &pool, &queries[g * d..(g + 1) * d], scale))
+                        .collect();
+                    let mut want = vec![-1f64; n];
+                    for (i, &p) in pool.iter().enumerate() {
+                        let masses = per_head.iter().map(|m| m[i]);
+                        want[p] = match aggregation {
+                            Aggregation::Mean => masses.sum::<f64>() / members.len() as f64,
+                            _ => masses.fold(0.0, f64::max),
+                        };
                     }
-                }
-                for (p, (&got, &want)) in head.scores.iter().zip(&want).enumerate() {
-                    prop_assert!((f64::from(got) - want).abs() < 1e-4, "{mode} page {p}: {got} vs {want}");
-                }
-                prop_assert_eq!(head.chosen.len(), budget.pages.min(n));
-                prop_assert!(head.chosen.iter().all(|p| pool.contains(p)));
-                let worst = head.chosen.iter().map(|&p| want[p]).fold(f64::INFINITY, f64::min);
-                for p in (0..n).filter(|p| !head.chosen.contains(p)) {
-                    prop_assert!(want[p] <= worst + 1e-4, "{mode}: page {p} ({}) left out, {worst} chosen", want[p]);
+                    for (p, (&got, &want)) in head.scores.iter().zip(&want).enumerate() {
+                        prop_assert!((f64::from(got) - want).abs() < 1e-4, "{mode} {aggregation:?} page {p}: {got} vs {want}");
+                    }
+                    prop_assert_eq!(head.chosen.len(), budget.pages.min(n));
+                    prop_assert!(head.chosen.iter().all(|p| pool.contains(p)));
+                    let worst = head.chosen.iter().map(|&p| want[p]).fold(f64::INFINITY, f64::min);
+                    for p in (0..n).filter(|p| !head.chosen.contains(p)) {
+                        prop_assert!(want[p] <= worst + 1e-4, "{mode}: page {p} ({}) left out, {worst} chosen", want[p]);
+                    }
                 }
             }
         }

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use kvtier_core::select::Budget;
+use kvtier_core::rank::{Mode, Ranking};
+use kvtier_core::select::{Budget, TopP};
 use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey, TenantId};
 use kvtier_store::{
     EngineChoice, FetchPages, HeadRange, Miss, NvmeConfig, PageContent, PageList, PageSelection, PutPages, SelectPages,
@@ -402,5 +403,34 @@ fn exclusive_caching_moves_pages_up_and_back_down_without_loss() {
         );
         let hot = (4..8).contains(&p.page);
         assert_eq!(p.state == PageState::Hot, hot, "page {} {:?}", p.page, p.state);
+    }
+}
+
+/// A top-p selection stops short of its budget; its prefetch still takes
+/// only the next `prefetch_pages` pages by estimated mass (not every page
+/// the cut left out). Two-stage prefetches only among the pages it
+/// re-ranked (the others have no mass to rank by).
+#[test]
+fn a_cut_selection_prefetches_only_its_next_pages() {
+    // (mode, candidates, budget, top-p, pages queued)
+    for (mode, candidates, budget, top_p, want) in
+        [(Mode::Sketch, 4, 12, Some(0.3), 2), (Mode::TwoStage, 1, 4, None, 0)]
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = store(dir.path(), 16, 12);
+        let q = query(&[3, 4]);
+        let req = SelectPages {
+            ranking: Ranking {
+                top_p: top_p.map(|p| TopP { p, min_pages: 1 }),
+                candidates,
+                ..Ranking::new(mode)
+            },
+            prefetch_pages: 2,
+            ..select(&q, budget)
+        };
+        let sel = store.select_pages(&key(), req).unwrap();
+        let chosen = sel.heads[0].pages.len();
+        assert!(chosen < 12, "{mode}: chose {chosen}");
+        assert_eq!(sel.prefetch_queued, want, "{mode}: after {chosen} chosen");
     }
 }

@@ -259,11 +259,16 @@ pub(crate) fn available_memory() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// The default metadata budget: the page index alone (digest, cuboid, key
-/// sketches) is about a quarter of the KV bytes it indexes, wherever they
-/// are, so a quarter of what the host and NVMe tiers hold, at least 1 GiB.
+/// The default metadata budget: the page index alone (digest and key
+/// sketches) is about a fifth of the KV bytes it indexes, wherever they
+/// are, so a quarter of what the host and NVMe tiers hold — but never more
+/// than half the memory available (a huge NVMe tier must not disarm the
+/// limit), and at least 1 GiB.
 pub(crate) fn default_metadata_bytes(host_bytes: u64, nvme_bytes: u64) -> u64 {
-    (host_bytes.saturating_add(nvme_bytes) / 4).max(1 << 30)
+    let available = available_memory().unwrap_or(4 << 30);
+    (host_bytes.saturating_add(nvme_bytes) / 4)
+        .min(available / 2)
+        .max(1 << 30)
 }
 
 /// Default tier sizes for this machine: a quarter of available memory for the

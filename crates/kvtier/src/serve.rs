@@ -58,9 +58,9 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "SIZE")]
     max_message_bytes: Option<ByteSize>,
     /// Resident metadata of all sequences (lanes, page tables, page index:
-    /// digests, cuboids and key sketches, about a quarter of the KV bytes;
-    /// statistics); more is refused with RESOURCE_EXHAUSTED [default: a
-    /// quarter of the host and NVMe tiers, at least 1GiB].
+    /// digests and key sketches, about a fifth of the KV bytes; statistics);
+    /// more is refused with RESOURCE_EXHAUSTED [default: a quarter of the
+    /// host and NVMe tiers, at most half the available memory, at least 1GiB].
     #[arg(long, value_name = "SIZE")]
     metadata_bytes: Option<ByteSize>,
     /// Request and response bytes held at once over all calls: a request
@@ -285,7 +285,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     let metadata_sized = sized(
         metadata_given.then_some(ByteSize(0)),
-        "default: 1/4 of host + NVMe, at least 1 GiB",
+        "default: 1/4 of host + NVMe, at most 1/2 of available memory, at least 1 GiB",
     );
     tracing::info!(
         config = %args.config.as_ref().map_or("none (embedded defaults and flags)".into(), |p| p.display().to_string()),

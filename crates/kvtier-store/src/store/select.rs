@@ -498,12 +498,18 @@ fn rank_lane(seq: &Sequence, req: &SelectPages<'_>, i: usize, (h, lane_index): (
     for head in ranked.heads {
         let query_head = head.query_head.map(|g| h * group as u32 + g);
         if req.prefetch_pages > 0 {
+            // The next `prefetch_pages` pages by score after what was chosen
+            // (a top-p cut may have chosen fewer than the budget); two-stage
+            // prefetches among its re-ranked candidates only.
+            let cut = req.ranking.top_p.is_some() && req.ranking.mode.estimates_mass();
             let wider = Budget {
-                pages: req.budget.pages + req.prefetch_pages,
+                pages: if cut { head.chosen.len() } else { req.budget.pages } + req.prefetch_pages,
                 ..req.budget
             };
+            let ranked = |p: usize| req.ranking.mode != Mode::TwoStage || head.scores[p] >= 0.0;
             for p in select(&head.scores, wider, req.shard) {
                 if head.chosen.binary_search(&p).is_err()
+                    && ranked(p)
                     && let Some(page) = physical(p)
                 {
                     out.next.push(((lane_index, p), page));

@@ -481,7 +481,7 @@ impl Store {
                 Planned::Shared(r) => (r, true),
                 Planned::New(page) => {
                     out.new_pages += 1;
-                    let charge = seq.charge.split(cost::physical_page(&batch.layout, shareable(seq)));
+                    let charge = seq.charge.split(cost::physical_page(&batch.layout, page.key.is_some()));
                     self.new_physical(page, batch, range.len(), keys, charge)?
                 }
             };
@@ -562,15 +562,19 @@ fn charged(
     write: impl FnOnce(&mut Sequence) -> StoreResult<Published>,
 ) -> StoreResult<Published> {
     let pages = (batch.lanes.len() * batch.ranges.len()) as u64;
-    let share = shareable(seq);
-    let bytes = cost::pages(&batch.layout, pages, pages, share);
+    // At most: every page new, and shareable if the sequence has prefix
+    // hashes (only full pages under a hash are).
+    let bytes = cost::pages(&batch.layout, pages, pages, !seq.hashes.is_empty());
     let before = seq.charge.bytes();
     seq.charge.grow(bytes)?;
     let published = write(seq);
     match &published {
-        Ok(p) => seq
-            .charge
-            .shrink(cost::pages(&batch.layout, 0, pages - p.new_pages, share)),
+        // What stays with the sequence is its logical pages' part: new
+        // pages took their physical part with them.
+        Ok(_) => {
+            let kept = before + cost::pages(&batch.layout, pages, 0, false);
+            seq.charge.shrink(seq.charge.bytes().saturating_sub(kept))
+        }
         // What has not moved to pages published before the failure.
         Err(_) => seq.charge.shrink(seq.charge.bytes().saturating_sub(before)),
     }
@@ -695,10 +699,4 @@ fn partial_pages(seq: &Sequence, lanes: &[usize], fill: usize) -> Vec<Arc<PhysPa
             _ => None,
         })
         .collect()
-}
-
-/// Whether a sequence's new physical pages may be shared, so carry an index
-/// entry for the sequences that attach them: only with prefix hashes.
-fn shareable(seq: &Sequence) -> bool {
-    !seq.hashes.is_empty()
 }

@@ -200,7 +200,8 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
             queue_depth: 32,
             direct: true,
         }),
-        // The page index is about a quarter of the KV bytes.
+        // The page index is about a fifth of the KV bytes, the rest of the
+        // metadata less: half the working set is room enough.
         limits: kvtier_store::Limits {
             metadata_bytes: (working_set / 2).max(1 << 30),
             ..kvtier_store::Limits::default()
