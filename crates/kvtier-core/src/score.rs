@@ -34,6 +34,18 @@ impl Kernel {
         Kernel::Scalar
     }
 
+    /// Every kernel this CPU can run, for tests that compare them.
+    #[cfg(test)]
+    pub(crate) fn available() -> Vec<Kernel> {
+        let mut k = vec![Kernel::Scalar];
+        if Kernel::detect() == Kernel::Avx2 {
+            k.push(Kernel::Avx2);
+        } else {
+            println!("AVX2/F16C not available here: only the scalar kernel is tested");
+        }
+        k
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Scalar => "scalar",
@@ -283,22 +295,12 @@ mod tests {
     use crate::DigestColumn;
     use proptest::prelude::*;
 
-    fn kernels() -> Vec<Kernel> {
-        let mut k = vec![Kernel::Scalar];
-        if Kernel::detect() == Kernel::Avx2 {
-            k.push(Kernel::Avx2);
-        } else {
-            println!("AVX2/F16C not available here: only the scalar kernel is tested");
-        }
-        k
-    }
-
     #[test]
     fn the_worked_example_from_the_issue() {
         // Page minima [[0,-5],[2,-1]], maxima [[4,1],[3,6]], q = [2,-3].
         for dtype in DType::ALL {
             let digests = dtype.encode(&[0.0, -5.0, 4.0, 1.0, 2.0, -1.0, 3.0, 6.0]);
-            for kernel in kernels() {
+            for kernel in Kernel::available() {
                 let mut out = [0f32; 2];
                 score_column_with(kernel, dtype, 2, &digests, &[2.0, -3.0], &mut out);
                 assert_eq!(out, [23.0, 9.0], "{dtype} {kernel:?}");
@@ -318,7 +320,7 @@ mod tests {
             stored.push(dtype.to_f32_vec(&bytes)); // the keys as stored (rounded to dtype)
         }
         let group = queries.len() / d;
-        for kernel in kernels() {
+        for kernel in Kernel::available() {
             let mut out = vec![0f32; pages.len() * group];
             let whole: Vec<u8> = column.chunks().flatten().copied().collect();
             score_column_with(kernel, dtype, d, &whole, queries, &mut out);
@@ -429,7 +431,7 @@ mod tests {
                 column.open_page(&dtype.encode(keys));
             }
             let whole: Vec<u8> = column.chunks().flatten().copied().collect();
-            for kernel in kernels() {
+            for kernel in Kernel::available() {
                 let mut out = vec![0f32; pages * group];
                 score_column_with(kernel, dtype, d, &whole, &queries, &mut out);
                 for (p, keys) in stored.iter().enumerate() {
@@ -461,7 +463,7 @@ mod tests {
         for dtype in DType::ALL {
             let m = max_finite(dtype);
             let digests = dtype.encode(&[m, -m, m, -m, -1.0, -1.0, -1.0, -1.0]);
-            for kernel in kernels() {
+            for kernel in Kernel::available() {
                 let mut out = [0f32; 2];
                 score_column_with(kernel, dtype, 2, &digests, &[f32::MAX, f32::MAX], &mut out);
                 assert!(out.iter().all(|s| s.is_finite()), "{dtype} {kernel:?}: {out:?}");

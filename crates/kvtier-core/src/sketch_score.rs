@@ -134,16 +134,6 @@ mod tests {
     use crate::sketch::{decode_row, encode};
     use proptest::prelude::*;
 
-    fn kernels() -> Vec<Kernel> {
-        let mut k = vec![Kernel::Scalar];
-        if Kernel::detect() == Kernel::Avx2 {
-            k.push(Kernel::Avx2);
-        } else {
-            println!("AVX2 not available here: only the scalar kernel is tested");
-        }
-        k
-    }
-
     proptest! {
         /// Every kernel equals the dot product with the decoded sketch
         /// (computed in f64), up to f32 summation error.
@@ -160,7 +150,7 @@ mod tests {
             let rows = encode(DType::F32, d, &bytes);
             let queries: Vec<f32> = (0..group * d).map(|_| it.next().unwrap()).collect();
             let n = row_bytes(d);
-            for kernel in kernels() {
+            for kernel in Kernel::available() {
                 let mut out = vec![0f32; tokens * group];
                 sketch_logits_with(kernel, d, &rows, &queries, &mut out);
                 let mut key = vec![0f32; d];
@@ -185,7 +175,7 @@ mod tests {
             .collect();
         let rows = encode(DType::F32, d, &keys);
         let queries = vec![f32::MAX; d];
-        for kernel in kernels() {
+        for kernel in Kernel::available() {
             let mut out = [0f32];
             sketch_logits_with(kernel, d, &rows, &queries, &mut out);
             assert!(out[0].is_finite(), "{kernel:?}: {out:?}");
