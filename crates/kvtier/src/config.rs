@@ -264,8 +264,7 @@ pub(crate) fn available_memory() -> Option<u64> {
 /// are, so a quarter of what the host and NVMe tiers hold — but never more
 /// than half the memory available (a huge NVMe tier must not disarm the
 /// limit), and at least 1 GiB.
-pub(crate) fn default_metadata_bytes(host_bytes: u64, nvme_bytes: u64) -> u64 {
-    let available = available_memory().unwrap_or(4 << 30);
+pub(crate) fn default_metadata_bytes(host_bytes: u64, nvme_bytes: u64, available: u64) -> u64 {
     (host_bytes.saturating_add(nvme_bytes) / 4)
         .min(available / 2)
         .max(1 << 30)
@@ -302,6 +301,17 @@ fn free_space(dir: &Path) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_metadata_budget_follows_the_tiers_within_memory() {
+        const GIB: u64 = 1 << 30;
+        // A quarter of host + NVMe.
+        assert_eq!(default_metadata_bytes(8 * GIB, 16 * GIB, 64 * GIB), 6 * GIB);
+        // Never more than half of what is available...
+        assert_eq!(default_metadata_bytes(8 * GIB, 4096 * GIB, 64 * GIB), 32 * GIB);
+        // ...and never under 1 GiB.
+        assert_eq!(default_metadata_bytes(GIB, GIB, GIB), GIB);
+    }
 
     #[test]
     fn byte_sizes_parse_with_units() {

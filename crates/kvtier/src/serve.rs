@@ -11,7 +11,9 @@ use kvtier_cuda::{CudaDeviceTier, PinnedHostTier, SwapPath};
 use kvtier_server::{BoundServer, ServerConfig, TlsFiles};
 use kvtier_store::{DeviceCache, Durability, EngineChoice, NvmeConfig, Store, StoreConfig, Tier, TraceConfig};
 
-use crate::config::{ByteSize, FileConfig, default_metadata_bytes, default_nvme_bytes, default_tier_bytes};
+use crate::config::{
+    ByteSize, FileConfig, available_memory, default_metadata_bytes, default_nvme_bytes, default_tier_bytes,
+};
 
 #[derive(Debug, Args)]
 pub(crate) struct ServeArgs {
@@ -281,7 +283,8 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         ..store
     };
     if !metadata_given {
-        store.limits.metadata_bytes = default_metadata_bytes(store.host_bytes, nvme_bytes);
+        store.limits.metadata_bytes =
+            default_metadata_bytes(store.host_bytes, nvme_bytes, available_memory().unwrap_or(4 << 30));
     }
     let metadata_sized = sized(
         metadata_given.then_some(ByteSize(0)),

@@ -122,7 +122,8 @@ async fn serve_with_defaults_answers_health_reflection_and_metrics() {
         body.contains("kvtier_tier_capacity_bytes{tier=\"device\",backend=\"emulated\",emulated=\"true\"}"),
         "{body}"
     );
-    // The default metadata budget: a quarter of host + NVMe, at least 1 GiB.
+    // The default metadata budget: a quarter of host + NVMe (capped by the
+    // memory available at start, which this test cannot know), at least 1 GiB.
     let gauge = |prefix: &str| -> u64 {
         let line = body
             .lines()
@@ -131,11 +132,8 @@ async fn serve_with_defaults_answers_health_reflection_and_metrics() {
         line.rsplit(' ').next().unwrap().parse().unwrap()
     };
     let tiers = gauge("kvtier_tier_capacity_bytes{tier=\"host\"") + gauge("kvtier_tier_capacity_bytes{tier=\"nvme\"");
-    assert_eq!(
-        gauge("kvtier_metadata_limit_bytes "),
-        (tiers / 4).max(1 << 30),
-        "{body}"
-    );
+    let limit = gauge("kvtier_metadata_limit_bytes ");
+    assert!((1 << 30..=(tiers / 4).max(1 << 30)).contains(&limit), "{limit}: {body}");
 
     // SIGTERM: a graceful stop with exit status 0.
     let pid = server.0.id().to_string();
