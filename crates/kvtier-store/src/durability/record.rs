@@ -400,7 +400,11 @@ pub(crate) fn read_file(path: &Path) -> Result<(Vec<Record>, u64), ManifestError
         Some(Record::Header { version }) => {
             return Err(ManifestError::Format {
                 path: path.to_owned(),
-                why: format!("format version {version}; this kvtier reads version {FORMAT_VERSION}"),
+                why: format!(
+                    "format version {version}; this kvtier reads version {FORMAT_VERSION} \
+                     (version 3 added key sketches to every page's index): start with the data \
+                     directory moved aside, or with the kvtier that wrote it"
+                ),
             });
         }
         Some(_) => {
@@ -522,11 +526,17 @@ pub(crate) mod tests {
     fn a_file_without_this_versions_header_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("manifest");
-        for first in [Record::Header { version: 1 }, Record::Drop { key: key("a") }] {
+        for first in [
+            Record::Header { version: 1 },
+            Record::Header { version: 2 },
+            Record::Drop { key: key("a") },
+        ] {
+            let old_header = matches!(first, Record::Header { .. });
             let bytes = frame(&[first]);
             std::fs::write(&path, &bytes).unwrap();
             let err = read_file(&path).unwrap_err().to_string();
             assert!(err.contains("format"), "{err}");
+            assert!(!old_header || err.contains("data directory moved aside"), "{err}");
         }
     }
 }
