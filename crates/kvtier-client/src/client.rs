@@ -562,7 +562,7 @@ pub struct SelectResult {
     /// With `include_data`: the chosen pages that are not gone.
     pub pages: Vec<pb::Page>,
     pub pages_scored: u64,
-    /// Index bytes read: digests or cuboids, and sketch rows.
+    /// Index bytes read: digests, and sketch rows.
     pub digest_bytes: u64,
     /// The mode that ranked.
     pub mode: pb::SelectionMode,

@@ -67,8 +67,7 @@ impl DigestColumn {
         self.entries.get(page)
     }
 
-    /// Page `page`'s entry, to be rewritten whole (a cuboid recomputed).
-    pub fn entry_mut(&mut self, page: usize) -> &mut [u8] {
+    fn entry_mut(&mut self, page: usize) -> &mut [u8] {
         self.entries.get_mut(page)
     }
 
@@ -81,7 +80,7 @@ impl DigestColumn {
     }
 
     /// Appends a zeroed entry for a new last page and returns it.
-    pub fn push_zeroed(&mut self) -> &mut [u8] {
+    fn push_zeroed(&mut self) -> &mut [u8] {
         self.entries.push_zeroed()
     }
 

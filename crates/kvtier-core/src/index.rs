@@ -47,12 +47,6 @@ impl PageIndex {
         out
     }
 
-    /// The sketch rows in page order, in chunks of [`DIGEST_CHUNK_PAGES`]
-    /// pages of `page_size` rows each.
-    pub fn sketch_chunks(&self) -> impl Iterator<Item = &[u8]> {
-        self.sketches.chunks()
-    }
-
     /// Page `page`'s `page_size` sketch rows.
     pub fn sketch(&self, page: usize) -> &[u8] {
         self.sketches.get(page)
@@ -66,13 +60,8 @@ impl PageIndex {
         self.page_size
     }
 
-    /// Resident bytes of one page's index for this layout: digest and
-    /// `page_size` sketch rows.
-    pub fn bytes_per_page(dtype: DType, head_dim: usize, page_size: u32) -> usize {
-        Self::entry_len(dtype, head_dim, page_size)
-    }
-
-    /// Bytes of an entry of a page of `rows` tokens.
+    /// Bytes of an entry of a page of `rows` tokens (of a full page: its
+    /// resident index).
     pub fn entry_len(dtype: DType, head_dim: usize, rows: u32) -> usize {
         2 * head_dim * dtype.size() + rows as usize * sketch::row_bytes(head_dim)
     }

@@ -140,68 +140,36 @@ pub fn rank_lane(q: &LaneQuery<'_>) -> LaneRanking {
     let d = index.digests().head_dim();
     let group = q.queries.len() / d;
     let mode = q.ranking.mode;
-    let mut bytes = 0u64;
     let n = index.digests().pages();
-    let bounds = match mode {
-        Mode::Quest | Mode::TwoStage => {
-            bytes += index.digests().byte_len() as u64;
-            Some(score_all(index.digests(), q.queries))
-        }
+    // Every page's score for every query head of the group, `[page][group]`:
+    // a bound (quest, two-stage's stage one), the cuboid's score, or the
+    // estimated mass (sketch).
+    let (lane_scores, mut bytes) = match mode {
+        Mode::Quest | Mode::TwoStage => (score_all(index.digests(), q.queries), index.digests().byte_len() as u64),
         Mode::Cuboid => {
             // Each page's cuboid from its sketches, scored like a digest.
             let cuboids = index.cuboids(n, |p| rows_in(q, p));
-            bytes += (q.tokens as usize * index.sketch_row_bytes()) as u64;
-            let mut column = DigestColumn::new(index.digests().dtype(), d);
-            for entry in cuboids.chunks_exact(index.digests().entry_bytes()) {
-                column.push_entry(entry);
-            }
-            Some(score_all(&column, q.queries))
+            let mut scores = vec![0f32; n * group];
+            score_column(index.digests().dtype(), d, &cuboids, q.queries, &mut scores);
+            (scores, (q.tokens as usize * index.sketch_row_bytes()) as u64)
         }
-        Mode::Sketch => None,
+        Mode::Sketch => {
+            let all: Vec<usize> = (0..n).collect();
+            page_masses(q, &all, q.queries)
+        }
     };
     let selectors: Vec<(Option<u32>, Range<usize>)> = match q.aggregation {
         Aggregation::PerQueryHead => (0..group).map(|g| (Some(g as u32), g..g + 1)).collect(),
         Aggregation::Max | Aggregation::Mean => vec![(None, 0..group)],
     };
-    // Sketch: every page's mass for every query head of the group, once.
-    let lane_masses = (mode == Mode::Sketch).then(|| {
-        let all: Vec<usize> = (0..n).collect();
-        let (masses, read) = page_masses(q, &all, q.queries);
-        bytes += read;
-        masses
-    });
     let mut heads = Vec::with_capacity(selectors.len());
     for (query_head, members) in selectors {
-        let queries = &q.queries[members.start * d..members.end * d];
-        let scores = match (mode, &bounds) {
-            (Mode::Quest | Mode::Cuboid, Some(b)) => combine(b, group, members, q.aggregation),
-            (Mode::Sketch, _) => combine(
-                lane_masses.as_deref().unwrap_or_default(),
-                group,
-                members,
-                q.aggregation,
-            ),
-            (Mode::TwoStage, Some(b)) => {
-                let first = combine(b, group, members.clone(), q.aggregation);
-                let wide = Budget {
-                    pages: q.budget.pages.saturating_mul(q.ranking.candidates.max(1) as usize),
-                    ..q.budget
-                };
-                // Stage one keeps candidates over every page the final
-                // choice may take: a global share is cut only at the end.
-                let local = q.shard.filter(|s| s.scope == crate::select::Scope::Local);
-                let candidates = select(&first, wide, local);
-                let (masses, read) = page_masses(q, &candidates, queries);
-                bytes += read;
-                let heads = members.len();
-                let mut scores = vec![-1.0; n];
-                for (&p, m) in candidates.iter().zip(combine(&masses, heads, 0..heads, q.aggregation)) {
-                    scores[p] = m;
-                }
-                scores
-            }
-            _ => unreachable!("every mode but sketch scores a digest column"),
-        };
+        let mut scores = combine(&lane_scores, group, members.clone(), q.aggregation);
+        if mode == Mode::TwoStage {
+            let (masses, read) = rerank(q, &scores, &q.queries[members.start * d..members.end * d]);
+            bytes += read;
+            scores = masses;
+        }
         let top_p = q.ranking.top_p.filter(|_| mode.estimates_mass());
         let chosen = select_with(&scores, q.budget, q.shard, top_p);
         heads.push(HeadRank {
@@ -214,6 +182,27 @@ pub fn rank_lane(q: &LaneQuery<'_>) -> LaneRanking {
         heads,
         bytes_scanned: bytes,
     }
+}
+
+/// Two-stage's second stage: the pages `bounds` ranks first (`candidates ×`
+/// the budget) re-ranked by their estimated mass for `queries`, combined
+/// over those heads; −1 for every other page. And the sketch bytes read.
+fn rerank(q: &LaneQuery<'_>, bounds: &[f32], queries: &[f32]) -> (Vec<f32>, u64) {
+    let wide = Budget {
+        pages: q.budget.pages.saturating_mul(q.ranking.candidates.max(1) as usize),
+        ..q.budget
+    };
+    // Stage one keeps candidates over every page the final choice may take:
+    // a global share is cut only at the end.
+    let local = q.shard.filter(|s| s.scope == crate::select::Scope::Local);
+    let candidates = select(bounds, wide, local);
+    let (masses, read) = page_masses(q, &candidates, queries);
+    let heads = queries.len() / q.index.digests().head_dim();
+    let mut scores = vec![-1.0; bounds.len()];
+    for (&p, m) in candidates.iter().zip(combine(&masses, heads, 0..heads, q.aggregation)) {
+        scores[p] = m;
+    }
+    (scores, read)
 }
 
 /// Rows of page `p` of the query's lane (the last may be partial).

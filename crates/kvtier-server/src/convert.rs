@@ -314,7 +314,9 @@ pub(crate) fn ranking(r: &pb::SelectPagesRequest) -> Result<Ranking, Status> {
     })
 }
 
-pub(crate) fn mode_to_pb(mode: Mode) -> pb::SelectionMode {
+/// The proto's name for a selection mode (clients that build requests from
+/// a `Mode`, such as the decode bench, use this one mapping too).
+pub fn mode_to_pb(mode: Mode) -> pb::SelectionMode {
     match mode {
         Mode::Quest => pb::SelectionMode::Quest,
         Mode::Cuboid => pb::SelectionMode::Cuboid,

@@ -28,6 +28,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 pub use auth::{Auth, Grant, Token};
+pub use convert::mode_to_pb;
 
 use crate::gate::{Gate, GateConfig};
 use crate::inflight::InFlight;

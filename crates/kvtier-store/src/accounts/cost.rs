@@ -31,7 +31,7 @@ pub(crate) fn sequence(key: &SequenceKey, layout: &Layout, hashes: &[impl AsRef<
 /// sketches), of which `physical` are new physical pages (`shareable`: with
 /// the index entry a shared page carries).
 pub(crate) fn pages(layout: &Layout, logical: u64, physical: u64, shareable: bool) -> u64 {
-    let index = PageIndex::bytes_per_page(layout.dtype(), layout.head_dim() as usize, layout.page_size());
+    let index = PageIndex::entry_len(layout.dtype(), layout.head_dim() as usize, layout.page_size());
     let entry = (size_of::<StorePage>() + index) as u64;
     logical * entry + physical * physical_page(layout, shareable)
 }

@@ -114,7 +114,7 @@ pub struct Selection<B = Vec<u8>> {
     /// (KV head, page), by KV head then position.
     pub data: Vec<FetchedPage<B>>,
     /// Pages scored (lane pages × KV heads) and the index bytes read
-    /// (digests or cuboids, and sketch rows).
+    /// (digests, and sketch rows).
     pub pages_scored: u64,
     pub digest_bytes: u64,
     /// What the swap-in did (zeros without one; counts as of the return).

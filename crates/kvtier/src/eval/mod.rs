@@ -116,12 +116,18 @@ pub(crate) struct EvalConfig {
     positions: Vec<usize>,
     layers: Vec<u32>,
     kernel: &'static str,
-    mode: &'static str,
-    candidates: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    top_p: Option<f32>,
-    #[serde(skip)]
+    /// The first `--mode`'s: reported as its mode, candidates and top-p.
+    #[serde(serialize_with = "ranking_fields")]
     ranking: Ranking,
+}
+
+fn ranking_fields<S: serde::Serializer>(r: &Ranking, s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeStruct;
+    let mut out = s.serialize_struct("Ranking", 3)?;
+    out.serialize_field("mode", r.mode.name())?;
+    out.serialize_field("candidates", &r.candidates)?;
+    out.serialize_field("top_p", &r.top_p.map(|t| t.p))?;
+    out.end()
 }
 
 /// Quality of one (layer, KV head), averaged over positions and the query
@@ -145,7 +151,7 @@ pub(crate) struct Row {
     /// Pages read per KV head per step (every page any of its query heads
     /// chose).
     pages_read: f64,
-    /// Index bytes (digests or cuboids, sketch rows) scanned per KV head
+    /// Index bytes (digests, sketch rows) scanned per KV head
     /// per step.
     index_bytes: f64,
     /// Ranking time of one selection (all KV heads of a layer), µs.
@@ -270,9 +276,6 @@ pub(crate) fn evaluate(args: &EvalArgs) -> anyhow::Result<Report> {
         positions: (meta.tokens - args.last..meta.tokens).collect(),
         layers: layers.clone(),
         kernel: kvtier_core::score::Kernel::detect().name(),
-        mode: modes[0].name(),
-        candidates: args.candidates,
-        top_p: args.top_p,
         ranking,
     };
     let data: Vec<LayerData> = layers
@@ -369,7 +372,7 @@ fn evaluate_policies(
                 .collect(),
         }
     };
-    rows.push(unevicted(config.mode, quest, Some(budget)));
+    rows.push(unevicted(config.ranking.mode.name(), quest, Some(budget)));
     let dense_config = EvalConfig {
         budget_tokens: None,
         budget_pages: None,
@@ -659,7 +662,7 @@ fn print_table(report: &Report) {
         c.aggregation,
         c.positions[0],
         c.positions[c.positions.len() - 1],
-        c.mode,
+        c.ranking.mode,
         c.kernel
     );
     println!(

@@ -53,7 +53,6 @@ pub(crate) fn compare(
     let run = |mode: Mode, top_p| -> anyhow::Result<Row> {
         eprintln!("eval: mode {mode}");
         let config = EvalConfig {
-            mode: mode.name(),
             ranking: Ranking {
                 mode,
                 top_p,

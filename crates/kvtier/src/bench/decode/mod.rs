@@ -529,8 +529,7 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         sink_pages: a.sinks,
         window_pages: a.window,
         mode: kvtier_core::rank::Mode::parse(&a.mode)
-            .with_context(|| format!("--mode {}: not one of quest, cuboid, sketch, two-stage", a.mode))?
-            .name(),
+            .with_context(|| format!("--mode {}: not one of quest, cuboid, sketch, two-stage", a.mode))?,
         candidates: a.candidates,
         sequences: a.sequences,
         steps: a.steps,

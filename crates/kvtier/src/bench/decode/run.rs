@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use hdrhistogram::Histogram;
 use kvtier_client::{Client, SelectRequest, pb};
+use kvtier_core::rank::Mode;
 use kvtier_server::{BoundServer, ServerConfig};
 use kvtier_store::{EngineChoice, NvmeConfig, Store, StoreConfig};
 use serde::Serialize;
@@ -24,8 +25,8 @@ pub(crate) struct RunConfig {
     pub(crate) budget_pages: u32,
     pub(crate) sink_pages: u32,
     pub(crate) window_pages: u32,
-    /// The selection mode's name (`kvtier_core::rank::Mode`).
-    pub(crate) mode: &'static str,
+    #[serde(serialize_with = "mode_name")]
+    pub(crate) mode: Mode,
     pub(crate) candidates: u32,
     pub(crate) sequences: usize,
     pub(crate) steps: usize,
@@ -327,7 +328,7 @@ async fn decode(
                 deadline: (cfg.deadline_us > 0).then(|| Duration::from_micros(u64::from(cfg.deadline_us))),
                 prefetch_pages: cfg.prefetch_pages,
                 shm: region.as_ref().map(|r| r.whole()),
-                mode: selection_mode(cfg.mode),
+                mode: kvtier_server::mode_to_pb(cfg.mode),
                 candidates: cfg.candidates,
                 ..SelectRequest::new(layer, 0..s.kv_heads, data.queries(layer, position), cfg.budget_pages)
             };
@@ -548,8 +549,6 @@ pub(crate) fn histogram(values: impl Iterator<Item = u64>) -> Histogram<u64> {
     h
 }
 
-/// The proto's name for a mode named as `kvtier_core::rank::Mode` names it.
-fn selection_mode(name: &str) -> pb::SelectionMode {
-    pb::SelectionMode::from_str_name(&format!("SELECTION_MODE_{}", name.replace('-', "_").to_uppercase()))
-        .unwrap_or(pb::SelectionMode::Unspecified)
+fn mode_name<S: serde::Serializer>(mode: &Mode, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(mode.name())
 }
