@@ -22,6 +22,8 @@ pub enum ClientError {
     Pack(#[from] crate::PackError),
     #[error("token: {0}")]
     Token(String),
+    #[error(transparent)]
+    Shm(#[from] ShmError),
 }
 
 pub(crate) type Result<T> = std::result::Result<T, ClientError>;
@@ -319,6 +321,22 @@ impl Client {
         Ok(pages)
     }
 
+    /// Runs a `FetchPages` request over `region`'s own connection instead of
+    /// gRPC (the server must be on this machine): the pages' bytes go to
+    /// the request's window of the region, or to the whole region when it
+    /// names none.
+    pub async fn fetch_local(&self, region: &mut ShmRegion, mut req: pb::FetchPagesRequest) -> Result<Vec<pb::Page>> {
+        if req.tenant.is_empty() {
+            req.tenant = self.tenant.clone();
+        }
+        req.shm.get_or_insert_with(|| region.whole());
+        let call = pb::LocalCall {
+            call: Some(pb::local_call::Call::FetchPages(req)),
+        };
+        let reply = region.call(&call).await??;
+        Ok(reply.fetch_pages.into_iter().flat_map(|m| m.pages).collect())
+    }
+
     /// Applies `action` to pages `pages` of `layers` × `kv_heads`; an empty
     /// page range means every page.
     pub async fn set_page_state(
@@ -386,23 +404,31 @@ impl Client {
         let mut stream = self.inner.select_pages(self.request(msg)).await?.into_inner();
         let mut out = SelectResult::default();
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk?;
-            out.heads.extend(chunk.heads);
-            out.pages_scored += chunk.pages_scored;
-            out.digest_bytes += chunk.digest_bytes;
-            out.pages.extend(chunk.pages);
-            if let Some(swap) = chunk.swap {
-                out.swap = swap;
-            }
-            if let Some(timing) = chunk.timing {
-                out.timing = timing;
-                out.mode = pb::SelectionMode::try_from(chunk.mode).unwrap_or_default();
-            }
-            out.prefetch_queued += chunk.prefetch_queued;
-            if chunk.lease_id != 0 {
-                out.lease = Some((chunk.lease_id, chunk.lease_expires_in_ms));
-            }
+            out.absorb(chunk?);
         }
+        Ok(out)
+    }
+
+    /// [`Client::select_pages`] over `region`'s own connection instead of
+    /// gRPC (the server must be on this machine); with `include_data`, the
+    /// pages' bytes go to `req.shm`, or to the whole region when it names
+    /// no window.
+    pub async fn select_pages_local(
+        &self,
+        region: &mut ShmRegion,
+        sequence_id: &str,
+        req: &SelectRequest,
+    ) -> Result<SelectResult> {
+        let mut msg = self.select_message(sequence_id, req);
+        if msg.include_data {
+            msg.shm.get_or_insert_with(|| region.whole());
+        }
+        let call = pb::LocalCall {
+            call: Some(pb::local_call::Call::SelectPages(msg)),
+        };
+        let reply = region.call(&call).await??;
+        let mut out = SelectResult::default();
+        reply.select_pages.into_iter().for_each(|m| out.absorb(m));
         Ok(out)
     }
 
@@ -572,6 +598,27 @@ pub struct SelectResult {
     pub prefetch_queued: u32,
     /// (lease id, milliseconds until it expires).
     pub lease: Option<(u64, u64)>,
+}
+
+impl SelectResult {
+    /// Adds one of the call's response messages.
+    fn absorb(&mut self, chunk: pb::SelectPagesResponse) {
+        self.heads.extend(chunk.heads);
+        self.pages_scored += chunk.pages_scored;
+        self.digest_bytes += chunk.digest_bytes;
+        self.pages.extend(chunk.pages);
+        if let Some(swap) = chunk.swap {
+            self.swap = swap;
+        }
+        if let Some(timing) = chunk.timing {
+            self.timing = timing;
+            self.mode = pb::SelectionMode::try_from(chunk.mode).unwrap_or_default();
+        }
+        self.prefetch_queued += chunk.prefetch_queued;
+        if chunk.lease_id != 0 {
+            self.lease = Some((chunk.lease_id, chunk.lease_expires_in_ms));
+        }
+    }
 }
 
 /// Actions for [`Client::set_page_state`].

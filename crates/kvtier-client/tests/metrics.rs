@@ -148,18 +148,18 @@ async fn metrics_cover_calls_swap_ins_nvme_selections_checkpoints_and_moves() {
     let positive = |name: &str| assert!(get(name) > 0.0, "{name} is {}:\n{text}", get(name));
 
     assert_eq!(
-        get("kvtier_rpc_duration_seconds_count{method=\"GetSequence\",code=\"OK\"}"),
+        get("kvtier_rpc_duration_seconds_count{method=\"GetSequence\",code=\"OK\",transport=\"grpc\"}"),
         5.0
     );
     assert_eq!(
-        get("kvtier_rpc_duration_seconds_count{method=\"FetchPages\",code=\"NOT_FOUND\"}"),
+        get("kvtier_rpc_duration_seconds_count{method=\"FetchPages\",code=\"NOT_FOUND\",transport=\"grpc\"}"),
         1.0
     );
     assert_eq!(
-        get("kvtier_rpc_duration_seconds_count{method=\"SelectPages\",code=\"OK\"}"),
+        get("kvtier_rpc_duration_seconds_count{method=\"SelectPages\",code=\"OK\",transport=\"grpc\"}"),
         4.0
     );
-    positive("kvtier_rpc_duration_seconds_count{method=\"PutPages\",code=\"OK\"}");
+    positive("kvtier_rpc_duration_seconds_count{method=\"PutPages\",code=\"OK\",transport=\"grpc\"}");
     for name in [
         "kvtier_swap_in_duration_seconds_count{source=\"host\"}",
         "kvtier_swap_in_duration_seconds_count{source=\"nvme\"}",

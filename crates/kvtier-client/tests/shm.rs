@@ -1,8 +1,9 @@
 //! The shared-memory data plane over a real Unix socket and real gRPC:
-//! pages served into a region are bit-exact against the same pages served
-//! inline (a generator of layouts, page states and page lists, shrunk on
-//! failure); windows outside the region are refused with nothing written;
-//! a killed client's region is reclaimed.
+//! pages served into a region, called over gRPC and over the region's own
+//! socket, are bit-exact against the same pages served inline (a generator
+//! of layouts, page states and page lists, shrunk on failure); windows
+//! outside the region are refused with nothing written, on both; a killed
+//! client's region is reclaimed; a stopping server ends its connections.
 
 mod common;
 
@@ -113,7 +114,7 @@ fn same_pages(region: &ShmRegion, window: &pb::ShmWindow, inline: &[pb::Page], s
     assert!(next <= window.offset + window.length);
 }
 
-async fn check(client: &mut Client, region: &ShmRegion, seq: &str, c: Case) {
+async fn check(client: &mut Client, region: &mut ShmRegion, seq: &str, c: Case) {
     let layout = kvtier_client::layout(1, c.kv_heads, c.kv_heads * 2, c.head_dim, c.dtype, c.page_size);
     client.create_sequence(seq, layout, vec![]).await.unwrap();
     let mut lanes = vec![LaneData::default(); c.kv_heads as usize];
@@ -156,14 +157,15 @@ async fn check(client: &mut Client, region: &ShmRegion, seq: &str, c: Case) {
     let listed: u64 = lists.iter().map(|l| l.pages.len() as u64).sum();
     let window = region.window(c.offset, listed * page_bytes + c.slack + 1);
     let inline = client.fetch(fetch.clone()).await.unwrap();
-    let shm = client
-        .fetch(pb::FetchPagesRequest {
-            shm: Some(window),
-            ..fetch
-        })
-        .await
-        .unwrap();
+    let fetch = pb::FetchPagesRequest {
+        shm: Some(window),
+        ..fetch
+    };
+    let shm = client.fetch(fetch.clone()).await.unwrap();
     same_pages(region, &window, &inline, &shm);
+    clear(region);
+    let local = client.fetch_local(region, fetch).await.unwrap();
+    same_pages(region, &window, &inline, &local);
 
     let queries = common::finite_elements(
         pb::DType::DtypeF32,
@@ -181,7 +183,19 @@ async fn check(client: &mut Client, region: &ShmRegion, seq: &str, c: Case) {
     let shm = client.select_pages(seq, &select).await.unwrap();
     assert_eq!(inline.heads, shm.heads);
     same_pages(region, &window, &inline.pages, &shm.pages);
+    clear(region);
+    let local = client.select_pages_local(region, seq, &select).await.unwrap();
+    assert_eq!(inline.heads, local.heads);
+    assert_eq!(inline.mode, local.mode);
+    same_pages(region, &window, &inline.pages, &local.pages);
     client.drop_sequence(seq).await.unwrap();
+}
+
+/// Zeroes the region, so that a call's bytes cannot be an earlier call's.
+fn clear(region: &ShmRegion) {
+    // SAFETY: the region is this test's and no call is running on it; the
+    // mapping is `len()` bytes and lives as long as `region`.
+    unsafe { std::ptr::write_bytes(region.as_ptr().cast_mut(), 0, region.len()) };
 }
 
 #[test]
@@ -190,7 +204,7 @@ fn shm_pages_are_bit_exact_against_inline_ones() {
     let dir = tempfile::tempdir().unwrap();
     let (server, socket) = rt.block_on(server(dir.path()));
     let client = rt.block_on(server.client());
-    let region = rt.block_on(client.register_shm(&socket, REGION)).unwrap();
+    let region = std::sync::Mutex::new(rt.block_on(client.register_shm(&socket, REGION)).unwrap());
     let mut runner = TestRunner::new(Config {
         cases: 40,
         ..Config::default()
@@ -199,7 +213,12 @@ fn shm_pages_are_bit_exact_against_inline_ones() {
     runner
         .run(&cases(), |c| {
             let seq = format!("case-{}", n.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-            rt.block_on(check(&mut client.clone(), &region, &seq, c));
+            rt.block_on(check(
+                &mut client.clone(),
+                &mut region.lock().unwrap_or_else(|p| p.into_inner()),
+                &seq,
+                c,
+            ));
             Ok(())
         })
         .unwrap();
@@ -217,7 +236,7 @@ async fn windows_outside_the_region_are_refused_and_nothing_is_written() {
     let dir = tempfile::tempdir().unwrap();
     let (server, socket) = server(dir.path()).await;
     let mut client = server.client().await;
-    let region = client.register_shm(&socket, 64 << 10).await.unwrap();
+    let mut region = client.register_shm(&socket, 64 << 10).await.unwrap();
     let layout = kvtier_client::layout(1, 2, 2, 8, pb::DType::DtypeF32, 16);
     client.create_sequence("s", layout.clone(), vec![]).await.unwrap();
     let mut lanes = vec![LaneData::default(); 2];
@@ -263,6 +282,9 @@ async fn windows_outside_the_region_are_refused_and_nothing_is_written() {
             "{window:?}: {}",
             refusal.message()
         );
+        let refusal = status(client.fetch_local(&mut region, fetch(window)).await.map(|_| ()));
+        assert_eq!(refusal.code(), code, "local {window:?}: {}", refusal.message());
+        assert!(refusal.message().starts_with(field), "local: {}", refusal.message());
         // A selection of 2 pages per head needs 4 KiB of window.
         let window = match window.length {
             8191 => region.window(0, 4095),
@@ -278,7 +300,57 @@ async fn windows_outside_the_region_are_refused_and_nothing_is_written() {
             "{window:?}: {}",
             refusal.message()
         );
+        let refusal = status(client.select_pages_local(&mut region, "s", &select).await.map(|_| ()));
+        assert_eq!(refusal.code(), code, "local {window:?}: {}", refusal.message());
+        assert!(refusal.message().starts_with(field), "local: {}", refusal.message());
     }
+    // Over the socket, page bytes go to a region: a call without a window
+    // for them, or without a call, is refused naming the field.
+    let mut inline_select = SelectRequest::new(0, 0..2, vec![1.0; 16], 2);
+    inline_select.include_data = true;
+    let calls = [
+        (
+            pb::local_call::Call::FetchPages(pb::FetchPagesRequest {
+                shm: None,
+                ..fetch(region.whole())
+            }),
+            "shm: is required",
+        ),
+        (
+            pb::local_call::Call::SelectPages(pb::SelectPagesRequest {
+                sequence_id: "s".into(),
+                kv_head_count: 2,
+                queries: vec![0u8; 64].into(),
+                budget_pages: 2,
+                include_data: true,
+                ..Default::default()
+            }),
+            "shm: is required",
+        ),
+    ];
+    for (call, message) in calls {
+        let refusal = region
+            .call(&pb::LocalCall { call: Some(call) })
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(refusal.code(), tonic::Code::InvalidArgument, "{}", refusal.message());
+        assert!(refusal.message().starts_with(message), "{}", refusal.message());
+    }
+    let refusal = region.call(&pb::LocalCall { call: None }).await.unwrap().unwrap_err();
+    assert_eq!(refusal.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refusal.message().starts_with("call: names no call"),
+        "{}",
+        refusal.message()
+    );
+    // A selection without data needs no window.
+    let ranked = client
+        .select_pages_local(&mut region, "s", &SelectRequest::new(0, 0..2, vec![1.0; 16], 2))
+        .await
+        .unwrap();
+    assert_eq!(ranked.heads.len(), 2);
+    assert!(ranked.pages.is_empty());
     // Data without include_data, and another tenant's region.
     let mut select = SelectRequest::new(0, 0..2, vec![1.0; 16], 2);
     select.shm = Some(region.whole());
@@ -290,10 +362,53 @@ async fn windows_outside_the_region_are_refused_and_nothing_is_written() {
     assert!(status.contains("shm.region_id"), "{status}");
     assert!(untouched(&region), "a refused call wrote into the region");
 
-    // The same window, large enough, is written.
+    // The same window, large enough, is written, over gRPC and over the
+    // region's socket.
     let pages = client.fetch(fetch(region.window(len - 8192, 8192))).await.unwrap();
     assert_eq!(pages.len(), 8);
     assert!(!untouched(&region));
+    let window = region.window(len - 8192, 8192);
+    let local = client.fetch_local(&mut region, fetch(window)).await.unwrap();
+    assert_eq!(local, pages);
+}
+
+#[tokio::test]
+async fn a_stopping_server_ends_its_shm_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("shm.sock");
+    let config = ServerConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        metrics_listen: None,
+        shm_socket: Some(socket.clone()),
+        ..ServerConfig::default()
+    };
+    let bound = kvtier_server::BoundServer::bind(kvtier_store::Store::new(small_store()).unwrap(), config)
+        .await
+        .unwrap();
+    let client = Client::connect(format!("http://{}", bound.grpc_addr())).await.unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(bound.serve(async {
+        let _ = stopped.await;
+    }));
+    let mut region = client.register_shm(&socket, 1 << 20).await.unwrap();
+    let layout = kvtier_client::layout(1, 1, 1, 4, pb::DType::DtypeF32, 4);
+    client.clone().create_sequence("s", layout, vec![]).await.unwrap();
+    let fetch = pb::FetchPagesRequest {
+        sequence_id: "s".into(),
+        kv_head_count: 1,
+        ..Default::default()
+    };
+    assert!(client.fetch_local(&mut region, fetch.clone()).await.unwrap().is_empty());
+    // The client keeps its region; the server still stops, and its store
+    // (which the connection's thread held) with it.
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), serving)
+        .await
+        .expect("the server stopped within 10 s")
+        .unwrap()
+        .unwrap();
+    let err = client.fetch_local(&mut region, fetch).await.unwrap_err();
+    assert!(matches!(err, kvtier_client::ClientError::Shm(_)), "{err:?}");
 }
 
 /// Not a test on its own: the child process of the next test, which

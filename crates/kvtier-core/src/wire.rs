@@ -37,6 +37,7 @@ const REPORT: &str = "ReportAttentionRequest";
 const RELEASE: &str = "ReleaseLeaseRequest";
 const STATS: &str = "GetStatsRequest";
 const TRACE: &str = "SetAccessTraceRequest";
+const LOCAL: &str = "LocalCall";
 
 const KEYED: &[&str] = &[CREATE, GET, DROP, PUT, APPEND, FETCH, SELECT, SET_STATE, POLICY, REPORT];
 const TENANTED: &[&str] = &[
@@ -104,6 +105,7 @@ fields! {
     SHM_REGION_ID = "shm.region_id" in &[FETCH, SELECT];
     SHM_OFFSET = "shm.offset" in &[FETCH, SELECT];
     SHM_LENGTH = "shm.length" in &[FETCH, SELECT];
+    LOCAL_CALL = "call" in &[LOCAL];
     ACTION = "action" in ACTIONS;
     OFFLOAD_TIER = "offload.tier" in ACTIONS;
     MIGRATE_TIER = "migrate.tier" in &[SET_STATE];

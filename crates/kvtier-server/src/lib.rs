@@ -231,16 +231,32 @@ impl BoundServer {
         let limit = self.config.max_message_bytes;
         let in_flight = InFlight::new(self.config.max_inflight_bytes);
         let regions = Arc::new(Regions::default());
-        if let (Some(listener), Some(path)) = (self.shm, &self.config.shm_socket) {
-            let auth = Arc::new(self.config.auth.clone());
-            let stop = stopped(stop_rx.clone());
-            tokio::spawn(shm::serve(listener, path.clone(), Arc::clone(&regions), auth, stop));
-        }
         let traces = service::TraceSettings {
             dir: self.config.access_trace_dir.clone(),
             max_bytes: self.config.access_trace_max_bytes,
         };
-        let service = KvTierService::new(Arc::clone(&self.store), limit, Arc::clone(&in_flight), regions, traces);
+        let service = KvTierService::new(
+            Arc::clone(&self.store),
+            limit,
+            Arc::clone(&in_flight),
+            Arc::clone(&regions),
+            traces,
+        );
+        let rpc_metrics = Arc::new(RpcMetrics::default());
+        let shm = if let (Some(listener), Some(path)) = (self.shm, &self.config.shm_socket) {
+            let stop = stopped(stop_rx.clone());
+            let ctx = shm::CallContext {
+                calls: Arc::new(service.clone()),
+                regions,
+                in_flight: Arc::clone(&in_flight),
+                metrics: Arc::clone(&rpc_metrics),
+                max_frame: limit,
+            };
+            let auth = Arc::new(self.config.auth.clone());
+            Some(tokio::spawn(shm::serve(listener, path.clone(), ctx, auth, stop)))
+        } else {
+            None
+        };
         let kvtier = KvTierServer::new(service)
             .max_decoding_message_size(limit)
             .max_encoding_message_size(limit);
@@ -252,7 +268,6 @@ impl BoundServer {
                 in_flight,
             }),
         );
-        let rpc_metrics = Arc::new(RpcMetrics::default());
         let kvtier = Timed::new(kvtier, Arc::clone(&rpc_metrics));
         let mut builder = tonic::transport::Server::builder();
         if let Some(tls) = &self.config.tls {
@@ -294,6 +309,12 @@ impl BoundServer {
                 Ok(result) => result.map_err(ServerError::Metrics)?,
                 Err(e) => tracing::warn!(error = %e, "metrics task ended abnormally"),
             }
+        }
+        // Its connections' threads hold the store until they are ended.
+        if let Some(shm) = shm
+            && let Err(e) = shm.await
+        {
+            tracing::warn!(error = %e, "shm socket task ended abnormally");
         }
         // A recording still running is finished: everything queued written.
         self.store.stop_access_trace();

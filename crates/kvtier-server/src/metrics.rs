@@ -225,9 +225,13 @@ fn histogram(out: &mut String, name: &str, help: &str, series: &[(String, Histog
 pub(crate) fn render_latency(out: &mut String, l: &Latency, rpc: &RpcMetrics) {
     let calls: Vec<_> = rpc
         .observed()
-        .map(|(method, code, h)| {
+        .map(|(transport, method, code, h)| {
             (
-                format!("method=\"{method}\",code=\"{}\"", code_name(code)),
+                format!(
+                    "method=\"{method}\",code=\"{}\",transport=\"{}\"",
+                    code_name(code),
+                    transport.label()
+                ),
                 h.snapshot(),
             )
         })
@@ -235,7 +239,7 @@ pub(crate) fn render_latency(out: &mut String, l: &Latency, rpc: &RpcMetrics) {
     histogram(
         out,
         "kvtier_rpc_duration_seconds",
-        "kvtier.v1 calls from request to the end of the response, by method and status code.",
+        "kvtier.v1 calls from request to the end of the response, by method, status code and transport (grpc, or shm-socket for calls over a registered shm connection).",
         &calls,
     );
     histogram(

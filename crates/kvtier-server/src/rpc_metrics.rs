@@ -1,6 +1,7 @@
-//! Latency of every `kvtier.v1` call by method and status code, from the
-//! moment the request arrives to the end of its response (the last message
-//! of a stream, with its trailers), for the metrics endpoint.
+//! Latency of every `kvtier.v1` call by transport, method and status code,
+//! from the moment the request arrives to the end of its response (the last
+//! message of a stream, with its trailers; over the shm socket, the reply's
+//! frame), for the metrics endpoint.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -20,11 +21,30 @@ use tonic::server::NamedService;
 /// gRPC status codes 0 (OK) to 16 (UNAUTHENTICATED).
 const CODES: usize = 17;
 
-/// Histograms per (method, code); a path that names no method counts under
-/// the extra last row.
+/// How a call reached the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Transport {
+    Grpc,
+    /// A `LocalCall` over a registered shm connection.
+    ShmSocket,
+}
+
+impl Transport {
+    const ALL: [Transport; 2] = [Transport::Grpc, Transport::ShmSocket];
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Transport::Grpc => "grpc",
+            Transport::ShmSocket => "shm-socket",
+        }
+    }
+}
+
+/// Histograms per (transport, method, code); a path that names no method
+/// counts under the extra last row.
 #[derive(Debug, Default)]
 pub(crate) struct RpcMetrics {
-    calls: [[Histogram; CODES]; METHODS.len() + 1],
+    calls: [[[Histogram; CODES]; METHODS.len() + 1]; Transport::ALL.len()],
 }
 
 impl RpcMetrics {
@@ -35,25 +55,36 @@ impl RpcMetrics {
             .unwrap_or(METHODS.len())
     }
 
-    fn record(&self, method: usize, code: usize, start: Instant) {
+    fn record(&self, transport: Transport, method: usize, code: usize, start: Instant) {
         let code = if code < CODES {
             code
         } else {
             tonic::Code::Unknown as usize
         };
-        self.calls[method][code].observe(start.elapsed());
+        self.calls[transport as usize][method][code].observe(start.elapsed());
     }
 
-    /// Every (method, code, histogram) that has seen a call.
-    pub(crate) fn observed(&self) -> impl Iterator<Item = (&'static str, tonic::Code, &Histogram)> {
-        self.calls.iter().enumerate().flat_map(|(m, codes)| {
-            let method = METHODS.get(m).copied().unwrap_or("unknown");
-            codes
-                .iter()
-                .enumerate()
-                .filter(|(_, h)| h.snapshot().count > 0)
-                .map(move |(c, h)| (method, tonic::Code::from(c as i32), h))
-        })
+    /// Records a call to the method named `name`.
+    pub(crate) fn record_named(&self, transport: Transport, name: &str, code: tonic::Code, start: Instant) {
+        let method = METHODS.iter().position(|m| *m == name).unwrap_or(METHODS.len());
+        self.record(transport, method, code as usize, start);
+    }
+
+    /// Every (transport, method, code, histogram) that has seen a call.
+    pub(crate) fn observed(&self) -> impl Iterator<Item = (Transport, &'static str, tonic::Code, &Histogram)> {
+        Transport::ALL
+            .into_iter()
+            .zip(&self.calls)
+            .flat_map(|(transport, methods)| {
+                methods.iter().enumerate().flat_map(move |(m, codes)| {
+                    let method = METHODS.get(m).copied().unwrap_or("unknown");
+                    codes
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, h)| h.snapshot().count > 0)
+                        .map(move |(c, h)| (transport, method, tonic::Code::from(c as i32), h))
+                })
+            })
     }
 }
 
@@ -136,7 +167,7 @@ impl TimedBody {
     fn finish(&mut self, code: usize) {
         if !self.done {
             self.done = true;
-            self.metrics.record(self.method, code, self.start);
+            self.metrics.record(Transport::Grpc, self.method, code, self.start);
         }
     }
 }

@@ -1,6 +1,7 @@
 //! `kvtier.v1.KvTier` handlers: validate, convert, call the store on a
 //! blocking thread, map errors. No logic of their own.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use kvtier_core::rank::Ranking;
@@ -10,7 +11,7 @@ use kvtier_proto::v1 as pb;
 use kvtier_proto::v1::kv_tier_server::KvTier;
 use kvtier_store::{
     AppendTokens, ApplyPolicy, AttentionWeights, FetchCursor, PageSelection, PutPages, ReportAttention, SelectPages,
-    SetPageState, Store, StoreError, StoreResult,
+    Selection, SetPageState, Store, StoreError, StoreResult,
 };
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -25,7 +26,7 @@ use crate::responses::{
     FetchJob, FetchStream, SelectStream, holding, index_scanned, page_messages, select_into, select_messages,
     send_chunks,
 };
-use crate::shm::Regions;
+use crate::shm::{LocalCalls, Regions, Window};
 use crate::status::{field_status, invalid, to_status};
 use crate::{chunk, convert};
 
@@ -150,6 +151,150 @@ fn select_request<'a>(r: &pb::SelectPagesRequest, inputs: &'a SelectionInputs) -
     }
 }
 
+/// A selection, checked and ready to run: refused before it moves
+/// anything.
+pub(crate) struct SelectCall {
+    key: SequenceKey,
+    request: pb::SelectPagesRequest,
+    inputs: SelectionInputs,
+    window: Option<Window>,
+    /// The most page bytes it can return.
+    bound: usize,
+    /// Index bytes it scans.
+    scanned: usize,
+    /// The limit on one response message.
+    limit: usize,
+}
+
+impl SelectCall {
+    /// Whether its page bytes travel in the messages.
+    fn data_inline(&self) -> bool {
+        self.request.include_data && self.window.is_none()
+    }
+
+    /// Bytes it scans and copies, for where it runs.
+    fn work(&self) -> usize {
+        // A swap-in copies pages to the device and may wait for its
+        // deadline: never on a runtime worker.
+        match self.request.swap_in {
+            true => usize::MAX,
+            false => self.scanned.saturating_add(self.room()),
+        }
+    }
+
+    fn room(&self) -> usize {
+        if self.request.include_data { self.bound } else { 0 }
+    }
+
+    fn run(mut self, store: &Arc<Store>) -> StoreResult<(Selection<Range<usize>>, Vec<pb::Page>)> {
+        let room = self.room();
+        let req = select_request(&self.request, &self.inputs);
+        select_into(store, &self.key, req, self.window.as_mut(), room)
+    }
+}
+
+impl KvTierService {
+    /// A fetch, checked: its job, and the shm window it names (not yet
+    /// checked against the region, which the caller does with the job's
+    /// bound).
+    fn plan_fetch(
+        &self,
+        caller: &Caller,
+        mut r: pb::FetchPagesRequest,
+        request_bytes: Option<RequestBytes>,
+    ) -> Result<(FetchJob, Option<pb::ShmWindow>), Status> {
+        let key = key(caller, &r.tenant, &r.sequence_id)?;
+        let max_bytes = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
+        if !r.pages.is_empty() && !r.per_head_pages.is_empty() {
+            return Err(invalid(
+                wire::PER_HEAD_PAGES,
+                "give either pages or per_head_pages, not both",
+            ));
+        }
+        let shm = r.shm.take();
+        let shape = self.store.shape(&key).map_err(to_status)?;
+        Ok((FetchJob::new(request_bytes, key, r, max_bytes, &shape), shm))
+    }
+
+    /// A selection, checked, with its shm window if it names one.
+    fn plan_select(&self, caller: &Caller, mut r: pb::SelectPagesRequest) -> Result<SelectCall, Status> {
+        let key = key(caller, &r.tenant, &r.sequence_id)?;
+        let limit = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
+        let inputs = selection_inputs(&r)?;
+        let shm = r.shm.take();
+        if shm.is_some() && !r.include_data {
+            return Err(invalid(wire::SHM, "carries page bytes; set include_data too"));
+        }
+        let shape = self.store.shape(&key).map_err(to_status)?;
+        let scanned = index_scanned(r.kv_head_count, r.budget_pages, &inputs.ranking, &shape);
+        let bound = kvtier_store::data_bound(&shape.0, shape.1, r.budget_pages, r.kv_head_count, inputs.aggregation);
+        let window = match &shm {
+            Some(w) => Some(self.regions.window(&key.tenant, w, bound)?),
+            None if r.include_data => {
+                chunk::check_page_fits(shape.0.page_bytes(), limit)?;
+                None
+            }
+            None => None,
+        };
+        Ok(SelectCall {
+            key,
+            request: r,
+            inputs,
+            window,
+            bound,
+            scanned,
+            limit,
+        })
+    }
+
+    /// A selection's response messages; a lease it took is given back if
+    /// they cannot be made.
+    fn select_messages(
+        &self,
+        tenant: &TenantId,
+        selection: Selection<Range<usize>>,
+        data: Vec<pb::Page>,
+        limit: usize,
+    ) -> Result<Vec<pb::SelectPagesResponse>, Status> {
+        let lease = selection.lease;
+        let messages = select_messages(selection, data, limit);
+        if let (Err(_), Some((id, _))) = (&messages, lease) {
+            self.store.release_lease(tenant, id);
+        }
+        messages
+    }
+}
+
+/// Calls over the shm socket: the gRPC calls' own checks and store calls,
+/// run on the connection's thread.
+impl LocalCalls for KvTierService {
+    fn fetch_pages(&self, caller: &Caller, r: pb::FetchPagesRequest) -> Result<Vec<pb::FetchPagesResponse>, Status> {
+        let (job, shm) = self.plan_fetch(caller, r, None)?;
+        let Some(w) = shm else {
+            return Err(invalid(
+                wire::SHM,
+                "is required over the shm socket, which carries no page bytes",
+            ));
+        };
+        let mut window = self.regions.window(&job.key.tenant, &w, job.bound)?;
+        let pages = job.read_to_window(&self.store, &mut window).map_err(to_status)?;
+        page_messages(pages, job.max_bytes)
+    }
+
+    fn select_pages(&self, caller: &Caller, r: pb::SelectPagesRequest) -> Result<Vec<pb::SelectPagesResponse>, Status> {
+        let call = self.plan_select(caller, r)?;
+        if call.data_inline() {
+            return Err(invalid(
+                wire::SHM,
+                "is required with include_data over the shm socket, which carries no page bytes",
+            ));
+        }
+        let (tenant, limit) = (call.key.tenant.clone(), call.limit);
+        let (selection, data) = call.run(&self.store).map_err(to_status)?;
+        self.select_messages(&tenant, selection, data, limit)
+    }
+}
+
 #[tonic::async_trait]
 impl KvTier for KvTierService {
     async fn create_sequence(
@@ -258,30 +403,22 @@ impl KvTier for KvTierService {
     async fn fetch_pages(&self, request: Request<pb::FetchPagesRequest>) -> Result<Response<FetchStream>, Status> {
         // The request lives as long as its stream, and so does its charge.
         let request_bytes = request.extensions().get::<RequestBytes>().cloned();
-        let (caller, mut r) = open(request)?;
-        let key = key(&caller, &r.tenant, &r.sequence_id)?;
-        let max_bytes = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
-        if !r.pages.is_empty() && !r.per_head_pages.is_empty() {
-            return Err(invalid(
-                wire::PER_HEAD_PAGES,
-                "give either pages or per_head_pages, not both",
-            ));
-        }
-        let shm = r.shm.take();
-        let shape = self.store.shape(&key).map_err(to_status)?;
-        let job = Arc::new(FetchJob::new(request_bytes, key, r, max_bytes, &shape));
+        let (caller, r) = open(request)?;
+        let (job, shm) = self.plan_fetch(&caller, r, request_bytes)?;
         let (tx, rx) = mpsc::channel(1);
         if let Some(w) = shm {
             // Checked before anything is read or written. The bytes go to the
             // client's memory, so none are held here in flight.
             let mut window = self.regions.window(&job.key.tenant, &w, job.bound)?;
-            let bound = job.bound;
+            let (bound, max_bytes) = (job.bound, job.max_bytes);
             let pages = sized(&self.store, bound, move |s| job.read_to_window(s, &mut window)).await?;
             let messages = holding(page_messages(pages, max_bytes)?, None);
             return Ok(Response::new(Holding::new(
                 tokio_stream::iter(messages).chain(ReceiverStream::new(rx)),
             )));
         }
+        let job = Arc::new(job);
+        let max_bytes = job.max_bytes;
         // The first chunk is read before the stream starts, so a bad request
         // fails the call itself rather than the stream.
         let held = self.in_flight.hold("a fetch chunk", job.room).await?;
@@ -302,54 +439,19 @@ impl KvTier for KvTierService {
     type SelectPagesStream = SelectStream;
 
     async fn select_pages(&self, request: Request<pb::SelectPagesRequest>) -> Result<Response<SelectStream>, Status> {
-        let (caller, mut r) = open(request)?;
-        let key = key(&caller, &r.tenant, &r.sequence_id)?;
-        let limit = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
-        let inputs = selection_inputs(&r)?;
-        let shm = r.shm.take();
-        if shm.is_some() && !r.include_data {
-            return Err(invalid(wire::SHM, "carries page bytes; set include_data too"));
-        }
-        let tenant = key.tenant.clone();
+        let (caller, r) = open(request)?;
+        let call = self.plan_select(&caller, r)?;
         // The data's room in flight, at most what the selection can choose,
-        // is taken before the store reads any of it.
-        let shape = self.store.shape(&key).map_err(to_status)?;
-        let scanned = index_scanned(r.kv_head_count, r.budget_pages, &inputs.ranking, &shape);
-        let bound = kvtier_store::data_bound(&shape.0, shape.1, r.budget_pages, r.kv_head_count, inputs.aggregation);
-        // Refused before the selection moves anything.
-        let mut window = match &shm {
-            Some(w) => Some(self.regions.window(&tenant, w, bound)?),
-            None if r.include_data => {
-                chunk::check_page_fits(shape.0.page_bytes(), limit)?;
-                None
-            }
-            None => None,
-        };
-        // Data over shm goes to the client's memory: nothing held in flight.
-        let held = match r.include_data && window.is_none() {
-            true => Some(self.in_flight.hold("a selection's data", bound).await?),
+        // is taken before the store reads any of it. Data over shm goes to
+        // the client's memory: nothing held in flight.
+        let held = match call.data_inline() {
+            true => Some(self.in_flight.hold("a selection's data", call.bound).await?),
             false => None,
         };
-        let room = if r.include_data { bound } else { 0 };
-        // A swap-in copies pages to the device and may wait for its
-        // deadline: never on a runtime worker.
-        let work = match r.swap_in {
-            true => usize::MAX,
-            false => scanned.saturating_add(room),
-        };
-        let (selection, data) = sized(&self.store, work, move |s| {
-            select_into(s, &key, select_request(&r, &inputs), window.as_mut(), room)
-        })
-        .await?;
-        let lease = selection.lease;
-        let messages = select_messages(selection, data, limit);
-        if let (Err(_), Some((id, _))) = (&messages, lease) {
-            // Refused after all: the lease is not handed out.
-            self.store.release_lease(&tenant, id);
-        }
-        Ok(Response::new(Holding::new(tokio_stream::iter(holding(
-            messages?, held,
-        )))))
+        let (tenant, limit, work) = (call.key.tenant.clone(), call.limit, call.work());
+        let (selection, data) = sized(&self.store, work, move |s| call.run(s)).await?;
+        let messages = self.select_messages(&tenant, selection, data, limit)?;
+        Ok(Response::new(Holding::new(tokio_stream::iter(holding(messages, held)))))
     }
 
     async fn prefetch(

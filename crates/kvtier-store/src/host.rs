@@ -180,7 +180,11 @@ impl HostCache {
     pub(crate) fn touch<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
         let mut lru = lock(&self.lru);
         for page in pages {
-            lru.put(page.id, Arc::downgrade(page));
+            // A page in line already only moves to the front: no new weak
+            // reference, no old one dropped.
+            if lru.get(&page.id).is_none() {
+                lru.put(page.id, Arc::downgrade(page));
+            }
         }
     }
 

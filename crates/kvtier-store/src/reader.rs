@@ -54,8 +54,11 @@ impl<B> PageContent<B> {
 
 /// Where a page's bytes are to be had.
 enum Source {
-    /// Read already, from host or device memory.
+    /// Read already, from device memory.
     Read,
+    /// Read already, from host memory: the caller marks it used there
+    /// (one LRU lock for a whole read, not one per page).
+    ReadFromHost,
     /// On NVMe only: to be read (and checked) in a batch.
     Nvme(NvmeCopy, u64),
 }
@@ -80,6 +83,7 @@ impl Reader<'_> {
     ) -> StoreResult<Vec<(PageState, PageContent<Range<usize>>)>> {
         let mut out = Vec::with_capacity(pages.len());
         let mut later = Vec::new();
+        let mut from_host = Vec::new();
         for (i, &(lane, p)) in pages.iter().enumerate() {
             let Some(logical) = lane.page(p) else {
                 return Err(StoreError::Internal(format!("page {p} is beyond its lane")));
@@ -94,6 +98,10 @@ impl Reader<'_> {
                     }
                     match self.source(&r.page, layout, rows, buf.at(&range))? {
                         Some(Source::Read) => (state, PageContent::Original(range)),
+                        Some(Source::ReadFromHost) => {
+                            from_host.push(&r.page);
+                            (state, PageContent::Original(range))
+                        }
                         Some(Source::Nvme(..)) => {
                             later.push((i, (Arc::clone(&r.page), rows), range));
                             (state, PageContent::Gone(Reason::Integrity))
@@ -118,6 +126,7 @@ impl Reader<'_> {
                 LogicalPage::Gone(reason) => (PageState::Gone, PageContent::Gone(*reason)),
             });
         }
+        self.host.touch(from_host);
         let requests: Vec<(Arc<PhysPage>, u32)> = later.iter().map(|(_, r, _)| r.clone()).collect();
         for ((i, (page, _), range), bytes) in later.into_iter().zip(self.originals(layout, &requests)?) {
             out[i] = match bytes {
@@ -219,9 +228,7 @@ impl Reader<'_> {
             read_rows_into(&**self.host.tier(), host, layout, rows, dst)?;
             // The LRU after the page lock is released: never an LRU lock
             // under a page lock (migration takes them the other way).
-            drop(place);
-            self.host.touch([page]);
-            return Ok(Some(Source::Read));
+            return Ok(Some(Source::ReadFromHost));
         }
         if let Some(device) = &place.device {
             read_rows_into(self.device, device, layout, rows, dst)?;
@@ -243,8 +250,12 @@ impl Reader<'_> {
         let mut bytes = Vec::with_capacity(len);
         Ok(
             match self.source(page, layout, rows, &mut bytes.spare_capacity_mut()[..len])? {
-                Some(Source::Read) => {
-                    // SAFETY: `source` wrote all `len` bytes (it returned Read).
+                Some(read @ (Source::Read | Source::ReadFromHost)) => {
+                    if matches!(read, Source::ReadFromHost) {
+                        self.host.touch([page]);
+                    }
+                    // SAFETY: `source` wrote all `len` bytes (it returned Read
+                    // or ReadFromHost).
                     unsafe { bytes.set_len(len) };
                     Some(Owned::Read(bytes))
                 }

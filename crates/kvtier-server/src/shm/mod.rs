@@ -6,6 +6,7 @@
 //! kernel closed its sockets) the region leaves the registry, and its
 //! mapping goes once the last call writing into it is done.
 
+mod calls;
 mod socket;
 
 use std::collections::HashMap;
@@ -24,6 +25,7 @@ use tonic::Status;
 use crate::responses::page_to_pb;
 use crate::status::invalid;
 
+pub(crate) use calls::{CallContext, LocalCalls};
 pub(crate) use socket::{bind, serve};
 
 /// Largest region one client may register. Regions cost the server address

@@ -4,8 +4,8 @@
 //! The client sends, in one message with the descriptor attached:
 //! `kvtier-shm 1\n<tenant>\n<token>\n` (an empty line for no token). The
 //! server answers `ok <region id> <bytes>\n`, or `error <gRPC code number>
-//! <message>\n` and closes. After `ok` the connection carries nothing more;
-//! its closing gives the region up.
+//! <message>\n` and closes. After `ok` the connection may carry calls
+//! (`calls.rs`, `kvtier.v1.LocalCall`); its closing gives the region up.
 
 use std::fs::File;
 use std::io;
@@ -16,13 +16,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvtier_core::{TenantId, wire};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::Status;
 
 use super::Regions;
-use crate::auth::Auth;
+use super::calls::{CallContext, Connections};
+use crate::auth::{Auth, Caller};
 use crate::status::field_status;
 
 /// How long a new connection may take to send its registration.
@@ -64,22 +65,25 @@ pub(crate) fn bind(path: &Path) -> io::Result<UnixListener> {
 /// descriptor until it does.
 const MAX_PENDING: usize = 64;
 
-/// Accepts registrations until `stop`; removes the socket file after.
+/// Accepts registrations until `stop`; then ends the registered
+/// connections and removes the socket file.
 pub(crate) async fn serve(
     listener: UnixListener,
     path: PathBuf,
-    regions: Arc<Regions>,
+    ctx: CallContext,
     auth: Arc<Auth>,
     stop: impl Future<Output = ()>,
 ) {
     tokio::pin!(stop);
     let pending = Arc::new(Semaphore::new(MAX_PENDING));
+    let connections = Arc::new(Connections::default());
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => match Arc::clone(&pending).try_acquire_owned() {
                     Ok(slot) => {
-                        tokio::spawn(connection(stream, Arc::clone(&regions), Arc::clone(&auth), slot));
+                        let registered = Registered { ctx: ctx.clone(), connections: Arc::clone(&connections) };
+                        tokio::spawn(connection(stream, registered, Arc::clone(&auth), slot));
                     }
                     // Too many half-open registrations: this one is closed.
                     Err(_) => drop(stream),
@@ -92,17 +96,26 @@ pub(crate) async fn serve(
             () = &mut stop => break,
         }
     }
+    // Joining waits for calls running to finish: off the runtime's workers.
+    let _ = tokio::task::spawn_blocking(move || connections.close_all()).await;
     let _ = std::fs::remove_file(path);
 }
 
-async fn connection(mut stream: UnixStream, regions: Arc<Regions>, auth: Arc<Auth>, pending: OwnedSemaphorePermit) {
+/// Where a registered connection goes.
+struct Registered {
+    ctx: CallContext,
+    connections: Arc<Connections>,
+}
+
+async fn connection(mut stream: UnixStream, to: Registered, auth: Arc<Auth>, pending: OwnedSemaphorePermit) {
+    let regions = Arc::clone(&to.ctx.regions);
     let registered = match tokio::time::timeout(HELLO_TIME, read_hello(&stream)).await {
         Ok(Ok((hello, fds))) => register(&regions, &auth, &hello, fds),
         Ok(Err(e)) => Err(Status::invalid_argument(format!("reading the registration: {e}"))),
         Err(_) => Err(Status::deadline_exceeded("no registration within 10 s")),
     };
     drop(pending);
-    let (id, bytes) = match registered {
+    let (id, bytes, caller) = match registered {
         Ok(region) => region,
         Err(status) => {
             let line = format!(
@@ -115,18 +128,22 @@ async fn connection(mut stream: UnixStream, regions: Arc<Regions>, auth: Arc<Aut
         }
     };
     tracing::debug!(region = id, bytes, "shm region registered");
-    if stream.write_all(format!("ok {id} {bytes}\n").as_bytes()).await.is_ok() {
-        // Anything more the client sends is ignored; its end of the
-        // connection closing (or failing) ends the region.
-        let mut sink = [0u8; 64];
-        while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+    let served = async {
+        stream.write_all(format!("ok {id} {bytes}\n").as_bytes()).await?;
+        // Its calls block on the socket in a thread of their own.
+        let stream = stream.into_std()?;
+        stream.set_nonblocking(false)?;
+        to.connections.start(id, stream, caller, to.ctx)
+    };
+    if let Err(e) = served.await {
+        tracing::debug!(region = id, error = %e, "shm connection ended at registration");
+        regions.remove(id);
     }
-    regions.remove(id);
-    tracing::debug!(region = id, "shm region released");
 }
 
-/// Checks a registration and maps its region.
-fn register(regions: &Regions, auth: &Auth, hello: &[u8], mut fds: Vec<OwnedFd>) -> Result<(u64, u64), Status> {
+/// Checks a registration and maps its region: its id, size, and the
+/// caller its calls act as.
+fn register(regions: &Regions, auth: &Auth, hello: &[u8], mut fds: Vec<OwnedFd>) -> Result<(u64, u64, Caller), Status> {
     let text = std::str::from_utf8(hello).map_err(|_| Status::invalid_argument("the registration is not UTF-8"))?;
     let mut lines = text.split('\n');
     let (Some(MAGIC), Some(tenant), Some(token), Some("")) = (lines.next(), lines.next(), lines.next(), lines.next())
@@ -136,7 +153,8 @@ fn register(regions: &Regions, auth: &Auth, hello: &[u8], mut fds: Vec<OwnedFd>)
         )));
     };
     let tenant = TenantId::parse(wire::TENANT.path, tenant).map_err(field_status)?;
-    auth.caller_with_token(token)?.check_tenant(&tenant)?;
+    let caller = auth.caller_with_token(token)?;
+    caller.check_tenant(&tenant)?;
     if fds.len() != 1 {
         return Err(Status::invalid_argument(format!(
             "the registration must carry one file descriptor, not {}",
@@ -144,9 +162,10 @@ fn register(regions: &Regions, auth: &Auth, hello: &[u8], mut fds: Vec<OwnedFd>)
         )));
     }
     let file = File::from(fds.remove(0));
-    regions
+    let (id, bytes) = regions
         .register(tenant, &file)
-        .map_err(|e| Status::invalid_argument(e.to_string()))
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    Ok((id, bytes, caller))
 }
 
 /// Reads the registration: up to its last line, with the descriptors

@@ -112,8 +112,11 @@ struct Report {
     page_bytes: usize,
     fetches: usize,
     kvtier: Side,
-    /// The same fetches through the shm data plane.
+    /// The same fetches through the shm data plane, called over gRPC.
     kvtier_shm: Option<Side>,
+    /// The same again, called over the region's own socket
+    /// (`kvtier.v1.LocalCall`): no HTTP/2.
+    kvtier_local: Option<Side>,
     redis: Option<Side>,
     /// Redis p50 / kvtier p50 and the same at p99 (above 1: kvtier is faster).
     ratio_p50: Option<f64>,
@@ -121,6 +124,9 @@ struct Report {
     /// Redis / kvtier over shm, p50 and p99.
     shm_ratio_p50: Option<f64>,
     shm_ratio_p99: Option<f64>,
+    /// Redis / kvtier over shm called over its socket, p50 and p99.
+    local_ratio_p50: Option<f64>,
+    local_ratio_p99: Option<f64>,
     /// A bare tonic unary echo, each call alternating with kvtier's empty
     /// call: the floor any gRPC call pays here.
     echo_p50_us: u64,
@@ -157,7 +163,8 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
     };
     let report = runtime.block_on(async {
         let target = (args.addr.as_deref(), args.shm_socket.as_deref());
-        let (kvtier, kvtier_shm, echo) = replay_kvtier(target, &header, &shape, &entries, &echo_server).await?;
+        let (kvtier, shm, echo) = replay_kvtier(target, &header, &shape, &entries, &echo_server).await?;
+        let (kvtier_shm, kvtier_local) = shm.unzip();
         let echo = super::decode::histogram(echo.into_iter());
         let redis = match &args.redis {
             Some(addr) => Some(replay_redis(addr, &header, &shape, &entries).await?),
@@ -182,11 +189,14 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
             ratio_p99: ratio(|s| s.p99_us, Some(&kvtier)),
             shm_ratio_p50: ratio(|s| s.p50_us, kvtier_shm.as_ref()),
             shm_ratio_p99: ratio(|s| s.p99_us, kvtier_shm.as_ref()),
+            local_ratio_p50: ratio(|s| s.p50_us, kvtier_local.as_ref()),
+            local_ratio_p99: ratio(|s| s.p99_us, kvtier_local.as_ref()),
             echo_p50_us: echo.value_at_quantile(0.5),
             echo_p99_us: echo.value_at_quantile(0.99),
             empty_over_echo_p50: kvtier.floor_p50_us as f64 / echo.value_at_quantile(0.5).max(1) as f64,
             kvtier,
             kvtier_shm,
+            kvtier_local,
             redis,
         })
     })?;
@@ -212,6 +222,9 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
         if let Some(shm) = &report.kvtier_shm {
             line("shm", shm);
         }
+        if let Some(local) = &report.kvtier_local {
+            line("local", local);
+        }
         println!(
             "   echo: bare tonic unary p50 {} µs p99 {} µs; kvtier's empty call {:.2}× of it",
             report.echo_p50_us, report.echo_p99_us, report.empty_over_echo_p50
@@ -219,11 +232,13 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
         if let Some(r) = &report.redis {
             line("redis", r);
             println!(
-                "redis/kvtier: p50 {:.2}×, p99 {:.2}×; redis/kvtier shm: p50 {:.2}×, p99 {:.2}×",
+                "redis/kvtier: p50 {:.2}×, p99 {:.2}×; redis/kvtier shm: p50 {:.2}×, p99 {:.2}×; over its socket: p50 {:.2}×, p99 {:.2}×",
                 report.ratio_p50.unwrap_or(0.0),
                 report.ratio_p99.unwrap_or(0.0),
                 report.shm_ratio_p50.unwrap_or(0.0),
-                report.shm_ratio_p99.unwrap_or(0.0)
+                report.shm_ratio_p99.unwrap_or(0.0),
+                report.local_ratio_p50.unwrap_or(0.0),
+                report.local_ratio_p99.unwrap_or(0.0)
             );
         }
     }
@@ -296,15 +311,16 @@ struct InProcess {
 
 /// Loads every page of the trace's sequences, then fetches each entry's
 /// pages with one `FetchPages` (per-head lists), inline and, where the
-/// server has an shm socket, through the shm data plane. Also returns the
-/// echo floor's latencies, measured alternately with kvtier's empty calls.
+/// server has an shm socket, through the shm data plane, called over gRPC
+/// and over the region's socket. Also returns the echo floor's latencies,
+/// measured alternately with kvtier's empty calls.
 async fn replay_kvtier(
     (addr, shm_socket): (Option<&str>, Option<&std::path::Path>),
     h: &Loaded,
     shape: &Shape,
     entries: &[FetchEntry],
     echo_server: &super::echo::EchoServerHandle,
-) -> anyhow::Result<(Side, Option<Side>, Vec<u64>)> {
+) -> anyhow::Result<(Side, Option<(Side, Side)>, Vec<u64>)> {
     let (mut client, in_process) = kvtier_client(addr, h, shape).await?;
     let name = |s: usize| format!("fetch-{}-{s}", std::process::id());
     // Messages of at most ~16 MiB; the bytes do not matter, their size does.
@@ -352,16 +368,39 @@ async fn replay_kvtier(
                 .iter()
                 .map(|e| e.pages.iter().map(Vec::len).sum::<usize>())
                 .max();
-            let region = client
+            let mut region = client
                 .register_shm(&socket, most.unwrap_or(1).max(1) * shape.page_bytes())
                 .await?;
+            let whole = region.whole();
             let shm = replay(&mut client, entries, |e| pb::FetchPagesRequest {
-                shm: Some(region.whole()),
+                shm: Some(whole),
                 ..fetch(e.sequence, e.layer, &e.pages)
             })
             .await?;
             anyhow::ensure!(shm.1 == inline.1, "shm served {} bytes, inline {}", shm.1, inline.1);
-            Some(shm)
+            let mut local_floor = Vec::with_capacity(FLOOR_CALLS);
+            for _ in 0..FLOOR_CALLS {
+                let t = Instant::now();
+                client.fetch_local(&mut region, fetch(0, 0, &no_pages)).await?;
+                local_floor.push(t.elapsed().as_micros() as u64);
+            }
+            let mut latencies = Vec::with_capacity(entries.len());
+            let mut bytes = 0u64;
+            let start = Instant::now();
+            for e in entries {
+                let req = fetch(e.sequence, e.layer, &e.pages);
+                let t = Instant::now();
+                let pages = client.fetch_local(&mut region, req).await?;
+                latencies.push(t.elapsed().as_micros() as u64);
+                bytes += pages.iter().map(|p| p.shm_bytes).sum::<u64>();
+            }
+            anyhow::ensure!(
+                bytes == inline.1,
+                "local calls served {bytes} bytes, inline {}",
+                inline.1
+            );
+            let local = side(&latencies, &local_floor, bytes, start.elapsed().as_secs_f64());
+            Some((shm, local))
         }
         None => None,
     };
@@ -374,7 +413,7 @@ async fn replay_kvtier(
         let _ = tokio::task::spawn_blocking(move || server.thread.join()).await;
     }
     let side = |(latencies, bytes, seconds): (Vec<u64>, u64, f64)| side(&latencies, &floor, bytes, seconds);
-    Ok((side(inline), shm.map(side), echo))
+    Ok((side(inline), shm.map(|(shm, local)| (side(shm), local)), echo))
 }
 
 /// Each entry's fetch, one at a time: latencies in µs, bytes served (inline
