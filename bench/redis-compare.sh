@@ -4,8 +4,9 @@
 # decode run's selections, recorded with `kvtier bench decode --trace`), same
 # sizes, same order, from memory, each server its own process on loopback,
 # back to back in one run: kvtier inline (bytes in the gRPC messages), kvtier
-# over its shared-memory data plane, Redis MGET, and a bare tonic unary echo
-# as the floor of any gRPC call. Selection is kvtier's in all, so this
+# over its shared-memory data plane (called over gRPC, and over the region's
+# own socket), Redis MGET, and a bare tonic unary echo as the floor of any
+# gRPC call. Selection is kvtier's in all, so this
 # compares the serving paths only. Writes bench/results/redis-compare.md and
 # .jsonl.
 # Usage: bench/redis-compare.sh [path/to/kvtier]
@@ -63,7 +64,8 @@ done
   echo "  every selection; \`kvtier bench fetch --trace T --addr <kvtier serve> --shm-socket <its socket> --redis <redis-server>\`"
   echo "  loads every page into both, then fetches each selection's pages one at a time, timing each: kvtier inline"
   echo "  (one FetchPages with per-head lists, bytes in the messages), kvtier shm (the same FetchPages naming a window"
-  echo "  of a registered shared-memory region: bytes written there), Redis (one MGET of one key per (layer, KV head, page))."
+  echo "  of a registered shared-memory region: bytes written there), kvtier local (the same call over the region's own"
+  echo "  socket, \`Client::fetch_local\`: no gRPC), Redis (one MGET of one key per (layer, KV head, page))."
   echo "- servers: \`kvtier serve --device-bytes 0 --host-bytes 4GiB --nvme-bytes 0\` (pages in host memory)"
   echo "  and \`redis-server --save '' --appendonly no\` ($(redis-server --version | awk '{print $3}')), each its own process on loopback."
   echo "  Clients run on one thread (a decode worker's loop); the echo floor is a bare tonic server (default settings,"
@@ -72,19 +74,20 @@ done
   echo "- machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(free -g | awk '/Mem:/{print $2" GiB"}'); $(uname -r)"
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD)"
   echo "- empty call: the smallest round trip each offers (kvtier a FetchPages of no pages, alternating call by call with"
-  echo "  the echo; Redis PING), the fixed cost inside every fetch."
+  echo "  the echo; the same over the region's socket; Redis PING), the fixed cost inside every fetch."
   echo
-  echo "| workload | page | fetches | MB per fetch | inline p50 / p99 / p99.9 µs | shm p50 / p99 / p99.9 µs | Redis p50 / p99 / p99.9 µs | Redis/inline p50 | p99 | Redis/shm p50 | p99 | empty call kvtier / echo / Redis PING p50 µs | kvtier empty / echo |"
-  echo "|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|---|---:|"
+  echo "| workload | page | fetches | MB per fetch | inline p50 / p99 / p99.9 µs | shm p50 / p99 / p99.9 µs | local p50 / p99 / p99.9 µs | Redis p50 / p99 / p99.9 µs | Redis/inline p50 | p99 | Redis/shm p50 | p99 | Redis/local p50 | p99 | empty call kvtier / local / echo / Redis PING p50 µs | kvtier empty / echo |"
+  echo "|---|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|"
   python3 - "$jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
-    r = json.loads(line); k, m, d = r["kvtier"], r["kvtier_shm"], r["redis"]
+    r = json.loads(line); k, m, l, d = r["kvtier"], r["kvtier_shm"], r["kvtier_local"], r["redis"]
     print(f"| {r['workload']} (`{r['decode']}`) | {r['page_bytes']} B | {r['fetches']} | {k['bytes']/k['fetches']/1e6:.2f} | "
           f"{k['p50_us']} / {k['p99_us']} / {k['p999_us']} | {m['p50_us']} / {m['p99_us']} / {m['p999_us']} | "
-          f"{d['p50_us']} / {d['p99_us']} / {d['p999_us']} | "
+          f"{l['p50_us']} / {l['p99_us']} / {l['p999_us']} | {d['p50_us']} / {d['p99_us']} / {d['p999_us']} | "
           f"{r['ratio_p50']:.2f} | {r['ratio_p99']:.2f} | {r['shm_ratio_p50']:.2f} | {r['shm_ratio_p99']:.2f} | "
-          f"{k['floor_p50_us']} / {r['echo_p50_us']} / {d['floor_p50_us']} | {r['empty_over_echo_p50']:.2f} |")
+          f"{r['local_ratio_p50']:.2f} | {r['local_ratio_p99']:.2f} | "
+          f"{k['floor_p50_us']} / {l['floor_p50_us']} / {r['echo_p50_us']} / {d['floor_p50_us']} | {r['empty_over_echo_p50']:.2f} |")
 PY
   echo
   echo "A ratio above 1 means kvtier is faster."

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The serving path before and after a change, back to back in one run: the
 # decode bench at llama3-8b 32K (host holds the whole sequence, the device
-# 25 %), with a `kvtier` built at the commit before and one built now (inline
-# and over the shm data plane). Writes bench/results/serving-compare.md, with
+# 25 %), with a `kvtier` built at the commit before and one built now (inline,
+# over the shm data plane with its calls over the region's socket, and the
+# same data plane with its calls over gRPC). Writes bench/results/serving-compare.md, with
 # each run's report under bench/results/serving-compare/.
 # Usage: BEFORE_COMMIT=<sha> bench/serving-compare.sh BEFORE_BIN [AFTER_BIN] [steps]
 set -euo pipefail
@@ -26,8 +27,11 @@ run() {
   echo "$bin ${args[*]} $* --out $out/$name" > "$out/$name/command.txt"
 }
 run before "$before"
-run after-inline "$after"
-run after-shm "$after" --data-plane shm
+# `before` predates ranking modes and ranks by Quest's bound; the after runs
+# rank the same way, so that the serving path is what differs.
+run after-inline "$after" --mode quest
+run after-shm "$after" --mode quest --data-plane shm
+run after-shm-grpc "$after" --mode quest --data-plane shm-grpc
 {
   echo "# Decode steps before and after the serving-path work"
   echo
@@ -37,9 +41,12 @@ run after-shm "$after" --data-plane shm
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD)"
   echo "- workload: llama3-8b layout (32 layers, 8 KV heads, 32 query heads, head_dim 128, bf16, 16-token pages),"
   echo "  32K context, budget 32 pages per head; a step = per layer one SelectPages (swap-in, data) + one"
-  echo "  AppendTokens, through an in-process server over loopback gRPC; device emulated in host memory."
+  echo "  AppendTokens, through an in-process server on loopback; device emulated in host memory."
+  echo "- ranking: Quest's bound in every run (\`before\` predates ranking modes; the after runs pass \`--mode quest\`)."
+  echo "  The default mode now is two-stage, which adds ~20 ms of rank per step here (bench/results/selection.md)."
   echo "- per step, mean µs summed over its 32 layers: select = transport (gRPC, handler, encode/decode,"
-  echo "  the thread hops) + the store's time (rank + swap host + read + the rest)."
+  echo "  the thread hops; for after-shm the region's socket and its thread) + the store's time (rank + swap host + read"
+  echo "  + the rest). Appends go over gRPC in every run."
   echo
   echo "| run | steps | p50 µs | p90 µs | p99 µs | p50 / before | steps/s | select | transport | rank | swap host | read | store rest | append |"
   echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -47,7 +54,7 @@ run after-shm "$after" --data-plane shm
 import csv, json, os, sys
 out = sys.argv[1]
 base = None
-for run in ["before", "after-inline", "after-shm"]:
+for run in ["before", "after-inline", "after-shm", "after-shm-grpc"]:
     rows = list(csv.DictReader(open(os.path.join(out, run, "steps.csv"))))
     lat = sorted(int(r["latency_us"]) for r in rows)
     q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]

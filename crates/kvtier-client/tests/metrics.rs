@@ -66,7 +66,7 @@ async fn metrics_cover_calls_swap_ins_nvme_selections_checkpoints_and_moves() {
     let config = ServerConfig {
         listen: ([127, 0, 0, 1], 0).into(),
         metrics_listen: Some(([127, 0, 0, 1], 0).into()),
-        shm_socket: None,
+        shm_socket: Some(dir.path().join("shm.sock")),
         ..ServerConfig::default()
     };
     let bound = BoundServer::bind(Arc::clone(&store), config).await.unwrap();
@@ -122,6 +122,23 @@ async fn metrics_cover_calls_swap_ins_nvme_selections_checkpoints_and_moves() {
         client.get_sequence("s").await.unwrap();
     }
     assert!(client.fetch_pages("nope", 0, 0..1, vec![]).await.is_err());
+    // Two calls over an shm region's socket: one served, one refused.
+    let mut region = client
+        .register_shm(&dir.path().join("shm.sock"), 1 << 20)
+        .await
+        .unwrap();
+    let one_page = pb::FetchPagesRequest {
+        sequence_id: "s".into(),
+        kv_head_count: 1,
+        pages: vec![0],
+        ..Default::default()
+    };
+    client.fetch_local(&mut region, one_page.clone()).await.unwrap();
+    let missing = pb::FetchPagesRequest {
+        sequence_id: "nope".into(),
+        ..one_page
+    };
+    assert!(client.fetch_local(&mut region, missing).await.is_err());
     store.checkpoint();
     // A corrupted NVMe extent: reading it is an integrity failure.
     let file = std::fs::OpenOptions::new()
@@ -160,6 +177,12 @@ async fn metrics_cover_calls_swap_ins_nvme_selections_checkpoints_and_moves() {
         4.0
     );
     positive("kvtier_rpc_duration_seconds_count{method=\"PutPages\",code=\"OK\",transport=\"grpc\"}");
+    for code in ["OK", "NOT_FOUND"] {
+        let name = format!(
+            "kvtier_rpc_duration_seconds_count{{method=\"FetchPages\",code=\"{code}\",transport=\"shm-socket\"}}"
+        );
+        assert_eq!(get(&name), 1.0, "{name}");
+    }
     for name in [
         "kvtier_swap_in_duration_seconds_count{source=\"host\"}",
         "kvtier_swap_in_duration_seconds_count{source=\"nvme\"}",

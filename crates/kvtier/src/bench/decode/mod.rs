@@ -105,7 +105,9 @@ pub(crate) struct DecodeArgs {
     #[arg(long)]
     addr: Option<String>,
     /// How selected pages' bytes reach the client: inline in the gRPC
-    /// messages, or shm, written into a shared-memory region it registered.
+    /// messages; shm, written into a shared-memory region it registered,
+    /// each selection called over the region's own socket; or shm-grpc,
+    /// the same region with the selections called over gRPC.
     #[arg(long, value_enum, default_value_t = DataPlane::Inline)]
     data_plane: DataPlane,
     /// With --addr and --data-plane shm: the server's shm socket.

@@ -60,8 +60,12 @@ pub(crate) struct RunConfig {
 pub(crate) enum DataPlane {
     /// In the gRPC messages.
     Inline,
-    /// Written into a shared-memory region the client registered.
+    /// Written into a shared-memory region the client registered, each
+    /// selection called over the region's own socket.
     Shm,
+    /// Written into a shared-memory region, each selection called over
+    /// gRPC.
+    ShmGrpc,
 }
 
 /// The miss class of a step: the slowest tier any selected page came from.
@@ -285,10 +289,12 @@ async fn decode(
 ) -> anyhow::Result<SequenceRun> {
     let s = &cfg.shape;
     // One window for every selection: they run one after another.
-    let region = match (cfg.data_plane, &shm_socket) {
+    let mut region = match (cfg.data_plane, &shm_socket) {
         (DataPlane::Inline, _) => None,
-        (DataPlane::Shm, None) => anyhow::bail!("--data-plane shm needs the server's --shm-socket"),
-        (DataPlane::Shm, Some(socket)) => {
+        (DataPlane::Shm | DataPlane::ShmGrpc, None) => {
+            anyhow::bail!("--data-plane shm needs the server's --shm-socket")
+        }
+        (DataPlane::Shm | DataPlane::ShmGrpc, Some(socket)) => {
             let bytes = cfg.budget_pages as usize * s.kv_heads as usize * s.page_bytes();
             Some(client.register_shm(socket, bytes).await?)
         }
@@ -333,10 +339,11 @@ async fn decode(
                 ..SelectRequest::new(layer, 0..s.kv_heads, data.queries(layer, position), cfg.budget_pages)
             };
             let t = Instant::now();
-            let sel = client
-                .select_pages(&seq, &req)
-                .await
-                .with_context(|| format!("step {step} layer {layer}"))?;
+            let sel = match (&mut region, cfg.data_plane) {
+                (Some(region), DataPlane::Shm) => client.select_pages_local(region, &seq, &req).await,
+                _ => client.select_pages(&seq, &req).await,
+            }
+            .with_context(|| format!("step {step} layer {layer}"))?;
             let selected = t.elapsed();
             m.select_us += selected.as_micros() as u64;
             m.store_us += sel.timing.store_us;
