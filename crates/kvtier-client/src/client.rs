@@ -273,7 +273,21 @@ impl Client {
         kv: Bytes,
         position: Option<u64>,
     ) -> Result<pb::AppendTokensResponse> {
-        let req = pb::AppendTokensRequest {
+        let req = self.append_request(sequence_id, layer, kv_heads, num_tokens, kv, position);
+        Ok(self.inner.append_tokens(self.request(req)).await?.into_inner())
+    }
+
+    /// [`Client::append_tokens`]'s request, for [`Client::append_tokens_local`].
+    pub fn append_request(
+        &self,
+        sequence_id: &str,
+        layer: u32,
+        kv_heads: Range<u32>,
+        num_tokens: u32,
+        kv: Bytes,
+        position: Option<u64>,
+    ) -> pb::AppendTokensRequest {
+        pb::AppendTokensRequest {
             tenant: self.tenant.clone(),
             sequence_id: sequence_id.to_owned(),
             layer,
@@ -283,8 +297,28 @@ impl Client {
             kv,
             position,
             persist: self.persist,
+        }
+    }
+
+    /// Runs an `AppendTokens` request over `region`'s own connection
+    /// instead of gRPC (the server must be on this machine).
+    pub async fn append_tokens_local(
+        &self,
+        region: &mut ShmRegion,
+        mut req: pb::AppendTokensRequest,
+    ) -> Result<pb::AppendTokensResponse> {
+        if req.tenant.is_empty() {
+            req.tenant = self.tenant.clone();
+        }
+        let call = pb::LocalCall {
+            call: Some(pb::local_call::Call::AppendTokens(req)),
         };
-        Ok(self.inner.append_tokens(self.request(req)).await?.into_inner())
+        let reply = region.call(&call).await??;
+        reply.append_tokens.ok_or_else(|| {
+            ClientError::Status(tonic::Status::internal(
+                "the server's reply holds no AppendTokens answer",
+            ))
+        })
     }
 
     /// Reads pages (every page when `pages` is empty) of one layer for

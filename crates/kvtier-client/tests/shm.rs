@@ -224,6 +224,93 @@ fn shm_pages_are_bit_exact_against_inline_ones() {
         .unwrap();
 }
 
+/// Appends over the region's socket store what the same appends over gRPC
+/// store: two sequences fed the same rows, one each way, read back equal,
+/// page for page; a stale position is refused naming `position` either way
+/// and changes nothing.
+#[test]
+fn appends_over_the_socket_match_appends_over_grpc() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (server, socket) = rt.block_on(server(dir.path()));
+    let client = rt.block_on(server.client());
+    let region = std::sync::Mutex::new(rt.block_on(client.register_shm(&socket, 1 << 20)).unwrap());
+    let cases = (
+        prop_oneof![
+            Just(pb::DType::DtypeF32),
+            Just(pb::DType::DtypeF16),
+            Just(pb::DType::DtypeBf16)
+        ],
+        1u32..4,
+        prop_oneof![Just(4u32), Just(8), Just(64)],
+        prop_oneof![Just(1u32), Just(4), Just(16)],
+        0u32..40,
+        proptest::collection::vec(1u32..6, 1..12),
+    );
+    let mut runner = TestRunner::new(Config {
+        cases: 24,
+        ..Config::default()
+    });
+    let n = std::sync::atomic::AtomicU32::new(0);
+    runner
+        .run(&cases, |(dtype, kv_heads, head_dim, page_size, prefill, appends)| {
+            let case = n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mut region = region.lock().unwrap_or_else(|p| p.into_inner());
+            rt.block_on(async {
+                let mut client = client.clone();
+                let layout = kvtier_client::layout(1, kv_heads, kv_heads, head_dim, dtype, page_size);
+                let (grpc, local) = (format!("grpc-{case}"), format!("local-{case}"));
+                let mut lanes = vec![LaneData::default(); kv_heads as usize];
+                let mut lanes = lanes.iter_mut().collect::<Vec<_>>();
+                let mut position = 0u64;
+                for seq in [&grpc, &local] {
+                    client.create_sequence(seq, layout.clone(), vec![]).await.unwrap();
+                }
+                if prefill > 0 {
+                    let kv = random_kv(dtype, head_dim as usize, &mut lanes, prefill as usize, 1);
+                    for seq in [&grpc, &local] {
+                        client
+                            .put_pages(seq, 0, 0..kv_heads, 0, prefill, kv.clone())
+                            .await
+                            .unwrap();
+                    }
+                    position = u64::from(prefill);
+                }
+                for (i, &tokens) in appends.iter().enumerate() {
+                    let kv = random_kv(dtype, head_dim as usize, &mut lanes, tokens as usize, 2 + i as u64);
+                    let at = Some(position);
+                    let by_grpc = client
+                        .append_tokens(&grpc, 0, 0..kv_heads, tokens, kv.clone(), at)
+                        .await
+                        .unwrap();
+                    let req = client.append_request(&local, 0, 0..kv_heads, tokens, kv, at);
+                    let by_socket = client.append_tokens_local(&mut region, req.clone()).await.unwrap();
+                    assert_eq!(
+                        (by_grpc.tokens, by_grpc.pages_opened, by_grpc.durability),
+                        (by_socket.tokens, by_socket.pages_opened, by_socket.durability)
+                    );
+                    position += u64::from(tokens);
+                    // The same request again is stale now: refused, nothing
+                    // appended.
+                    let refused = client.append_tokens_local(&mut region, req).await.unwrap_err();
+                    let kvtier_client::ClientError::Status(status) = refused else {
+                        panic!("{refused:?}")
+                    };
+                    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{}", status.message());
+                    assert!(status.message().starts_with("position"), "{}", status.message());
+                }
+                let a = client.fetch_pages(&grpc, 0, 0..kv_heads, vec![]).await.unwrap();
+                let b = client.fetch_pages(&local, 0, 0..kv_heads, vec![]).await.unwrap();
+                assert_eq!(a, b);
+                for seq in [&grpc, &local] {
+                    client.drop_sequence(seq).await.unwrap();
+                }
+            });
+            Ok(())
+        })
+        .unwrap();
+}
+
 /// Whether every byte of the region is still zero (as a new memfd is).
 fn untouched(region: &ShmRegion) -> bool {
     let mut all = vec![0u8; region.len()];

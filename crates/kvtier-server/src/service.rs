@@ -10,8 +10,8 @@ use kvtier_core::{Reason, SequenceKey, TenantId, wire};
 use kvtier_proto::v1 as pb;
 use kvtier_proto::v1::kv_tier_server::KvTier;
 use kvtier_store::{
-    AppendTokens, ApplyPolicy, AttentionWeights, FetchCursor, PageSelection, PutPages, ReportAttention, SelectPages,
-    Selection, SetPageState, Store, StoreError, StoreResult,
+    AppendOutcome, AppendTokens, ApplyPolicy, AttentionWeights, FetchCursor, PageSelection, PutPages, ReportAttention,
+    SelectPages, Selection, SetPageState, Store, StoreError, StoreResult,
 };
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -265,8 +265,32 @@ impl KvTierService {
     }
 }
 
+fn append(store: &Store, key: &SequenceKey, r: &pb::AppendTokensRequest) -> StoreResult<AppendOutcome> {
+    store.append_tokens(
+        key,
+        AppendTokens {
+            layer: r.layer,
+            heads: convert::heads(r.kv_head_start, r.kv_head_count),
+            num_tokens: r.num_tokens,
+            kv: &r.kv,
+            expected_position: r.position,
+            persist: r.persist,
+        },
+    )
+}
+
+fn append_to_pb(outcome: &AppendOutcome) -> pb::AppendTokensResponse {
+    pb::AppendTokensResponse {
+        tokens: outcome.tokens,
+        pages_opened: outcome.pages_opened,
+        durability: convert::durability_to_pb(outcome.durability) as i32,
+        timing: Some(convert::append_timing_to_pb(&outcome.timing)),
+    }
+}
+
 /// Calls over the shm socket: the gRPC calls' own checks and store calls,
-/// run on the connection's thread.
+/// run on the connection's thread (never a runtime worker, so an append
+/// that migrates host pages to NVMe may take its time here).
 impl LocalCalls for KvTierService {
     fn fetch_pages(&self, caller: &Caller, r: pb::FetchPagesRequest) -> Result<Vec<pb::FetchPagesResponse>, Status> {
         let (job, shm) = self.plan_fetch(caller, r, None)?;
@@ -292,6 +316,12 @@ impl LocalCalls for KvTierService {
         let (tenant, limit) = (call.key.tenant.clone(), call.limit);
         let (selection, data) = call.run(&self.store).map_err(to_status)?;
         self.select_messages(&tenant, selection, data, limit)
+    }
+
+    fn append_tokens(&self, caller: &Caller, r: pb::AppendTokensRequest) -> Result<pb::AppendTokensResponse, Status> {
+        let key = key(caller, &r.tenant, &r.sequence_id)?;
+        let outcome = append(&self.store, &key, &r).map_err(to_status)?;
+        Ok(append_to_pb(&outcome))
     }
 }
 
@@ -375,27 +405,8 @@ impl KvTier for KvTierService {
     ) -> Result<Response<pb::AppendTokensResponse>, Status> {
         let (caller, r) = open(request)?;
         let key = key(&caller, &r.tenant, &r.sequence_id)?;
-        let outcome = self
-            .call(move |s| {
-                s.append_tokens(
-                    &key,
-                    AppendTokens {
-                        layer: r.layer,
-                        heads: convert::heads(r.kv_head_start, r.kv_head_count),
-                        num_tokens: r.num_tokens,
-                        kv: &r.kv,
-                        expected_position: r.position,
-                        persist: r.persist,
-                    },
-                )
-            })
-            .await?;
-        Ok(Response::new(pb::AppendTokensResponse {
-            tokens: outcome.tokens,
-            pages_opened: outcome.pages_opened,
-            durability: convert::durability_to_pb(outcome.durability) as i32,
-            timing: Some(convert::append_timing_to_pb(&outcome.timing)),
-        }))
+        let outcome = self.call(move |s| append(s, &key, &r)).await?;
+        Ok(Response::new(append_to_pb(&outcome)))
     }
 
     type FetchPagesStream = FetchStream;

@@ -29,6 +29,7 @@ use crate::status::invalid;
 pub(crate) trait LocalCalls: Send + Sync + 'static {
     fn fetch_pages(&self, caller: &Caller, r: pb::FetchPagesRequest) -> Result<Vec<pb::FetchPagesResponse>, Status>;
     fn select_pages(&self, caller: &Caller, r: pb::SelectPagesRequest) -> Result<Vec<pb::SelectPagesResponse>, Status>;
+    fn append_tokens(&self, caller: &Caller, r: pb::AppendTokensRequest) -> Result<pb::AppendTokensResponse, Status>;
 }
 
 /// What every connection's thread shares.
@@ -164,6 +165,13 @@ fn answer(
             Some("SelectPages"),
             ctx.calls.select_pages(caller, r).map(|select_pages| pb::LocalReply {
                 select_pages,
+                ..Default::default()
+            }),
+        ),
+        Some(Call::AppendTokens(r)) => (
+            Some("AppendTokens"),
+            ctx.calls.append_tokens(caller, r).map(|append_tokens| pb::LocalReply {
+                append_tokens: Some(append_tokens),
                 ..Default::default()
             }),
         ),

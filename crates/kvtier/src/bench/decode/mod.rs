@@ -106,8 +106,8 @@ pub(crate) struct DecodeArgs {
     addr: Option<String>,
     /// How selected pages' bytes reach the client: inline in the gRPC
     /// messages; shm, written into a shared-memory region it registered,
-    /// each selection called over the region's own socket; or shm-grpc,
-    /// the same region with the selections called over gRPC.
+    /// each selection and append called over the region's own socket; or
+    /// shm-grpc, the same region with the calls over gRPC.
     #[arg(long, value_enum, default_value_t = DataPlane::Inline)]
     data_plane: DataPlane,
     /// With --addr and --data-plane shm: the server's shm socket.

@@ -61,10 +61,10 @@ pub(crate) enum DataPlane {
     /// In the gRPC messages.
     Inline,
     /// Written into a shared-memory region the client registered, each
-    /// selection called over the region's own socket.
+    /// selection and append called over the region's own socket.
     Shm,
-    /// Written into a shared-memory region, each selection called over
-    /// gRPC.
+    /// Written into a shared-memory region, each selection and append
+    /// called over gRPC.
     ShmGrpc,
 }
 
@@ -366,17 +366,15 @@ async fn decode(
             let resident = (position.div_ceil(s.page_size as usize) * s.page_bytes() * s.kv_heads as usize) as f64;
             read += got as f64 / resident;
             let t = Instant::now();
-            let appended = client
-                .append_tokens(
-                    &seq,
-                    layer,
-                    0..s.kv_heads,
-                    1,
-                    data.kv(layer, position..position + 1),
-                    Some(position as u64),
-                )
-                .await
-                .with_context(|| format!("append at step {step} layer {layer}"))?;
+            let (kv, at) = (data.kv(layer, position..position + 1), Some(position as u64));
+            let appended = match (&mut region, cfg.data_plane) {
+                (Some(region), DataPlane::Shm) => {
+                    let append = client.append_request(&seq, layer, 0..s.kv_heads, 1, kv, at);
+                    client.append_tokens_local(region, append).await
+                }
+                _ => client.append_tokens(&seq, layer, 0..s.kv_heads, 1, kv, at).await,
+            }
+            .with_context(|| format!("append at step {step} layer {layer}"))?;
             m.append_us += t.elapsed().as_micros() as u64;
             m.append.add(&appended.timing.unwrap_or_default());
             if cfg.record_trace {
