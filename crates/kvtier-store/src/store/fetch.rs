@@ -4,7 +4,7 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use kvtier_core::{LogicalPage, PageState, SequenceKey, wire};
+use kvtier_core::{Layout, LogicalPage, PageState, SequenceKey, parallel, wire};
 
 use super::{Store, micros};
 use crate::catalog::{HeadRange, Sequence};
@@ -143,13 +143,21 @@ impl Store {
         buf: &mut PageBuf<'_>,
     ) -> StoreResult<Vec<FetchedPage<Range<usize>>>> {
         let start = Instant::now();
-        let mut hot = Vec::new();
-        let items: Vec<(&StoreLane, usize)> = chosen.iter().map(|&(_, l, p)| (&seq.lanes[l], p)).collect();
+        // The chosen pages come lane by lane: one run each.
+        let pages: Vec<usize> = chosen.iter().map(|&(_, _, p)| p).collect();
+        let mut runs: Vec<(&StoreLane, &[usize])> = Vec::new();
+        let mut from = 0;
+        for (i, &(_, l, _)) in chosen.iter().enumerate() {
+            if chosen.get(i + 1).is_none_or(|&(_, next, _)| next != l) {
+                runs.push((&seq.lanes[l], &pages[from..=i]));
+                from = i + 1;
+            }
+        }
         let before = buf.used();
-        let read_back = self.reader().contents(&seq.layout, &items, &mut hot, buf)?;
+        let read_back = self.read_runs(&seq.layout, &runs, buf)?;
         let out = chosen
             .iter()
-            .zip(read_back)
+            .zip(read_back.into_iter().flatten())
             .map(|(&(h, l, p), (state, content))| FetchedPage {
                 kv_head: h,
                 page: p as u32,
@@ -159,12 +167,64 @@ impl Store {
                 digest: req.with_digests.then(|| seq.lanes[l].digests().entry(p).to_vec()),
             })
             .collect::<Vec<FetchedPage<Range<usize>>>>();
-        self.device.touch(hot);
         Counters::add(&self.counters.bytes_read, (buf.used() - before) as u64);
         if let Some(tracer) = self.tracer(seq) {
             let states = out.iter().map(|p| p.state);
             tracer.fetch(seq, req.layer, chosen, states, micros(start.elapsed()));
         }
+        Ok(out)
+    }
+}
+
+/// A page as [`Store::read_runs`] read it: its state, and its content in
+/// the buffer.
+type ReadPage = (PageState, PageContent<Range<usize>>);
+
+impl Store {
+    /// Reads runs of pages, each of one lane, into `buf` one after another;
+    /// each run's pages' states and contents, in order. When there are
+    /// enough bytes the runs are shared out over the cores, each share into
+    /// its own stretch of `buf` (in memory a read is a copy bound by memory
+    /// bandwidth, which one core does not saturate); each share is one
+    /// reader call, so its NVMe pages go out as one batch. Marks the hot
+    /// pages read as used.
+    pub(super) fn read_runs(
+        &self,
+        layout: &Layout,
+        runs: &[(&StoreLane, &[usize])],
+        buf: &mut PageBuf<'_>,
+    ) -> StoreResult<Vec<Vec<ReadPage>>> {
+        let room: Vec<usize> = runs
+            .iter()
+            .map(|(lane, pages)| pages.iter().map(|&p| room_for(layout, lane, p)).sum())
+            .collect();
+        let threads = parallel::threads_for(runs.len(), room.iter().sum(), parallel::cores());
+        let share = runs.len().div_ceil(threads).max(1);
+        let shares: Vec<&[(&StoreLane, &[usize])]> = runs.chunks(share).collect();
+        let share_room: Vec<usize> = room.chunks(share).map(|r| r.iter().sum()).collect();
+        let mut parts: Vec<_> = buf.split(&share_room)?.into_iter().zip(shares).collect();
+        let reader = self.reader();
+        let read = parallel::map_mut(&mut parts, threads, |(part, share)| {
+            let items: Vec<(&StoreLane, usize)> = share
+                .iter()
+                .flat_map(|(lane, pages)| pages.iter().map(|&p| (*lane, p)))
+                .collect();
+            let mut hot = Vec::new();
+            let contents = reader.contents(layout, &items, &mut hot, part)?;
+            part.zero_rest();
+            Ok::<_, StoreError>((contents, hot))
+        });
+        let mut hot = Vec::new();
+        let mut out = Vec::with_capacity(runs.len());
+        for (share, result) in runs.chunks(share).zip(read) {
+            let (contents, share_hot) = result?;
+            hot.extend(share_hot);
+            let mut contents = contents.into_iter();
+            for (_, pages) in share {
+                out.push(contents.by_ref().take(pages.len()).collect());
+            }
+        }
+        self.device.touch(hot);
         Ok(out)
     }
 }

@@ -19,7 +19,6 @@ use crate::catalog::{HeadRange, Sequence};
 use crate::device::SwapReport;
 use crate::page::{PhysPage, Pins, StoreLane, state_of};
 use crate::page_buf::PageBuf;
-use crate::reader::room_for;
 use crate::stats::Counters;
 use crate::sync::read;
 use crate::{StoreError, StoreResult};
@@ -409,29 +408,14 @@ impl Store {
                 (h, lane, wanted)
             })
             .collect();
-        // Each lane reads into its own stretch of `buf`, the lanes over the
-        // cores when there are enough bytes: in memory, a step's read is a
-        // copy bound by memory bandwidth, which one core does not saturate.
-        let room: Vec<usize> = wanted
+        let runs: Vec<(&StoreLane, &[usize])> = wanted
             .iter()
-            .map(|(_, lane, pages)| pages.iter().map(|&p| room_for(layout, lane, p)).sum())
+            .map(|(_, lane, pages)| (*lane, pages.as_slice()))
             .collect();
-        let threads = parallel::threads_for(wanted.len(), room.iter().sum(), parallel::cores());
         let before = buf.used();
-        let mut parts: Vec<_> = buf.split(&room)?.into_iter().zip(&wanted).collect();
-        let reader = self.reader();
-        let read = parallel::map_mut(&mut parts, threads, |(part, (_, lane, pages))| {
-            let items: Vec<(&StoreLane, usize)> = pages.iter().map(|&p| (*lane, p)).collect();
-            let mut hot = Vec::new();
-            let contents = reader.contents(layout, &items, &mut hot, part)?;
-            part.zero_rest();
-            Ok::<_, StoreError>((contents, hot))
-        });
-        let mut hot = Vec::new();
+        let read = self.read_runs(layout, &runs, buf)?;
         let mut data = Vec::new();
-        for ((h, lane, pages), lane_read) in wanted.iter().zip(read) {
-            let (contents, lane_hot) = lane_read?;
-            hot.extend(lane_hot);
+        for ((h, lane, pages), contents) in wanted.iter().zip(read) {
             for (&p, (state, content)) in pages.iter().zip(contents) {
                 if state != PageState::Gone {
                     data.push(FetchedPage {
@@ -445,7 +429,6 @@ impl Store {
                 }
             }
         }
-        self.device.touch(hot);
         Counters::add(&self.counters.bytes_read, (buf.used() - before) as u64);
         Ok(data)
     }
