@@ -54,7 +54,12 @@ class AsyncClient(_Api):
             rpc = next(steps)
             while True:
                 try:
-                    reply = await self._call(rpc.method, rpc.request)
+                    if rpc.via is not None:
+                        # The region's connection blocks: off the event loop.
+                        call = rpc.via._call
+                        reply = await asyncio.get_running_loop().run_in_executor(None, call, rpc.method, rpc.request)
+                    else:
+                        reply = await self._call(rpc.method, rpc.request)
                 except Exception as e:  # let the method see its RPC's failure
                     rpc = steps.throw(e)
                 else:

@@ -32,13 +32,15 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 class _Rpc:
     """One RPC a method needs: its name and request (a dict, or a list of
-    dicts for PutPages)."""
+    dicts for PutPages), and the shm region whose connection carries it
+    (``None``: gRPC)."""
 
-    __slots__ = ("method", "request")
+    __slots__ = ("method", "request", "via")
 
-    def __init__(self, method: str, request: Any):
+    def __init__(self, method: str, request: Any, via: Optional[ShmRegion] = None):
         self.method = method
         self.request = request
+        self.via = via
 
 
 Steps = Generator[_Rpc, Any, T]
@@ -238,17 +240,19 @@ class _Api:
         kv_head_start: int = 0,
         position: Optional[int] = None,
         persist: Optional[bool] = None,
+        shm: Optional[ShmRegion] = None,
     ) -> Dict[str, Any]:
         """Appends decode tokens to one layer: ``k`` and ``v`` are
         ``[kv_heads, tokens, head_dim]``. With ``position``, refused unless
-        the heads hold exactly that many tokens (a safe retry). Returns the
-        ``AppendTokensResponse`` as a dict (``tokens``, ``durability``,
-        ``timing``)."""
+        the heads hold exactly that many tokens (a safe retry). With
+        ``shm``, a registered region, the call goes over its connection
+        instead of gRPC. Returns the ``AppendTokensResponse`` as a dict
+        (``tokens``, ``durability``, ``timing``)."""
 
         def steps() -> Steps[Dict[str, Any]]:
             layout = yield from self._layout(sequence_id)
             request = {**self._write(sequence_id, layout, layer, k, v, kv_head_start, persist), "position": position}
-            return (yield _Rpc("AppendTokens", request))
+            return (yield _Rpc("AppendTokens", request, shm))
 
         return self._run(steps())
 
@@ -268,7 +272,8 @@ class _Api:
         """Reads pages of one layer (every page when ``pages`` is None) for
         ``kv_heads`` (all by default; an int for one, or ``(start, count)``), or ``per_head_pages`` (one list per head); an empty list fetches nothing. Returns a list
         of :class:`Page`, head by head. With ``shm`` the bytes land in the
-        region and each page's arrays view it."""
+        region and each page's arrays view it, and the call goes over the
+        region's connection instead of gRPC."""
 
         def steps() -> Steps[List[Page]]:
             layout = yield from self._layout(sequence_id)
@@ -289,7 +294,7 @@ class _Api:
                 "include_digests": include_digests,
                 "shm": window.to_proto() if window else None,
             }
-            replies = yield _Rpc("FetchPages", request)
+            replies = yield _Rpc("FetchPages", request, window.region if window else None)
             return [page_from_proto(p, layout, window) for r in replies for p in r["pages"]]
 
         return self._run(steps())
@@ -349,7 +354,8 @@ class _Api:
         (answering by ``deadline_us`` if set), ``prefetch_pages`` promotes
         the next-ranked in the background, ``lease_ms`` pins the chosen
         pages. Returns a :class:`Selection`; with ``include_data`` its pages'
-        K and V (over ``shm``, views of the region)."""
+        K and V (over ``shm``, views of the region; the call then goes over
+        the region's connection instead of gRPC)."""
 
         def steps() -> Steps[Selection]:
             layout = yield from self._layout(sequence_id)
@@ -368,7 +374,7 @@ class _Api:
                 **_ranking(mode, candidates, softmax_scale, top_p, min_pages),
             }
             request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
-            replies = yield _Rpc("SelectPages", request)
+            replies = yield _Rpc("SelectPages", request, window.region if window else None)
             return selection_from_proto(replies, layout, window)
 
         return self._run(steps())
@@ -621,7 +627,10 @@ class Client(_Api):
             rpc = next(steps)
             while True:
                 try:
-                    reply = self._conn.call(rpc.method, rpc.request)
+                    if rpc.via is not None:
+                        reply = rpc.via._call(rpc.method, rpc.request)
+                    else:
+                        reply = self._conn.call(rpc.method, rpc.request)
                 except BaseException as e:  # let the method see its RPC's failure
                     rpc = steps.throw(e)
                 else:

@@ -137,12 +137,17 @@ class Selection:
 class ShmRegion:
     """A shared-memory region registered with the server: fetches and
     selections that name it get their pages' bytes written into it, and
-    their pages' arrays are views of it (no copy). Registered until
-    :meth:`close` (or until this object or the process goes)."""
+    their pages' arrays are views of it (no copy). Those calls, and appends
+    that name it, go over the region's own connection to the server rather
+    than gRPC (a call costs one socket round trip); calls naming one region
+    run one at a time. Registered until :meth:`close` (or until this object
+    or the process goes)."""
 
     def __init__(self, native: Any):
         self._native = native
-        self._map: Optional[mmap.mmap] = mmap.mmap(native.fd, native.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self._id: int = native.id
+        self._size: int = native.size
+        self._map: Optional[mmap.mmap] = mmap.mmap(native.fd, self._size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         #: The region's bytes.
         self.buffer = np.frombuffer(self._map, dtype=np.uint8)
 
@@ -151,13 +156,19 @@ class ShmRegion:
             raise ValueError("shm: this region was closed")
         return self._native
 
+    def _call(self, method: str, request: Any) -> Any:
+        """``method`` over the region's connection (blocking)."""
+        return self._registered().call(method, request)
+
     @property
     def id(self) -> int:
-        return self._registered().id
+        self._registered()
+        return self._id
 
     @property
     def size(self) -> int:
-        return self._registered().size
+        self._registered()
+        return self._size
 
     def window(self, offset: int = 0, length: Optional[int] = None) -> "ShmWindow":
         """A window of the region for one call (the whole region by

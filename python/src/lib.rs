@@ -275,7 +275,11 @@ impl Connection {
                 })
         });
         let region = wait(py, rt, registering)?.map_err(|status| status_error(py, &status))?;
-        Ok(Region(region))
+        Ok(Region {
+            region: tokio::sync::Mutex::new(region),
+            runtime: Arc::clone(&self.runtime),
+            timeout: self.timeout,
+        })
     }
 }
 
@@ -344,29 +348,112 @@ async fn send(client: Client, method: MethodDescriptor, requests: Vec<DynamicMes
 }
 
 /// A registered shared-memory region; registered as long as this object
-/// lives (or until `close`).
-#[pyclass(module = "kvtier._native")]
-struct Region(ShmRegion);
+/// lives (or until `close`). Its connection to the server also carries
+/// calls (`call`), one at a time.
+#[pyclass(frozen, module = "kvtier._native")]
+struct Region {
+    region: tokio::sync::Mutex<ShmRegion>,
+    runtime: Arc<Runtime>,
+    /// The connection's limit on every call.
+    timeout: Option<Duration>,
+}
+
+impl Region {
+    /// The region, for a getter: its id, size and descriptor never change,
+    /// so waiting for a call in flight to finish first is no loss.
+    fn held(&self) -> tokio::sync::MutexGuard<'_, ShmRegion> {
+        self.region.blocking_lock()
+    }
+}
 
 #[pymethods]
 impl Region {
     /// The id requests name in their `shm` window.
     #[getter]
-    fn id(&self) -> u64 {
-        self.0.id()
+    fn id(&self, py: Python<'_>) -> u64 {
+        py.detach(|| self.held().id())
     }
 
     /// The region's size in bytes.
     #[getter]
-    fn size(&self) -> usize {
-        self.0.len()
+    fn size(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.held().len())
     }
 
     /// The region's memfd, to map it (`mmap.mmap(fd, size)`); valid while
     /// this object lives.
     #[getter]
-    fn fd(&self) -> i32 {
-        self.0.fd().as_raw_fd()
+    fn fd(&self, py: Python<'_>) -> i32 {
+        py.detach(|| self.held().fd().as_raw_fd())
+    }
+
+    /// Calls `method` (`"FetchPages"`, `"SelectPages"` or `"AppendTokens"`)
+    /// with `request` (a dict) over the region's own connection instead of
+    /// gRPC (`kvtier.v1.LocalCall`): a list of dicts for FetchPages and
+    /// SelectPages, as `Connection.call` returns, a dict for AppendTokens.
+    /// Blocks with the GIL released; calls on one region run one at a time.
+    fn call(&self, py: Python<'_>, method: &str, request: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        use kvtier_client::pb::local_call::Call;
+        use prost::Message;
+        if self.runtime.pid != std::process::id() {
+            return Err(PyRuntimeError::new_err(
+                "this region was registered before fork(); register a new one in the child process",
+            ));
+        }
+        let descriptor = service()?
+            .methods()
+            .find(|m| m.name() == method)
+            .ok_or_else(|| PyValueError::new_err(format!("method: kvtier.v1.KvTier has no method {method:?}")))?;
+        let bytes = reflect::to_message(request, &descriptor.input(), "")?.encode_to_vec();
+        let decoded = |e: prost::DecodeError| PyRuntimeError::new_err(format!("re-encoding the request: {e}"));
+        let call = match method {
+            "FetchPages" => Call::FetchPages(Message::decode(bytes.as_slice()).map_err(decoded)?),
+            "SelectPages" => Call::SelectPages(Message::decode(bytes.as_slice()).map_err(decoded)?),
+            "AppendTokens" => Call::AppendTokens(Message::decode(bytes.as_slice()).map_err(decoded)?),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "method: {other} does not go over a region's socket; FetchPages, SelectPages and AppendTokens do"
+                )));
+            }
+        };
+        let call = kvtier_client::pb::LocalCall { call: Some(call) };
+        let reply = limited(self.timeout, async {
+            let mut region = self.region.lock().await;
+            region
+                .call(&call)
+                .await
+                .map_err(|e| Status::unavailable(format!("the region's connection failed: {e}")))?
+        });
+        let reply = wait(py, &self.runtime, reply)?.map_err(|status| status_error(py, &status))?;
+        let output = descriptor.output();
+        // Each message as the dynamic message of the method's output type.
+        let dynamic = |bytes: Vec<u8>| {
+            DynamicMessage::decode(output.clone(), bytes.as_slice())
+                .map_err(|e| PyRuntimeError::new_err(format!("the server's reply: {e}")))
+        };
+        let answer = match method {
+            "FetchPages" => Reply::Many(
+                reply
+                    .fetch_pages
+                    .iter()
+                    .map(|m| dynamic(m.encode_to_vec()))
+                    .collect::<PyResult<_>>()?,
+            ),
+            "SelectPages" => Reply::Many(
+                reply
+                    .select_pages
+                    .iter()
+                    .map(|m| dynamic(m.encode_to_vec()))
+                    .collect::<PyResult<_>>()?,
+            ),
+            _ => {
+                let appended = reply
+                    .append_tokens
+                    .ok_or_else(|| PyRuntimeError::new_err("the server's reply holds no AppendTokens answer"))?;
+                Reply::One(dynamic(appended.encode_to_vec())?)
+            }
+        };
+        answer.into_py(py)
     }
 }
 

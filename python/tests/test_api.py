@@ -106,6 +106,23 @@ def test_refusals_raise_typed_exceptions_naming_the_field_and_change_nothing(cli
     with pytest.raises(errors.InvalidArgument) as e:
         client.append("e", 0, bad, bad)
     assert e.value.field == "kv"
+    # the same refusals over an shm region's connection
+    region = client.register_shm(1 << 16)
+    with pytest.raises(errors.FailedPrecondition) as e:
+        client.append("e", 0, kv(1), kv(1), position=5, shm=region)
+    assert e.value.field == "position"
+    with pytest.raises(errors.InvalidArgument) as e:
+        client.append("e", 0, bad, bad, shm=region)
+    assert e.value.field == "kv"
+    with pytest.raises(errors.InvalidArgument) as e:
+        client.fetch("e", 5, shm=region)
+    assert e.value.field == "layer"
+    with pytest.raises(errors.InvalidArgument) as e:
+        client.select("e", 0, np.zeros((4, 8)), budget_pages=0, shm=region)
+    assert e.value.field == "budget_pages"
+    with pytest.raises(ValueError, match="method: GetSequence does not go over"):
+        region._call("GetSequence", {"sequence_id": "e"})
+    region.close()
     # none of it changed the sequence
     assert client.info("e")["max_tokens"] == 6
     # refused before anything is sent: the message names the argument

@@ -90,17 +90,18 @@ def test_put_append_fetch_are_bit_exact_inline_and_over_shm(client, case):
         k = random_kv(rng, dtype, heads, tokens, dim)
         v = random_kv(rng, dtype, heads, tokens, dim)
         client.put(seq, 1, way_in(k, case["way_in"]), way_in(v, case["way_in"]))
+        # the window holds every page whole, the last one too
+        pages_per_head = -(-(tokens + case["appended"]) // page)
+        region = client.register_shm(heads * pages_per_head * page * 2 * dim * k.dtype.itemsize)
         for i in range(case["appended"]):
             k1 = random_kv(rng, dtype, heads, 1, dim)
             v1 = random_kv(rng, dtype, heads, 1, dim)
-            client.append(seq, 1, k1, v1, position=tokens + i)
+            # every other append over the region's connection
+            client.append(seq, 1, k1, v1, position=tokens + i, shm=region if i % 2 else None)
             k = np.concatenate([k, k1], axis=1)
             v = np.concatenate([v, v1], axis=1)
 
         inline = client.fetch(seq, 1)
-        # the window holds every page whole, the last one too
-        pages_per_head = -(-k.shape[1] // page)
-        region = client.register_shm(heads * pages_per_head * page * 2 * dim * k.dtype.itemsize)
         shared = client.fetch(seq, 1, shm=region)
         for pages in (inline, shared):
             assert [(p.kv_head, p.page) for p in pages] == [(h, i) for h in range(heads) for i in range(-(-k.shape[1] // page))]
