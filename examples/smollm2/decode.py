@@ -97,7 +97,8 @@ class Sparse:
 
     def __call__(self, layer, position, q, k, v):
         start = time.perf_counter()
-        appended = self.client.append(self.seq, layer, k[:, None], v[:, None], position=position)
+        # Over shm, both calls go over the region's own connection, not gRPC.
+        appended = self.client.append(self.seq, layer, k[:, None], v[:, None], position=position, shm=self.shm)
         sel = self.client.select(
             self.seq, layer, q, self.budget, sink_pages=self.sinks, window_pages=self.window, shm=self.shm
         )
