@@ -100,11 +100,18 @@ impl ShmRegion {
     /// refusal as a status (`Err(Ok(status))`), or what broke the
     /// connection. One call at a time, hence `&mut`.
     pub async fn call(&mut self, call: &pb::LocalCall) -> Result<Result<pb::LocalReply, tonic::Status>, ShmError> {
-        let len = u32::try_from(call.encoded_len())
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a call over 4 GiB"))?;
-        let mut frame = Vec::with_capacity(4 + len as usize);
+        self.call_encoded(&call.encode_to_vec()).await
+    }
+
+    /// [`ShmRegion::call`] with the call's bytes as given: whatever does not
+    /// decode as a `LocalCall` the server refuses (INVALID_ARGUMENT), and
+    /// the connection goes on.
+    pub async fn call_encoded(&mut self, call: &[u8]) -> Result<Result<pb::LocalReply, tonic::Status>, ShmError> {
+        let len =
+            u32::try_from(call.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a call over 4 GiB"))?;
+        let mut frame = Vec::with_capacity(4 + call.len());
         frame.extend_from_slice(&len.to_le_bytes());
-        call.encode(&mut frame).map_err(io::Error::other)?;
+        frame.extend_from_slice(call);
         self.connection.write_all(&frame).await?;
         let mut len = [0u8; 4];
         self.connection.read_exact(&mut len).await?;

@@ -5,9 +5,13 @@
 //! hold pages), the same requests mutated field by field at the protobuf
 //! wire level (edge values, off-by-one lengths, fields dropped, repeated,
 //! added or mistyped, nested messages mutated in turn), raw byte mutations
-//! and broken gRPC framing. Every answer must be a status the API documents
-//! for a client's mistake or a refusal: never INTERNAL or UNKNOWN, never a
-//! hang (each call has a watchdog). At the end every lease is released and
+//! and broken gRPC framing. Some of the FetchPages, SelectPages and
+//! AppendTokens calls go over an shm region's socket instead (the same
+//! messages as `kvtier.v1.LocalCall` frames, most of them naming the
+//! region, and raw bytes as calls). Every answer must be a status the API
+//! documents for a client's mistake or a refusal: never INTERNAL or
+//! UNKNOWN, never a hang (each call has a watchdog), and the socket's
+//! connection never drops. At the end every lease is released and
 //! every sequence it created is dropped, and the server must hold nothing:
 //! no sequence, page, lease, metadata or memory-tier byte.
 //!
@@ -49,6 +53,43 @@ async fn call(channel: &mut Channel, path: &str, body: Bytes) -> Answer {
         Ok(answer) => answer,
         Err(_) => panic!("{path}: no answer in {WATCHDOG:?}: a hang"),
     }
+}
+
+/// The LocalCall field that carries `method`'s request, if it goes over the
+/// shm socket.
+fn local_field(method: &str) -> Option<u8> {
+    match method {
+        "FetchPages" => Some(1),
+        "SelectPages" => Some(2),
+        "AppendTokens" => Some(3),
+        _ => None,
+    }
+}
+
+/// `message` with its `shm` window set to `window`, if it decodes as the
+/// request of `method` (the others are sent as they are).
+fn naming(method: &str, message: &[u8], window: pb::ShmWindow) -> Option<Vec<u8>> {
+    match method {
+        "FetchPages" => pb::FetchPagesRequest::decode(message)
+            .ok()
+            .map(|r| pb::FetchPagesRequest { shm: Some(window), ..r }.encode_to_vec()),
+        "SelectPages" => pb::SelectPagesRequest::decode(message).ok().map(|r| {
+            pb::SelectPagesRequest {
+                shm: r.include_data.then_some(window),
+                ..r
+            }
+            .encode_to_vec()
+        }),
+        _ => None,
+    }
+}
+
+/// A `LocalCall` whose field `field` (a request message) holds `message`.
+fn local_call(field: u8, message: &[u8]) -> Vec<u8> {
+    let mut call = vec![(field << 3) | 2];
+    prost::encoding::encode_varint(message.len() as u64, &mut call);
+    call.extend_from_slice(message);
+    call
 }
 
 /// What a run did, per method and code.
@@ -129,10 +170,17 @@ async fn no_request_crashes_hangs_or_leaks() {
             max_inflight_bytes: 1 << 20,
             access_trace_dir: Some(dir.path().join("traces")),
             access_trace_max_bytes: 1 << 20,
+            shm_socket: Some(dir.path().join("shm.sock")),
             ..ServerConfig::default()
         },
     )
     .await;
+    let mut region = server
+        .client()
+        .await
+        .register_shm(&dir.path().join("shm.sock"), 1 << 20)
+        .await
+        .unwrap();
     let mut channel = Channel::from_shared(format!("http://{}", server.addr))
         .unwrap()
         .connect()
@@ -148,6 +196,50 @@ async fn no_request_crashes_hangs_or_leaks() {
     for i in 0..calls {
         let method = *rng.pick(&METHODS);
         let (kind, body, sent) = corpus.request(&mut rng, method);
+        if let (Some(field), Some(message)) = (local_field(method), &sent)
+            && rng.chance(40)
+        {
+            // Over the region's socket: mostly naming the region, now and
+            // then raw bytes as the whole call.
+            let call = match rng.below(20) {
+                0 => {
+                    let n = rng.below(64) as usize;
+                    rng.bytes(n)
+                }
+                1 => Vec::new(), // a call naming no method
+                2..14 => local_call(
+                    field,
+                    &naming(method, message, region.whole()).unwrap_or_else(|| message.clone()),
+                ),
+                _ => local_call(field, message),
+            };
+            let answer = match tokio::time::timeout(WATCHDOG, region.call_encoded(&call)).await {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(e)) => panic!("seed {seed}: call {i} ({kind} local {method}): the connection broke: {e}"),
+                Err(_) => panic!("seed {seed}: call {i} ({kind} local {method}): no answer in {WATCHDOG:?}: a hang"),
+            };
+            let code = answer.as_ref().map_or_else(tonic::Status::code, |_| Code::Ok);
+            counts.add(&format!("local {method}"), kind, code);
+            if NEVER.contains(&code) || code == Code::Unimplemented {
+                let why = answer
+                    .as_ref()
+                    .err()
+                    .map(|s| s.message().to_owned())
+                    .unwrap_or_default();
+                failures.push(format!("call {i} ({kind} local {method}): {code:?} {why}"));
+                if failures.len() >= 10 {
+                    break;
+                }
+            }
+            if let (Ok(reply), Ok(r)) = (&answer, pb::SelectPagesRequest::decode(message.as_slice())) {
+                for m in &reply.select_pages {
+                    if m.lease_id != 0 {
+                        leases.insert((r.tenant.clone(), m.lease_id));
+                    }
+                }
+            }
+            continue;
+        }
         let path = if kind == "unknown-method" {
             format!("/kvtier.v1.KvTier/{method}Nope")
         } else {

@@ -79,12 +79,15 @@ impl Connections {
         let thread = std::thread::Builder::new()
             .name(format!("kvtier-shm-{:04x}", id & 0xffff))
             .spawn(move || {
+                // The region goes when the thread ends, however it ends.
+                let _release = Release {
+                    id,
+                    regions: Arc::clone(&ctx.regions),
+                    connections,
+                };
                 if let Err(e) = serve(&stream, &caller, &ctx) {
                     tracing::debug!(region = id, error = %e, "shm connection failed");
                 }
-                ctx.regions.remove(id);
-                connections.open().remove(&id);
-                tracing::debug!(region = id, "shm region released");
             })?;
         open.insert(id, (shutter, thread));
         Ok(())
@@ -98,6 +101,21 @@ impl Connections {
             let _ = stream.shutdown(Shutdown::Both);
             let _ = thread.join();
         }
+    }
+}
+
+/// Gives a connection's region up, and its entry among the open ones.
+struct Release {
+    id: u64,
+    regions: Arc<Regions>,
+    connections: Arc<Connections>,
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        self.regions.remove(self.id);
+        self.connections.open().remove(&self.id);
+        tracing::debug!(region = self.id, "shm region released");
     }
 }
 
