@@ -33,6 +33,11 @@ pub enum ShmError {
     OutOfRange { offset: u64, len: u64, region: u64 },
     #[error("the server's reply over the shm socket: {0}")]
     Reply(#[from] prost::DecodeError),
+    #[error(
+        "an earlier call on this region was dropped before its reply was read (cancelled or timed out), so the \
+         connection is out of step; register a new region"
+    )]
+    Abandoned,
 }
 
 /// A shared-memory region registered with a server.
@@ -46,6 +51,8 @@ pub struct ShmRegion {
     connection: UnixStream,
     /// A reply frame being read: kept between calls.
     reply: Vec<u8>,
+    /// A call was sent and its reply not yet read in full.
+    in_call: bool,
 }
 
 impl ShmRegion {
@@ -83,6 +90,7 @@ impl ShmRegion {
                     file,
                     connection: stream,
                     reply: Vec::new(),
+                    in_call: false,
                 })
             }
             ["error", code, message] => {
@@ -98,7 +106,10 @@ impl ShmRegion {
 
     /// Runs `call` over the region's connection: the server's reply, its
     /// refusal as a status (`Err(Ok(status))`), or what broke the
-    /// connection. One call at a time, hence `&mut`.
+    /// connection. One call at a time, hence `&mut`. A call dropped before
+    /// its reply is read (cancelled, timed out) leaves the connection out of
+    /// step: every later call on the region fails with
+    /// [`ShmError::Abandoned`] rather than read that reply as its own.
     pub async fn call(&mut self, call: &pb::LocalCall) -> Result<Result<pb::LocalReply, tonic::Status>, ShmError> {
         self.call_encoded(&call.encode_to_vec()).await
     }
@@ -107,16 +118,32 @@ impl ShmRegion {
     /// decode as a `LocalCall` the server refuses (INVALID_ARGUMENT), and
     /// the connection goes on.
     pub async fn call_encoded(&mut self, call: &[u8]) -> Result<Result<pb::LocalReply, tonic::Status>, ShmError> {
-        let len =
-            u32::try_from(call.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a call over 4 GiB"))?;
-        let mut frame = Vec::with_capacity(4 + call.len());
-        frame.extend_from_slice(&len.to_le_bytes());
-        frame.extend_from_slice(call);
+        let frame = self.start_call(call)?;
         self.connection.write_all(&frame).await?;
         let mut len = [0u8; 4];
         self.connection.read_exact(&mut len).await?;
         self.reply.resize(u32::from_le_bytes(len) as usize, 0);
         self.connection.read_exact(&mut self.reply).await?;
+        self.finish_call()
+    }
+
+    /// A call's frame, once the connection is known to be in step.
+    fn start_call(&mut self, call: &[u8]) -> Result<Vec<u8>, ShmError> {
+        if self.in_call {
+            return Err(ShmError::Abandoned);
+        }
+        let len =
+            u32::try_from(call.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a call over 4 GiB"))?;
+        let mut frame = Vec::with_capacity(4 + call.len());
+        frame.extend_from_slice(&len.to_le_bytes());
+        frame.extend_from_slice(call);
+        self.in_call = true;
+        Ok(frame)
+    }
+
+    /// The reply just read, with the connection in step again.
+    fn finish_call(&mut self) -> Result<Result<pb::LocalReply, tonic::Status>, ShmError> {
+        self.in_call = false;
         let reply = pb::LocalReply::decode(self.reply.as_slice())?;
         Ok(match reply.error {
             Some(e) => Err(tonic::Status::new(tonic::Code::from_i32(e.code), e.message)),
