@@ -55,9 +55,11 @@ class AsyncClient(_Api):
             while True:
                 try:
                     if rpc.via is not None:
-                        # The region's connection blocks: off the event loop.
-                        call = rpc.via._call
-                        reply = await asyncio.get_running_loop().run_in_executor(None, call, rpc.method, rpc.request)
+                        # The region's connection blocks: off the event loop,
+                        # on the region's own thread.
+                        region = rpc.via
+                        loop = asyncio.get_running_loop()
+                        reply = await loop.run_in_executor(region._executor(), region._call, rpc.method, rpc.request)
                     else:
                         reply = await self._call(rpc.method, rpc.request)
                 except Exception as e:  # let the method see its RPC's failure
@@ -72,7 +74,7 @@ class AsyncClient(_Api):
         native = await asyncio.get_running_loop().run_in_executor(
             None, self._conn.register_shm, socket or self.shm_socket, size, self.tenant
         )
-        return ShmRegion(native)
+        return ShmRegion(native, self._conn)
 
     async def close(self) -> None:
         self._conn = None  # type: ignore[assignment]

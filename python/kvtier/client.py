@@ -115,6 +115,15 @@ class _Api:
     def _run(self, steps: Steps[T]) -> T:
         raise NotImplementedError
 
+    def _via(self, shm: Shm) -> Optional[ShmRegion]:
+        """The region whose connection carries a call naming ``shm``: one
+        this client registered (a region of another client's is named over
+        gRPC, as before)."""
+        window = window_of(shm)
+        if window is None or window.region._owner is not self._conn:
+            return None
+        return window.region
+
     def _seq(self, sequence_id: str) -> Dict[str, Any]:
         return {"tenant": self.tenant, "sequence_id": sequence_id}
 
@@ -240,19 +249,19 @@ class _Api:
         kv_head_start: int = 0,
         position: Optional[int] = None,
         persist: Optional[bool] = None,
-        shm: Optional[ShmRegion] = None,
+        shm: Shm = None,
     ) -> Dict[str, Any]:
         """Appends decode tokens to one layer: ``k`` and ``v`` are
         ``[kv_heads, tokens, head_dim]``. With ``position``, refused unless
         the heads hold exactly that many tokens (a safe retry). With
-        ``shm``, a registered region, the call goes over its connection
-        instead of gRPC. Returns the ``AppendTokensResponse`` as a dict
+        ``shm``, a region this client registered (or a window of it), the
+        call goes over the region's connection instead of gRPC. Returns the ``AppendTokensResponse`` as a dict
         (``tokens``, ``durability``, ``timing``)."""
 
         def steps() -> Steps[Dict[str, Any]]:
             layout = yield from self._layout(sequence_id)
             request = {**self._write(sequence_id, layout, layer, k, v, kv_head_start, persist), "position": position}
-            return (yield _Rpc("AppendTokens", request, shm))
+            return (yield _Rpc("AppendTokens", request, self._via(shm)))
 
         return self._run(steps())
 
@@ -294,7 +303,7 @@ class _Api:
                 "include_digests": include_digests,
                 "shm": window.to_proto() if window else None,
             }
-            replies = yield _Rpc("FetchPages", request, window.region if window else None)
+            replies = yield _Rpc("FetchPages", request, self._via(window))
             return [page_from_proto(p, layout, window) for r in replies for p in r["pages"]]
 
         return self._run(steps())
@@ -374,7 +383,7 @@ class _Api:
                 **_ranking(mode, candidates, softmax_scale, top_p, min_pages),
             }
             request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
-            replies = yield _Rpc("SelectPages", request, window.region if window else None)
+            replies = yield _Rpc("SelectPages", request, self._via(window))
             return selection_from_proto(replies, layout, window)
 
         return self._run(steps())
@@ -641,7 +650,7 @@ class Client(_Api):
     def register_shm(self, size: int, socket: Optional[str] = None) -> ShmRegion:
         """Registers a shared-memory region of ``size`` bytes with the
         server (on this machine) for this tenant."""
-        return ShmRegion(self._conn.register_shm(socket or self.shm_socket, size, self.tenant))
+        return ShmRegion(self._conn.register_shm(socket or self.shm_socket, size, self.tenant), self._conn)
 
     def close(self) -> None:
         """Closes the connection (when the last client sharing it goes)."""

@@ -3,6 +3,7 @@ V as numpy arrays, selections, shared-memory regions."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import mmap
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -143,8 +144,12 @@ class ShmRegion:
     run one at a time. Registered until :meth:`close` (or until this object
     or the process goes)."""
 
-    def __init__(self, native: Any):
+    def __init__(self, native: Any, owner: Any = None):
         self._native = native
+        #: The connection that registered it: only its calls go over the
+        #: region's own connection (another client's reach its server by gRPC).
+        self._owner = owner
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._id: int = native.id
         self._size: int = native.size
         self._map: Optional[mmap.mmap] = mmap.mmap(native.fd, self._size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -159,6 +164,13 @@ class ShmRegion:
     def _call(self, method: str, request: Any) -> Any:
         """``method`` over the region's connection (blocking)."""
         return self._registered().call(method, request)
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The one thread asyncio calls on this region run on: they run one
+        at a time anyway, and must not take the loop's default executor."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-shm")
+        return self._pool
 
     @property
     def id(self) -> int:
@@ -188,6 +200,9 @@ class ShmRegion:
         self.buffer = np.empty(0, dtype=np.uint8)
         self._map = None
         self._native = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
 
 @dataclass(frozen=True)

@@ -417,13 +417,19 @@ impl Region {
             }
         };
         let call = kvtier_client::pb::LocalCall { call: Some(call) };
-        let reply = limited(self.timeout, async {
+        // The time limit starts once the region is this call's (calls on
+        // one region queue for it). A call it cuts short may still take
+        // effect, as over gRPC; the region stays usable.
+        let reply = async {
             let mut region = self.region.lock().await;
-            region
-                .call(&call)
-                .await
-                .map_err(|e| Status::unavailable(format!("the region's connection failed: {e}")))?
-        });
+            limited(self.timeout, async {
+                region
+                    .call(&call)
+                    .await
+                    .map_err(|e| Status::unavailable(format!("the region's connection failed: {e}")))?
+            })
+            .await
+        };
         let reply = wait(py, &self.runtime, reply)?.map_err(|status| status_error(py, &status))?;
         let output = descriptor.output();
         // Each message as the dynamic message of the method's output type.

@@ -111,6 +111,9 @@ def test_refusals_raise_typed_exceptions_naming_the_field_and_change_nothing(cli
     with pytest.raises(errors.FailedPrecondition) as e:
         client.append("e", 0, kv(1), kv(1), position=5, shm=region)
     assert e.value.field == "position"
+    with pytest.raises(errors.FailedPrecondition) as e:
+        client.append("e", 0, kv(1), kv(1), position=5, shm=region.window(0, 4096))
+    assert e.value.field == "position"
     with pytest.raises(errors.InvalidArgument) as e:
         client.append("e", 0, bad, bad, shm=region)
     assert e.value.field == "kv"
@@ -305,3 +308,19 @@ def test_asyncio_calls_in_flight_together_use_windows_of_their_own_and_can_be_ca
         await client.drop("aio-shm")
 
     asyncio.run(main())
+
+
+def test_a_region_another_client_registered_is_named_over_grpc(server):
+    owner = server.client()
+    other = server.client()
+    owner.create("shared-region", LAYOUT)
+    owner.put("shared-region", 0, kv(6), kv(6))
+    region = owner.register_shm(1 << 16)
+    mine = owner.fetch("shared-region", 0, shm=region)
+    theirs = other.fetch("shared-region", 0, shm=region.window(1 << 15, 1 << 15))
+    assert [p.page for p in mine] == [p.page for p in theirs]
+    for a, b in zip(mine, theirs):
+        assert (a.k == b.k).all() and (a.v == b.v).all()
+        assert np.shares_memory(b.k, region.buffer)
+    region.close()
+    owner.drop("shared-region")

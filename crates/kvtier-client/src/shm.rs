@@ -33,11 +33,6 @@ pub enum ShmError {
     OutOfRange { offset: u64, len: u64, region: u64 },
     #[error("the server's reply over the shm socket: {0}")]
     Reply(#[from] prost::DecodeError),
-    #[error(
-        "an earlier call on this region was dropped before its reply was read (cancelled or timed out), so the \
-         connection is out of step; register a new region"
-    )]
-    Abandoned,
 }
 
 /// A shared-memory region registered with a server.
@@ -49,10 +44,15 @@ pub struct ShmRegion {
     file: File,
     /// Open as long as the region is the client's; carries its calls.
     connection: UnixStream,
-    /// A reply frame being read: kept between calls.
+    /// A call's frame and how much of it is written, until all of it is.
+    unsent: Option<(Vec<u8>, usize)>,
+    /// Replies the server still owes: calls sent whole, not yet answered.
+    owed: usize,
+    /// The reply being read: its length's bytes, then its body.
+    header: [u8; 4],
+    header_read: usize,
     reply: Vec<u8>,
-    /// A call was sent and its reply not yet read in full.
-    in_call: bool,
+    reply_read: usize,
 }
 
 impl ShmRegion {
@@ -89,8 +89,12 @@ impl ShmRegion {
                     map,
                     file,
                     connection: stream,
+                    unsent: None,
+                    owed: 0,
+                    header: [0; 4],
+                    header_read: 0,
                     reply: Vec::new(),
-                    in_call: false,
+                    reply_read: 0,
                 })
             }
             ["error", code, message] => {
@@ -107,9 +111,9 @@ impl ShmRegion {
     /// Runs `call` over the region's connection: the server's reply, its
     /// refusal as a status (`Err(Ok(status))`), or what broke the
     /// connection. One call at a time, hence `&mut`. A call dropped before
-    /// its reply is read (cancelled, timed out) leaves the connection out of
-    /// step: every later call on the region fails with
-    /// [`ShmError::Abandoned`] rather than read that reply as its own.
+    /// it finished (cancelled, timed out) may still take effect, as over
+    /// gRPC: the next call first sends the rest of its frame and reads and
+    /// discards its reply, so that every call gets its own reply.
     pub async fn call(&mut self, call: &pb::LocalCall) -> Result<Result<pb::LocalReply, tonic::Status>, ShmError> {
         self.call_encoded(&call.encode_to_vec()).await
     }
@@ -118,37 +122,69 @@ impl ShmRegion {
     /// decode as a `LocalCall` the server refuses (INVALID_ARGUMENT), and
     /// the connection goes on.
     pub async fn call_encoded(&mut self, call: &[u8]) -> Result<Result<pb::LocalReply, tonic::Status>, ShmError> {
-        let frame = self.start_call(call)?;
-        self.connection.write_all(&frame).await?;
-        let mut len = [0u8; 4];
-        self.connection.read_exact(&mut len).await?;
-        self.reply.resize(u32::from_le_bytes(len) as usize, 0);
-        self.connection.read_exact(&mut self.reply).await?;
-        self.finish_call()
-    }
-
-    /// A call's frame, once the connection is known to be in step.
-    fn start_call(&mut self, call: &[u8]) -> Result<Vec<u8>, ShmError> {
-        if self.in_call {
-            return Err(ShmError::Abandoned);
+        // What dropped calls left: their frames finished, their replies read.
+        self.send_rest().await?;
+        while self.owed > 0 {
+            self.read_reply().await?;
         }
         let len =
             u32::try_from(call.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a call over 4 GiB"))?;
         let mut frame = Vec::with_capacity(4 + call.len());
         frame.extend_from_slice(&len.to_le_bytes());
         frame.extend_from_slice(call);
-        self.in_call = true;
-        Ok(frame)
-    }
-
-    /// The reply just read, with the connection in step again.
-    fn finish_call(&mut self) -> Result<Result<pb::LocalReply, tonic::Status>, ShmError> {
-        self.in_call = false;
+        self.unsent = Some((frame, 0));
+        self.send_rest().await?;
+        self.read_reply().await?;
         let reply = pb::LocalReply::decode(self.reply.as_slice())?;
         Ok(match reply.error {
             Some(e) => Err(tonic::Status::new(tonic::Code::from_i32(e.code), e.message)),
             None => Ok(reply),
         })
+    }
+
+    /// Writes what is left of the frame being sent. Its progress lives in
+    /// `self` and each write either happens or not, so a call dropped here
+    /// leaves nothing unaccounted for.
+    async fn send_rest(&mut self) -> io::Result<()> {
+        loop {
+            let Some((frame, written)) = self.unsent.as_mut() else {
+                return Ok(());
+            };
+            if *written == frame.len() {
+                self.unsent = None;
+                self.owed += 1;
+                return Ok(());
+            }
+            match self.connection.write(&frame[*written..]).await? {
+                0 => return Err(io::ErrorKind::WriteZero.into()),
+                n => *written += n,
+            }
+        }
+    }
+
+    /// Reads the next reply into `self.reply`, its progress kept in `self`
+    /// as [`Self::send_rest`] keeps its own.
+    async fn read_reply(&mut self) -> io::Result<()> {
+        while self.header_read < 4 {
+            match self.connection.read(&mut self.header[self.header_read..]).await? {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n => self.header_read += n,
+            }
+            if self.header_read == 4 {
+                self.reply.clear();
+                self.reply.resize(u32::from_le_bytes(self.header) as usize, 0);
+                self.reply_read = 0;
+            }
+        }
+        while self.reply_read < self.reply.len() {
+            match self.connection.read(&mut self.reply[self.reply_read..]).await? {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n => self.reply_read += n,
+            }
+        }
+        self.header_read = 0;
+        self.owed -= 1;
+        Ok(())
     }
 
     pub fn id(&self) -> u64 {

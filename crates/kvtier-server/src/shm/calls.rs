@@ -6,12 +6,13 @@
 //! that delivers its frame.
 
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::net::Shutdown;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvtier_core::wire;
 use kvtier_proto::v1 as pb;
@@ -20,7 +21,7 @@ use tonic::{Code, Status};
 
 use super::Regions;
 use crate::auth::Caller;
-use crate::inflight::InFlight;
+use crate::inflight::{Held, InFlight};
 use crate::rpc_metrics::{RpcMetrics, Transport};
 use crate::status::invalid;
 
@@ -55,16 +56,25 @@ impl std::fmt::Debug for CallContext {
 /// them (and with them their hold on the store).
 #[derive(Debug, Default)]
 pub(crate) struct Connections {
-    open: Mutex<HashMap<u64, (UnixStream, JoinHandle<()>)>>,
+    open: Mutex<Open>,
+}
+
+#[derive(Debug, Default)]
+struct Open {
+    /// Set when the server stops: no connection starts after.
+    closed: bool,
+    threads: HashMap<u64, (UnixStream, JoinHandle<()>)>,
 }
 
 impl Connections {
-    fn open(&self) -> MutexGuard<'_, HashMap<u64, (UnixStream, JoinHandle<()>)>> {
+    fn open(&self) -> MutexGuard<'_, Open> {
         self.open.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Serves region `id`'s connection on a thread of its own until the
     /// client closes it (or the server stops); the region goes with it.
+    /// Refused once the server is stopping (a registration that finished
+    /// late), and the caller gives the region up.
     pub(crate) fn start(
         self: &Arc<Self>,
         id: u64,
@@ -76,6 +86,9 @@ impl Connections {
         let connections = Arc::clone(self);
         // Registered before the thread can end and deregister itself.
         let mut open = self.open();
+        if open.closed {
+            return Err(io::Error::other("the server is stopping"));
+        }
         let thread = std::thread::Builder::new()
             .name(format!("kvtier-shm-{:04x}", id & 0xffff))
             .spawn(move || {
@@ -89,14 +102,18 @@ impl Connections {
                     tracing::debug!(region = id, error = %e, "shm connection failed");
                 }
             })?;
-        open.insert(id, (shutter, thread));
+        open.threads.insert(id, (shutter, thread));
         Ok(())
     }
 
-    /// Ends every connection: calls running finish, and their threads are
-    /// joined.
+    /// Ends every connection and lets none start: calls running finish,
+    /// and their threads are joined.
     pub(crate) fn close_all(&self) {
-        let open: Vec<_> = self.open().drain().map(|(_, c)| c).collect();
+        let open: Vec<_> = {
+            let mut open = self.open();
+            open.closed = true;
+            open.threads.drain().map(|(_, c)| c).collect()
+        };
         for (stream, thread) in open {
             let _ = stream.shutdown(Shutdown::Both);
             let _ = thread.join();
@@ -114,54 +131,85 @@ struct Release {
 impl Drop for Release {
     fn drop(&mut self) {
         self.regions.remove(self.id);
-        self.connections.open().remove(&self.id);
+        self.connections.open().threads.remove(&self.id);
         tracing::debug!(region = self.id, "shm region released");
     }
 }
 
+/// How long the rest of a call's frame may take once its length has
+/// arrived, and a reply's write: a client that stalls mid-frame, or never
+/// reads, loses its connection rather than holding the thread.
+const FRAME_TIME: Duration = Duration::from_secs(10);
+
+/// A frame's bytes are read, and charged in flight, this many at a time:
+/// a frame's announced length claims nothing until its bytes arrive.
+const PIECE: usize = 64 << 10;
+
 /// Reads calls and answers them until the client closes the connection.
 fn serve(mut stream: &UnixStream, caller: &Caller, ctx: &CallContext) -> io::Result<()> {
+    stream.set_write_timeout(Some(FRAME_TIME))?;
     loop {
+        // Between calls a client may wait as long as it likes.
+        stream.set_read_timeout(None)?;
         let mut len = [0u8; 4];
         match stream.read_exact(&mut len) {
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
             read => read?,
         }
+        stream.set_read_timeout(Some(FRAME_TIME))?;
         let len = u32::from_le_bytes(len) as usize;
         let start = Instant::now();
-        let (method, reply) = match read_call(stream, len, ctx)? {
+        // The call's bytes stay charged until its reply is written.
+        let (_held, call) = read_call(stream, len, ctx)?;
+        let (method, reply) = match call {
             Ok(call) => answer(call, caller, ctx),
             Err(status) => (None, Err(status)),
         };
         let code = reply.as_ref().err().map_or(Code::Ok, Status::code);
+        ctx.metrics
+            .record_named(Transport::ShmSocket, method.unwrap_or("unknown"), code, start);
         write_reply(stream, reply)?;
-        if let Some(method) = method {
-            ctx.metrics.record_named(Transport::ShmSocket, method, code, start);
-        }
     }
 }
 
-/// A call's frame, decoded; a frame over the limit or without room in
-/// flight is skipped and refused.
-fn read_call(mut stream: &UnixStream, len: usize, ctx: &CallContext) -> io::Result<Result<pb::LocalCall, Status>> {
-    let refused = |status| {
-        io::copy(&mut stream.take(len as u64), &mut io::sink())?;
-        Ok(Err(status))
-    };
+/// A call's frame, decoded, with the in-flight bytes it holds; a frame over
+/// the limit, or one the in-flight bytes have no room for, is skipped and
+/// refused.
+fn read_call(
+    mut stream: &UnixStream,
+    len: usize,
+    ctx: &CallContext,
+) -> io::Result<(Option<Held>, Result<pb::LocalCall, Status>)> {
+    let skip = |rest: usize| io::copy(&mut stream.take(rest as u64), &mut io::sink());
     if len > ctx.max_frame {
-        return refused(Status::resource_exhausted(format!(
+        skip(len)?;
+        let status = Status::resource_exhausted(format!(
             "the call is {len} bytes; the server accepts at most {}",
             ctx.max_frame
-        )));
+        ));
+        return Ok((None, Err(status)));
     }
-    let _held = match ctx.in_flight.try_hold(len) {
-        Ok(held) => held,
-        Err(status) => return refused(status),
-    };
-    let mut frame = vec![0u8; len];
-    stream.read_exact(&mut frame)?;
-    Ok(pb::LocalCall::decode(frame.as_slice())
-        .map_err(|e| Status::invalid_argument(format!("the call is not a kvtier.v1.LocalCall: {e}"))))
+    let mut frame = Vec::new();
+    let mut held: Option<Held> = None;
+    while frame.len() < len {
+        let n = PIECE.min(len - frame.len());
+        match ctx.in_flight.try_hold(n) {
+            Ok(more) => match held.as_mut() {
+                Some(h) => h.merge(more),
+                None => held = Some(more),
+            },
+            Err(status) => {
+                skip(len - frame.len())?;
+                return Ok((None, Err(status)));
+            }
+        }
+        let at = frame.len();
+        frame.resize(at + n, 0);
+        stream.read_exact(&mut frame[at..])?;
+    }
+    let call = pb::LocalCall::decode(frame.as_slice())
+        .map_err(|e| Status::invalid_argument(format!("the call is not a kvtier.v1.LocalCall: {e}")));
+    Ok((held, call))
 }
 
 /// Runs a call; the method it named, and its reply.
@@ -197,7 +245,7 @@ fn answer(
     }
 }
 
-fn write_reply(mut stream: &UnixStream, reply: Result<pb::LocalReply, Status>) -> io::Result<()> {
+fn write_reply(stream: &UnixStream, reply: Result<pb::LocalReply, Status>) -> io::Result<()> {
     let reply = reply.unwrap_or_else(|status| pb::LocalReply {
         error: Some(pb::LocalError {
             code: status.code() as i32,
@@ -212,7 +260,33 @@ fn write_reply(mut stream: &UnixStream, reply: Result<pb::LocalReply, Status>) -
     let mut frame = Vec::with_capacity(4 + len);
     frame.extend_from_slice(&header);
     reply.encode(&mut frame).map_err(io::Error::other)?;
-    stream.write_all(&frame)
+    send_all(stream, &frame)
+}
+
+/// Writes all of `bytes`, without SIGPIPE when the client has gone (a
+/// process embedding the server may not ignore it).
+fn send_all(stream: &UnixStream, mut bytes: &[u8]) -> io::Result<()> {
+    while !bytes.is_empty() {
+        // SAFETY: `bytes` is valid for reading its length, and the
+        // descriptor is the stream's, open while `stream` is borrowed.
+        let sent = unsafe {
+            libc::send(
+                stream.as_raw_fd(),
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if sent < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        bytes = &bytes[sent as usize..];
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -224,8 +298,9 @@ mod tests {
     use crate::service::{KvTierService, TraceSettings};
 
     /// A connection's thread over a real store, the far end of a socket
-    /// pair for the test to write frames to.
-    fn connection(max_frame: usize) -> (UnixStream, std::thread::JoinHandle<io::Result<()>>) {
+    /// pair for the test to write frames to, and the server's in-flight
+    /// bytes.
+    fn connection(max_frame: usize) -> (UnixStream, std::thread::JoinHandle<io::Result<()>>, Arc<InFlight>) {
         let store = Store::new(StoreConfig {
             device_bytes: 0,
             host_bytes: 1 << 20,
@@ -242,16 +317,21 @@ mod tests {
         let ctx = CallContext {
             calls: Arc::new(service),
             regions,
-            in_flight,
+            in_flight: Arc::clone(&in_flight),
             metrics: Arc::new(RpcMetrics::default()),
             max_frame,
         };
         let caller = Auth::default().caller_with_token("").unwrap();
         let (ours, theirs) = UnixStream::pair().unwrap();
-        (ours, std::thread::spawn(move || serve(&theirs, &caller, &ctx)))
+        (
+            ours,
+            std::thread::spawn(move || serve(&theirs, &caller, &ctx)),
+            in_flight,
+        )
     }
 
     fn send(mut stream: &UnixStream, body: &[u8]) {
+        use std::io::Write;
         stream.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
         stream.write_all(body).unwrap();
     }
@@ -271,7 +351,7 @@ mod tests {
 
     #[test]
     fn bad_frames_are_refused_and_the_connection_goes_on() {
-        let (stream, thread) = connection(64);
+        let (stream, thread, _) = connection(64);
         // Not a LocalCall (a field of wire type 7 does not exist).
         send(&stream, &[0x0f, 1, 2, 3]);
         let (code, message) = refusal(&stream);
@@ -299,7 +379,23 @@ mod tests {
         assert_eq!(code, Code::NotFound, "{message}");
         // A frame cut short by the client's end: the thread ends, cleanly
         // or with the read's error, and never answers half a call.
-        (&stream).write_all(&[10, 0, 0, 0, 1]).unwrap();
+        std::io::Write::write_all(&mut &stream, &[10, 0, 0, 0, 1]).unwrap();
+        drop(stream);
+        assert!(thread.join().unwrap().is_err());
+    }
+
+    #[test]
+    fn an_announced_frame_claims_in_flight_bytes_only_as_they_arrive() {
+        // Requests may hold 512 KiB in flight; the frame announces 400 KiB
+        // and sends 10 bytes, then stalls.
+        let (stream, thread, in_flight) = connection(1 << 20);
+        std::io::Write::write_all(&mut &stream, &(400u32 << 10).to_le_bytes()).unwrap();
+        std::io::Write::write_all(&mut &stream, &[0u8; 10]).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        // Everyone else still has room for as much: the stall holds one piece.
+        let others = in_flight.try_hold(400 << 10);
+        assert!(others.is_ok(), "a stalled frame holds the room its length announced");
+        drop(others);
         drop(stream);
         assert!(thread.join().unwrap().is_err());
     }
