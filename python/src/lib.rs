@@ -15,7 +15,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use kvtier_client::{Client, Connect, MAX_MESSAGE_BYTES, ShmError, ShmRegion, Tls};
-use prost_reflect::{DescriptorPool, DynamicMessage, MethodDescriptor, ServiceDescriptor};
+use prost::Message;
+use prost_reflect::{DescriptorPool, DynamicMessage, MethodDescriptor, ServiceDescriptor, Value};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -393,8 +394,6 @@ impl Region {
     /// SelectPages, as `Connection.call` returns, a dict for AppendTokens.
     /// Blocks with the GIL released; calls on one region run one at a time.
     fn call(&self, py: Python<'_>, method: &str, request: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-        use kvtier_client::pb::local_call::Call;
-        use prost::Message;
         if self.runtime.pid != std::process::id() {
             return Err(PyRuntimeError::new_err(
                 "this region was registered before fork(); register a new one in the child process",
@@ -404,19 +403,29 @@ impl Region {
             .methods()
             .find(|m| m.name() == method)
             .ok_or_else(|| PyValueError::new_err(format!("method: kvtier.v1.KvTier has no method {method:?}")))?;
-        let bytes = reflect::to_message(request, &descriptor.input(), "")?.encode_to_vec();
-        let decoded = |e: prost::DecodeError| PyRuntimeError::new_err(format!("re-encoding the request: {e}"));
-        let call = match method {
-            "FetchPages" => Call::FetchPages(Message::decode(bytes.as_slice()).map_err(decoded)?),
-            "SelectPages" => Call::SelectPages(Message::decode(bytes.as_slice()).map_err(decoded)?),
-            "AppendTokens" => Call::AppendTokens(Message::decode(bytes.as_slice()).map_err(decoded)?),
+        // The LocalCall field that carries the request, and the LocalReply
+        // field that carries the answer.
+        let field = match method {
+            "FetchPages" => "fetch_pages",
+            "SelectPages" => "select_pages",
+            "AppendTokens" => "append_tokens",
             other => {
                 return Err(PyValueError::new_err(format!(
                     "method: {other} does not go over a region's socket; FetchPages, SelectPages and AppendTokens do"
                 )));
             }
         };
-        let call = kvtier_client::pb::LocalCall { call: Some(call) };
+        let pool = descriptor.parent_pool();
+        let message = |name: &str| {
+            pool.get_message_by_name(name)
+                .ok_or_else(|| PyRuntimeError::new_err(format!("{name} is not in the descriptor")))
+        };
+        let mut call = DynamicMessage::new(message("kvtier.v1.LocalCall")?);
+        call.set_field_by_name(
+            field,
+            Value::Message(reflect::to_message(request, &descriptor.input(), "")?),
+        );
+        let call = call.encode_to_vec();
         // The time limit starts once the region is this call's (calls on
         // one region queue for it). A call it cuts short may still take
         // effect, as over gRPC; the region stays usable.
@@ -424,39 +433,35 @@ impl Region {
             let mut region = self.region.lock().await;
             limited(self.timeout, async {
                 region
-                    .call(&call)
+                    .call_raw(&call)
                     .await
-                    .map_err(|e| Status::unavailable(format!("the region's connection failed: {e}")))?
+                    .map(<[u8]>::to_vec)
+                    .map_err(|e| Status::unavailable(format!("the region's connection failed: {e}")))
             })
             .await
         };
         let reply = wait(py, &self.runtime, reply)?.map_err(|status| status_error(py, &status))?;
-        let output = descriptor.output();
-        // Each message as the dynamic message of the method's output type.
-        let dynamic = |bytes: Vec<u8>| {
-            DynamicMessage::decode(output.clone(), bytes.as_slice())
-                .map_err(|e| PyRuntimeError::new_err(format!("the server's reply: {e}")))
-        };
-        let answer = match method {
-            "FetchPages" => Reply::Many(
-                reply
-                    .fetch_pages
-                    .iter()
-                    .map(|m| dynamic(m.encode_to_vec()))
-                    .collect::<PyResult<_>>()?,
-            ),
-            "SelectPages" => Reply::Many(
-                reply
-                    .select_pages
-                    .iter()
-                    .map(|m| dynamic(m.encode_to_vec()))
-                    .collect::<PyResult<_>>()?,
-            ),
+        let reply = DynamicMessage::decode(message("kvtier.v1.LocalReply")?, reply.as_slice())
+            .map_err(|e| PyRuntimeError::new_err(format!("the server's reply: {e}")))?;
+        if reply.has_field_by_name("error") {
+            let error = reply.get_field_by_name("error");
+            let error = error.as_deref().and_then(Value::as_message);
+            let field = |name: &str| error.and_then(|e| e.get_field_by_name(name));
+            let code = field("code").and_then(|v| v.as_i32()).unwrap_or(Code::Unknown as i32);
+            let text = field("message")
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default();
+            return Err(status_error(py, &Status::new(Code::from_i32(code), text)));
+        }
+        let answer = match reply.get_field_by_name(field).as_deref() {
+            Some(Value::List(messages)) => {
+                Reply::Many(messages.iter().filter_map(Value::as_message).cloned().collect())
+            }
+            Some(Value::Message(m)) if reply.has_field_by_name(field) => Reply::One(m.clone()),
             _ => {
-                let appended = reply
-                    .append_tokens
-                    .ok_or_else(|| PyRuntimeError::new_err("the server's reply holds no AppendTokens answer"))?;
-                Reply::One(dynamic(appended.encode_to_vec())?)
+                return Err(PyRuntimeError::new_err(format!(
+                    "the server's reply holds no {method} answer"
+                )));
             }
         };
         answer.into_py(py)

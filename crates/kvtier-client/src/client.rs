@@ -310,10 +310,7 @@ impl Client {
         if req.tenant.is_empty() {
             req.tenant = self.tenant.clone();
         }
-        let call = pb::LocalCall {
-            call: Some(pb::local_call::Call::AppendTokens(req)),
-        };
-        let reply = region.call(&call).await??;
+        let reply = local(region, pb::local_call::Call::AppendTokens(req)).await?;
         reply.append_tokens.ok_or_else(|| {
             ClientError::Status(tonic::Status::internal(
                 "the server's reply holds no AppendTokens answer",
@@ -364,10 +361,7 @@ impl Client {
             req.tenant = self.tenant.clone();
         }
         req.shm.get_or_insert_with(|| region.whole());
-        let call = pb::LocalCall {
-            call: Some(pb::local_call::Call::FetchPages(req)),
-        };
-        let reply = region.call(&call).await??;
+        let reply = local(region, pb::local_call::Call::FetchPages(req)).await?;
         Ok(reply.fetch_pages.into_iter().flat_map(|m| m.pages).collect())
     }
 
@@ -457,10 +451,7 @@ impl Client {
         if msg.include_data {
             msg.shm.get_or_insert_with(|| region.whole());
         }
-        let call = pb::LocalCall {
-            call: Some(pb::local_call::Call::SelectPages(msg)),
-        };
-        let reply = region.call(&call).await??;
+        let reply = local(region, pb::local_call::Call::SelectPages(msg)).await?;
         let mut out = SelectResult::default();
         reply.select_pages.into_iter().for_each(|m| out.absorb(m));
         Ok(out)
@@ -632,6 +623,12 @@ pub struct SelectResult {
     pub prefetch_queued: u32,
     /// (lease id, milliseconds until it expires).
     pub lease: Option<(u64, u64)>,
+}
+
+/// `call` over `region`'s own connection: the reply, or the server's
+/// refusal.
+async fn local(region: &mut ShmRegion, call: pb::local_call::Call) -> Result<pb::LocalReply> {
+    Ok(region.call(&pb::LocalCall { call: Some(call) }).await??)
 }
 
 impl SelectResult {

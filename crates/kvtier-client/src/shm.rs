@@ -122,6 +122,17 @@ impl ShmRegion {
     /// decode as a `LocalCall` the server refuses (INVALID_ARGUMENT), and
     /// the connection goes on.
     pub async fn call_encoded(&mut self, call: &[u8]) -> Result<Result<pb::LocalReply, tonic::Status>, ShmError> {
+        let reply = pb::LocalReply::decode(self.call_raw(call).await?)?;
+        Ok(match reply.error {
+            Some(e) => Err(tonic::Status::new(tonic::Code::from_i32(e.code), e.message)),
+            None => Ok(reply),
+        })
+    }
+
+    /// [`ShmRegion::call_encoded`] without decoding the reply: its
+    /// `LocalReply` bytes, for callers that decode it their own way (the
+    /// Python client, by reflection).
+    pub async fn call_raw(&mut self, call: &[u8]) -> Result<&[u8], ShmError> {
         // What dropped calls left: their frames finished, their replies read.
         self.send_rest().await?;
         while self.owed > 0 {
@@ -135,11 +146,7 @@ impl ShmRegion {
         self.unsent = Some((frame, 0));
         self.send_rest().await?;
         self.read_reply().await?;
-        let reply = pb::LocalReply::decode(self.reply.as_slice())?;
-        Ok(match reply.error {
-            Some(e) => Err(tonic::Status::new(tonic::Code::from_i32(e.code), e.message)),
-            None => Ok(reply),
-        })
+        Ok(&self.reply)
     }
 
     /// Writes what is left of the frame being sent. Its progress lives in
@@ -171,7 +178,7 @@ impl ShmRegion {
                 n => self.header_read += n,
             }
             if self.header_read == 4 {
-                self.reply.clear();
+                // Every byte of it is read over before it is used.
                 self.reply.resize(u32::from_le_bytes(self.header) as usize, 0);
                 self.reply_read = 0;
             }

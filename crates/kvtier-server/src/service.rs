@@ -194,15 +194,14 @@ impl SelectCall {
 }
 
 impl KvTierService {
-    /// A fetch, checked: its job, and the shm window it names (not yet
-    /// checked against the region, which the caller does with the job's
-    /// bound).
+    /// A fetch, checked: its job, and the shm window it names, checked
+    /// against the region for everything the fetch can read.
     fn plan_fetch(
         &self,
         caller: &Caller,
         mut r: pb::FetchPagesRequest,
         request_bytes: Option<RequestBytes>,
-    ) -> Result<(FetchJob, Option<pb::ShmWindow>), Status> {
+    ) -> Result<(FetchJob, Option<Window>), Status> {
         let key = key(caller, &r.tenant, &r.sequence_id)?;
         let max_bytes = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
         if !r.pages.is_empty() && !r.per_head_pages.is_empty() {
@@ -213,7 +212,12 @@ impl KvTierService {
         }
         let shm = r.shm.take();
         let shape = self.store.shape(&key).map_err(to_status)?;
-        Ok((FetchJob::new(request_bytes, key, r, max_bytes, &shape), shm))
+        let job = FetchJob::new(request_bytes, key, r, max_bytes, &shape);
+        let window = match shm {
+            Some(w) => Some(self.regions.window(&job.key.tenant, &w, job.bound)?),
+            None => None,
+        };
+        Ok((job, window))
     }
 
     /// A selection, checked, with its shm window if it names one.
@@ -249,7 +253,7 @@ impl KvTierService {
 
     /// A selection's response messages; a lease it took is given back if
     /// they cannot be made.
-    fn select_messages(
+    fn selection_messages(
         &self,
         tenant: &TenantId,
         selection: Selection<Range<usize>>,
@@ -293,14 +297,13 @@ fn append_to_pb(outcome: &AppendOutcome) -> pb::AppendTokensResponse {
 /// that migrates host pages to NVMe may take its time here).
 impl LocalCalls for KvTierService {
     fn fetch_pages(&self, caller: &Caller, r: pb::FetchPagesRequest) -> Result<Vec<pb::FetchPagesResponse>, Status> {
-        let (job, shm) = self.plan_fetch(caller, r, None)?;
-        let Some(w) = shm else {
+        let (job, window) = self.plan_fetch(caller, r, None)?;
+        let Some(mut window) = window else {
             return Err(invalid(
                 wire::SHM,
                 "is required over the shm socket, which carries no page bytes",
             ));
         };
-        let mut window = self.regions.window(&job.key.tenant, &w, job.bound)?;
         let pages = job.read_to_window(&self.store, &mut window).map_err(to_status)?;
         page_messages(pages, job.max_bytes)
     }
@@ -315,7 +318,7 @@ impl LocalCalls for KvTierService {
         }
         let (tenant, limit) = (call.key.tenant.clone(), call.limit);
         let (selection, data) = call.run(&self.store).map_err(to_status)?;
-        self.select_messages(&tenant, selection, data, limit)
+        self.selection_messages(&tenant, selection, data, limit)
     }
 
     fn append_tokens(&self, caller: &Caller, r: pb::AppendTokensRequest) -> Result<pb::AppendTokensResponse, Status> {
@@ -415,12 +418,11 @@ impl KvTier for KvTierService {
         // The request lives as long as its stream, and so does its charge.
         let request_bytes = request.extensions().get::<RequestBytes>().cloned();
         let (caller, r) = open(request)?;
-        let (job, shm) = self.plan_fetch(&caller, r, request_bytes)?;
+        let (job, window) = self.plan_fetch(&caller, r, request_bytes)?;
         let (tx, rx) = mpsc::channel(1);
-        if let Some(w) = shm {
-            // Checked before anything is read or written. The bytes go to the
-            // client's memory, so none are held here in flight.
-            let mut window = self.regions.window(&job.key.tenant, &w, job.bound)?;
+        if let Some(mut window) = window {
+            // The bytes go to the client's memory, so none are held here in
+            // flight.
             let (bound, max_bytes) = (job.bound, job.max_bytes);
             let pages = sized(&self.store, bound, move |s| job.read_to_window(s, &mut window)).await?;
             let messages = holding(page_messages(pages, max_bytes)?, None);
@@ -461,7 +463,7 @@ impl KvTier for KvTierService {
         };
         let (tenant, limit, work) = (call.key.tenant.clone(), call.limit, call.work());
         let (selection, data) = sized(&self.store, work, move |s| call.run(s)).await?;
-        let messages = self.select_messages(&tenant, selection, data, limit)?;
+        let messages = self.selection_messages(&tenant, selection, data, limit)?;
         Ok(Response::new(Holding::new(tokio_stream::iter(holding(messages, held)))))
     }
 

@@ -27,14 +27,14 @@ use crate::status::invalid;
 
 /// The store calls a connection may make: the gRPC calls' own checks and
 /// work, without their transport.
-pub(crate) trait LocalCalls: Send + Sync + 'static {
+pub(crate) trait LocalCalls: std::fmt::Debug + Send + Sync + 'static {
     fn fetch_pages(&self, caller: &Caller, r: pb::FetchPagesRequest) -> Result<Vec<pb::FetchPagesResponse>, Status>;
     fn select_pages(&self, caller: &Caller, r: pb::SelectPagesRequest) -> Result<Vec<pb::SelectPagesResponse>, Status>;
     fn append_tokens(&self, caller: &Caller, r: pb::AppendTokensRequest) -> Result<pb::AppendTokensResponse, Status>;
 }
 
 /// What every connection's thread shares.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub(crate) struct CallContext {
     pub(crate) calls: Arc<dyn LocalCalls>,
     pub(crate) regions: Arc<Regions>,
@@ -42,14 +42,6 @@ pub(crate) struct CallContext {
     pub(crate) metrics: Arc<RpcMetrics>,
     /// The largest call frame accepted: the server's message limit.
     pub(crate) max_frame: usize,
-}
-
-impl std::fmt::Debug for CallContext {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CallContext")
-            .field("max_frame", &self.max_frame)
-            .finish()
-    }
 }
 
 /// The registered connections' threads, so that a stopping server can end

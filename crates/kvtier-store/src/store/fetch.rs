@@ -145,19 +145,19 @@ impl Store {
         let start = Instant::now();
         // The chosen pages come lane by lane: one run each.
         let pages: Vec<usize> = chosen.iter().map(|&(_, _, p)| p).collect();
-        let mut runs: Vec<(&StoreLane, &[usize])> = Vec::new();
-        let mut from = 0;
-        for (i, &(_, l, _)) in chosen.iter().enumerate() {
-            if chosen.get(i + 1).is_none_or(|&(_, next, _)| next != l) {
-                runs.push((&seq.lanes[l], &pages[from..=i]));
-                from = i + 1;
-            }
-        }
+        let mut at = 0;
+        let runs: Vec<(&StoreLane, &[usize])> = chosen
+            .chunk_by(|a, b| a.1 == b.1)
+            .map(|run| {
+                at += run.len();
+                (&seq.lanes[run[0].1], &pages[at - run.len()..at])
+            })
+            .collect();
         let before = buf.used();
         let read_back = self.read_runs(&seq.layout, &runs, buf)?;
         let out = chosen
             .iter()
-            .zip(read_back.into_iter().flatten())
+            .zip(read_back)
             .map(|(&(h, l, p), (state, content))| FetchedPage {
                 kv_head: h,
                 page: p as u32,
@@ -182,7 +182,7 @@ type ReadPage = (PageState, PageContent<Range<usize>>);
 
 impl Store {
     /// Reads runs of pages, each of one lane, into `buf` one after another;
-    /// each run's pages' states and contents, in order. When there are
+    /// every page's state and content, in order. When there are
     /// enough bytes the runs are shared out over the cores, each share into
     /// its own stretch of `buf` (in memory a read is a copy bound by memory
     /// bandwidth, which one core does not saturate); each share is one
@@ -193,7 +193,7 @@ impl Store {
         layout: &Layout,
         runs: &[(&StoreLane, &[usize])],
         buf: &mut PageBuf<'_>,
-    ) -> StoreResult<Vec<Vec<ReadPage>>> {
+    ) -> StoreResult<Vec<ReadPage>> {
         let room: Vec<usize> = runs
             .iter()
             .map(|(lane, pages)| pages.iter().map(|&p| room_for(layout, lane, p)).sum())
@@ -215,14 +215,11 @@ impl Store {
             Ok::<_, StoreError>((contents, hot))
         });
         let mut hot = Vec::new();
-        let mut out = Vec::with_capacity(runs.len());
-        for (share, result) in runs.chunks(share).zip(read) {
+        let mut out = Vec::new();
+        for result in read {
             let (contents, share_hot) = result?;
             hot.extend(share_hot);
-            let mut contents = contents.into_iter();
-            for (_, pages) in share {
-                out.push(contents.by_ref().take(pages.len()).collect());
-            }
+            out.extend(contents);
         }
         self.device.touch(hot);
         Ok(out)

@@ -414,21 +414,21 @@ impl Store {
             .collect();
         let before = buf.used();
         let read = self.read_runs(layout, &runs, buf)?;
-        let mut data = Vec::new();
-        for ((h, lane, pages), contents) in wanted.iter().zip(read) {
-            for (&p, (state, content)) in pages.iter().zip(contents) {
-                if state != PageState::Gone {
-                    data.push(FetchedPage {
-                        kv_head: *h,
-                        page: p as u32,
-                        state,
-                        rows: lane.rows_in(p),
-                        content,
-                        digest: None,
-                    });
-                }
-            }
-        }
+        let chosen = wanted
+            .iter()
+            .flat_map(|(h, lane, pages)| pages.iter().map(move |&p| (*h, *lane, p)));
+        let data = chosen
+            .zip(read)
+            .filter(|(_, (state, _))| *state != PageState::Gone)
+            .map(|((h, lane, p), (state, content))| FetchedPage {
+                kv_head: h,
+                page: p as u32,
+                state,
+                rows: lane.rows_in(p),
+                content,
+                digest: None,
+            })
+            .collect();
         Counters::add(&self.counters.bytes_read, (buf.used() - before) as u64);
         Ok(data)
     }

@@ -357,7 +357,8 @@ async fn replay_kvtier(
         client.fetch(req).await?;
         floor.push(t.elapsed().as_micros() as u64);
     }
-    let inline = replay(&mut client, entries, |e| fetch(e.sequence, e.layer, &e.pages)).await?;
+    let request = |e: &FetchEntry| fetch(e.sequence, e.layer, &e.pages);
+    let inline = replay(entries, request, async |req| Ok(client.fetch(req).await?)).await?;
     let socket = in_process
         .as_ref()
         .map(|p| p.dir.path().join("shm.sock"))
@@ -372,11 +373,11 @@ async fn replay_kvtier(
                 .register_shm(&socket, most.unwrap_or(1).max(1) * shape.page_bytes())
                 .await?;
             let whole = region.whole();
-            let shm = replay(&mut client, entries, |e| pb::FetchPagesRequest {
+            let named = |e: &FetchEntry| pb::FetchPagesRequest {
                 shm: Some(whole),
-                ..fetch(e.sequence, e.layer, &e.pages)
-            })
-            .await?;
+                ..request(e)
+            };
+            let shm = replay(entries, named, async |req| Ok(client.fetch(req).await?)).await?;
             anyhow::ensure!(shm.1 == inline.1, "shm served {} bytes, inline {}", shm.1, inline.1);
             let mut local_floor = Vec::with_capacity(FLOOR_CALLS);
             for _ in 0..FLOOR_CALLS {
@@ -384,23 +385,16 @@ async fn replay_kvtier(
                 client.fetch_local(&mut region, fetch(0, 0, &no_pages)).await?;
                 local_floor.push(t.elapsed().as_micros() as u64);
             }
-            let mut latencies = Vec::with_capacity(entries.len());
-            let mut bytes = 0u64;
-            let start = Instant::now();
-            for e in entries {
-                let req = fetch(e.sequence, e.layer, &e.pages);
-                let t = Instant::now();
-                let pages = client.fetch_local(&mut region, req).await?;
-                latencies.push(t.elapsed().as_micros() as u64);
-                bytes += pages.iter().map(|p| p.shm_bytes).sum::<u64>();
-            }
+            let (latencies, bytes, seconds) = replay(entries, request, async |req| {
+                Ok(client.fetch_local(&mut region, req).await?)
+            })
+            .await?;
             anyhow::ensure!(
                 bytes == inline.1,
                 "local calls served {bytes} bytes, inline {}",
                 inline.1
             );
-            let local = side(&latencies, &local_floor, bytes, start.elapsed().as_secs_f64());
-            Some((shm, local))
+            Some((shm, side(&latencies, &local_floor, bytes, seconds)))
         }
         None => None,
     };
@@ -416,12 +410,13 @@ async fn replay_kvtier(
     Ok((side(inline), shm.map(|(shm, local)| (side(shm), local)), echo))
 }
 
-/// Each entry's fetch, one at a time: latencies in µs, bytes served (inline
-/// or into a region), seconds in all.
+/// Each entry's fetch (its `request`, made before the clock starts, then
+/// `send`), one at a time: latencies in µs, bytes served (inline or into a
+/// region), seconds in all.
 async fn replay(
-    client: &mut Client,
     entries: &[FetchEntry],
     request: impl Fn(&FetchEntry) -> pb::FetchPagesRequest,
+    mut send: impl AsyncFnMut(pb::FetchPagesRequest) -> anyhow::Result<Vec<pb::Page>>,
 ) -> anyhow::Result<(Vec<u64>, u64, f64)> {
     let mut latencies = Vec::with_capacity(entries.len());
     let mut bytes = 0u64;
@@ -429,7 +424,7 @@ async fn replay(
     for e in entries {
         let req = request(e);
         let t = Instant::now();
-        let pages = client.fetch(req).await?;
+        let pages = send(req).await?;
         latencies.push(t.elapsed().as_micros() as u64);
         bytes += pages.iter().map(|p| p.kv.len() as u64 + p.shm_bytes).sum::<u64>();
     }
