@@ -276,6 +276,24 @@ async fn chunked_streams_return_the_same_pages() {
     };
     let chunked = client.fetch(req.clone()).await.unwrap();
     assert_eq!(chunked, whole);
+    // Each chunk is as full as its limit allows: of the 62 full pages of
+    // each head, 124 messages of two pages, or all 2 MiB in one message
+    // under the default 4 MiB (a chunk once stopped short of its last page,
+    // which then took a second read on another thread).
+    for (max_chunk_bytes, messages) in [(20 << 10, 124), (0, 1)] {
+        let req = pb::FetchPagesRequest {
+            max_chunk_bytes,
+            pages: (0..62).collect(),
+            ..req.clone()
+        };
+        let mut stream = client.raw().fetch_pages(req).await.unwrap().into_inner();
+        let mut sizes = Vec::new();
+        while let Some(msg) = stream.message().await.unwrap() {
+            sizes.push(msg.pages.len());
+        }
+        assert_eq!(sizes.len(), messages, "max_chunk_bytes {max_chunk_bytes}: {sizes:?}");
+        assert_eq!(sizes.iter().sum::<usize>(), 4 * 62);
+    }
     // Explicit page lists keep their order, per head.
     let listed = client.fetch_pages("s", 0, 2..4, vec![62, 0, 31]).await.unwrap();
     let order: Vec<(u32, u32)> = listed.iter().map(|p| (p.kv_head, p.page)).collect();

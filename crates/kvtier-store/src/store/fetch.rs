@@ -105,7 +105,7 @@ impl Store {
     pub fn fetch_pages(&self, key: &SequenceKey, req: FetchPages<'_>) -> StoreResult<Vec<FetchedPage>> {
         self.catalog.read(key, |seq| {
             let lanes = check_fetch(seq, &req)?;
-            let (chosen, _, bytes) = chunk(seq, &req, &lanes, FetchCursor::default(), usize::MAX);
+            let (chosen, _, bytes) = chunk(seq, &req, &lanes, FetchCursor::default(), usize::MAX, usize::MAX);
             let mut room = Vec::with_capacity(bytes);
             let mut buf = PageBuf::new(room.spare_capacity_mut());
             let pages = self.read_chunk(seq, &req, &chosen, &mut buf)?;
@@ -127,7 +127,7 @@ impl Store {
     ) -> StoreResult<FetchedChunk> {
         self.catalog.read(key, |seq| {
             let lanes = check_fetch(seq, &req)?;
-            let (chosen, cursor, _) = chunk(seq, &req, &lanes, from, max_bytes.min(buf.remaining()));
+            let (chosen, cursor, _) = chunk(seq, &req, &lanes, from, max_bytes, buf.remaining());
             let pages = self.read_chunk(seq, &req, &chosen, buf)?;
             let more = cursor.head < lanes.len();
             Ok((pages, more.then_some(cursor)))
@@ -264,14 +264,17 @@ fn check_fetch(seq: &Sequence, req: &FetchPages<'_>) -> StoreResult<Vec<(u32, us
 const PAGE_OVERHEAD: usize = 64;
 
 /// The (KV head, lane, page) a chunk reads from `from` on, stopping before
-/// what they cost would pass `max_bytes` (at least one page), where the
-/// next chunk starts, and the chosen pages' bytes.
+/// what they cost would pass `max_bytes` or their bytes `room` (at least
+/// one page), where the next chunk starts, and the chosen pages' bytes.
+/// The two are apart: a buffer sized to the pages' bytes holds them all,
+/// though their cost is more.
 fn chunk(
     seq: &Sequence,
     req: &FetchPages<'_>,
     lanes: &[(u32, usize)],
     from: FetchCursor,
     max_bytes: usize,
+    room: usize,
 ) -> (Vec<(u32, usize, usize)>, FetchCursor, usize) {
     let mut chosen = Vec::new();
     let mut bytes = 0usize;
@@ -297,7 +300,7 @@ fn chunk(
                 _ => 0,
             };
             let size = PAGE_OVERHEAD + digest + kv + counts;
-            if !chosen.is_empty() && bytes + size > max_bytes {
+            if !chosen.is_empty() && (bytes + size > max_bytes || page_bytes + kv > room) {
                 return (chosen, cursor, page_bytes);
             }
             bytes += size;
