@@ -1,15 +1,16 @@
 //! The protobuf codec of `kvtier.v1`: tonic-prost's, except for who is
-//! blamed when a message does not decode. tonic-prost reports INTERNAL
-//! either way; a request that does not decode is the client's fault
-//! (INVALID_ARGUMENT, which the proto promises for malformed requests),
-//! while a response that does not decode is the server's (INTERNAL).
+//! blamed when a message does not decode, and how a message's buffer
+//! grows. tonic-prost reports INTERNAL either way; a request that does not
+//! decode is the client's fault (INVALID_ARGUMENT, which the proto promises
+//! for malformed requests), while a response that does not decode is the
+//! server's (INTERNAL).
 
 use std::marker::PhantomData;
 
 use prost::Message;
-use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
+use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::{Code, Status};
-use tonic_prost::{ProstCodec, ProstDecoder};
+use tonic_prost::{ProstCodec, ProstDecoder, ProstEncoder};
 
 /// Who sent a message, and so which code a decode failure gets.
 pub trait Sender {
@@ -35,15 +36,36 @@ where
 {
     type Encode = T;
     type Decode = U;
-    type Encoder = <ProstCodec<T, U> as Codec>::Encoder;
+    type Encoder = KvTierEncoder<T>;
     type Decoder = KvTierDecoder<U>;
 
     fn encoder(&mut self) -> Self::Encoder {
-        ProstCodec::<T, U>::default().encoder()
+        KvTierEncoder(ProstCodec::<T, U>::default().encoder())
     }
 
     fn decoder(&mut self) -> Self::Decoder {
         KvTierDecoder(ProstCodec::<T, U>::default().decoder())
+    }
+}
+
+#[derive(Debug)]
+pub struct KvTierEncoder<T>(ProstEncoder<T>);
+
+impl<T: Message> Encoder for KvTierEncoder<T> {
+    type Item = T;
+    type Error = Status;
+
+    fn encode(&mut self, item: T, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        // Room for the whole message at once. tonic's buffer starts at
+        // 8 KiB and grew by doubling as pages were written into it: a
+        // megabyte of pages was copied about once more on the way, into
+        // fresh memory faulted in at every step.
+        buf.reserve(item.encoded_len());
+        self.0.encode(item, buf)
+    }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        self.0.buffer_settings()
     }
 }
 
