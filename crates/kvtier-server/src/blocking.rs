@@ -28,8 +28,12 @@ where
 }
 
 /// Runs a store call whose work is at most `bytes` where it is cheapest:
-/// here when small, on a blocking thread otherwise. A small read that
-/// finds its pages on NVMe still waits for them here; at most
+/// here when small; when large, still on this thread, which first hands
+/// its other tasks to another worker (`block_in_place`), so the call's
+/// response is encoded where its pages were read, without the two
+/// cross-thread wake-ups of a blocking thread. A runtime of one thread
+/// (tests) has no worker to hand them to: a blocking thread there. A small
+/// read that finds its pages on NVMe still waits for them here; at most
 /// [`INLINE_BYTES`] of them, which is a few device reads.
 pub(crate) async fn sized<T, F>(store: &Arc<Store>, bytes: usize, f: F) -> Result<T, Status>
 where
@@ -39,5 +43,8 @@ where
     if bytes <= INLINE_BYTES {
         return f(store).map_err(to_status);
     }
-    blocking(Arc::clone(store), f).await
+    match tokio::runtime::Handle::current().runtime_flavor() {
+        tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(|| f(store)).map_err(to_status),
+        _ => blocking(Arc::clone(store), f).await,
+    }
 }
