@@ -25,21 +25,36 @@ fi
 work=$(mktemp -d)
 redis_port=$((20000 + RANDOM % 10000))
 kvtier_port=$((redis_port + 1))
+# Placement: a server's round trip depends on where it runs (waking a
+# thread on the client's own CPU costs less than waking one across; on
+# these VMs the difference is most of an empty call), so the three servers
+# share the same CPUs and the client runs on another: CPU 0 for the client,
+# the rest for the servers. On one core all share it.
+cores=$(nproc)
+if [ "$cores" -ge 2 ]; then client_cpus=0; server_cpus=1-$((cores - 1)); else client_cpus=0; server_cpus=0; fi
 cleanup() {
+  exec 3>&- 2>/dev/null || true
   redis-cli -p "$redis_port" shutdown nosave >/dev/null 2>&1 || true
-  if [ -n "${kvtier_pid:-}" ]; then kill "$kvtier_pid" 2>/dev/null || true; wait "$kvtier_pid" 2>/dev/null || true; fi
+  for pid in ${kvtier_pid:-} ${echo_pid:-}; do kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
   rm -rf "$work"
 }
 trap cleanup EXIT
-redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
+taskset -c "$server_cpus" redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
   --dir "$work" --logfile "$work/redis.log" --pidfile "$work/redis.pid"
-"$bin" serve --listen "127.0.0.1:$kvtier_port" --metrics-listen off --data-dir "$work/kvtier" \
+taskset -c "$server_cpus" "$bin" serve --listen "127.0.0.1:$kvtier_port" --metrics-listen off --data-dir "$work/kvtier" \
   --device-bytes 0 --host-bytes 4GiB --nvme-bytes 0 2> "$work/kvtier.log" &
 kvtier_pid=$!
+# The echo serves until its stdin closes: a pipe held open here.
+mkfifo "$work/echo.in"
+taskset -c "$server_cpus" "$bin" bench echo < "$work/echo.in" > "$work/echo.out" &
+echo_pid=$!
+exec 3> "$work/echo.in"
 for _ in $(seq 50); do
-  redis-cli -p "$redis_port" ping >/dev/null 2>&1 && grep -q "serving kvtier" "$work/kvtier.log" && break
+  redis-cli -p "$redis_port" ping >/dev/null 2>&1 && grep -q "serving kvtier" "$work/kvtier.log" \
+    && grep -q "listening on" "$work/echo.out" && break
   sleep 0.2
 done
+echo_addr=$(sed -n 's/^listening on //p' "$work/echo.out")
 
 out=bench/results
 jsonl=$out/redis-compare.jsonl
@@ -52,8 +67,8 @@ for name in llama3-8b smollm2-realkv; do
   echo "== $name: recording the selections"
   "$bin" bench decode ${decode[$name]} --out "$work/decode-$name" --trace "$work/$name.trace" > /dev/null
   echo "== $name: replaying them through kvtier and Redis"
-  "$bin" bench fetch --trace "$work/$name.trace" --addr "http://127.0.0.1:$kvtier_port" \
-    --shm-socket "$work/kvtier/shm.sock" --redis "127.0.0.1:$redis_port" --json \
+  taskset -c "$client_cpus" "$bin" bench fetch --trace "$work/$name.trace" --addr "http://127.0.0.1:$kvtier_port" \
+    --shm-socket "$work/kvtier/shm.sock" --redis "127.0.0.1:$redis_port" --echo "$echo_addr" --json \
     | python3 -c "import json,sys; r=json.load(sys.stdin); r['workload']='$name'; r['decode']='${decode[$name]}'; print(json.dumps(r))" >> "$jsonl"
 done
 
@@ -71,6 +86,9 @@ done
   echo "  Clients run on one thread (a decode worker's loop); the echo floor is a bare tonic server (default settings,"
   echo "  its own process, \`kvtier bench echo\`, as the kvtier server is) answering \`kvtier.bench.v1.Echo\` through a"
   echo "  stock tonic channel."
+  echo "- placement (\`taskset\`): the three servers on CPUs $server_cpus, the client on CPU $client_cpus. Unplaced, the echo"
+  echo "  (started by the client) tended to share the client's CPU while kvtier did not, and the empty-call ratio swung"
+  echo "  between 1.0 and 2.3 from run to run with the same binaries."
   echo "- machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(free -g | awk '/Mem:/{print $2" GiB"}'); $(uname -r)"
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD)"
   echo "- empty call: the smallest round trip each offers (kvtier a FetchPages of no pages, alternating call by call with"

@@ -36,6 +36,8 @@ enum Running {
         _thread: std::thread::JoinHandle<()>,
     },
     Child(std::process::Child),
+    /// Started by someone else (`--echo`), who also stops it.
+    Elsewhere,
 }
 
 impl Drop for EchoServerHandle {
@@ -117,6 +119,15 @@ pub(crate) fn start_process() -> anyhow::Result<EchoServerHandle> {
         addr,
         running: Running::Child(child),
     })
+}
+
+/// An echo server already running at `addr` (`kvtier bench echo`, placed
+/// on the CPUs the other servers run on).
+pub(crate) fn running_at(addr: std::net::SocketAddr) -> EchoServerHandle {
+    EchoServerHandle {
+        addr,
+        running: Running::Elsewhere,
+    }
 }
 
 /// `kvtier bench echo`: serves the echo until stdin closes (its parent

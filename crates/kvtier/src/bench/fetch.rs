@@ -85,6 +85,13 @@ pub(crate) struct FetchBenchArgs {
     /// plane too (the in-process server always offers one).
     #[arg(long, value_name = "PATH")]
     shm_socket: Option<std::path::PathBuf>,
+    /// A running echo server (`kvtier bench echo`, host:port) for the
+    /// floor, instead of one this starts: a server's latency depends on
+    /// the CPUs it runs on, and one started here runs where this does
+    /// (a wake-up on the client's own CPU costs less than one across), so
+    /// a fair floor runs where the kvtier server does.
+    #[arg(long, value_name = "ADDR")]
+    echo: Option<std::net::SocketAddr>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -157,9 +164,10 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     // The floor runs where the kvtier server does: in this process, or in
     // a process of its own.
-    let echo_server = match args.addr {
-        Some(_) => super::echo::start_process()?,
-        None => super::echo::start()?,
+    let echo_server = match (args.echo, &args.addr) {
+        (Some(addr), _) => super::echo::running_at(addr),
+        (None, Some(_)) => super::echo::start_process()?,
+        (None, None) => super::echo::start()?,
     };
     let report = runtime.block_on(async {
         let target = (args.addr.as_deref(), args.shm_socket.as_deref());
