@@ -23,7 +23,7 @@ pub use client::{Client, ClientError, Connect, MAX_MESSAGE_BYTES, SelectRequest,
 pub use kvtier_proto::v1 as pb;
 pub use merge::{Part, Partitioned};
 pub use pack::{Element, PackError, pack_kv, unpack_rows};
-pub use shm::{ShmError, ShmRegion};
+pub use shm::{DEFAULT_SPIN, ShmError, ShmRegion};
 
 /// The README's client example, compiled as a doctest so it stays true.
 #[doc = include_str!("../../../README.md")]
