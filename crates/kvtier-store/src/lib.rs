@@ -18,6 +18,7 @@ mod lease;
 mod page;
 mod page_buf;
 mod policy;
+mod prefetch;
 mod reader;
 mod stats;
 mod store;

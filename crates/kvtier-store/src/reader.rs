@@ -13,6 +13,7 @@ use crate::durability::{CopyRead, Durable};
 use crate::host::{HostCache, MigrationTime};
 use crate::page::{NvmeCopy, PhysPage, StoreLane, read_rows_into, rows_of, write_rows};
 use crate::page_buf::PageBuf;
+use crate::prefetch;
 use crate::stats::Counters;
 use crate::sync::{read, write};
 use crate::{StoreError, StoreResult};
@@ -85,6 +86,11 @@ impl Reader<'_> {
         let mut later = Vec::new();
         let mut from_host = Vec::new();
         for (i, &(lane, p)) in pages.iter().enumerate() {
+            if let Some(&(lane, p)) = pages.get(i + prefetch::AHEAD)
+                && let Some(LogicalPage::Physical(r)) = lane.page(p)
+            {
+                prefetch::prefetch(&r.page.place);
+            }
             let Some(logical) = lane.page(p) else {
                 return Err(StoreError::Internal(format!("page {p} is beyond its lane")));
             };
