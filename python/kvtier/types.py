@@ -182,6 +182,18 @@ class ShmRegion:
         self._registered()
         return self._size
 
+    @property
+    def spin(self) -> float:
+        """Seconds a call polls for its reply before it sleeps on it (1 ms
+        by default; the CPU is yielded at every poll). A thread woken on
+        another CPU starts tens of microseconds after its reply arrives,
+        most of a small call; 0 sleeps at once, sparing the CPU."""
+        return float(self._registered().spin)
+
+    @spin.setter
+    def spin(self, seconds: float) -> None:
+        self._registered().spin = seconds
+
     def window(self, offset: int = 0, length: Optional[int] = None) -> "ShmWindow":
         """A window of the region for one call (the whole region by
         default). The arrays a call returns view its window until a later

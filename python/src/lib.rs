@@ -388,6 +388,21 @@ impl Region {
         py.detach(|| self.held().fd().as_raw_fd())
     }
 
+    /// Seconds each call polls for its reply before sleeping on it
+    /// (`kvtier_client::DEFAULT_SPIN`, 1 ms, until set; 0 sleeps at once).
+    #[getter]
+    fn spin(&self, py: Python<'_>) -> f64 {
+        py.detach(|| self.held().spin().as_secs_f64())
+    }
+
+    #[setter]
+    fn set_spin(&self, py: Python<'_>, seconds: f64) -> PyResult<()> {
+        let spin = Duration::try_from_secs_f64(seconds)
+            .map_err(|_| PyValueError::new_err(format!("spin: is {seconds}, give seconds from 0 up")))?;
+        py.detach(|| self.held().set_spin(spin));
+        Ok(())
+    }
+
     /// Calls `method` (`"FetchPages"`, `"SelectPages"` or `"AppendTokens"`)
     /// with `request` (a dict) over the region's own connection instead of
     /// gRPC (`kvtier.v1.LocalCall`): a list of dicts for FetchPages and

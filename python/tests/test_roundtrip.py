@@ -62,6 +62,9 @@ layouts = st.fixed_dictionaries(
         "appended": st.integers(0, 6),
         "seed": st.integers(0, 2**32 - 1),
         "way_in": st.sampled_from(["numpy", "dlpack", "memoryview", "list"]),
+        # how calls over the region wait for their replies: polling first
+        # (the default), or sleeping at once
+        "spin": st.sampled_from([None, 0.0]),
     }
 )
 
@@ -93,6 +96,8 @@ def test_put_append_fetch_are_bit_exact_inline_and_over_shm(client, case):
         # the window holds every page whole, the last one too
         pages_per_head = -(-(tokens + case["appended"]) // page)
         region = client.register_shm(heads * pages_per_head * page * 2 * dim * k.dtype.itemsize)
+        if case["spin"] is not None:
+            region.spin = case["spin"]
         for i in range(case["appended"]):
             k1 = random_kv(rng, dtype, heads, 1, dim)
             v1 = random_kv(rng, dtype, heads, 1, dim)

@@ -271,6 +271,11 @@ impl ShmRegion {
         self.spin = spin;
     }
 
+    /// See [`ShmRegion::set_spin`].
+    pub fn spin(&self) -> Duration {
+        self.spin
+    }
+
     /// A window of the region for a request's `shm` field.
     pub fn window(&self, offset: u64, length: u64) -> pb::ShmWindow {
         pb::ShmWindow {

@@ -16,9 +16,7 @@ pub(crate) fn prefetch<T>(value: &T) {
     // whatever the address; this one is a live reference besides. SSE is
     // part of the x86_64 baseline.
     unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-            std::ptr::from_ref(value).cast::<i8>(),
-        );
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(std::ptr::from_ref(value).cast::<i8>());
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = value;
