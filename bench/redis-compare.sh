@@ -80,7 +80,8 @@ done
   echo "  loads every page into both, then fetches each selection's pages one at a time, timing each: kvtier inline"
   echo "  (one FetchPages with per-head lists, bytes in the messages), kvtier shm (the same FetchPages naming a window"
   echo "  of a registered shared-memory region: bytes written there), kvtier local (the same call over the region's own"
-  echo "  socket, \`Client::fetch_local\`: no gRPC), Redis (one MGET of one key per (layer, KV head, page))."
+  echo "  socket, \`Client::fetch_local\`: no gRPC; sleeping on each reply, the default, and again polling for it for up"
+  echo "  to 100 µs first, \`ShmRegion::set_spin\`), Redis (one MGET of one key per (layer, KV head, page))."
   echo "- servers: \`kvtier serve --device-bytes 0 --host-bytes 4GiB --nvme-bytes 0\` (pages in host memory)"
   echo "  and \`redis-server --save '' --appendonly no\` ($(redis-server --version | awk '{print $3}')), each its own process on loopback."
   echo "  Clients run on one thread (a decode worker's loop); the echo floor is a bare tonic server (default settings,"
@@ -94,18 +95,19 @@ done
   echo "- empty call: the smallest round trip each offers (kvtier a FetchPages of no pages, alternating call by call with"
   echo "  the echo; the same over the region's socket; Redis PING), the fixed cost inside every fetch."
   echo
-  echo "| workload | page | fetches | MB per fetch | inline p50 / p99 / p99.9 µs | shm p50 / p99 / p99.9 µs | local p50 / p99 / p99.9 µs | Redis p50 / p99 / p99.9 µs | Redis/inline p50 | p99 | Redis/shm p50 | p99 | Redis/local p50 | p99 | empty call kvtier / local / echo / Redis PING p50 µs | kvtier empty / echo |"
-  echo "|---|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|"
+  echo "| workload | page | fetches | MB per fetch | inline p50 / p99 / p99.9 µs | shm p50 / p99 / p99.9 µs | local p50 / p99 / p99.9 µs | local polling p50 / p99 / p99.9 µs | Redis p50 / p99 / p99.9 µs | Redis/inline p50 | p99 | Redis/shm p50 | p99 | Redis/local p50 | p99 | Redis/polling p50 | p99 | empty call kvtier / local / polling / echo / Redis PING p50 µs | kvtier empty / echo |"
+  echo "|---|---:|---:|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
   python3 - "$jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
-    r = json.loads(line); k, m, l, d = r["kvtier"], r["kvtier_shm"], r["kvtier_local"], r["redis"]
+    r = json.loads(line); k, m, l, q, d = r["kvtier"], r["kvtier_shm"], r["kvtier_local"], r["kvtier_local_polling"], r["redis"]
     print(f"| {r['workload']} (`{r['decode']}`) | {r['page_bytes']} B | {r['fetches']} | {k['bytes']/k['fetches']/1e6:.2f} | "
           f"{k['p50_us']} / {k['p99_us']} / {k['p999_us']} | {m['p50_us']} / {m['p99_us']} / {m['p999_us']} | "
-          f"{l['p50_us']} / {l['p99_us']} / {l['p999_us']} | {d['p50_us']} / {d['p99_us']} / {d['p999_us']} | "
+          f"{l['p50_us']} / {l['p99_us']} / {l['p999_us']} | {q['p50_us']} / {q['p99_us']} / {q['p999_us']} | "
+          f"{d['p50_us']} / {d['p99_us']} / {d['p999_us']} | "
           f"{r['ratio_p50']:.2f} | {r['ratio_p99']:.2f} | {r['shm_ratio_p50']:.2f} | {r['shm_ratio_p99']:.2f} | "
-          f"{r['local_ratio_p50']:.2f} | {r['local_ratio_p99']:.2f} | "
-          f"{k['floor_p50_us']} / {l['floor_p50_us']} / {r['echo_p50_us']} / {d['floor_p50_us']} | {r['empty_over_echo_p50']:.2f} |")
+          f"{r['local_ratio_p50']:.2f} | {r['local_ratio_p99']:.2f} | {r['polling_ratio_p50']:.2f} | {r['polling_ratio_p99']:.2f} | "
+          f"{k['floor_p50_us']} / {l['floor_p50_us']} / {q['floor_p50_us']} / {r['echo_p50_us']} / {d['floor_p50_us']} | {r['empty_over_echo_p50']:.2f} |")
 PY
   echo
   echo "A ratio above 1 means kvtier is faster."

@@ -184,10 +184,12 @@ class ShmRegion:
 
     @property
     def spin(self) -> float:
-        """Seconds a call polls for its reply before it sleeps on it (1 ms
-        by default; the CPU is yielded at every poll). A thread woken on
-        another CPU starts tens of microseconds after its reply arrives,
-        most of a small call; 0 sleeps at once, sparing the CPU."""
+        """Seconds a call polls for its reply before it sleeps on it (0 by
+        default: at once; the CPU is yielded at every poll). A thread woken
+        on another CPU starts tens of microseconds after its reply arrives,
+        most of a small call; polling saves that where a core is spare for
+        it, and costs more than it saves where the server needs every core
+        (ranking a long context on a small machine)."""
         return float(self._registered().spin)
 
     @spin.setter

@@ -389,7 +389,7 @@ impl Region {
     }
 
     /// Seconds each call polls for its reply before sleeping on it
-    /// (`kvtier_client::DEFAULT_SPIN`, 1 ms, until set; 0 sleeps at once).
+    /// (`kvtier_client::DEFAULT_SPIN`, 0: at once, until set).
     #[getter]
     fn spin(&self, py: Python<'_>) -> f64 {
         py.detach(|| self.held().spin().as_secs_f64())

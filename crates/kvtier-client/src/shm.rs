@@ -36,12 +36,16 @@ pub enum ShmError {
 }
 
 /// How long a call over a region polls for its reply before sleeping on
-/// it, unless [`ShmRegion::set_spin`] says otherwise. A thread that sleeps
-/// is woken tens of microseconds after its reply arrives on these VMs (an
-/// empty call: 6-8 us polling, 40-45 sleeping, client and server on
-/// different CPUs), and the caller waits either way; polling yields the
-/// CPU at every turn, so a server thread that needs it still runs.
-pub const DEFAULT_SPIN: Duration = Duration::from_millis(1);
+/// it, unless [`ShmRegion::set_spin`] says otherwise: not at all. A thread
+/// that sleeps is woken tens of microseconds after its reply arrives on
+/// these VMs (an empty call: 6-8 us polling, 40-45 sleeping, client and
+/// server on different CPUs), most of a small call, which polling saves
+/// where the machine has a core to spare for it. Where the server's call
+/// needs every core it costs more than it saves: on 2 cores, a 100 us poll
+/// per call took enough CPU from the server's parallel ranking to make a
+/// llama3-8b 32K decode step 35 -> 40-48 ms, though the CPU is yielded at
+/// every turn (that only helps a thread waiting on the same CPU).
+pub const DEFAULT_SPIN: Duration = Duration::ZERO;
 
 /// A shared-memory region registered with a server.
 #[derive(Debug)]
@@ -265,8 +269,8 @@ impl ShmRegion {
     }
 
     /// How long each later call polls for its reply before sleeping on it
-    /// ([`DEFAULT_SPIN`] until set); zero sleeps at once, sparing the CPU
-    /// of a caller that has other work for it.
+    /// ([`DEFAULT_SPIN`], zero: at once, until set). Worth a spare core's
+    /// time for small calls: see [`DEFAULT_SPIN`].
     pub fn set_spin(&mut self, spin: Duration) {
         self.spin = spin;
     }

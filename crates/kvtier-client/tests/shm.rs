@@ -43,6 +43,8 @@ struct Case {
     offset: u64,
     slack: u64,
     queries_seed: u64,
+    /// Local calls poll for their replies before sleeping on them.
+    poll: bool,
 }
 
 fn cases() -> impl Strategy<Value = Case> {
@@ -62,9 +64,10 @@ fn cases() -> impl Strategy<Value = Case> {
         0u64..4096,
         0u64..64,
         any::<u64>(),
+        any::<bool>(),
     )
         .prop_map(
-            |(dtype, kv_heads, head_dim, page_size, tokens, states, lists, offset, slack, queries_seed)| Case {
+            |(dtype, kv_heads, head_dim, page_size, tokens, states, lists, offset, slack, queries_seed, poll)| Case {
                 dtype,
                 kv_heads,
                 head_dim,
@@ -75,6 +78,7 @@ fn cases() -> impl Strategy<Value = Case> {
                 offset,
                 slack,
                 queries_seed,
+                poll,
             },
         )
 }
@@ -156,6 +160,11 @@ async fn check(client: &mut Client, region: &mut ShmRegion, seq: &str, c: Case) 
     let page_bytes = 2 * u64::from(c.page_size * c.head_dim) * common::size_of(c.dtype) as u64;
     let listed: u64 = lists.iter().map(|l| l.pages.len() as u64).sum();
     let window = region.window(c.offset, listed * page_bytes + c.slack + 1);
+    region.set_spin(if c.poll {
+        std::time::Duration::from_micros(100)
+    } else {
+        std::time::Duration::ZERO
+    });
     let inline = client.fetch(fetch.clone()).await.unwrap();
     let fetch = pb::FetchPagesRequest {
         shm: Some(window),

@@ -92,6 +92,10 @@ pub(crate) struct FetchBenchArgs {
     /// a fair floor runs where the kvtier server does.
     #[arg(long, value_name = "ADDR")]
     echo: Option<std::net::SocketAddr>,
+    /// The local calls run twice: sleeping on each reply (the default), and
+    /// polling for it for up to this long first (`ShmRegion::set_spin`).
+    #[arg(long, value_name = "MICROSECONDS", default_value_t = 100)]
+    poll_us: u64,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -124,6 +128,10 @@ struct Report {
     /// The same again, called over the region's own socket
     /// (`kvtier.v1.LocalCall`): no HTTP/2.
     kvtier_local: Option<Side>,
+    /// The local calls again, each polling for its reply for up to
+    /// `poll_us` before sleeping on it.
+    kvtier_local_polling: Option<Side>,
+    poll_us: u64,
     redis: Option<Side>,
     /// Redis p50 / kvtier p50 and the same at p99 (above 1: kvtier is faster).
     ratio_p50: Option<f64>,
@@ -134,6 +142,9 @@ struct Report {
     /// Redis / kvtier over shm called over its socket, p50 and p99.
     local_ratio_p50: Option<f64>,
     local_ratio_p99: Option<f64>,
+    /// Redis / kvtier's polling local calls, p50 and p99.
+    polling_ratio_p50: Option<f64>,
+    polling_ratio_p99: Option<f64>,
     /// A bare tonic unary echo, each call alternating with kvtier's empty
     /// call: the floor any gRPC call pays here.
     echo_p50_us: u64,
@@ -171,8 +182,12 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
     };
     let report = runtime.block_on(async {
         let target = (args.addr.as_deref(), args.shm_socket.as_deref());
-        let (kvtier, shm, echo) = replay_kvtier(target, &header, &shape, &entries, &echo_server).await?;
-        let (kvtier_shm, kvtier_local) = shm.unzip();
+        let poll = std::time::Duration::from_micros(args.poll_us);
+        let (kvtier, shm, echo) = replay_kvtier(target, &header, &shape, &entries, &echo_server, poll).await?;
+        let (kvtier_shm, kvtier_local, kvtier_local_polling) = match shm {
+            Some((shm, local, polling)) => (Some(shm), Some(local), Some(polling)),
+            None => (None, None, None),
+        };
         let echo = super::decode::histogram(echo.into_iter());
         let redis = match &args.redis {
             Some(addr) => Some(replay_redis(addr, &header, &shape, &entries).await?),
@@ -199,12 +214,16 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
             shm_ratio_p99: ratio(|s| s.p99_us, kvtier_shm.as_ref()),
             local_ratio_p50: ratio(|s| s.p50_us, kvtier_local.as_ref()),
             local_ratio_p99: ratio(|s| s.p99_us, kvtier_local.as_ref()),
+            polling_ratio_p50: ratio(|s| s.p50_us, kvtier_local_polling.as_ref()),
+            polling_ratio_p99: ratio(|s| s.p99_us, kvtier_local_polling.as_ref()),
             echo_p50_us: echo.value_at_quantile(0.5),
             echo_p99_us: echo.value_at_quantile(0.99),
             empty_over_echo_p50: kvtier.floor_p50_us as f64 / echo.value_at_quantile(0.5).max(1) as f64,
             kvtier,
             kvtier_shm,
             kvtier_local,
+            kvtier_local_polling,
+            poll_us: args.poll_us,
             redis,
         })
     })?;
@@ -233,6 +252,9 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
         if let Some(local) = &report.kvtier_local {
             line("local", local);
         }
+        if let Some(polling) = &report.kvtier_local_polling {
+            line("polling", polling);
+        }
         println!(
             "   echo: bare tonic unary p50 {} µs p99 {} µs; kvtier's empty call {:.2}× of it",
             report.echo_p50_us, report.echo_p99_us, report.empty_over_echo_p50
@@ -240,13 +262,16 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
         if let Some(r) = &report.redis {
             line("redis", r);
             println!(
-                "redis/kvtier: p50 {:.2}×, p99 {:.2}×; redis/kvtier shm: p50 {:.2}×, p99 {:.2}×; over its socket: p50 {:.2}×, p99 {:.2}×",
+                "redis/kvtier: p50 {:.2}×, p99 {:.2}×; redis/kvtier shm: p50 {:.2}×, p99 {:.2}×; over its socket: p50 {:.2}×, p99 {:.2}×; polling {} µs: p50 {:.2}×, p99 {:.2}×",
                 report.ratio_p50.unwrap_or(0.0),
                 report.ratio_p99.unwrap_or(0.0),
                 report.shm_ratio_p50.unwrap_or(0.0),
                 report.shm_ratio_p99.unwrap_or(0.0),
                 report.local_ratio_p50.unwrap_or(0.0),
-                report.local_ratio_p99.unwrap_or(0.0)
+                report.local_ratio_p99.unwrap_or(0.0),
+                report.poll_us,
+                report.polling_ratio_p50.unwrap_or(0.0),
+                report.polling_ratio_p99.unwrap_or(0.0)
             );
         }
     }
@@ -320,15 +345,17 @@ struct InProcess {
 /// Loads every page of the trace's sequences, then fetches each entry's
 /// pages with one `FetchPages` (per-head lists), inline and, where the
 /// server has an shm socket, through the shm data plane, called over gRPC
-/// and over the region's socket. Also returns the echo floor's latencies,
-/// measured alternately with kvtier's empty calls.
+/// and over the region's socket (sleeping on each reply, then polling for
+/// up to `poll` first). Also returns the echo floor's latencies, measured
+/// alternately with kvtier's empty calls.
 async fn replay_kvtier(
     (addr, shm_socket): (Option<&str>, Option<&std::path::Path>),
     h: &Loaded,
     shape: &Shape,
     entries: &[FetchEntry],
     echo_server: &super::echo::EchoServerHandle,
-) -> anyhow::Result<(Side, Option<(Side, Side)>, Vec<u64>)> {
+    poll: std::time::Duration,
+) -> anyhow::Result<(Side, Option<(Side, Side, Side)>, Vec<u64>)> {
     let (mut client, in_process) = kvtier_client(addr, h, shape).await?;
     let name = |s: usize| format!("fetch-{}-{s}", std::process::id());
     // Messages of at most ~16 MiB; the bytes do not matter, their size does.
@@ -387,22 +414,28 @@ async fn replay_kvtier(
             };
             let shm = replay(entries, named, async |req| Ok(client.fetch(req).await?)).await?;
             anyhow::ensure!(shm.1 == inline.1, "shm served {} bytes, inline {}", shm.1, inline.1);
-            let mut local_floor = Vec::with_capacity(FLOOR_CALLS);
-            for _ in 0..FLOOR_CALLS {
-                let t = Instant::now();
-                client.fetch_local(&mut region, fetch(0, 0, &no_pages)).await?;
-                local_floor.push(t.elapsed().as_micros() as u64);
-            }
-            let (latencies, bytes, seconds) = replay(entries, request, async |req| {
-                Ok(client.fetch_local(&mut region, req).await?)
-            })
-            .await?;
-            anyhow::ensure!(
-                bytes == inline.1,
-                "local calls served {bytes} bytes, inline {}",
-                inline.1
-            );
-            Some((shm, side(&latencies, &local_floor, bytes, seconds)))
+            let mut replay_local = async |spin| {
+                region.set_spin(spin);
+                let mut local_floor = Vec::with_capacity(FLOOR_CALLS);
+                for _ in 0..FLOOR_CALLS {
+                    let t = Instant::now();
+                    client.fetch_local(&mut region, fetch(0, 0, &no_pages)).await?;
+                    local_floor.push(t.elapsed().as_micros() as u64);
+                }
+                let (latencies, bytes, seconds) = replay(entries, request, async |req| {
+                    Ok(client.fetch_local(&mut region, req).await?)
+                })
+                .await?;
+                anyhow::ensure!(
+                    bytes == inline.1,
+                    "local calls served {bytes} bytes, inline {}",
+                    inline.1
+                );
+                anyhow::Ok(side(&latencies, &local_floor, bytes, seconds))
+            };
+            let sleeping = replay_local(std::time::Duration::ZERO).await?;
+            let polling = replay_local(poll).await?;
+            Some((shm, sleeping, polling))
         }
         None => None,
     };
@@ -415,7 +448,11 @@ async fn replay_kvtier(
         let _ = tokio::task::spawn_blocking(move || server.thread.join()).await;
     }
     let side = |(latencies, bytes, seconds): (Vec<u64>, u64, f64)| side(&latencies, &floor, bytes, seconds);
-    Ok((side(inline), shm.map(|(shm, local)| (side(shm), local)), echo))
+    Ok((
+        side(inline),
+        shm.map(|(shm, sleeping, polling)| (side(shm), sleeping, polling)),
+        echo,
+    ))
 }
 
 /// Each entry's fetch (its `request`, made before the clock starts, then
