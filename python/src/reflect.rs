@@ -7,6 +7,10 @@
 //! Generic on purpose: every RPC and every field the proto gains reaches
 //! Python without code here.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
 use bytes::Bytes;
 use prost_reflect::{DynamicMessage, EnumDescriptor, FieldDescriptor, Kind, MessageDescriptor, ReflectMessage, Value};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -85,14 +89,18 @@ fn to_value(obj: &Bound<'_, PyAny>, field: &FieldDescriptor, path: &str) -> PyRe
 fn enum_number(obj: &Bound<'_, PyAny>, desc: &EnumDescriptor, path: &str) -> PyResult<i32> {
     if obj.is_instance_of::<PyString>() {
         let name = obj.extract::<String>()?.to_ascii_uppercase();
-        let prefix = enum_prefix(desc);
+        let names = enum_names(desc);
         return desc
             .get_value_by_name(&name)
-            .or_else(|| desc.get_value_by_name(&format!("{prefix}{name}")))
+            .or_else(|| desc.get_value_by_name(&format!("{}{name}", names.prefix)))
             .map(|v| v.number())
             .ok_or_else(|| {
-                let names: Vec<String> = desc.values().skip(1).map(|v| short_name(&prefix, v.name())).collect();
-                PyValueError::new_err(format!("{path}: {name:?} is not one of {}", names.join(", ")))
+                let known: Vec<&str> = desc
+                    .values()
+                    .skip(1)
+                    .filter_map(|v| names.short.get(&v.number()).map(String::as_str))
+                    .collect();
+                PyValueError::new_err(format!("{path}: {name:?} is not one of {}", known.join(", ")))
             });
     }
     let number: i32 = obj
@@ -101,6 +109,36 @@ fn enum_number(obj: &Bound<'_, PyAny>, desc: &EnumDescriptor, path: &str) -> PyR
     desc.get_value(number)
         .map(|v| v.number())
         .ok_or_else(|| PyValueError::new_err(format!("{path}: {number} is not a {} value", desc.name())))
+}
+
+/// An enum's value names as Python sees them.
+struct EnumNames {
+    /// What every value name starts with (`PAGE_STATE_`).
+    prefix: String,
+    /// Each value's name without it, lower-case (`"hot"`), by number.
+    short: HashMap<i32, String>,
+}
+
+/// `desc`'s names, worked out once per enum and thread: a fetch's reply
+/// converts three enums per page, and working them out each time (every
+/// value name copied and compared) was most of the conversion.
+fn enum_names(desc: &EnumDescriptor) -> Rc<EnumNames> {
+    thread_local! {
+        static NAMES: RefCell<HashMap<String, Rc<EnumNames>>> = RefCell::new(HashMap::new());
+    }
+    NAMES.with(|names| {
+        if let Some(known) = names.borrow().get(desc.full_name()) {
+            return Rc::clone(known);
+        }
+        let prefix = enum_prefix(desc);
+        let short = desc
+            .values()
+            .map(|v| (v.number(), short_name(&prefix, v.name())))
+            .collect();
+        let made = Rc::new(EnumNames { prefix, short });
+        names.borrow_mut().insert(desc.full_name().to_owned(), Rc::clone(&made));
+        made
+    })
 }
 
 /// What every value name of the enum starts with, up to its last `_`
@@ -148,8 +186,8 @@ fn to_py<'py>(py: Python<'py>, value: &Value, kind: &Kind) -> PyResult<Bound<'py
         Value::String(s) => PyString::new(py, s).into_any(),
         Value::Bytes(b) => PyBytes::new(py, b).into_any(),
         Value::EnumNumber(n) => match kind {
-            Kind::Enum(e) => match e.get_value(*n) {
-                Some(v) => PyString::new(py, &short_name(&enum_prefix(e), v.name())).into_any(),
+            Kind::Enum(e) => match enum_names(e).short.get(n) {
+                Some(name) => PyString::new(py, name).into_any(),
                 None => n.into_pyobject(py)?.into_any(),
             },
             _ => n.into_pyobject(py)?.into_any(),
