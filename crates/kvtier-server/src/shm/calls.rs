@@ -138,18 +138,12 @@ const FRAME_TIME: Duration = Duration::from_secs(10);
 const PIECE: usize = 64 << 10;
 
 /// Reads calls and answers them until the client closes the connection.
-fn serve(mut stream: &UnixStream, caller: &Caller, ctx: &CallContext) -> io::Result<()> {
+fn serve(stream: &UnixStream, caller: &Caller, ctx: &CallContext) -> io::Result<()> {
+    // Set once: resetting the read timeout around every call's length cost
+    // two system calls a call.
     stream.set_write_timeout(Some(FRAME_TIME))?;
-    loop {
-        // Between calls a client may wait as long as it likes.
-        stream.set_read_timeout(None)?;
-        let mut len = [0u8; 4];
-        match stream.read_exact(&mut len) {
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-            read => read?,
-        }
-        stream.set_read_timeout(Some(FRAME_TIME))?;
-        let len = u32::from_le_bytes(len) as usize;
+    stream.set_read_timeout(Some(FRAME_TIME))?;
+    while let Some(len) = next_len(stream)? {
         let start = Instant::now();
         // The call's bytes stay charged until its reply is written.
         let (_held, call) = read_call(stream, len, ctx)?;
@@ -162,6 +156,28 @@ fn serve(mut stream: &UnixStream, caller: &Caller, ctx: &CallContext) -> io::Res
             .record_named(Transport::ShmSocket, method.unwrap_or("unknown"), code, start);
         write_reply(stream, reply)?;
     }
+    Ok(())
+}
+
+/// The next call's length; `None` once the client has closed. Between
+/// calls a client may wait as long as it likes: the read timeout only
+/// wakes this to wait again.
+fn next_len(mut stream: &UnixStream) -> io::Result<Option<usize>> {
+    let mut len = [0u8; 4];
+    let mut have = 0;
+    while have < len.len() {
+        match stream.read(&mut len[have..]) {
+            Ok(0) => return Ok(None),
+            Ok(n) => have += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(Some(u32::from_le_bytes(len) as usize))
 }
 
 /// A call's frame, decoded, with the in-flight bytes it holds; a frame over
