@@ -7,17 +7,13 @@
 /// Pages ahead of the one being read whose metadata are asked for.
 pub(crate) const AHEAD: usize = 8;
 
-/// Starts loading the cache line holding `value` (a hint: nothing is
-/// read, nothing can fault, and it does nothing where unsupported).
+/// Pages ahead of the one being read whose bytes are asked for: far
+/// enough that their first lines arrive while the page before is copied,
+/// near enough that they are still cached when their turn comes.
+pub(crate) const BYTES_AHEAD: usize = 2;
+
+/// Starts loading the cache line holding `value`.
 #[inline(always)]
 pub(crate) fn prefetch<T>(value: &T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetching reads no memory architecturally and cannot fault,
-    // whatever the address; this one is a live reference besides. SSE is
-    // part of the x86_64 baseline.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(std::ptr::from_ref(value).cast::<i8>());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = value;
+    kvtier_tiers::prefetch_line(std::ptr::from_ref(value).cast::<u8>());
 }

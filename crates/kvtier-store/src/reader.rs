@@ -91,6 +91,11 @@ impl Reader<'_> {
             {
                 prefetch::prefetch(&r.page.place);
             }
+            if let Some(&(lane, p)) = pages.get(i + prefetch::BYTES_AHEAD)
+                && let Some(LogicalPage::Physical(r)) = lane.page(p)
+            {
+                self.prefetch_bytes(&r.page);
+            }
             let Some(logical) = lane.page(p) else {
                 return Err(StoreError::Internal(format!("page {p} is beyond its lane")));
             };
@@ -219,6 +224,16 @@ impl Reader<'_> {
     /// Reads a page's first `rows` K then V rows into `dst` when a host or
     /// device copy has them; otherwise says where they are (NVMe), or
     /// `None` when lost.
+    /// Asks the tier holding a page's bytes in memory to start loading them.
+    fn prefetch_bytes(&self, page: &PhysPage) {
+        let place = read(&page.place);
+        match (&place.host, &place.device) {
+            (Some(host), _) => self.host.tier().prefetch(host),
+            (None, Some(device)) => self.device.prefetch(device),
+            (None, None) => {}
+        }
+    }
+
     fn source(
         &self,
         page: &Arc<PhysPage>,

@@ -56,7 +56,9 @@ impl ArenaTier {
             0 => None,
             n => {
                 let len = usize::try_from(n).map_err(|_| reserve_error("exceeds the address space".into()))?;
-                Some(MmapMut::map_anon(len).map_err(|e| reserve_error(e.to_string()))?)
+                let map = MmapMut::map_anon(len).map_err(|e| reserve_error(e.to_string()))?;
+                ask_for_huge_pages(&map, kind);
+                Some(map)
             }
         };
         let base = map
@@ -78,6 +80,24 @@ impl ArenaTier {
         }
         slot.check_range(offset, len)
     }
+}
+
+/// Asks the kernel to back the arena with 2 MiB pages where it can. A
+/// read copies pages scattered over the whole arena; in 4 KiB pages every
+/// one is a TLB miss and a stop for the hardware prefetcher, which does not
+/// cross them. Copying 256 random 8 KiB pages (2 MiB) out of a 4 GiB arena
+/// took 199 us in 4 KiB pages and 156 us in 2 MiB ones on these machines.
+/// The cost: memory is touched 2 MiB at a time as slots are first written
+/// (the arena is never handed back, so only while it fills), and with the
+/// kernel's default `defrag=madvise` a first touch may wait for compaction.
+/// Where transparent huge pages are off this does nothing.
+fn ask_for_huge_pages(map: &MmapMut, kind: TierKind) {
+    #[cfg(target_os = "linux")]
+    if let Err(e) = map.advise(memmap2::Advice::HugePage) {
+        tracing::debug!(tier = %kind, error = %e, "no huge pages for the arena; it keeps 4 KiB pages");
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (map, kind);
 }
 
 impl Tier for ArenaTier {
@@ -109,6 +129,21 @@ impl Tier for ArenaTier {
             std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
         }
         Ok(())
+    }
+
+    /// One line of every 4 KiB of the slot: the hardware prefetcher streams
+    /// the rest of each once it starts, but never crosses into the next,
+    /// and a random page is a TLB miss too. Asked for while the page before
+    /// is copied, copying 256 random 8 KiB pages took 123 us instead of 156
+    /// (2 MiB pages; 150 instead of 199 in 4 KiB ones).
+    fn prefetch(&self, slot: &Slot) {
+        if !slot.is_from(&self.allocator) {
+            return;
+        }
+        let start = self.base.as_ptr().wrapping_add(slot.offset() as usize);
+        for at in (0..slot.len() as usize).step_by(4096) {
+            crate::prefetch_line(start.wrapping_add(at));
+        }
     }
 
     fn read(&self, slot: &Slot, offset: u64, dst: &mut [u8]) -> Result<(), TierError> {

@@ -39,6 +39,8 @@ pub fn round_trip<T: Tier>(make: impl Fn(u64) -> T) {
         slots.push((slot, data));
     }
     for (slot, data) in &mut slots {
+        // A hint changes nothing.
+        tier.prefetch(slot);
         assert_eq!(&read_all(&tier, slot), data);
         if data.len() > 10 {
             let patch = pattern(99, data.len() / 2);
@@ -142,6 +144,7 @@ pub fn foreign_slot<T: Tier>(make: impl Fn(u64) -> T) {
     let mut slot = a.allocate(64).unwrap();
     assert_eq!(b.write(&mut slot, 0, &[1]).unwrap_err(), TierError::ForeignSlot);
     assert_eq!(b.read(&slot, 0, &mut [0]).unwrap_err(), TierError::ForeignSlot);
+    b.prefetch(&slot);
 }
 
 /// Threads allocating, writing, reading and freeing at once never see each

@@ -5,6 +5,7 @@
 
 mod aligned;
 mod arena;
+mod cache;
 mod completion;
 #[cfg(feature = "testing")]
 pub mod conformance;
@@ -20,6 +21,7 @@ use std::sync::Arc;
 
 pub use aligned::{AlignedBuf, IO_ALIGN};
 pub use arena::ArenaTier;
+pub use cache::prefetch_line;
 pub use completion::{Abandoned, Completer, Completion, completion};
 pub use extent::{ExtentAllocator, Slot};
 pub use lock::{LOCK_WAIT, LockError, LockFile};
@@ -148,6 +150,10 @@ pub trait Tier: Send + Sync + fmt::Debug {
     }
     /// Copies `src` into the slot at `offset`.
     fn write(&self, slot: &mut Slot, offset: u64, src: &[u8]) -> Result<(), TierError>;
+    /// A hint that the slot's bytes are about to be read: a memory tier
+    /// starts loading them. By default nothing.
+    fn prefetch(&self, _slot: &Slot) {}
+
     /// Copies slot bytes at `offset` into `dst`.
     fn read(&self, slot: &Slot, offset: u64, dst: &mut [u8]) -> Result<(), TierError>;
 
