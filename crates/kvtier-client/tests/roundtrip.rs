@@ -277,10 +277,12 @@ async fn chunked_streams_return_the_same_pages() {
     let chunked = client.fetch(req.clone()).await.unwrap();
     assert_eq!(chunked, whole);
     // Each chunk is as full as its limit allows: of the 62 full pages of
-    // each head, 124 messages of two pages, or all 2 MiB in one message
-    // under the default 4 MiB (a chunk once stopped short of its last page,
-    // which then took a second read on another thread).
-    for (max_chunk_bytes, messages) in [(20 << 10, 124), (0, 1)] {
+    // each head, 124 messages of two pages, or under the default 4 MiB the
+    // server's own 256 KiB chunks of 31 pages (its cost, 64 bytes a page
+    // over the bytes, leaves no room for a 32nd), so that the client
+    // receives one while the next is read (a chunk once stopped short of
+    // its last page, which then took a second read on another thread).
+    for (max_chunk_bytes, messages) in [(20 << 10, 124), (0, 8)] {
         let req = pb::FetchPagesRequest {
             max_chunk_bytes,
             pages: (0..62).collect(),
