@@ -110,6 +110,11 @@ impl Tier for PinnedHostTier {
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
         Ok(())
     }
+    fn prefetch(&self, slot: &Slot) {
+        if let Ok(start) = self.check(slot, 0, slot.len() as usize) {
+            kvtier_tiers::prefetch_range(start, slot.len() as usize);
+        }
+    }
     fn read(&self, slot: &Slot, offset: u64, dst: &mut [u8]) -> Result<(), TierError> {
         // SAFETY: `[u8]` and `[MaybeUninit<u8>]` have the same layout, and
         // `read_uninit` only writes initialised bytes into it.

@@ -221,9 +221,6 @@ impl Reader<'_> {
         Ok(out)
     }
 
-    /// Reads a page's first `rows` K then V rows into `dst` when a host or
-    /// device copy has them; otherwise says where they are (NVMe), or
-    /// `None` when lost.
     /// Asks the tier holding a page's bytes in memory to start loading them.
     fn prefetch_bytes(&self, page: &PhysPage) {
         let place = read(&page.place);
@@ -234,6 +231,9 @@ impl Reader<'_> {
         }
     }
 
+    /// Reads a page's first `rows` K then V rows into `dst` when a host or
+    /// device copy has them; otherwise says where they are (NVMe), or
+    /// `None` when lost.
     fn source(
         &self,
         page: &Arc<PhysPage>,

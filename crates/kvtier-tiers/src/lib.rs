@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 pub use aligned::{AlignedBuf, IO_ALIGN};
 pub use arena::ArenaTier;
-pub use cache::prefetch_line;
+pub use cache::{prefetch_line, prefetch_range};
 pub use completion::{Abandoned, Completer, Completion, completion};
 pub use extent::{ExtentAllocator, Slot};
 pub use lock::{LOCK_WAIT, LockError, LockFile};
