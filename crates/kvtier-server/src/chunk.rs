@@ -56,6 +56,19 @@ fn field_len<T: Message>(item: &T) -> usize {
 /// plus one run encodes to at most `limit` bytes. `what` names an item for
 /// the error when one alone does not fit.
 pub(crate) fn fit<T: Message>(items: Vec<T>, base: usize, limit: usize, what: &str) -> Result<Vec<Vec<T>>, Status> {
+    fit_within(items, base, limit, limit, what)
+}
+
+/// [`fit`], with runs cut at `target` bytes (at most `limit`) where they
+/// can be: an item larger than `target` that fits `limit` is a run alone.
+pub(crate) fn fit_within<T: Message>(
+    items: Vec<T>,
+    base: usize,
+    target: usize,
+    limit: usize,
+    what: &str,
+) -> Result<Vec<Vec<T>>, Status> {
+    let target = target.min(limit);
     let mut runs: Vec<Vec<T>> = Vec::new();
     let mut used = 0;
     for item in items {
@@ -71,7 +84,7 @@ pub(crate) fn fit<T: Message>(items: Vec<T>, base: usize, limit: usize, what: &s
             ));
         }
         match runs.last_mut() {
-            Some(run) if used + len <= limit => {
+            Some(run) if used + len <= target => {
                 used += len;
                 run.push(item);
             }
@@ -100,14 +113,17 @@ mod tests {
         }
     }
 
-    /// Every run's message encodes within the limit, for page sizes around
-    /// the points where the length prefixes grow, and nothing is lost.
+    /// Every run's message encodes within the limit, and within the target
+    /// unless it is one page, for page sizes around the points where the
+    /// length prefixes grow, and nothing is lost.
     #[test]
     fn every_message_fits_and_every_page_is_kept() {
-        for limit in [300, 4096, 65_536, 1 << 20] {
+        let limits = [300, 4096, 65_536, 1 << 20];
+        let targets = limits.iter().flat_map(|&l| [(l, l), (l / 3, l)]);
+        for (target, limit) in targets {
             for size in [0, 1, 100, 127, 128, 250, 4000, 16_383, 16_384, 60_000] {
                 let pages: Vec<pb::Page> = (0..40).map(|_| page(size)).collect();
-                let Ok(runs) = fit(pages, 0, limit, "page") else {
+                let Ok(runs) = fit_within(pages, 0, target, limit, "page") else {
                     assert!(
                         field_len(&page(size)) > limit,
                         "refused a page that fits: {size} in {limit}"
@@ -120,16 +136,16 @@ mod tests {
                     let n = run.len();
                     let msg = pb::FetchPagesResponse { pages: run };
                     assert!(
-                        msg.encoded_len() <= limit,
-                        "{} > {limit} ({n} pages of {size})",
+                        msg.encoded_len() <= limit && (n == 1 || msg.encoded_len() <= target),
+                        "{} > {target} of {limit} ({n} pages of {size})",
                         msg.encoded_len()
                     );
                     // Runs before the last are full: one more page would
-                    // not have fit.
+                    // not have fit the target.
                     let mut bigger = msg.clone();
                     bigger.pages.push(page(size));
                     assert!(
-                        i == last || bigger.encoded_len() > limit,
+                        i == last || bigger.encoded_len() > target,
                         "run {i} of {n} pages could take another"
                     );
                 }

@@ -92,15 +92,27 @@ impl InFlight {
 /// A response stream whose items carry the bytes they hold: an item's are
 /// released when the next item is asked for (tonic has encoded it and handed
 /// it on by then), or when the stream ends or is dropped.
+///
+/// It also lets the connection go first between items: before each item
+/// after the first it yields once. Without that, a response whose messages
+/// are all ready (a selection's data) was encoded whole before the
+/// connection's task wrote its first byte, and the client could not receive
+/// one message while the server encoded the next.
 #[derive(Debug)]
 pub(crate) struct Holding<S> {
     inner: S,
     last: Option<Held>,
+    /// An item was handed on, and the stream has not yielded since.
+    owes_yield: bool,
 }
 
 impl<S> Holding<S> {
     pub(crate) fn new(inner: S) -> Self {
-        Self { inner, last: None }
+        Self {
+            inner,
+            last: None,
+            owes_yield: false,
+        }
     }
 }
 
@@ -112,7 +124,12 @@ where
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<T, Status>>> {
         self.last = None;
+        if std::mem::take(&mut self.owes_yield) {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
         let next = ready!(Pin::new(&mut self.inner).poll_next(cx));
+        self.owes_yield = next.is_some();
         Poll::Ready(next.map(|item| {
             item.map(|(message, held)| {
                 self.last = held;

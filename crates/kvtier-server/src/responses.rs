@@ -157,7 +157,9 @@ pub(crate) fn select_messages<B>(
     };
     let heads = selection.heads.iter().map(convert::head_selection_to_pb).collect();
     let mut head_runs = chunk::fit(heads, first.encoded_len(), limit, "KV head's selection")?.into_iter();
-    let data = chunk::fit(data, 0, limit, "page")?;
+    // Pages in messages of the same size as an inline fetch's chunks, so
+    // that the client receives one while the server encodes the next.
+    let data = chunk::fit_within(data, 0, PIPELINED_BYTES, limit, "page")?;
     let first = pb::SelectPagesResponse {
         heads: head_runs.next().unwrap_or_default(),
         ..first
