@@ -10,6 +10,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::thread::LocalKey;
 
 use bytes::Bytes;
 use prost_reflect::{DynamicMessage, EnumDescriptor, FieldDescriptor, Kind, MessageDescriptor, ReflectMessage, Value};
@@ -124,19 +125,29 @@ struct EnumNames {
 /// value name copied and compared) was most of the conversion.
 fn enum_names(desc: &EnumDescriptor) -> Rc<EnumNames> {
     thread_local! {
-        static NAMES: RefCell<HashMap<String, Rc<EnumNames>>> = RefCell::new(HashMap::new());
+        static NAMES: Cache<EnumNames> = RefCell::default();
     }
-    NAMES.with(|names| {
-        if let Some(known) = names.borrow().get(desc.full_name()) {
-            return Rc::clone(known);
-        }
+    once_per_thread(&NAMES, desc.full_name(), || {
         let prefix = enum_prefix(desc);
         let short = desc
             .values()
             .map(|v| (v.number(), short_name(&prefix, v.name())))
             .collect();
-        let made = Rc::new(EnumNames { prefix, short });
-        names.borrow_mut().insert(desc.full_name().to_owned(), Rc::clone(&made));
+        EnumNames { prefix, short }
+    })
+}
+
+/// What a descriptor's name maps to, worked out once per thread.
+type Cache<T> = RefCell<HashMap<String, Rc<T>>>;
+
+/// `name`'s entry in `cache`, made by `make` the first time it is asked for.
+fn once_per_thread<T>(cache: &'static LocalKey<Cache<T>>, name: &str, make: impl FnOnce() -> T) -> Rc<T> {
+    cache.with(|known| {
+        if let Some(made) = known.borrow().get(name) {
+            return Rc::clone(made);
+        }
+        let made = Rc::new(make());
+        known.borrow_mut().insert(name.to_owned(), Rc::clone(&made));
         made
     })
 }
@@ -181,16 +192,10 @@ pub(crate) fn to_dict<'py>(py: Python<'py>, msg: &DynamicMessage) -> PyResult<Bo
 /// key per page cost about 0.5 us a page of a fetch's reply.
 fn field_keys(py: Python<'_>, desc: &MessageDescriptor) -> Rc<Vec<Py<PyString>>> {
     thread_local! {
-        static KEYS: RefCell<HashMap<String, Rc<Vec<Py<PyString>>>>> = RefCell::new(HashMap::new());
+        static KEYS: Cache<Vec<Py<PyString>>> = RefCell::default();
     }
-    KEYS.with(|keys| {
-        if let Some(known) = keys.borrow().get(desc.full_name()) {
-            return Rc::clone(known);
-        }
-        let made: Rc<Vec<Py<PyString>>> =
-            Rc::new(desc.fields().map(|f| PyString::intern(py, f.name()).unbind()).collect());
-        keys.borrow_mut().insert(desc.full_name().to_owned(), Rc::clone(&made));
-        made
+    once_per_thread(&KEYS, desc.full_name(), || {
+        desc.fields().map(|f| PyString::intern(py, f.name()).unbind()).collect()
     })
 }
 

@@ -93,8 +93,9 @@ impl InFlight {
 /// released when the next item is asked for (tonic has encoded it and handed
 /// it on by then), or when the stream ends or is dropped.
 ///
-/// It also lets the connection go first between items: before each item
-/// after the first it yields once. Without that, a response whose messages
+/// It also lets the connection go first between items: each time it is
+/// polled after handing on an item (for the next, or for the end) it
+/// yields once first. Without that, a response whose messages
 /// are all ready (a selection's data) was encoded whole before the
 /// connection's task wrote its first byte, and the client could not receive
 /// one message while the server encoded the next.
