@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use kvtier_core::SequenceKey;
 use kvtier_store::{Store, StoreResult};
 use tonic::Status;
 
@@ -27,20 +28,23 @@ where
         .map_err(to_status)
 }
 
-/// Runs a store call whose work is at most `bytes` where it is cheapest:
-/// here when small; when large, still on this thread, which first hands
-/// its other tasks to another worker (`block_in_place`), so the call's
-/// response is encoded where its pages were read, without the two
-/// cross-thread wake-ups of a blocking thread. A runtime of one thread
-/// (tests) has no worker to hand them to: a blocking thread there. A small
-/// read that finds its pages on NVMe still waits for them here; at most
-/// [`INLINE_BYTES`] of them, which is a few device reads.
-pub(crate) async fn sized<T, F>(store: &Arc<Store>, bytes: usize, f: F) -> Result<T, Status>
+/// Runs a store call on sequence `key` whose work is at most `bytes` where
+/// it is cheapest: here when small; when large, or when the sequence's
+/// writer holds it (an append may hold it across NVMe I/O), still on this
+/// thread, which first hands its other tasks to another worker
+/// (`block_in_place`): the call's response is encoded where its pages were
+/// read, without the two cross-thread wake-ups of a blocking thread, and
+/// no other call waits behind it. A runtime of one thread (tests) has no
+/// worker to hand them to: a blocking thread there. A small read that
+/// finds its pages on NVMe still waits for them here; at most
+/// [`INLINE_BYTES`] of them, which is a few device reads. So may one whose
+/// sequence's writer came just after the look (the look is a hint).
+pub(crate) async fn sized<T, F>(store: &Arc<Store>, key: &SequenceKey, bytes: usize, f: F) -> Result<T, Status>
 where
     T: Send + 'static,
     F: FnOnce(&Arc<Store>) -> StoreResult<T> + Send + 'static,
 {
-    if bytes <= INLINE_BYTES {
+    if bytes <= INLINE_BYTES && !store.would_wait(key) {
         return f(store).map_err(to_status);
     }
     match tokio::runtime::Handle::current().runtime_flavor() {

@@ -303,7 +303,7 @@ pub(crate) async fn send_chunks(
         let read = async {
             let held = held?;
             let reader = Arc::clone(&job);
-            let (pages, next) = sized(&store, job.room, move |s| reader.read(s, from)).await?;
+            let (pages, next) = sized(&store, &job.key, job.room, move |s| reader.read(s, from)).await?;
             Ok::<_, Status>((holding(page_messages(pages, job.max_bytes)?, Some(held)), next))
         };
         let (messages, next) = match read.await {

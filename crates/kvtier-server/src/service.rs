@@ -423,8 +423,8 @@ impl KvTier for KvTierService {
         if let Some(mut window) = window {
             // The bytes go to the client's memory, so none are held here in
             // flight.
-            let (bound, max_bytes) = (job.bound, job.max_bytes);
-            let pages = sized(&self.store, bound, move |s| job.read_to_window(s, &mut window)).await?;
+            let (key, bound, max_bytes) = (job.key.clone(), job.bound, job.max_bytes);
+            let pages = sized(&self.store, &key, bound, move |s| job.read_to_window(s, &mut window)).await?;
             let messages = holding(page_messages(pages, max_bytes)?, None);
             return Ok(Response::new(Holding::new(
                 tokio_stream::iter(messages).chain(ReceiverStream::new(rx)),
@@ -436,8 +436,11 @@ impl KvTier for KvTierService {
         // fails the call itself rather than the stream.
         let held = self.in_flight.hold("a fetch chunk", job.room).await?;
         let (first, next) = {
-            let job = Arc::clone(&job);
-            sized(&self.store, job.room, move |s| job.read(s, FetchCursor::default())).await?
+            let reader = Arc::clone(&job);
+            sized(&self.store, &job.key, job.room, move |s| {
+                reader.read(s, FetchCursor::default())
+            })
+            .await?
         };
         let first = holding(page_messages(first, max_bytes)?, Some(held));
         if let Some(from) = next {
@@ -461,9 +464,9 @@ impl KvTier for KvTierService {
             true => Some(self.in_flight.hold("a selection's data", call.bound).await?),
             false => None,
         };
-        let (tenant, limit, work) = (call.key.tenant.clone(), call.limit, call.work());
-        let (selection, data) = sized(&self.store, work, move |s| call.run(s)).await?;
-        let messages = self.selection_messages(&tenant, selection, data, limit)?;
+        let (key, limit, work) = (call.key.clone(), call.limit, call.work());
+        let (selection, data) = sized(&self.store, &key, work, move |s| call.run(s)).await?;
+        let messages = self.selection_messages(&key.tenant, selection, data, limit)?;
         Ok(Response::new(Holding::new(tokio_stream::iter(holding(messages, held)))))
     }
 

@@ -22,7 +22,11 @@ impl TestServer {
 
     /// A server with `config`, on a free loopback port, without metrics.
     pub async fn start_with(store: StoreConfig, config: ServerConfig) -> Self {
-        let store = Store::new(store).unwrap();
+        Self::serving(Store::new(store).unwrap(), config).await
+    }
+
+    /// A server of `store`, which the test keeps a handle of.
+    pub async fn serving(store: std::sync::Arc<Store>, config: ServerConfig) -> Self {
         let config = ServerConfig {
             listen: ([127, 0, 0, 1], 0).into(),
             metrics_listen: None,

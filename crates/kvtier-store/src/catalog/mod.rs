@@ -11,11 +11,11 @@
 mod sequence;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
-use kvtier_core::{LogicalPage, PageTableError, PhysicalPages, SequenceKey};
+use kvtier_core::{Layout, LogicalPage, PageTableError, PhysicalPages, SequenceKey};
 
 pub use sequence::HeadRange;
 pub(crate) use sequence::{Sequence, Target};
@@ -29,16 +29,22 @@ use crate::{StoreError, StoreResult};
 /// machine, short enough that a stream of writers cannot hold it off.
 const YIELD_TO_WRITERS: Duration = Duration::from_millis(10);
 
-/// A sequence behind its lock, and how many writers wait for it.
+/// A sequence behind its lock, how many writers wait for it, and its
+/// shape as of its last write, readable without the lock.
 #[derive(Debug)]
 pub(crate) struct Cell {
     seq: RwLock<Sequence>,
     writers: AtomicU32,
+    layout: Arc<Layout>,
+    /// The positions of the longest lane as the last write left them.
+    tokens: AtomicU64,
 }
 
 impl Cell {
     fn new(seq: Sequence) -> Arc<Self> {
         Arc::new(Self {
+            layout: Arc::clone(&seq.layout),
+            tokens: AtomicU64::new(seq.tokens()),
             seq: RwLock::new(seq),
             writers: AtomicU32::new(0),
         })
@@ -53,6 +59,20 @@ impl Cell {
         let guard = write(&self.seq);
         self.writers.fetch_sub(1, Ordering::AcqRel);
         guard
+    }
+
+    /// The layout and the longest lane's positions, without waiting for a
+    /// writer: what sizing a call needs. A write that is under way is not
+    /// in it yet, as it would not be had the call taken the lock first.
+    pub(crate) fn shape(&self) -> (Arc<Layout>, u64) {
+        (Arc::clone(&self.layout), self.tokens.load(Ordering::Acquire))
+    }
+
+    /// Whether a reader would wait now: a writer holds the lock or waits
+    /// for it (std's lock lets waiting writers go first). A hint: by the
+    /// time the reader takes the lock, that may have changed.
+    pub(crate) fn would_wait(&self) -> bool {
+        matches!(self.seq.try_read(), Err(std::sync::TryLockError::WouldBlock))
     }
 
     /// For a background reader that takes the lock again and again (a
@@ -105,7 +125,9 @@ impl Catalog {
         if seq.dropped {
             return Err(not_found(key));
         }
-        f(&mut seq)
+        let out = f(&mut seq);
+        cell.tokens.store(seq.tokens(), Ordering::Release);
+        out
     }
 
     pub(crate) fn contains(&self, key: &SequenceKey) -> bool {

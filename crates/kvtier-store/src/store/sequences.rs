@@ -90,9 +90,24 @@ impl Store {
 
     /// A sequence's layout and the positions of its longest lane: what
     /// sizing a read needs, without the cost of [`Store::sequence_info`].
+    /// Never waits for the sequence's writer: a call's plan runs where
+    /// waiting would stall others (a runtime worker).
     pub fn shape(&self, key: &SequenceKey) -> StoreResult<(Arc<Layout>, u64)> {
-        self.catalog
-            .read(key, |seq| Ok((Arc::clone(&seq.layout), seq.tokens())))
+        Ok(self.catalog.cell(key)?.shape())
+    }
+
+    /// Whether a read of sequence `key` would wait for its writer now (a
+    /// hint: see where a call should run). False for an unknown sequence,
+    /// whose call fails at once.
+    pub fn would_wait(&self, key: &SequenceKey) -> bool {
+        self.catalog.cell(key).is_ok_and(|cell| cell.would_wait())
+    }
+
+    /// Runs `f` while holding sequence `key`'s lock as its writer, changing
+    /// nothing: what a slow write does to the sequence's readers, for tests.
+    #[cfg(feature = "testing")]
+    pub fn with_sequence_held<T>(&self, key: &SequenceKey, f: impl FnOnce() -> T) -> StoreResult<T> {
+        self.catalog.write(key, |_| Ok(f()))
     }
 
     pub fn sequence_info(&self, key: &SequenceKey) -> StoreResult<SequenceInfo> {
