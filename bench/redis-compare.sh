@@ -57,7 +57,9 @@ done
 echo_addr=$(sed -n 's/^listening on //p' "$work/echo.out")
 
 out=bench/results
-jsonl=$out/redis-compare.jsonl
+# REDIS_COMPARE_NAME: another name for the results (an experiment beside the record).
+name_out=${REDIS_COMPARE_NAME:-redis-compare}
+jsonl=$out/$name_out.jsonl
 : > "$jsonl"
 declare -A decode=(
   [llama3-8b]="--preset llama3-8b --context 8192 --steps 64 --budget-pages 32"
@@ -92,6 +94,8 @@ done
   echo "  between 1.0 and 2.3 from run to run with the same binaries."
   echo "- machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(free -g | awk '/Mem:/{print $2" GiB"}'); $(uname -r)"
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD)"
+  echo "- guest halt polling (\`/sys/module/haltpoll/parameters/guest_halt_poll_ns\`, how long an idle vCPU polls before it halts;"
+  echo "  every wake-up of a halted one costs a trip through the host): $(cat /sys/module/haltpoll/parameters/guest_halt_poll_ns 2>/dev/null || echo 'not a haltpoll guest') ns"
   echo "- empty call: the smallest round trip each offers (kvtier a FetchPages of no pages, alternating call by call with"
   echo "  the echo; the same over the region's socket; Redis PING), the fixed cost inside every fetch."
   echo
@@ -111,4 +115,4 @@ for line in open(sys.argv[1]):
 PY
   echo
   echo "A ratio above 1 means kvtier is faster."
-} > "$out/redis-compare.md"
+} > "$out/$name_out.md"
