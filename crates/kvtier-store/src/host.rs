@@ -18,7 +18,7 @@ use kvtier_tiers::{Slot, Tier, TierError, TierKind};
 
 use crate::accounts::Account;
 use crate::durability::{Durable, Keep};
-use crate::page::{LruVictims, PageLru, PhysPage};
+use crate::page::{LruVictims, PageLru, PhysPage, touch_lru};
 use crate::sync::{lock, read};
 use crate::{StoreError, StoreResult};
 
@@ -178,14 +178,7 @@ impl HostCache {
     /// Marks pages as just used in host memory. Never called with a page's
     /// placement lock held.
     pub(crate) fn touch<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
-        let mut lru = lock(&self.lru);
-        for page in pages {
-            // A page in line already only moves to the front: no new weak
-            // reference, no old one dropped.
-            if lru.get(&page.id).is_none() {
-                lru.put(page.id, Arc::downgrade(page));
-            }
-        }
+        touch_lru(&self.lru, pages);
     }
 
     /// Forgets freed pages.

@@ -66,6 +66,18 @@ impl PhysPage {
 /// device's), keyed by page id.
 pub(crate) type PageLru = Mutex<lru::LruCache<u64, Weak<PhysPage>>>;
 
+/// Marks `pages` as just used in `lru`. A page in line already only moves
+/// to the front: no new weak reference, no old one dropped (each an atomic
+/// on the page, thousands of them in a decode step).
+pub(crate) fn touch_lru<'a>(lru: &PageLru, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
+    let mut lru = lock(lru);
+    for page in pages {
+        if lru.get(&page.id).is_none() {
+            lru.put(page.id, Arc::downgrade(page));
+        }
+    }
+}
+
 /// Takes a page LRU's entries out, least recently used first: any page, or
 /// only `owner`'s (a tenant past its quota makes room from its own pages).
 #[derive(Debug)]

@@ -26,7 +26,7 @@ pub(crate) use workers::Workers;
 use crate::StoreResult;
 use crate::accounts::Account;
 use crate::host::HostCache;
-use crate::page::{LruVictims, PageLru, PhysPage};
+use crate::page::{LruVictims, PageLru, PhysPage, touch_lru};
 use crate::stats::Counters;
 use crate::sync::{lock, read, write};
 
@@ -154,11 +154,8 @@ impl HotSet {
     }
 
     /// Marks pages as just used on the device.
-    pub(crate) fn touch(&self, pages: impl IntoIterator<Item = Arc<PhysPage>>) {
-        let mut lru = lock(&self.lru);
-        for page in pages {
-            lru.put(page.id, Arc::downgrade(&page));
-        }
+    pub(crate) fn touch<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
+        touch_lru(&self.lru, pages);
     }
 
     pub(crate) fn forget(&self, page_ids: impl IntoIterator<Item = u64>) {

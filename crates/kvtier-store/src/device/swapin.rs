@@ -125,7 +125,7 @@ impl HotSet {
             }
         }
         let moved = hot.len() as u32;
-        self.touch(hot);
+        self.touch(&hot);
         moved
     }
 

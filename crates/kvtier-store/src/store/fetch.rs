@@ -221,7 +221,7 @@ impl Store {
             hot.extend(share_hot);
             out.extend(contents);
         }
-        self.device.touch(hot);
+        self.device.touch(&hot);
         Ok(out)
     }
 }

@@ -283,7 +283,7 @@ impl Store {
             drop(place);
             hot.push(page);
         }
-        self.device.touch(hot);
+        self.device.touch(&hot);
         Ok(())
     }
 

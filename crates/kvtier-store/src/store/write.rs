@@ -500,7 +500,7 @@ impl Store {
             }
             out.mapped.push((lane, seq.lanes[lane].num_pages() - 1, phys));
         }
-        self.device.touch(hot);
+        self.device.touch(&hot);
         Ok(out)
     }
 
