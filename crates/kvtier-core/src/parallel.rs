@@ -24,7 +24,7 @@ pub fn threads_for(items: usize, bytes: usize, cores: usize) -> usize {
 }
 
 /// `f` of every item, in order, spread over up to `threads` threads (the
-/// calling thread takes the first share).
+/// calling thread one of them).
 pub fn map<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
     let mut refs: Vec<&T> = items.iter().collect();
     map_mut(&mut refs, threads, |item| f(item))

@@ -52,3 +52,14 @@ where
         _ => blocking(Arc::clone(store), f).await,
     }
 }
+
+/// Runs `f`, which may wait for a sequence's writer, where the wait stalls
+/// no other task: on a worker of a multi-thread runtime after it hands its
+/// other tasks to another thread (`block_in_place`); elsewhere (an shm
+/// socket's thread, a one-thread runtime in tests) as it is.
+pub(crate) fn may_wait<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}

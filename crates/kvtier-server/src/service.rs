@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvtier_core::rank::Ranking;
 use kvtier_core::select::{Aggregation, Budget, Shard};
-use kvtier_core::{Reason, SequenceKey, TenantId, wire};
+use kvtier_core::{Layout, Reason, SequenceKey, TenantId, wire};
 use kvtier_proto::v1 as pb;
 use kvtier_proto::v1::kv_tier_server::KvTier;
 use kvtier_store::{
@@ -19,7 +19,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::Caller;
-use crate::blocking::{blocking, sized};
+use crate::blocking::{blocking, may_wait, sized};
 use crate::gate::RequestBytes;
 use crate::inflight::{Holding, InFlight};
 use crate::responses::{
@@ -194,6 +194,17 @@ impl SelectCall {
 }
 
 impl KvTierService {
+    /// The sequence's shape as of its last write; a write under way is
+    /// waited for off the runtime's workers, so that the call is sized for
+    /// what it will read.
+    fn shape(&self, key: &SequenceKey) -> Result<(Arc<Layout>, u64), Status> {
+        let shape = || self.store.shape(key).map_err(to_status);
+        match self.store.would_wait(key) {
+            true => may_wait(shape),
+            false => shape(),
+        }
+    }
+
     /// A fetch, checked: its job, and the shm window it names, checked
     /// against the region for everything the fetch can read.
     fn plan_fetch(
@@ -211,7 +222,7 @@ impl KvTierService {
             ));
         }
         let shm = r.shm.take();
-        let shape = self.store.shape(&key).map_err(to_status)?;
+        let shape = self.shape(&key)?;
         let job = FetchJob::new(request_bytes, key, r, max_bytes, &shape);
         let window = match shm {
             Some(w) => Some(self.regions.window(&job.key.tenant, &w, job.bound)?),
@@ -229,7 +240,7 @@ impl KvTierService {
         if shm.is_some() && !r.include_data {
             return Err(invalid(wire::SHM, "carries page bytes; set include_data too"));
         }
-        let shape = self.store.shape(&key).map_err(to_status)?;
+        let shape = self.shape(&key)?;
         let scanned = index_scanned(r.kv_head_count, r.budget_pages, &inputs.ranking, &shape);
         let bound = kvtier_store::data_bound(&shape.0, shape.1, r.budget_pages, r.kv_head_count, inputs.aggregation);
         let window = match &shm {

@@ -204,8 +204,7 @@ fn check(store: &Store, model: &Model) -> Result<(), TestCaseError> {
         "a device slot without a hot page"
     );
     for (&seq, (_, _, lanes)) in &model.seqs {
-        // The shape a call is sized by, read without the sequence's lock:
-        // the longest lane as the last write left it.
+        // The shape a call is sized by: the longest lane.
         let longest = lanes.iter().map(|l| l.tokens).max().unwrap_or(0);
         prop_assert_eq!(store.shape(&key(seq)).unwrap().1, longest as u64);
         for layer in 0..LAYERS {

@@ -11,11 +11,11 @@
 mod sequence;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
-use kvtier_core::{Layout, LogicalPage, PageTableError, PhysicalPages, SequenceKey};
+use kvtier_core::{LogicalPage, PageTableError, PhysicalPages, SequenceKey};
 
 pub use sequence::HeadRange;
 pub(crate) use sequence::{Sequence, Target};
@@ -29,22 +29,16 @@ use crate::{StoreError, StoreResult};
 /// machine, short enough that a stream of writers cannot hold it off.
 const YIELD_TO_WRITERS: Duration = Duration::from_millis(10);
 
-/// A sequence behind its lock, how many writers wait for it, and its
-/// shape as of its last write, readable without the lock.
+/// A sequence behind its lock, and how many writers wait for it.
 #[derive(Debug)]
 pub(crate) struct Cell {
     seq: RwLock<Sequence>,
     writers: AtomicU32,
-    layout: Arc<Layout>,
-    /// The positions of the longest lane as the last write left them.
-    tokens: AtomicU64,
 }
 
 impl Cell {
     fn new(seq: Sequence) -> Arc<Self> {
         Arc::new(Self {
-            layout: Arc::clone(&seq.layout),
-            tokens: AtomicU64::new(seq.tokens()),
             seq: RwLock::new(seq),
             writers: AtomicU32::new(0),
         })
@@ -59,13 +53,6 @@ impl Cell {
         let guard = write(&self.seq);
         self.writers.fetch_sub(1, Ordering::AcqRel);
         guard
-    }
-
-    /// The layout and the longest lane's positions, without waiting for a
-    /// writer: what sizing a call needs. A write that is under way is not
-    /// in it yet, as it would not be had the call taken the lock first.
-    pub(crate) fn shape(&self) -> (Arc<Layout>, u64) {
-        (Arc::clone(&self.layout), self.tokens.load(Ordering::Acquire))
     }
 
     /// Whether a reader would wait now: a writer holds the lock or waits
@@ -125,9 +112,7 @@ impl Catalog {
         if seq.dropped {
             return Err(not_found(key));
         }
-        let out = f(&mut seq);
-        cell.tokens.store(seq.tokens(), Ordering::Release);
-        out
+        f(&mut seq)
     }
 
     pub(crate) fn contains(&self, key: &SequenceKey) -> bool {

@@ -90,15 +90,14 @@ impl Store {
 
     /// A sequence's layout and the positions of its longest lane: what
     /// sizing a read needs, without the cost of [`Store::sequence_info`].
-    /// Never waits for the sequence's writer: a call's plan runs where
-    /// waiting would stall others (a runtime worker).
     pub fn shape(&self, key: &SequenceKey) -> StoreResult<(Arc<Layout>, u64)> {
-        Ok(self.catalog.cell(key)?.shape())
+        self.catalog
+            .read(key, |seq| Ok((Arc::clone(&seq.layout), seq.tokens())))
     }
 
     /// Whether a read of sequence `key` would wait for its writer now (a
-    /// hint: see where a call should run). False for an unknown sequence,
-    /// whose call fails at once.
+    /// hint for where to make it: a write holds its sequence across its
+    /// NVMe I/O). False for an unknown sequence, whose call fails at once.
     pub fn would_wait(&self, key: &SequenceKey) -> bool {
         self.catalog.cell(key).is_ok_and(|cell| cell.would_wait())
     }
