@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::finite_elements;
-use kvtier_client::{SelectRequest, pb};
+use kvtier_client::{Client, SelectRequest, pb};
 use kvtier_core::SequenceKey;
 use kvtier_server::ServerConfig;
 use kvtier_store::Store;
@@ -27,41 +27,87 @@ const WAITING_READERS: usize = 2 * WORKERS;
 /// regression fails the test instead of hanging it.
 const WATCHDOG: Duration = Duration::from_secs(20);
 
-/// Holds sequence `held` as its writer on a thread of its own until
-/// `answered` says so, or the watchdog gives up; its join says which.
-fn hold(store: &Arc<Store>, held: &str) -> (std::thread::JoinHandle<bool>, mpsc::Sender<()>) {
-    let (answered, wait_for_answer) = mpsc::channel::<()>();
-    let (locked, wait_for_lock) = mpsc::channel::<()>();
-    let store = Arc::clone(store);
-    let key = SequenceKey::parse("", held).unwrap();
-    let holder = std::thread::spawn(move || {
-        store
-            .with_sequence_held(&key, || {
-                locked.send(()).unwrap();
-                wait_for_answer.recv_timeout(WATCHDOG).is_ok()
-            })
-            .unwrap()
-    });
-    wait_for_lock.recv().unwrap();
-    (holder, answered)
+/// Sequence "held", held by a writer on a thread of its own until a call
+/// on "free" has been answered, or the watchdog gives up.
+struct Held {
+    store: Arc<Store>,
+    holder: std::thread::JoinHandle<bool>,
+    answered: mpsc::Sender<()>,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn readers_waiting_for_a_writer_stall_no_other_sequence() {
+impl Held {
+    fn take(store: &Arc<Store>) -> Self {
+        let (answered, wait_for_answer) = mpsc::channel::<()>();
+        let (locked, wait_for_lock) = mpsc::channel::<()>();
+        let holder = {
+            let store = Arc::clone(store);
+            std::thread::spawn(move || {
+                store
+                    .with_sequence_held(&held(), || {
+                        locked.send(()).unwrap();
+                        wait_for_answer.recv_timeout(WATCHDOG).is_ok()
+                    })
+                    .unwrap()
+            })
+        };
+        wait_for_lock.recv().unwrap();
+        Self {
+            store: Arc::clone(store),
+            holder,
+            answered,
+        }
+    }
+
+    /// Once `readers` of "held" have had time to wait for the writer (and
+    /// are still waiting), page 0 of "free", which must come while "held"
+    /// is still held; then the writer lets go.
+    async fn free_page<T>(
+        self,
+        client: &mut Client,
+        readers: &[tokio::task::JoinHandle<T>],
+        what: &str,
+    ) -> Vec<pb::Page> {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(self.store.would_wait(&held()), "the writer holds \"held\"");
+        assert!(
+            readers.iter().all(|r| !r.is_finished()),
+            "{what} of \"held\" ended while it was held"
+        );
+        let free = client.fetch_pages("free", 0, 0..1, vec![0]).await.unwrap();
+        let _ = self.answered.send(());
+        assert!(
+            self.holder.join().unwrap(),
+            "a call on another sequence waited for the writer of \"held\" ({WAITING_READERS} {what}s of it on {WORKERS} workers)"
+        );
+        free
+    }
+}
+
+fn held() -> SequenceKey {
+    SequenceKey::parse("", "held").unwrap()
+}
+
+/// A server of a store kept here, with sequence "held" of `pages` pages and
+/// "free" of one (one layer, one KV head), and a client of it.
+async fn serving(pages: u32) -> (Arc<Store>, common::TestServer, Client) {
     let store = Store::new(common::small_store()).unwrap();
     let server = common::TestServer::serving(Arc::clone(&store), ServerConfig::default()).await;
     let mut client = server.client().await;
     let layout = kvtier_client::layout(1, 1, 1, HEAD_DIM, DTYPE, PAGE);
-    let kv = Bytes::from(finite_elements(DTYPE, (2 * HEAD_DIM * PAGE) as usize, 7));
-    for seq in ["held", "free"] {
+    for (seq, pages, seed) in [("held", pages, 11), ("free", 1, 7)] {
+        let kv = Bytes::from(finite_elements(DTYPE, (2 * HEAD_DIM * PAGE * pages) as usize, seed));
         client.create_sequence(seq, layout.clone(), vec![]).await.unwrap();
-        client.put_pages(seq, 0, 0..1, 0, PAGE, kv.clone()).await.unwrap();
+        client.put_pages(seq, 0, 0..1, 0, PAGE * pages, kv).await.unwrap();
     }
+    (store, server, client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_waiting_for_a_writer_stall_no_other_sequence() {
+    let (store, _server, mut client) = serving(1).await;
     let before = client.fetch_pages("free", 0, 0..1, vec![0]).await.unwrap();
 
-    // A writer takes "held" and keeps it until the call on "free" has been
-    // answered, or the watchdog gives up.
-    let (holder, answered) = hold(&store, "held");
+    let held = Held::take(&store);
     let readers: Vec<_> = (0..WAITING_READERS)
         .map(|i| {
             let mut client = client.clone();
@@ -77,22 +123,7 @@ async fn readers_waiting_for_a_writer_stall_no_other_sequence() {
             })
         })
         .collect();
-    // Time for the readers' calls to reach the server and wait there; the
-    // writer still holds "held", and none of them has been answered.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(store.would_wait(&SequenceKey::parse("", "held").unwrap()));
-    assert!(
-        readers.iter().all(|r| !r.is_finished()),
-        "a reader of \"held\" was answered while it was held"
-    );
-
-    let free = client.fetch_pages("free", 0, 0..1, vec![0]).await.unwrap();
-    let _ = answered.send(());
-    let answered_while_held = holder.join().unwrap();
-    assert!(
-        answered_while_held,
-        "a call on another sequence waited for the writer of \"held\" ({WAITING_READERS} readers of it on {WORKERS} workers)"
-    );
+    let free = held.free_page(&mut client, &readers, "reader").await;
     assert_eq!(free, before, "the other sequence's page, bit-exact");
     for reader in readers {
         assert_eq!(
@@ -105,18 +136,9 @@ async fn readers_waiting_for_a_writer_stall_no_other_sequence() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_fetches_waiting_for_a_writer_stall_no_other_sequence() {
-    let store = Store::new(common::small_store()).unwrap();
-    let server = common::TestServer::serving(Arc::clone(&store), ServerConfig::default()).await;
-    let mut client = server.client().await;
-    let layout = kvtier_client::layout(1, 1, 1, HEAD_DIM, DTYPE, PAGE);
     // 2 MiB of pages: eight chunks of 256 KiB.
     let pages = 2048u32;
-    let kv = Bytes::from(finite_elements(DTYPE, (2 * HEAD_DIM * PAGE * pages) as usize, 11));
-    client.create_sequence("held", layout.clone(), vec![]).await.unwrap();
-    client.put_pages("held", 0, 0..1, 0, PAGE * pages, kv).await.unwrap();
-    client.create_sequence("free", layout, vec![]).await.unwrap();
-    let one = Bytes::from(finite_elements(DTYPE, (2 * HEAD_DIM * PAGE) as usize, 7));
-    client.put_pages("free", 0, 0..1, 0, PAGE, one).await.unwrap();
+    let (store, server, mut client) = serving(pages).await;
 
     // Clients whose HTTP/2 windows take one message at a time: each long
     // fetch stops after its first chunks until its stream is read.
@@ -138,7 +160,7 @@ async fn long_fetches_waiting_for_a_writer_stall_no_other_sequence() {
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    let (holder, answered) = hold(&store, "held");
+    let held = Held::take(&store);
     let readers: Vec<_> = streams
         .into_iter()
         .map(|mut stream| {
@@ -151,20 +173,7 @@ async fn long_fetches_waiting_for_a_writer_stall_no_other_sequence() {
             })
         })
         .collect();
-    // Time for the streams to want chunks read after the writer came.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        readers.iter().all(|r| !r.is_finished()),
-        "a fetch of \"held\" ended while it was held"
-    );
-
-    let free = client.fetch_pages("free", 0, 0..1, vec![0]).await.unwrap();
-    let _ = answered.send(());
-    let answered_while_held = holder.join().unwrap();
-    assert!(
-        answered_while_held,
-        "a call on another sequence waited for the writer of \"held\" ({WAITING_READERS} long fetches of it on {WORKERS} workers)"
-    );
+    let free = held.free_page(&mut client, &readers, "long fetch").await;
     assert_eq!(free.len(), 1);
     for reader in readers {
         assert_eq!(
