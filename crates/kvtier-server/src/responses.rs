@@ -184,9 +184,16 @@ pub(crate) fn select_messages<B>(
 /// read on its task's worker, as a small fetch is, without a hand-off to
 /// another thread: 256 KiB chunks read on a blocking thread took 740–750 µs,
 /// with `block_in_place` 710–760, on the worker 630–650. Like a small fetch,
-/// a chunk may wait there for its sequence's writer, or for the NVMe reads
-/// of at most 256 KiB of pages.
+/// a chunk whose sequence's writer is under way steps off the worker first
+/// (`blocking::sized`); one there may still wait for the NVMe reads of at
+/// most 256 KiB of pages.
 pub(crate) const PIPELINED_BYTES: usize = INLINE_BYTES;
+
+/// The most one inline chunk of a fetch whose messages may take `max_bytes`
+/// reads.
+fn chunk_bytes(max_bytes: usize) -> usize {
+    max_bytes.min(PIPELINED_BYTES)
+}
 
 /// A fetch being streamed.
 pub(crate) struct FetchJob {
@@ -195,8 +202,6 @@ pub(crate) struct FetchJob {
     request: pb::FetchPagesRequest,
     per_head: Vec<Vec<u32>>,
     pub(crate) max_bytes: usize,
-    /// The most one inline chunk reads (see [`PIPELINED_BYTES`]).
-    chunk_bytes: usize,
     /// The most page bytes the whole fetch reads.
     pub(crate) bound: usize,
     /// The buffer one chunk's page bytes are read into.
@@ -229,15 +234,13 @@ impl FetchJob {
         // A chunk holds at least one page, whatever max_bytes says (a page
         // too large for a message is refused as its messages are made), and
         // whatever the pages were when the call began.
-        let chunk_bytes = max_bytes.min(PIPELINED_BYTES);
-        let room = bound.min(chunk_bytes).max(layout.page_bytes());
+        let room = bound.min(chunk_bytes(max_bytes)).max(layout.page_bytes());
         Self {
             _request_bytes: request_bytes,
             key,
             request,
             per_head,
             max_bytes,
-            chunk_bytes,
             bound,
             room,
         }
@@ -279,7 +282,7 @@ impl FetchJob {
     /// the next starts.
     pub(crate) fn read(&self, store: &Store, from: FetchCursor) -> StoreResult<(Vec<pb::Page>, Option<FetchCursor>)> {
         let ((pages, next), bytes) = read_to_bytes(self.room, |buf| {
-            store.fetch_chunk_into(&self.key, self.pages(), from, self.chunk_bytes, buf)
+            store.fetch_chunk_into(&self.key, self.pages(), from, chunk_bytes(self.max_bytes), buf)
         })?;
         Ok((inline_pages(pages, &bytes), next))
     }
