@@ -6,10 +6,13 @@
 use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 
 use kvtier_client::{Client, SelectRequest, actions, pb};
 use kvtier_server::{BoundServer, ServerConfig};
 use kvtier_store::{EngineChoice, NvmeConfig, Store, StoreConfig};
+use kvtier_tiers::faults::{Faults, FaultyTier};
+use kvtier_tiers::{ArenaTier, NvmeTier};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const PAGE: u32 = 16;
@@ -49,19 +52,26 @@ async fn scrape(addr: std::net::SocketAddr) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_cover_calls_swap_ins_nvme_selections_checkpoints_and_moves() {
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::new(StoreConfig {
-        device_bytes: 8 * PAGE_BYTES,
-        host_bytes: 8 * PAGE_BYTES,
-        cache_writes_on_device: false,
-        nvme: Some(NvmeConfig {
-            path: dir.path().join("nvme.data"),
-            capacity: 256 * 4096,
-            engine: EngineChoice::Auto,
-            queue_depth: 8,
-            direct: true,
-        }),
-        ..StoreConfig::default()
-    })
+    let nvme = NvmeConfig {
+        path: dir.path().join("nvme.data"),
+        capacity: 256 * 4096,
+        engine: EngineChoice::Auto,
+        queue_depth: 8,
+        direct: true,
+    };
+    // The real NVMe tier, slowed on command for the selection past its deadline.
+    let faults = Faults::none();
+    let slowed = FaultyTier::new(NvmeTier::open(nvme.clone()).unwrap(), Arc::clone(&faults));
+    let store = Store::with_tiers(
+        Arc::new(ArenaTier::emulated_device(8 * PAGE_BYTES).unwrap()),
+        Arc::new(ArenaTier::host(8 * PAGE_BYTES).unwrap()),
+        Some(Arc::new(slowed)),
+        StoreConfig {
+            cache_writes_on_device: false,
+            nvme: Some(nvme),
+            ..StoreConfig::default()
+        },
+    )
     .unwrap();
     let config = ServerConfig {
         listen: ([127, 0, 0, 1], 0).into(),
@@ -101,7 +111,7 @@ async fn metrics_cover_calls_swap_ins_nvme_selections_checkpoints_and_moves() {
     store.wait_idle();
     let chosen = client.select_pages("s", &req).await.unwrap();
     // A selection answered at its deadline, before NVMe could deliver its
-    // pages (sent there first).
+    // pages (sent there first, and each read slowed to 200 ms).
     for p in &chosen.heads[0].pages {
         client
             .set_page_state("s", 0..1, 0..1, p.page..p.page + 1, actions::offload_to_nvme())
@@ -111,8 +121,10 @@ async fn metrics_cover_calls_swap_ins_nvme_selections_checkpoints_and_moves() {
     let mut late = req.clone();
     late.deadline = Some(std::time::Duration::from_micros(1));
     late.prefetch_pages = 0;
+    faults.read_delay_us.store(200_000, Relaxed);
     client.select_pages("s", &late).await.unwrap();
     store.wait_idle();
+    faults.read_delay_us.store(0, Relaxed);
     client
         .set_page_state("s", 0..1, 0..1, 0..32, actions::offload_to_host())
         .await

@@ -12,7 +12,7 @@ use kvtier_core::select::{Budget, TopP};
 use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey, TenantId};
 use kvtier_store::{
     EngineChoice, FetchPages, HeadRange, Miss, NvmeConfig, PageContent, PageList, PageSelection, PutPages, SelectPages,
-    SetPageState, Store, StoreConfig, StoreError,
+    SetPageState, Store, StoreConfig, StoreError, SwapReport,
 };
 use kvtier_tiers::faults::{Faults, FaultyTier};
 use kvtier_tiers::{ArenaTier, NvmeTier};
@@ -208,6 +208,8 @@ fn a_deadline_returns_on_time_and_the_swap_in_finishes_behind_it() {
         took < Duration::from_millis(250),
         "the call waited for the slow swap-in: {took:?}"
     );
+    assert!(sel.past_deadline);
+    assert_eq!(sel.swap, SwapReport::default());
     for p in &sel.heads[0].pages {
         assert_eq!(
             (p.state, p.miss),

@@ -116,8 +116,12 @@ pub struct Selection<B = Vec<u8>> {
     /// (digests, and sketch rows).
     pub pages_scored: u64,
     pub digest_bytes: u64,
-    /// What the swap-in did (zeros without one; counts as of the return).
+    /// What the swap-in did (zeros without one, or past its deadline).
     pub swap: SwapReport,
+    /// The swap-in was still running at its deadline: the call was
+    /// answered then. Its pages show their state as of the answer; one the
+    /// swap-in made hot in between is hot, without a miss.
+    pub past_deadline: bool,
     /// Pages queued for prefetching.
     pub prefetch_queued: u32,
     /// The lease pinning the selected pages, and when it expires.
@@ -136,6 +140,7 @@ impl<B> Selection<B> {
             pages_scored: self.pages_scored,
             digest_bytes: self.digest_bytes,
             swap: self.swap,
+            past_deadline: self.past_deadline,
             prefetch_queued: self.prefetch_queued,
             lease: self.lease,
             timing: self.timing,
@@ -216,14 +221,9 @@ impl Store {
         selection.timing.store_us = micros(elapsed);
         if swap_in {
             let latency = &self.counters.latency;
-            let past_deadline = selection
-                .heads
-                .iter()
-                .flat_map(|h| &h.pages)
-                .any(|p| p.miss == Some(Miss::Deadline));
             let class = match &selection.swap {
                 // Answered before its swap-in finished: the report is empty.
-                _ if past_deadline => &latency.selection_past_deadline,
+                _ if selection.past_deadline => &latency.selection_past_deadline,
                 s if s.from_nvme > 0 => &latency.selection_from_nvme,
                 s if s.from_host > 0 => &latency.selection_from_host,
                 _ => &latency.selection_hot,
@@ -250,6 +250,7 @@ impl Store {
             pages_scored: 0,
             digest_bytes: 0,
             swap: SwapReport::default(),
+            past_deadline: false,
             prefetch_queued: 0,
             lease: None,
             timing: SelectTiming::default(),
@@ -278,9 +279,8 @@ impl Store {
         let chosen: Vec<Arc<PhysPage>> = ranked.chosen.values().cloned().collect();
         let tiers = tracer.as_ref().map(|_| tiers_of(&ranked.chosen));
         self.device.note_used(&chosen);
-        let mut timed_out = false;
         if req.swap_in {
-            (out.swap, timed_out) = self.swap_in_for(chosen.clone(), req.deadline);
+            (out.swap, out.past_deadline) = self.swap_in_for(chosen.clone(), req.deadline);
         }
         if req.prefetch_pages > 0 {
             let next: Vec<Arc<PhysPage>> = ranked
@@ -295,7 +295,7 @@ impl Store {
         if let Some(ttl) = req.lease {
             out.lease = Some(self.leases.grant(&seq.key.tenant, chosen, ttl));
         }
-        settle_states(seq, &lanes, &mut out.heads, req.swap_in.then_some(timed_out));
+        settle_states(seq, &lanes, &mut out.heads, req.swap_in.then_some(out.past_deadline));
         if req.with_data {
             let reading = Instant::now();
             out.data = self.read_selected(seq, &lanes, &ranked.chosen, &out.heads, buf)?;
