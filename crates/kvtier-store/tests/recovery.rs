@@ -401,3 +401,51 @@ fn digests_and_sketches_survive_restarts_and_checkpoints_partial_pages_included(
         assert_eq!((digests(&store, "a"), scores(&store, "a")), before);
     }
 }
+
+#[test]
+fn a_checkpoint_of_lanes_longer_than_one_read_brings_back_every_page() {
+    // 750 pages per lane: the checkpoint reads each lane in several holds
+    // of its sequence's lock, and writes as it goes.
+    const N: usize = 3000;
+    let (live, image) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let hashes: Vec<Vec<u8>> = (0..100).map(|p| format!("long-{p}").into_bytes()).collect();
+    let store = open(live.path());
+    store.create_sequence(key("long"), layout(), hashes.clone()).unwrap();
+    // Pages 0..100 persisted and shared with "twin"; 600..610 offloaded
+    // to NVMe later; page 300 of head 0 evicted; the rest in memory only.
+    put(&store, "long", 0, &kv(1, 0..400), 400, true);
+    put(&store, "long", 100, &kv(1, 400..N), N - 400, false);
+    let created = store.create_sequence(key("twin"), layout(), hashes).unwrap();
+    assert_eq!(created.attached_pages, 100);
+    offload_to_nvme(&store, "long", PageSelection::Range { first: 600, count: 10 });
+    let evict = SetPageState {
+        layer_start: 0,
+        layer_count: 1,
+        heads: HeadRange { start: 0, count: 1 },
+        pages: PageSelection::Range { first: 300, count: 1 },
+        action: kvtier_core::Action::Evict,
+        summary_rows: 1,
+        reason: Reason::Explicit,
+    };
+    store.set_page_state(&key("long"), evict).unwrap();
+    let before = (digests(&store, "long"), digests(&store, "twin"));
+    store.checkpoint();
+    crash_image(live.path(), image.path());
+    drop(store);
+
+    let store = open(image.path());
+    assert_eq!(store.sequence_info(&key("long")).unwrap().tokens, N as u64);
+    for p in fetch(&store, "long") {
+        let (h, page) = (p.kv_head as usize, p.page as usize);
+        let want = match (h, page) {
+            (_, 0..100 | 600..610) => PageContent::Original(expected(1, N, h, page)),
+            (0, 300) => PageContent::Gone(Reason::Explicit),
+            _ => PageContent::Gone(Reason::LostOnRestart),
+        };
+        assert_eq!(p.content, want, "long head {h} page {page}");
+    }
+    let twin = store.sequence_info(&key("twin")).unwrap();
+    assert_eq!((twin.tokens, twin.shared_pages), (400, 200));
+    assert_original(&store, "twin", 1, 400);
+    assert_eq!((digests(&store, "long"), digests(&store, "twin")), before);
+}

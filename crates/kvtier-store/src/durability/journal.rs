@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use kvtier_tiers::{Slot, Tier};
 
-use super::record::{FORMAT_VERSION, Record, frame};
+use super::record::{FORMAT_VERSION, Record, frame, frame_into};
 use super::{Durability, ManifestError};
 use crate::sync::lock;
 
@@ -57,6 +57,40 @@ struct JournalFile {
     /// Extents whose retiring records are written but not yet synced
     /// ([`Durability::Fsync`] only).
     unsynced: Vec<Arc<Slot>>,
+}
+
+/// Framed snapshot bytes kept before they are written to the file.
+const SNAPSHOT_WRITE_BYTES: usize = 1 << 20;
+
+/// The file a checkpoint's snapshot is being written to. Records go to it
+/// as they are made, through a buffer of about [`SNAPSHOT_WRITE_BYTES`]:
+/// the snapshot, a copy of every page's index entry, is never in memory
+/// whole (it was, framed, up to twice over while its buffer grew: a
+/// transient of several times the metadata budget).
+#[derive(Debug)]
+pub(crate) struct SnapshotOut {
+    file: File,
+    framed: Vec<u8>,
+    /// Bytes written to the file so far.
+    written: u64,
+}
+
+impl SnapshotOut {
+    /// Appends `records` to the snapshot.
+    pub(crate) fn write(&mut self, records: &[Record]) -> io::Result<()> {
+        frame_into(records, &mut self.framed);
+        if self.framed.len() >= SNAPSHOT_WRITE_BYTES {
+            self.write_framed()?;
+        }
+        Ok(())
+    }
+
+    fn write_framed(&mut self) -> io::Result<()> {
+        self.file.write_all(&self.framed)?;
+        self.written += self.framed.len() as u64;
+        self.framed.clear();
+        Ok(())
+    }
 }
 
 impl Journal {
@@ -191,15 +225,18 @@ impl Journal {
         f.len > floor.max(2 * f.checkpoint_len)
     }
 
-    /// Replaces the journal with a checkpoint of the current state, built by
-    /// `snapshot` while records keep being appended: everything written from
-    /// the moment the checkpoint begins is kept and goes after the snapshot
-    /// (every record sets state, so one the snapshot already reflects does
-    /// no harm). The snapshot is written and synced with no lock held; only
-    /// the tail is written under the file lock. The new file is renamed over
-    /// the old one, so a crash leaves one or the other. Returns the
-    /// snapshot's bytes.
-    pub(crate) fn checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> Result<u64, ManifestError> {
+    /// Replaces the journal with a checkpoint of the current state, which
+    /// `snapshot` writes while records keep being appended: everything
+    /// written from the moment the checkpoint begins is kept and goes after
+    /// the snapshot (every record sets state, so one the snapshot already
+    /// reflects does no harm). The snapshot is written and synced with no
+    /// lock held; only the tail is written under the file lock. The new
+    /// file is renamed over the old one, so a crash leaves one or the
+    /// other. Returns the snapshot's bytes.
+    pub(crate) fn checkpoint(
+        &self,
+        snapshot: impl FnOnce(&mut SnapshotOut) -> io::Result<()>,
+    ) -> Result<u64, ManifestError> {
         {
             let mut f = lock(&self.file);
             self.flush_locked(&mut f, true)
@@ -213,11 +250,20 @@ impl Journal {
         written.map_err(|e| ManifestError::io("checkpoint", &self.path, e))
     }
 
-    fn write_checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> io::Result<u64> {
+    fn write_checkpoint(&self, snapshot: impl FnOnce(&mut SnapshotOut) -> io::Result<()>) -> io::Result<u64> {
         let tmp = self.path.with_extension("checkpoint");
-        let bytes = frame(&snapshot());
-        let mut out = File::create(&tmp)?;
-        out.write_all(&bytes)?;
+        let mut snapshot_out = SnapshotOut {
+            file: File::create(&tmp)?,
+            framed: Vec::with_capacity(SNAPSHOT_WRITE_BYTES),
+            written: 0,
+        };
+        snapshot(&mut snapshot_out)?;
+        snapshot_out.write_framed()?;
+        let SnapshotOut {
+            file: mut out,
+            written: snapshot_len,
+            ..
+        } = snapshot_out;
         out.sync_all()?;
         let mut f = lock(&self.file);
         self.flush_locked(&mut f, false)?;
@@ -232,9 +278,8 @@ impl Journal {
         // From the rename on, the new file is the journal, whatever fails
         // after it: records written to the replaced one would be lost.
         let old = std::mem::replace(&mut f.file, out);
-        f.len = (bytes.len() + tail.len()) as u64;
-        f.checkpoint_len = bytes.len() as u64;
-        let written = f.checkpoint_len;
+        f.len = snapshot_len + tail.len() as u64;
+        f.checkpoint_len = snapshot_len;
         drop(f);
         // Closing the replaced file frees its blocks, which can take a while
         // for a large one: not under the lock that flushes wait for.
@@ -242,7 +287,7 @@ impl Journal {
         if let Some(dir) = self.path.parent() {
             File::open(dir)?.sync_all()?;
         }
-        Ok(written)
+        Ok(snapshot_len)
     }
 
     /// Bytes in the file (tests compare it with what replay reads).
@@ -255,7 +300,7 @@ impl Journal {
 #[cfg(test)]
 mod tests {
     use super::super::record::read_file;
-    use super::super::record::tests::{key, records};
+    use super::super::record::tests::{at, key, records};
     use super::*;
 
     fn header() -> Record {
@@ -282,11 +327,36 @@ mod tests {
         let journal = Journal::open(&path, 0, Durability::Relaxed).unwrap();
         journal.append(&records()[1..]);
         journal.flush(false).unwrap();
-        journal.checkpoint(|| records()[..2].to_vec()).unwrap();
+        journal.checkpoint(|out| out.write(&records()[..2])).unwrap();
         journal.append(&[Record::Drop { key: key("b") }]);
         journal.flush(false).unwrap();
         let (back, _) = read_file(&path).unwrap();
         assert_eq!(back, [&records()[..2], &[Record::Drop { key: key("b") }]].concat());
+    }
+
+    #[test]
+    fn a_snapshot_larger_than_its_buffer_goes_to_the_file_whole_and_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("manifest");
+        let journal = Journal::open(&path, 0, Durability::Relaxed).unwrap();
+        // Gone records of 64 KiB digests, 4 per write: the buffer goes to
+        // the file in the middle of several writes, a write crosses it.
+        let big = |i: u8| Record::Gone {
+            at: at("a", 0, u32::from(i), 16),
+            reason: kvtier_core::Reason::Policy,
+            digest: vec![i; 64 << 10],
+        };
+        let snapshot: Vec<Record> = std::iter::once(header()).chain((0..72).map(big)).collect();
+        let written = journal
+            .checkpoint(|out| snapshot.chunks(4).try_for_each(|records| out.write(records)))
+            .unwrap();
+        assert!(written > 4 * SNAPSHOT_WRITE_BYTES as u64, "{written} bytes");
+        journal.append(&[Record::Drop { key: key("a") }]);
+        journal.flush(false).unwrap();
+        let (back, len) = read_file(&path).unwrap();
+        assert_eq!(back, [snapshot, vec![Record::Drop { key: key("a") }]].concat());
+        assert_eq!(len, journal.len());
+        assert_eq!(written, frame(&back[..back.len() - 1]).len() as u64);
     }
 
     #[test]
@@ -296,12 +366,13 @@ mod tests {
         let journal = Journal::open(&path, 0, Durability::Fsync).unwrap();
         journal.append(&records()[1..]);
         journal
-            .checkpoint(|| {
+            .checkpoint(|out| {
+                out.write(&[header()])?;
                 // Appended and even flushed to the old file mid-checkpoint.
                 journal.append(&[Record::Drop { key: key("a") }]);
                 journal.flush(true).unwrap();
                 journal.append(&[Record::Drop { key: key("b") }]);
-                vec![header()]
+                Ok(())
             })
             .unwrap();
         let (back, len) = read_file(&path).unwrap();

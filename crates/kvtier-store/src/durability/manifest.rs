@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kvtier_tiers::{LOCK_WAIT, LockFile, Slot, Tier};
 
 use super::image::{self, Image};
-use super::journal::Journal;
+use super::journal::{Journal, SnapshotOut};
 use super::record::{self, Record};
 use super::{Durability, ManifestError};
 
@@ -79,9 +79,12 @@ impl Manifest {
         self.journal.wants_checkpoint(self.checkpoint_bytes)
     }
 
-    /// Replaces the journal with `snapshot`'s records, followed by those
-    /// appended while it was built. Returns the snapshot's bytes.
-    pub(crate) fn checkpoint(&self, snapshot: impl FnOnce() -> Vec<Record>) -> Result<u64, ManifestError> {
+    /// Replaces the journal with the records `snapshot` writes, followed by
+    /// those appended while it wrote them. Returns the snapshot's bytes.
+    pub(crate) fn checkpoint(
+        &self,
+        snapshot: impl FnOnce(&mut SnapshotOut) -> std::io::Result<()>,
+    ) -> Result<u64, ManifestError> {
         self.journal.checkpoint(snapshot)
     }
 }

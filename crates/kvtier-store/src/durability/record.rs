@@ -346,16 +346,21 @@ impl Record {
 /// The frames of `records`: each one's length and CRC32C, then its bytes.
 pub(crate) fn frame(records: &[Record]) -> Vec<u8> {
     let mut out = Vec::new();
+    frame_into(records, &mut out);
+    out
+}
+
+/// [`frame`], appended to `out`.
+pub(crate) fn frame_into(records: &[Record], out: &mut Vec<u8>) {
     for record in records {
         let start = out.len();
         out.extend_from_slice(&[0; 8]);
-        record.encode(&mut Writer(&mut out));
+        record.encode(&mut Writer(&mut *out));
         let len = (out.len() - start - 8) as u32;
         let crc = crc32c::crc32c(&out[start + 8..]);
         out[start..start + 4].copy_from_slice(&len.to_le_bytes());
         out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
     }
-    out
 }
 
 /// The records of a manifest file up to the first torn or corrupt frame,

@@ -1,30 +1,39 @@
 //! The checkpoint: the current state as records, which replace the journal.
 
-use std::collections::BTreeMap;
+use std::collections::HashSet;
+use std::io;
 
 use kvtier_core::LogicalPage;
 
 use super::Durable;
+use super::journal::SnapshotOut;
 use super::persist::{gone_record, map_record, summary_record};
 use super::record::{FORMAT_VERSION, Record};
 use crate::catalog::{Catalog, Sequence};
 use crate::sync::read;
 
+/// Pages whose records are made under one hold of their sequence's lock.
+const PAGES_PER_HOLD: usize = 256;
+
 impl Durable {
-    /// Everything needed to rebuild the current state. A sequence is read
-    /// one lane at a time, so a write waits for at most one lane's records;
-    /// what changes meanwhile is journalled after the snapshot and replayed
-    /// over it.
-    fn checkpoint_records(&self, catalog: &Catalog) -> Vec<Record> {
-        let mut records = vec![
+    /// Writes everything needed to rebuild the current state to `out`. A
+    /// sequence is read [`PAGES_PER_HOLD`] pages of one lane at a time, so
+    /// a write waits for at most that many pages' records, and only those
+    /// are in memory before they go to the file; what changes meanwhile is
+    /// journalled after the snapshot and replayed over it.
+    fn write_snapshot(&self, catalog: &Catalog, out: &mut SnapshotOut) -> io::Result<()> {
+        out.write(&[
             Record::Header {
                 version: FORMAT_VERSION,
             },
             Record::Ids {
                 next: self.ids.reserved(),
             },
-        ];
-        let mut copies: BTreeMap<u64, Record> = BTreeMap::new();
+        ])?;
+        // Physical pages whose copy is recorded: a page shared by several
+        // lanes is recorded once.
+        let mut persisted: HashSet<u64> = HashSet::new();
+        let mut records = Vec::new();
         for cell in catalog.cells() {
             let lanes = {
                 let seq = cell.read_behind_writers();
@@ -38,34 +47,57 @@ impl Durable {
                 });
                 seq.lanes.len()
             };
-            for lane in 0..lanes {
-                let seq = cell.read_behind_writers();
-                if seq.dropped {
-                    break;
+            'lanes: for lane in 0..lanes {
+                let mut from = 0;
+                loop {
+                    let more = {
+                        let seq = cell.read_behind_writers();
+                        if seq.dropped {
+                            break 'lanes;
+                        }
+                        let to = seq.lanes[lane].num_pages().min(from + PAGES_PER_HOLD);
+                        self.page_records(&seq, lane, from..to, &mut records, &mut persisted);
+                        (to < seq.lanes[lane].num_pages()).then_some(to)
+                    };
+                    out.write(&records)?;
+                    records.clear();
+                    match more {
+                        Some(to) => from = to,
+                        None => break,
+                    }
                 }
-                self.lane_records(&seq, lane, &mut records, &mut copies);
             }
         }
-        records.extend(copies.into_values());
-        records
+        out.write(&records)
     }
 
-    /// The records of every page of one lane, and the `Persist` record of
-    /// each physical page it maps that has an NVMe copy (once per page).
-    fn lane_records(&self, seq: &Sequence, lane: usize, records: &mut Vec<Record>, copies: &mut BTreeMap<u64, Record>) {
+    /// The records of pages `pages` of one lane, and the `Persist` record of
+    /// each physical page they map that has an NVMe copy and is not in
+    /// `persisted` yet.
+    fn page_records(
+        &self,
+        seq: &Sequence,
+        lane: usize,
+        pages: std::ops::Range<usize>,
+        records: &mut Vec<Record>,
+        persisted: &mut HashSet<u64>,
+    ) {
         let l = &seq.lanes[lane];
-        for (p, logical) in l.pages().enumerate() {
-            records.push(match logical {
+        for p in pages {
+            let Some(logical) = l.page(p) else { break };
+            let record = match logical {
                 LogicalPage::Physical(r) => {
                     let place = read(&r.page.place);
                     if let Some(reason) = place.lost {
                         gone_record(seq, lane, p, reason)
                     } else {
-                        if let Some(copy) = place.nvme.as_ref().or(place.durable_prefix.as_ref()) {
+                        if let Some(copy) = place.nvme.as_ref().or(place.durable_prefix.as_ref())
+                            && persisted.insert(r.page.id)
+                        {
                             // The lane's digest covers at least the copy's
                             // rows, so it bounds them (a partial page's
                             // too); the sketches are the copy's rows'.
-                            copies.entry(r.page.id).or_insert_with(|| Record::Persist {
+                            records.push(Record::Persist {
                                 phys: r.page.id,
                                 offset: copy.slot.offset(),
                                 len: copy.slot.len(),
@@ -79,15 +111,17 @@ impl Durable {
                 }
                 LogicalPage::Summary(s) => {
                     let mut kv = vec![0u8; s.slot.len() as usize];
-                    if let Err(e) = self.host.read(&s.slot, 0, &mut kv) {
-                        tracing::error!(sequence = %seq.key, lane, page = p, error = %e, "summary unreadable; checkpointed as gone");
-                        records.push(gone_record(seq, lane, p, s.reason));
-                        continue;
+                    match self.host.read(&s.slot, 0, &mut kv) {
+                        Ok(()) => summary_record(seq, lane, p, s.reason, &s.counts, kv),
+                        Err(e) => {
+                            tracing::error!(sequence = %seq.key, lane, page = p, error = %e, "summary unreadable; checkpointed as gone");
+                            gone_record(seq, lane, p, s.reason)
+                        }
                     }
-                    summary_record(seq, lane, p, s.reason, &s.counts, kv)
                 }
                 LogicalPage::Gone(reason) => gone_record(seq, lane, p, *reason),
-            });
+            };
+            records.push(record);
         }
     }
 
@@ -96,7 +130,7 @@ impl Durable {
         let Some(manifest) = &self.manifest else { return };
         let started = std::time::Instant::now();
         tracing::debug!("manifest checkpoint started");
-        match manifest.checkpoint(|| self.checkpoint_records(catalog)) {
+        match manifest.checkpoint(|out| self.write_snapshot(catalog, out)) {
             Ok(bytes) => {
                 let elapsed = started.elapsed();
                 self.counters.latency.checkpoint.observe(elapsed);
