@@ -26,7 +26,8 @@ pub fn sketch_logits_with(kernel: Kernel, head_dim: usize, rows: &[u8], queries:
     let sums: Vec<f32> = queries.chunks_exact(head_dim).map(|q| q.iter().sum()).collect();
     match kernel {
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 if Kernel::detect() == Kernel::Avx2 && std::arch::is_x86_feature_detected!("fma") => {
+        // AVX-512 machines run the AVX2 sketch kernel.
+        Kernel::Avx2 | Kernel::Avx512 if Kernel::Avx2.supported() && std::arch::is_x86_feature_detected!("fma") => {
             // SAFETY: the CPU supports AVX2 and FMA (checked just above); the
             // lengths were checked against each other, as `avx2::logits`
             // requires.
@@ -54,7 +55,7 @@ fn scalar(head_dim: usize, rows: &[u8], queries: &[f32], sums: &[f32], out: &mut
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use crate::score::avx2::horizontal_sum;
+    use crate::score::horizontal_sum;
     use crate::sketch::{code, row_bytes, scale_zero};
 
     /// # Safety
