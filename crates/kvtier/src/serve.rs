@@ -301,6 +301,8 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         },
         metadata = %format!("{} ({metadata_sized})", ByteSize(store.limits.metadata_bytes)),
         durability = ?store.durability,
+        // The widest the CPU runs (docs/ARCHITECTURE.md, Selection).
+        rank_kernel = kvtier_core::score::Kernel::detect().name(),
         "starting kvtier"
     );
 
