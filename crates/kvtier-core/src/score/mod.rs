@@ -40,16 +40,16 @@ impl Kernel {
     /// Whether this CPU can run the kernel.
     pub fn supported(self) -> bool {
         #[cfg(target_arch = "x86_64")]
-        let avx2 = std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c");
+        let (avx2, avx512) = {
+            let avx2 = std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c");
+            (avx2, avx2 && std::arch::is_x86_feature_detected!("avx512f"))
+        };
         #[cfg(not(target_arch = "x86_64"))]
-        let avx2 = false;
+        let (avx2, avx512) = (false, false);
         match self {
             Kernel::Scalar => true,
             Kernel::Avx2 => avx2,
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512 => avx2 && std::arch::is_x86_feature_detected!("avx512f"),
-            #[cfg(not(target_arch = "x86_64"))]
-            Kernel::Avx512 => false,
+            Kernel::Avx512 => avx512,
         }
     }
 

@@ -48,23 +48,20 @@ impl Durable {
                 seq.lanes.len()
             };
             'lanes: for lane in 0..lanes {
-                let mut from = 0;
-                loop {
-                    let more = {
+                let mut from = Some(0);
+                while let Some(start) = from {
+                    {
                         let seq = cell.read_behind_writers();
                         if seq.dropped {
                             break 'lanes;
                         }
-                        let to = seq.lanes[lane].num_pages().min(from + PAGES_PER_HOLD);
-                        self.page_records(&seq, lane, from..to, &mut records, &mut persisted);
-                        (to < seq.lanes[lane].num_pages()).then_some(to)
-                    };
+                        let pages = seq.lanes[lane].num_pages();
+                        let end = pages.min(start + PAGES_PER_HOLD);
+                        self.page_records(&seq, lane, start..end, &mut records, &mut persisted);
+                        from = (end < pages).then_some(end);
+                    }
                     out.write(&records)?;
                     records.clear();
-                    match more {
-                        Some(to) => from = to,
-                        None => break,
-                    }
                 }
             }
         }
