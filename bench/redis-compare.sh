@@ -82,8 +82,9 @@ done
   echo "  loads every page into both, then fetches each selection's pages one at a time, timing each: kvtier inline"
   echo "  (one FetchPages with per-head lists, bytes in the messages), kvtier shm (the same FetchPages naming a window"
   echo "  of a registered shared-memory region: bytes written there), kvtier local (the same call over the region's own"
-  echo "  socket, \`Client::fetch_local\`: no gRPC; sleeping on each reply, the default, and again polling for it for up"
-  echo "  to 100 µs first, \`ShmRegion::set_spin\`), Redis (one MGET of one key per (layer, KV head, page))."
+  echo "  socket, \`Client::fetch_local\`: no gRPC; sleeping on each reply (\`ShmRegion::set_spin(0)\`), and again"
+  echo "  polling for it for up to 100 µs first while replies come within that, the client's default), Redis (one MGET"
+  echo "  of one key per (layer, KV head, page))."
   echo "- servers: \`kvtier serve --device-bytes 0 --host-bytes 4GiB --nvme-bytes 0\` (pages in host memory)"
   echo "  and \`redis-server --save '' --appendonly no\` ($(redis-server --version | awk '{print $3}')), each its own process on loopback."
   echo "  Clients run on one thread (a decode worker's loop); the echo floor is a bare tonic server (default settings,"
@@ -99,7 +100,7 @@ done
   echo "- empty call: the smallest round trip each offers (kvtier a FetchPages of no pages, alternating call by call with"
   echo "  the echo; the same over the region's socket; Redis PING), the fixed cost inside every fetch."
   echo
-  echo "| workload | page | fetches | MB per fetch | inline p50 / p99 / p99.9 µs | shm p50 / p99 / p99.9 µs | local p50 / p99 / p99.9 µs | local polling p50 / p99 / p99.9 µs | Redis p50 / p99 / p99.9 µs | Redis/inline p50 | p99 | Redis/shm p50 | p99 | Redis/local p50 | p99 | Redis/polling p50 | p99 | empty call kvtier / local / polling / echo / Redis PING p50 µs | kvtier empty / echo |"
+  echo "| workload | page | fetches | MB per fetch | inline p50 / p99 / p99.9 µs | shm p50 / p99 / p99.9 µs | local sleeping p50 / p99 / p99.9 µs | local polling (default) p50 / p99 / p99.9 µs | Redis p50 / p99 / p99.9 µs | Redis/inline p50 | p99 | Redis/shm p50 | p99 | Redis/sleeping p50 | p99 | Redis/polling p50 | p99 | empty call kvtier / sleeping / polling / echo / Redis PING p50 µs | kvtier empty / echo |"
   echo "|---|---:|---:|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
   python3 - "$jsonl" <<'PY'
 import json, sys

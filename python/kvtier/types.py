@@ -184,12 +184,13 @@ class ShmRegion:
 
     @property
     def spin(self) -> float:
-        """Seconds a call polls for its reply before it sleeps on it (0 by
-        default: at once; the CPU is yielded at every poll). A thread woken
-        on another CPU starts tens of microseconds after its reply arrives,
-        most of a small call; polling saves that where a core is spare for
-        it, and costs more than it saves where the server needs every core
-        (ranking a long context on a small machine)."""
+        """Seconds a call polls for its reply at most before it sleeps on it
+        (1e-4 by default; 0: never polls; the CPU is yielded at every poll).
+        A thread woken on another CPU starts tens of microseconds after its
+        reply arrives, most of a small call, which polling saves. A region
+        polls only while its recent replies came within this: where calls
+        take longer (ranking a long context), polling would take the
+        server's CPU and shorten nothing."""
         return float(self._registered().spin)
 
     @spin.setter

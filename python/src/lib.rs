@@ -388,8 +388,9 @@ impl Region {
         py.detach(|| self.held().fd().as_raw_fd())
     }
 
-    /// Seconds each call polls for its reply before sleeping on it
-    /// (`kvtier_client::DEFAULT_SPIN`, 0: at once, until set).
+    /// Seconds each call polls for its reply at most before sleeping on it,
+    /// while the region's replies come within that
+    /// (`kvtier_client::DEFAULT_SPIN`, 100 µs, until set; 0: never polls).
     #[getter]
     fn spin(&self, py: Python<'_>) -> f64 {
         py.detach(|| self.held().spin().as_secs_f64())

@@ -20,6 +20,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interes
 use tokio::net::UnixStream;
 
 use crate::pb;
+use crate::reply_times::ReplyTimes;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ShmError {
@@ -35,17 +36,17 @@ pub enum ShmError {
     Reply(#[from] prost::DecodeError),
 }
 
-/// How long a call over a region polls for its reply before sleeping on
-/// it, unless [`ShmRegion::set_spin`] says otherwise: not at all. A thread
+/// How long a call over a region polls for its reply at most before
+/// sleeping on it, unless [`ShmRegion::set_spin`] says otherwise. A thread
 /// that sleeps is woken tens of microseconds after its reply arrives on
-/// these VMs (an empty call: 6-8 us polling, 40-45 sleeping, client and
-/// server on different CPUs), most of a small call, which polling saves
-/// where the machine has a core to spare for it. Where the server's call
-/// needs every core it costs more than it saves: on 2 cores, a 100 us poll
-/// per call took enough CPU from the server's parallel ranking to make a
-/// llama3-8b 32K decode step 35 -> 40-48 ms, though the CPU is yielded at
-/// every turn (that only helps a thread waiting on the same CPU).
-pub const DEFAULT_SPIN: Duration = Duration::ZERO;
+/// these VMs (an empty call: 6-14 us polling, 40-50 sleeping, client and
+/// server on different CPUs), most of a small call, which polling saves.
+/// A region polls only while its recent replies came within the poll
+/// (`ReplyTimes`): where a call takes longer (a long context's selection),
+/// polling takes its CPU from the server's work and shortens nothing (on 2
+/// cores, a 100 us poll on every call made a llama3-8b 32K decode step 35
+/// -> 40-48 ms, though the CPU is yielded at every turn).
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(100);
 
 /// A shared-memory region registered with a server.
 #[derive(Debug)]
@@ -65,8 +66,10 @@ pub struct ShmRegion {
     header_read: usize,
     reply: Vec<u8>,
     reply_read: usize,
-    /// How long a call polls for its reply before it sleeps on it.
+    /// How long a call polls for its reply at most before it sleeps on it.
     spin: Duration,
+    /// How long recent calls waited for their replies: whether to poll.
+    reply_times: ReplyTimes,
 }
 
 impl ShmRegion {
@@ -110,6 +113,7 @@ impl ShmRegion {
                     reply: Vec::new(),
                     reply_read: 0,
                     spin: DEFAULT_SPIN,
+                    reply_times: ReplyTimes::default(),
                 })
             }
             ["error", code, message] => {
@@ -159,8 +163,12 @@ impl ShmRegion {
         frame.extend_from_slice(&len.to_le_bytes());
         frame.extend_from_slice(call);
         self.unsent = Some((frame, 0));
+        // Timed only where it is answered: a call dropped on the way is
+        // finished, unclocked, by the next.
+        let sent = Instant::now();
         self.send_rest().await?;
         self.read_reply().await?;
+        self.reply_times.observe(sent.elapsed());
         Ok(&self.reply)
     }
 
@@ -215,15 +223,16 @@ impl ShmRegion {
         }
     }
 
-    /// Polls for the reply's first bytes for up to `self.spin`, without
-    /// sleeping: a thread woken on another CPU starts tens of microseconds
-    /// later on a VM, most of a small call.
+    /// Polls for the reply's first bytes for up to `self.spin` where recent
+    /// replies came within it, without sleeping: a thread woken on another
+    /// CPU starts tens of microseconds later on a VM, most of a small call.
     fn poll_reply(&mut self) -> io::Result<()> {
-        if self.header_read > 0 || self.spin.is_zero() {
+        let spin = self.reply_times.poll_for(self.spin);
+        if self.header_read > 0 || spin.is_zero() {
             return Ok(());
         }
         let start = Instant::now();
-        while start.elapsed() < self.spin {
+        while start.elapsed() < spin {
             // Straight to the socket: tokio's `try_read` answers from its
             // readiness, which only its reactor updates, and the reactor
             // does not run while this thread polls.
@@ -268,9 +277,10 @@ impl ShmRegion {
         self.map.len() == 0
     }
 
-    /// How long each later call polls for its reply before sleeping on it
-    /// ([`DEFAULT_SPIN`], zero: at once, until set). Worth a spare core's
-    /// time for small calls: see [`DEFAULT_SPIN`].
+    /// How long each later call polls for its reply at most before
+    /// sleeping on it ([`DEFAULT_SPIN`] until set; zero: never polls). A
+    /// call polls only while the region's recent replies came within this:
+    /// see [`DEFAULT_SPIN`].
     pub fn set_spin(&mut self, spin: Duration) {
         self.spin = spin;
     }

@@ -92,9 +92,10 @@ pub(crate) struct FetchBenchArgs {
     /// a fair floor runs where the kvtier server does.
     #[arg(long, value_name = "ADDR")]
     echo: Option<std::net::SocketAddr>,
-    /// The local calls run twice: sleeping on each reply (the default), and
-    /// polling for it for up to this long first (`ShmRegion::set_spin`).
-    #[arg(long, value_name = "MICROSECONDS", default_value_t = 100)]
+    /// The local calls run twice: sleeping on each reply (`set_spin(0)`),
+    /// and polling for it for up to this long first while replies come
+    /// within it (`ShmRegion::set_spin`; the client's default).
+    #[arg(long, value_name = "MICROSECONDS", default_value_t = kvtier_client::DEFAULT_SPIN.as_micros() as u64)]
     poll_us: u64,
     /// Print one JSON object.
     #[arg(long)]
@@ -126,10 +127,10 @@ struct Report {
     /// The same fetches through the shm data plane, called over gRPC.
     kvtier_shm: Option<Side>,
     /// The same again, called over the region's own socket
-    /// (`kvtier.v1.LocalCall`): no HTTP/2.
+    /// (`kvtier.v1.LocalCall`): no HTTP/2; sleeping on each reply.
     kvtier_local: Option<Side>,
     /// The local calls again, each polling for its reply for up to
-    /// `poll_us` before sleeping on it.
+    /// `poll_us` (while replies come within it) before sleeping on it.
     kvtier_local_polling: Option<Side>,
     poll_us: u64,
     redis: Option<Side>,

@@ -113,6 +113,11 @@ pub(crate) struct DecodeArgs {
     /// With --addr and --data-plane shm: the server's shm socket.
     #[arg(long, value_name = "PATH")]
     shm_socket: Option<PathBuf>,
+    /// With --data-plane shm: how long a call over the region polls for its
+    /// reply at most before sleeping on it, while its replies come within
+    /// that (`ShmRegion::set_spin`; 0: never polls).
+    #[arg(long, value_name = "MICROSECONDS", default_value_t = kvtier_client::DEFAULT_SPIN.as_micros() as u64)]
+    shm_poll_us: u64,
     /// One parameter swept over values: device_fraction, host_fraction,
     /// budget_pages, drift or sequences, e.g. `device_fraction=0.1,0.25,0.5`.
     #[arg(long)]
@@ -547,6 +552,7 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         addr: a.addr.clone(),
         data_plane: a.data_plane,
         shm_socket: a.shm_socket.clone(),
+        shm_poll_us: a.shm_poll_us,
         record_trace: a.trace.is_some(),
     })
 }

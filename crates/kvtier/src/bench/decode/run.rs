@@ -49,6 +49,8 @@ pub(crate) struct RunConfig {
     pub(crate) data_plane: DataPlane,
     /// The shm socket of the server at `addr`.
     pub(crate) shm_socket: Option<std::path::PathBuf>,
+    /// How long a call over the region polls for its reply at most.
+    pub(crate) shm_poll_us: u64,
     /// Keep every selection's page lists (for `--trace`).
     #[serde(skip)]
     pub(crate) record_trace: bool,
@@ -296,7 +298,9 @@ async fn decode(
         }
         (DataPlane::Shm | DataPlane::ShmGrpc, Some(socket)) => {
             let bytes = cfg.budget_pages as usize * s.kv_heads as usize * s.page_bytes();
-            Some(client.register_shm(socket, bytes).await?)
+            let mut region = client.register_shm(socket, bytes).await?;
+            region.set_spin(Duration::from_micros(cfg.shm_poll_us));
+            Some(region)
         }
     };
     let mut steps = Vec::with_capacity(cfg.steps);
