@@ -17,7 +17,6 @@
 mod client;
 mod merge;
 mod pack;
-mod reply_times;
 mod shm;
 
 pub use client::{Client, ClientError, Connect, MAX_MESSAGE_BYTES, SelectRequest, SelectResult, Tls, actions, layout};

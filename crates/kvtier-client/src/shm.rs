@@ -20,7 +20,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interes
 use tokio::net::UnixStream;
 
 use crate::pb;
-use crate::reply_times::ReplyTimes;
+use kvtier_core::poll::AdaptivePoll;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ShmError {
@@ -42,7 +42,7 @@ pub enum ShmError {
 /// these VMs (an empty call: 6-14 us polling, 40-50 sleeping, client and
 /// server on different CPUs), most of a small call, which polling saves.
 /// A region polls only while its recent replies came within the poll
-/// (`ReplyTimes`): where a call takes longer (a long context's selection),
+/// (`kvtier_core::poll::AdaptivePoll`): where a call takes longer (a long context's selection),
 /// polling takes its CPU from the server's work and shortens nothing (on 2
 /// cores, a 100 us poll on every call made a llama3-8b 32K decode step 35
 /// -> 40-48 ms, though the CPU is yielded at every turn).
@@ -66,10 +66,9 @@ pub struct ShmRegion {
     header_read: usize,
     reply: Vec<u8>,
     reply_read: usize,
-    /// How long a call polls for its reply at most before it sleeps on it.
-    spin: Duration,
-    /// How long recent calls waited for their replies: whether to poll.
-    reply_times: ReplyTimes,
+    /// Whether, and how long, a call polls for its reply before it sleeps
+    /// on it: up to the spin, from how long recent replies took.
+    poll: AdaptivePoll,
 }
 
 impl ShmRegion {
@@ -112,8 +111,7 @@ impl ShmRegion {
                     header_read: 0,
                     reply: Vec::new(),
                     reply_read: 0,
-                    spin: DEFAULT_SPIN,
-                    reply_times: ReplyTimes::default(),
+                    poll: AdaptivePoll::new(DEFAULT_SPIN),
                 })
             }
             ["error", code, message] => {
@@ -168,7 +166,7 @@ impl ShmRegion {
         let sent = Instant::now();
         self.send_rest().await?;
         self.read_reply().await?;
-        self.reply_times.observe(sent.elapsed());
+        self.poll.observe(sent.elapsed());
         Ok(&self.reply)
     }
 
@@ -223,44 +221,33 @@ impl ShmRegion {
         }
     }
 
-    /// Polls for the reply's first bytes for up to `self.spin` where recent
-    /// replies came within it, without sleeping: a thread woken on another
-    /// CPU starts tens of microseconds later on a VM, most of a small call.
+    /// Polls for the reply's first bytes, without sleeping, as long as
+    /// `self.poll` says: a thread woken on another CPU starts tens of
+    /// microseconds later on a VM, most of a small call.
     fn poll_reply(&mut self) -> io::Result<()> {
-        let spin = self.reply_times.poll_for(self.spin);
-        if self.header_read > 0 || spin.is_zero() {
+        if self.header_read > 0 {
             return Ok(());
         }
-        let start = Instant::now();
-        while start.elapsed() < spin {
+        let fd = self.connection.as_raw_fd();
+        let header = &mut self.header;
+        let polled = self.poll.poll(|| {
             // Straight to the socket: tokio's `try_read` answers from its
             // readiness, which only its reactor updates, and the reactor
             // does not run while this thread polls.
             // SAFETY: `header` is valid for writes of its length, and the
             // descriptor is the connection's, open as long as `self`.
-            let n = unsafe {
-                libc::recv(
-                    self.connection.as_raw_fd(),
-                    self.header.as_mut_ptr().cast(),
-                    self.header.len(),
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            let read = if n < 0 {
-                Err(io::Error::last_os_error())
-            } else {
-                Ok(n as usize)
-            };
-            match read {
-                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => {
-                    self.header_arrived(n);
-                    return Ok(());
-                }
-                // The server may be waiting for this very CPU.
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
-                Err(e) => return Err(e),
+            let n = unsafe { libc::recv(fd, header.as_mut_ptr().cast(), header.len(), libc::MSG_DONTWAIT) };
+            match n {
+                0 => Err(io::ErrorKind::UnexpectedEof.into()),
+                n if n > 0 => Ok(Some(n as usize)),
+                _ => match io::Error::last_os_error() {
+                    e if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+                    e => Err(e),
+                },
             }
+        })?;
+        if let Some(n) = polled {
+            self.header_arrived(n);
         }
         Ok(())
     }
@@ -282,12 +269,12 @@ impl ShmRegion {
     /// call polls only while the region's recent replies came within this:
     /// see [`DEFAULT_SPIN`].
     pub fn set_spin(&mut self, spin: Duration) {
-        self.spin = spin;
+        self.poll.set_cap(spin);
     }
 
     /// See [`ShmRegion::set_spin`].
     pub fn spin(&self) -> Duration {
-        self.spin
+        self.poll.cap()
     }
 
     /// A window of the region for a request's `shm` field.

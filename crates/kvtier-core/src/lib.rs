@@ -16,6 +16,7 @@ pub mod layout;
 pub mod page_table;
 pub mod parallel;
 pub mod policy;
+pub mod poll;
 pub mod rank;
 pub mod score;
 pub mod select;

@@ -86,6 +86,8 @@ pub(crate) struct FileConfig {
     pub(crate) insecure: Option<bool>,
     /// The shm data plane's registration socket; `"off"` disables it.
     pub(crate) shm_socket: Option<String>,
+    /// How long a region's connection thread polls for the next call, µs.
+    pub(crate) shm_poll_us: Option<u64>,
     pub(crate) tls: Option<TlsFileConfig>,
     #[serde(default)]
     pub(crate) auth: AuthFileConfig,

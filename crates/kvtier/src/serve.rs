@@ -87,6 +87,11 @@ pub(crate) struct ServeArgs {
     /// regions for the shm data plane, or `off` [default: DATA_DIR/shm.sock].
     #[arg(long, value_name = "PATH")]
     shm_socket: Option<String>,
+    /// How long a region's connection thread polls for the next call at
+    /// most before sleeping on it, while calls come within that; 0: never
+    /// [default: 50].
+    #[arg(long, value_name = "MICROSECONDS")]
+    shm_poll_us: Option<u64>,
     /// Record page accesses from startup into this file, the input of
     /// `kvtier tune` (recordings can also be started over gRPC).
     #[arg(long, value_name = "FILE")]
@@ -188,6 +193,10 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         },
         insecure: args.insecure || file.insecure.unwrap_or(false),
         shm_socket: None,
+        shm_poll: args
+            .shm_poll_us
+            .or(file.shm_poll_us)
+            .map_or(defaults.shm_poll, std::time::Duration::from_micros),
         access_trace_dir: None,
         access_trace_max_bytes: args
             .access_trace_max_bytes

@@ -118,6 +118,10 @@ pub(crate) struct DecodeArgs {
     /// that (`ShmRegion::set_spin`; 0: never polls).
     #[arg(long, value_name = "MICROSECONDS", default_value_t = kvtier_client::DEFAULT_SPIN.as_micros() as u64)]
     shm_poll_us: u64,
+    /// With the in-process server: how long a region's connection thread
+    /// polls for the next call at most (`kvtier serve --shm-poll-us`).
+    #[arg(long, value_name = "MICROSECONDS", default_value_t = kvtier_server::DEFAULT_SHM_POLL.as_micros() as u64)]
+    server_shm_poll_us: u64,
     /// One parameter swept over values: device_fraction, host_fraction,
     /// budget_pages, drift or sequences, e.g. `device_fraction=0.1,0.25,0.5`.
     #[arg(long)]
@@ -553,6 +557,7 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         data_plane: a.data_plane,
         shm_socket: a.shm_socket.clone(),
         shm_poll_us: a.shm_poll_us,
+        server_shm_poll_us: a.server_shm_poll_us,
         record_trace: a.trace.is_some(),
     })
 }

@@ -51,6 +51,8 @@ pub(crate) struct RunConfig {
     pub(crate) shm_socket: Option<std::path::PathBuf>,
     /// How long a call over the region polls for its reply at most.
     pub(crate) shm_poll_us: u64,
+    /// How long the in-process server's region connections poll for calls.
+    pub(crate) server_shm_poll_us: u64,
     /// Keep every selection's page lists (for `--trace`).
     #[serde(skip)]
     pub(crate) record_trace: bool,
@@ -220,6 +222,7 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
         listen: ([127, 0, 0, 1], 0).into(),
         metrics_listen: None,
         shm_socket: Some(dir.path().join("shm.sock")),
+        shm_poll: Duration::from_micros(cfg.server_shm_poll_us),
         ..ServerConfig::default()
     };
     let shm_socket = server.shm_socket.clone();

@@ -1,0 +1,164 @@
+//! Polling for an event before sleeping on it, where that pays. On these
+//! VMs a thread that sleeps on a socket starts tens of microseconds after
+//! its bytes arrive (an idle vCPU halts, and waking it goes through the
+//! host), most of a small call, on both ends of one: a client waiting for
+//! its reply, a server thread waiting for a connection's next call. Polling
+//! saves that only if the event comes while it polls; otherwise its CPU is
+//! taken from whatever else runs, the other end's work included. So a
+//! waiter polls only while its recent waits were within the poll.
+
+use std::time::{Duration, Instant};
+
+/// How long one waiter (a connection's end) polls before sleeping: up to
+/// `cap`, while the running mean of its recent waits (the newest weighing a
+/// quarter) is within it. A wait is counted at most 4 × `cap` long: how
+/// long a wait was, once well past the poll, says nothing more, and a long
+/// pause must not keep a waiter from polling for dozens of events after.
+#[derive(Debug, Clone, Copy)]
+pub struct AdaptivePoll {
+    cap: Duration,
+    mean: Option<Duration>,
+}
+
+impl AdaptivePoll {
+    pub const fn new(cap: Duration) -> Self {
+        Self { cap, mean: None }
+    }
+
+    /// The longest poll; zero: never polls.
+    pub fn cap(&self) -> Duration {
+        self.cap
+    }
+
+    pub fn set_cap(&mut self, cap: Duration) {
+        self.cap = cap;
+    }
+
+    /// An event came `waited` after its wait began, polled for or slept on
+    /// (a sleeper's wake-up counts too, which errs toward not polling).
+    pub fn observe(&mut self, waited: Duration) {
+        // Saturating: a cap may be as long as a caller likes.
+        let waited = waited.min(self.cap.saturating_mul(4));
+        self.mean = Some(match self.mean {
+            None => waited,
+            Some(mean) => mean.saturating_mul(3).saturating_add(waited) / 4,
+        });
+    }
+
+    /// How long the next wait polls: all of `cap` while recent waits were
+    /// within it (or before any), none once they take longer.
+    pub fn budget(&self) -> Duration {
+        match self.mean {
+            Some(mean) if mean > self.cap => Duration::ZERO,
+            _ => self.cap,
+        }
+    }
+
+    /// Tries `attempt` until it yields a value or the budget is spent,
+    /// yielding the CPU between tries (the other end may be waiting for this
+    /// very CPU): `None` once it is spent, and the caller sleeps instead.
+    pub fn poll<T, E>(&self, mut attempt: impl FnMut() -> Result<Option<T>, E>) -> Result<Option<T>, E> {
+        let budget = self.budget();
+        if budget.is_zero() {
+            return Ok(None);
+        }
+        let start = Instant::now();
+        loop {
+            if let Some(value) = attempt()? {
+                return Ok(Some(value));
+            }
+            if start.elapsed() >= budget {
+                return Ok(None);
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CAP: Duration = Duration::from_micros(100);
+
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
+    fn settled(at: u64) -> AdaptivePoll {
+        let mut p = AdaptivePoll::new(CAP);
+        for _ in 0..30 {
+            p.observe(us(at));
+        }
+        p
+    }
+
+    #[test]
+    fn a_waiter_polls_until_its_waits_take_longer_than_the_poll() {
+        let mut p = AdaptivePoll::new(CAP);
+        assert_eq!(p.budget(), CAP, "before any wait");
+        p = settled(40);
+        assert_eq!(p.budget(), CAP);
+        p.observe(us(1000));
+        // counted as 400: (3 * 40 + 400) / 4 = 130, past the cap.
+        assert_eq!(p.budget(), Duration::ZERO);
+        p.set_cap(Duration::ZERO);
+        assert_eq!(p.budget(), Duration::ZERO, "a zero cap never polls");
+        let mut forever = AdaptivePoll::new(Duration::MAX);
+        forever.observe(Duration::MAX);
+        forever.observe(Duration::MAX);
+        assert_eq!(forever.budget(), Duration::MAX, "no overflow at the longest cap");
+    }
+
+    #[test]
+    fn after_any_pause_a_waiter_polls_again_within_a_few_quick_waits() {
+        for pause in [us(500), Duration::from_secs(10), Duration::MAX] {
+            let mut p = settled(5000);
+            p.observe(pause);
+            let mut quick = 0;
+            while p.budget().is_zero() {
+                p.observe(us(30));
+                quick += 1;
+                assert!(quick < 10, "still not polling after {quick} quick waits ({pause:?})");
+            }
+            // 400 falls to within 100 (with 30 us waits) in
+            // ln(370 / 70) / ln(4 / 3) = 5.8 steps.
+            assert_eq!(quick, 6, "{pause:?}");
+        }
+    }
+
+    #[test]
+    fn one_odd_wait_among_quick_ones_does_not_stop_polling() {
+        let mut p = settled(30);
+        p.observe(us(250));
+        // (3 * 30 + 250) / 4 = 85
+        assert_eq!(p.budget(), CAP);
+    }
+
+    #[test]
+    fn a_poll_stops_at_the_first_value_or_the_budget() {
+        let p = AdaptivePoll::new(Duration::from_millis(2));
+        let mut tries = 0;
+        assert_eq!(
+            p.poll(|| {
+                tries += 1;
+                Ok::<_, ()>((tries == 3).then_some(tries))
+            }),
+            Ok(Some(3))
+        );
+        let start = Instant::now();
+        assert_eq!(p.poll(|| Ok::<Option<()>, ()>(None)), Ok(None));
+        assert!(start.elapsed() >= Duration::from_millis(2), "gave up before its budget");
+        assert_eq!(p.poll(|| Err::<Option<()>, _>("broken")), Err("broken"));
+        let never = settled(5000);
+        let mut tried = false;
+        assert_eq!(
+            never.poll(|| {
+                tried = true;
+                Ok::<Option<()>, ()>(None)
+            }),
+            Ok(None)
+        );
+        assert!(!tried, "a waiter past its budget tries nothing");
+    }
+}
