@@ -6,7 +6,7 @@
 # back to back in one run: kvtier inline (bytes in the gRPC messages), kvtier
 # over its shared-memory data plane (called over gRPC, and over the region's
 # own socket), Redis MGET, and a bare tonic unary echo as the floor of any
-# gRPC call. Selection is kvtier's in all, so this
+# gRPC call, empty and answering each fetch's bytes. Selection is kvtier's in all, so this
 # compares the serving paths only. Writes bench/results/redis-compare.md and
 # .jsonl.
 # Usage: bench/redis-compare.sh [path/to/kvtier]
@@ -89,7 +89,9 @@ done
   echo "  and \`redis-server --save '' --appendonly no\` ($(redis-server --version | awk '{print $3}')), each its own process on loopback."
   echo "  Clients run on one thread (a decode worker's loop); the echo floor is a bare tonic server (default settings,"
   echo "  its own process, \`kvtier bench echo\`, as the kvtier server is) answering \`kvtier.bench.v1.Echo\` through a"
-  echo "  stock tonic channel."
+  echo "  tonic channel with kvtier's client's HTTP/2 settings (\`Client::endpoint\`); the sized echo asks it for each"
+  echo "  fetch's bytes (\`reply_bytes\`: slices of one written buffer, so one copy, into the message), right after"
+  echo "  the inline fetches: what any tonic call answering those bytes pays here."
   echo "- placement (\`taskset\`): the three servers on CPUs $server_cpus, the client on CPU $client_cpus. Unplaced, the echo"
   echo "  (started by the client) tended to share the client's CPU while kvtier did not, and the empty-call ratio swung"
   echo "  between 1.0 and 2.3 from run to run with the same binaries."
@@ -100,20 +102,21 @@ done
   echo "- empty call: the smallest round trip each offers (kvtier a FetchPages of no pages, alternating call by call with"
   echo "  the echo; the same over the region's socket; Redis PING), the fixed cost inside every fetch."
   echo
-  echo "| workload | page | fetches | MB per fetch | inline p50 / p99 / p99.9 µs | shm p50 / p99 / p99.9 µs | local sleeping p50 / p99 / p99.9 µs | local polling (default) p50 / p99 / p99.9 µs | Redis p50 / p99 / p99.9 µs | Redis/inline p50 | p99 | Redis/shm p50 | p99 | Redis/sleeping p50 | p99 | Redis/polling p50 | p99 | empty call kvtier / sleeping / polling / echo / Redis PING p50 µs | kvtier empty / echo |"
-  echo "|---|---:|---:|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
+  echo "| workload | page | fetches | MB per fetch | inline p50 / p99 / p99.9 µs | shm p50 / p99 / p99.9 µs | local sleeping p50 / p99 / p99.9 µs | local polling (default) p50 / p99 / p99.9 µs | Redis p50 / p99 / p99.9 µs | Redis/inline p50 | p99 | Redis/shm p50 | p99 | Redis/sleeping p50 | p99 | Redis/polling p50 | p99 | empty call kvtier / sleeping / polling / echo / Redis PING p50 µs | kvtier empty / echo | sized echo p50 / p99 / p99.9 µs | Redis/sized echo p50 | inline/sized echo p50 |"
+  echo "|---|---:|---:|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|"
   python3 - "$jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
-    r = json.loads(line); k, m, l, q, d = r["kvtier"], r["kvtier_shm"], r["kvtier_local"], r["kvtier_local_polling"], r["redis"]
+    r = json.loads(line); k, m, l, q, d, e = r["kvtier"], r["kvtier_shm"], r["kvtier_local"], r["kvtier_local_polling"], r["redis"], r["echo_sized"]
     print(f"| {r['workload']} (`{r['decode']}`) | {r['page_bytes']} B | {r['fetches']} | {k['bytes']/k['fetches']/1e6:.2f} | "
           f"{k['p50_us']} / {k['p99_us']} / {k['p999_us']} | {m['p50_us']} / {m['p99_us']} / {m['p999_us']} | "
           f"{l['p50_us']} / {l['p99_us']} / {l['p999_us']} | {q['p50_us']} / {q['p99_us']} / {q['p999_us']} | "
           f"{d['p50_us']} / {d['p99_us']} / {d['p999_us']} | "
           f"{r['ratio_p50']:.2f} | {r['ratio_p99']:.2f} | {r['shm_ratio_p50']:.2f} | {r['shm_ratio_p99']:.2f} | "
           f"{r['local_ratio_p50']:.2f} | {r['local_ratio_p99']:.2f} | {r['polling_ratio_p50']:.2f} | {r['polling_ratio_p99']:.2f} | "
-          f"{k['floor_p50_us']} / {l['floor_p50_us']} / {q['floor_p50_us']} / {r['echo_p50_us']} / {d['floor_p50_us']} | {r['empty_over_echo_p50']:.2f} |")
+          f"{k['floor_p50_us']} / {l['floor_p50_us']} / {q['floor_p50_us']} / {r['echo_p50_us']} / {d['floor_p50_us']} | {r['empty_over_echo_p50']:.2f} | "
+          f"{e['p50_us']} / {e['p99_us']} / {e['p999_us']} | {r['echo_sized_ratio_p50']:.2f} | {r['inline_over_echo_sized_p50']:.2f} |")
 PY
   echo
-  echo "A ratio above 1 means kvtier is faster."
+  echo "A ratio above 1 means kvtier is faster (inline/sized echo: above 1, kvtier inline is slower than the echo of its bytes)."
 } > "$out/$name_out.md"

@@ -81,21 +81,26 @@ pub struct Tls {
 }
 
 impl Client {
-    /// Connects to `addr` (`http://host:port`) with HTTP/2 windows and
-    /// frames sized for megabyte reads (the frame size a client advertises
-    /// bounds what the server sends it: 16 KiB by default, a hand-off
-    /// between threads per frame).
+    /// Connects to `addr` (`http://host:port`) through [`Client::endpoint`].
     pub async fn connect(addr: impl Into<String>) -> Result<Self> {
         Self::connect_with(addr, Connect::default()).await
     }
 
-    /// Connects with a token and/or TLS.
-    pub async fn connect_with(addr: impl Into<String>, options: Connect) -> Result<Self> {
-        let mut endpoint = Endpoint::from_shared(addr.into())?
+    /// The endpoint a client dials: HTTP/2 windows and frames sized for
+    /// megabyte reads (the frame size a client advertises bounds what the
+    /// server sends it: 16 KiB by default, a hand-off between threads per
+    /// frame).
+    pub fn endpoint(addr: impl Into<String>) -> Result<Endpoint> {
+        Ok(Endpoint::from_shared(addr.into())?
             .initial_stream_window_size(Some(16 << 20))
             .initial_connection_window_size(Some(32 << 20))
             .max_frame_size((1 << 20) - 1)
-            .tcp_nodelay(true);
+            .tcp_nodelay(true))
+    }
+
+    /// Connects with a token and/or TLS.
+    pub async fn connect_with(addr: impl Into<String>, options: Connect) -> Result<Self> {
+        let mut endpoint = Self::endpoint(addr)?;
         if let Some(tls) = options.tls {
             let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(tls.ca_pem));
             if let Some(domain) = tls.domain {

@@ -1,24 +1,56 @@
 //! The floor under every kvtier call: a bare tonic server answering a unary
 //! echo (default settings, no gate, no store), on its own runtime as a
-//! server would be, called through a stock tonic channel. An empty kvtier
-//! call is measured against it in the same run.
+//! server would be. An empty kvtier call is measured against it in the same
+//! run, and a fetch against the echo answering with as many bytes.
 
+use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use anyhow::Context;
+use bytes::Bytes;
 use kvtier_proto::bench::EchoMessage;
 use kvtier_proto::bench::echo_client::EchoClient;
 use kvtier_proto::bench::echo_server::{Echo, EchoServer};
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
-#[derive(Debug)]
-struct Echoer;
+/// The most bytes one reply may ask for.
+const MAX_REPLY_BYTES: u64 = 64 << 20;
+
+#[derive(Debug, Default)]
+struct Echoer {
+    /// Written once to the largest size asked for (so its pages are its
+    /// own, not the kernel's shared zero page), then sliced for replies.
+    written: Mutex<Bytes>,
+}
+
+impl Echoer {
+    fn bytes(&self, n: u64) -> Result<Bytes, Status> {
+        if n > MAX_REPLY_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "reply_bytes: {n} is over the most one reply may ask for, {MAX_REPLY_BYTES}"
+            )));
+        }
+        let n = n as usize;
+        let mut written = self.written.lock().unwrap_or_else(PoisonError::into_inner);
+        if written.len() < n {
+            *written = Bytes::from(vec![0xa5; n]);
+        }
+        Ok(written.slice(..n))
+    }
+}
 
 #[tonic::async_trait]
 impl Echo for Echoer {
     async fn echo(&self, request: Request<EchoMessage>) -> Result<Response<EchoMessage>, Status> {
-        Ok(Response::new(request.into_inner()))
+        let message = request.into_inner();
+        if message.reply_bytes == 0 {
+            return Ok(Response::new(message));
+        }
+        Ok(Response::new(EchoMessage {
+            payload: self.bytes(message.reply_bytes)?,
+            reply_bytes: 0,
+        }))
     }
 }
 
@@ -69,9 +101,12 @@ fn serve_on(
     listener: tokio::net::TcpListener,
     stop: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // What `Server::serve` would accept with: a stream from a listener
+    // sets no TCP_NODELAY, and Nagle then holds a reply's last write for
+    // the peer's delayed ACK (40 ms).
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let serve = tonic::transport::Server::builder()
-        .add_service(EchoServer::new(Echoer))
+        .add_service(EchoServer::new(Echoer::default()))
         .serve_with_incoming_shutdown(incoming, stop);
     Ok(runtime.block_on(serve)?)
 }
@@ -145,16 +180,53 @@ pub(crate) fn run(args: EchoArgs) -> anyhow::Result<()> {
     })
 }
 
-/// A stock tonic client of the echo server.
+/// A tonic client of the echo server, with kvtier's client's HTTP/2
+/// settings (`Client::endpoint`), so a reply of many bytes travels as a
+/// fetch's does.
 pub(crate) async fn client(server: &EchoServerHandle) -> anyhow::Result<EchoClient<tonic::transport::Channel>> {
-    EchoClient::connect(format!("http://{}", server.addr))
-        .await
-        .context("connecting to the echo server")
+    let endpoint = kvtier_client::Client::endpoint(format!("http://{}", server.addr))?;
+    let channel = endpoint.connect().await.context("connecting to the echo server")?;
+    Ok(EchoClient::new(channel).max_decoding_message_size(MAX_REPLY_BYTES as usize))
 }
 
-/// One empty echo; its latency in µs.
-pub(crate) async fn call(client: &mut EchoClient<tonic::transport::Channel>) -> anyhow::Result<u64> {
+/// One echo asking for `reply_bytes` (0: an empty one): its latency in µs
+/// and the bytes it answered.
+pub(crate) async fn call(
+    client: &mut EchoClient<tonic::transport::Channel>,
+    reply_bytes: u64,
+) -> anyhow::Result<(u64, u64)> {
     let t = Instant::now();
-    client.echo(EchoMessage::default()).await?;
-    Ok(t.elapsed().as_micros() as u64)
+    let reply = client
+        .echo(EchoMessage {
+            payload: Bytes::new(),
+            reply_bytes,
+        })
+        .await?;
+    Ok((t.elapsed().as_micros() as u64, reply.into_inner().payload.len() as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reply_is_the_bytes_asked_for_and_too_many_are_refused_by_name() {
+        let echoer = Echoer::default();
+        assert_eq!(echoer.bytes(3).unwrap().len(), 3);
+        let grown = echoer.bytes(1 << 20).unwrap();
+        assert_eq!(grown.len(), 1 << 20);
+        assert!(grown.iter().all(|&b| b == 0xa5), "written, not the zero page");
+        assert_eq!(echoer.bytes(5).unwrap().len(), 5);
+        assert_eq!(
+            echoer.bytes(MAX_REPLY_BYTES + 1).unwrap_err().code(),
+            tonic::Code::InvalidArgument
+        );
+        assert!(
+            echoer
+                .bytes(u64::MAX)
+                .unwrap_err()
+                .message()
+                .starts_with("reply_bytes: ")
+        );
+    }
 }

@@ -152,6 +152,15 @@ struct Report {
     echo_p99_us: u64,
     /// kvtier's empty call p50 / the echo's p50 (1 is the floor).
     empty_over_echo_p50: f64,
+    /// The echo again, answering each fetch with as many bytes as kvtier
+    /// served it inline (its empty call the floor): what any tonic call
+    /// answering those bytes pays here.
+    echo_sized: Side,
+    /// kvtier inline p50 / the sized echo's p50 (1 is the floor).
+    inline_over_echo_sized_p50: f64,
+    /// Redis p50 / the sized echo's p50: the most any tonic service could
+    /// show against Redis on these fetches here.
+    echo_sized_ratio_p50: Option<f64>,
 }
 
 fn side(latencies: &[u64], floor: &[u64], bytes: u64, seconds: f64) -> Side {
@@ -184,11 +193,13 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
     let report = runtime.block_on(async {
         let target = (args.addr.as_deref(), args.shm_socket.as_deref());
         let poll = std::time::Duration::from_micros(args.poll_us);
-        let (kvtier, shm, echo) = replay_kvtier(target, &header, &shape, &entries, &echo_server, poll).await?;
+        let (kvtier, shm, echo, echo_sized) =
+            replay_kvtier(target, &header, &shape, &entries, &echo_server, poll).await?;
         let (kvtier_shm, kvtier_local, kvtier_local_polling) = match shm {
             Some((shm, local, polling)) => (Some(shm), Some(local), Some(polling)),
             None => (None, None, None),
         };
+        let echo_sized = side(&echo_sized.0, &echo, echo_sized.1, echo_sized.2);
         let echo = super::decode::histogram(echo.into_iter());
         let redis = match &args.redis {
             Some(addr) => Some(replay_redis(addr, &header, &shape, &entries).await?),
@@ -220,6 +231,9 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
             echo_p50_us: echo.value_at_quantile(0.5),
             echo_p99_us: echo.value_at_quantile(0.99),
             empty_over_echo_p50: kvtier.floor_p50_us as f64 / echo.value_at_quantile(0.5).max(1) as f64,
+            inline_over_echo_sized_p50: kvtier.p50_us as f64 / echo_sized.p50_us.max(1) as f64,
+            echo_sized_ratio_p50: ratio(|s| s.p50_us, Some(&echo_sized)),
+            echo_sized,
             kvtier,
             kvtier_shm,
             kvtier_local,
@@ -260,10 +274,15 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
             "   echo: bare tonic unary p50 {} µs p99 {} µs; kvtier's empty call {:.2}× of it",
             report.echo_p50_us, report.echo_p99_us, report.empty_over_echo_p50
         );
+        line("echo", &report.echo_sized);
+        println!(
+            "   echo answering each fetch's bytes: kvtier inline p50 {:.2}× of it",
+            report.inline_over_echo_sized_p50
+        );
         if let Some(r) = &report.redis {
             line("redis", r);
             println!(
-                "redis/kvtier: p50 {:.2}×, p99 {:.2}×; redis/kvtier shm: p50 {:.2}×, p99 {:.2}×; over its socket: p50 {:.2}×, p99 {:.2}×; polling {} µs: p50 {:.2}×, p99 {:.2}×",
+                "redis/kvtier: p50 {:.2}×, p99 {:.2}×; redis/kvtier shm: p50 {:.2}×, p99 {:.2}×; over its socket: p50 {:.2}×, p99 {:.2}×; polling {} µs: p50 {:.2}×, p99 {:.2}×; redis/sized echo p50 {:.2}×",
                 report.ratio_p50.unwrap_or(0.0),
                 report.ratio_p99.unwrap_or(0.0),
                 report.shm_ratio_p50.unwrap_or(0.0),
@@ -272,7 +291,8 @@ pub(crate) fn run(args: FetchBenchArgs) -> anyhow::Result<()> {
                 report.local_ratio_p99.unwrap_or(0.0),
                 report.poll_us,
                 report.polling_ratio_p50.unwrap_or(0.0),
-                report.polling_ratio_p99.unwrap_or(0.0)
+                report.polling_ratio_p99.unwrap_or(0.0),
+                report.echo_sized_ratio_p50.unwrap_or(0.0)
             );
         }
     }
@@ -348,7 +368,8 @@ struct InProcess {
 /// server has an shm socket, through the shm data plane, called over gRPC
 /// and over the region's socket (sleeping on each reply, then polling for
 /// up to `poll` first). Also returns the echo floor's latencies, measured
-/// alternately with kvtier's empty calls.
+/// alternately with kvtier's empty calls, and the echo answering each
+/// fetch's bytes, right after the inline fetches.
 async fn replay_kvtier(
     (addr, shm_socket): (Option<&str>, Option<&std::path::Path>),
     h: &Loaded,
@@ -356,7 +377,7 @@ async fn replay_kvtier(
     entries: &[FetchEntry],
     echo_server: &super::echo::EchoServerHandle,
     poll: std::time::Duration,
-) -> anyhow::Result<(Side, Option<(Side, Side, Side)>, Vec<u64>)> {
+) -> anyhow::Result<(Side, Option<(Side, Side, Side)>, Vec<u64>, Measured)> {
     let (mut client, in_process) = kvtier_client(addr, h, shape).await?;
     let name = |s: usize| format!("fetch-{}-{s}", std::process::id());
     // Messages of at most ~16 MiB; the bytes do not matter, their size does.
@@ -387,7 +408,7 @@ async fn replay_kvtier(
     let mut echo_client = super::echo::client(echo_server).await?;
     let no_pages = vec![Vec::new(); shape.kv_heads as usize];
     for _ in 0..FLOOR_CALLS {
-        echo.push(super::echo::call(&mut echo_client).await?);
+        echo.push(super::echo::call(&mut echo_client, 0).await?.0);
         let req = fetch(0, 0, &no_pages);
         let t = Instant::now();
         client.fetch(req).await?;
@@ -395,6 +416,13 @@ async fn replay_kvtier(
     }
     let request = |e: &FetchEntry| fetch(e.sequence, e.layer, &e.pages);
     let inline = replay(entries, request, async |req| Ok(client.fetch(req).await?)).await?;
+    let echo_sized = replay_echo(entries, shape.page_bytes(), &mut echo_client).await?;
+    anyhow::ensure!(
+        echo_sized.1 == inline.1,
+        "the echo answered {} bytes, kvtier inline {}",
+        echo_sized.1,
+        inline.1
+    );
     let socket = in_process
         .as_ref()
         .map(|p| p.dir.path().join("shm.sock"))
@@ -448,12 +476,35 @@ async fn replay_kvtier(
         drop(client);
         let _ = tokio::task::spawn_blocking(move || server.thread.join()).await;
     }
-    let side = |(latencies, bytes, seconds): (Vec<u64>, u64, f64)| side(&latencies, &floor, bytes, seconds);
+    let side = |(latencies, bytes, seconds): Measured| side(&latencies, &floor, bytes, seconds);
     Ok((
         side(inline),
         shm.map(|(shm, sleeping, polling)| (side(shm), sleeping, polling)),
         echo,
+        echo_sized,
     ))
+}
+
+/// Latencies in µs, bytes served, seconds in all.
+type Measured = (Vec<u64>, u64, f64);
+
+/// Each entry as one echo answering with the bytes of its pages, one at a
+/// time, measured as [`replay`] measures fetches.
+async fn replay_echo(
+    entries: &[FetchEntry],
+    page_bytes: usize,
+    client: &mut kvtier_proto::bench::echo_client::EchoClient<tonic::transport::Channel>,
+) -> anyhow::Result<Measured> {
+    let mut latencies = Vec::with_capacity(entries.len());
+    let mut bytes = 0u64;
+    let start = Instant::now();
+    for e in entries {
+        let n = (e.pages.iter().map(Vec::len).sum::<usize>() * page_bytes) as u64;
+        let (micros, answered) = super::echo::call(client, n).await?;
+        latencies.push(micros);
+        bytes += answered;
+    }
+    Ok((latencies, bytes, start.elapsed().as_secs_f64()))
 }
 
 /// Each entry's fetch (its `request`, made before the clock starts, then
@@ -463,7 +514,7 @@ async fn replay(
     entries: &[FetchEntry],
     request: impl Fn(&FetchEntry) -> pb::FetchPagesRequest,
     mut send: impl AsyncFnMut(pb::FetchPagesRequest) -> anyhow::Result<Vec<pb::Page>>,
-) -> anyhow::Result<(Vec<u64>, u64, f64)> {
+) -> anyhow::Result<Measured> {
     let mut latencies = Vec::with_capacity(entries.len());
     let mut bytes = 0u64;
     let start = Instant::now();
