@@ -8,9 +8,8 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::Command;
 
-use common::Server;
+use common::{Server, kvtier};
 use kvtier_client::{Client, pb};
 use kvtier_store::{Access, TraceHeader, TraceRecord};
 
@@ -20,16 +19,6 @@ fn records(path: &Path) -> (TraceHeader, Vec<TraceRecord>) {
     let mut lines = text.lines();
     let header = serde_json::from_str(lines.next().unwrap()).unwrap();
     (header, lines.map(|l| serde_json::from_str(l).unwrap()).collect())
-}
-
-fn kvtier(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier")).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "kvtier {args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

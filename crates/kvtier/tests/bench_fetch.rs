@@ -3,17 +3,9 @@
 //! the region's socket, the echo answering each fetch's bytes), and each
 //! path serves every byte the selections asked for.
 
-use std::process::Command;
+mod common;
 
-fn kvtier(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier")).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "kvtier {args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
+use common::kvtier;
 
 #[test]
 fn every_path_serves_the_recorded_selections_bytes() {

@@ -13,6 +13,17 @@ use std::time::{Duration, Instant};
 use kvtier_client::Client;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 
+/// Runs the `kvtier` binary with `args` to success; its stdout.
+pub fn kvtier(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier")).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "kvtier {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// A running server. Dropping it kills it.
 pub struct Server {
     child: Child,
