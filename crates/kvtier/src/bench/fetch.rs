@@ -408,15 +408,22 @@ async fn replay_kvtier(
     let mut echo_client = super::echo::client(echo_server).await?;
     let no_pages = vec![Vec::new(); shape.kv_heads as usize];
     for _ in 0..FLOOR_CALLS {
-        echo.push(super::echo::call(&mut echo_client, 0).await?.0);
+        let t = Instant::now();
+        super::echo::call(&mut echo_client, 0).await?;
+        echo.push(t.elapsed().as_micros() as u64);
         let req = fetch(0, 0, &no_pages);
         let t = Instant::now();
         client.fetch(req).await?;
         floor.push(t.elapsed().as_micros() as u64);
     }
     let request = |e: &FetchEntry| fetch(e.sequence, e.layer, &e.pages);
-    let inline = replay(entries, request, async |req| Ok(client.fetch(req).await?)).await?;
-    let echo_sized = replay_echo(entries, shape.page_bytes(), &mut echo_client).await?;
+    let inline = replay(entries, request, async |req| Ok(served(&client.fetch(req).await?))).await?;
+    let page_bytes = shape.page_bytes() as u64;
+    let fetch_bytes = |e: &FetchEntry| e.pages.iter().map(|p| p.len() as u64).sum::<u64>() * page_bytes;
+    let echo_sized = replay(entries, fetch_bytes, async |n| {
+        super::echo::call(&mut echo_client, n).await
+    })
+    .await?;
     anyhow::ensure!(
         echo_sized.1 == inline.1,
         "the echo answered {} bytes, kvtier inline {}",
@@ -441,7 +448,7 @@ async fn replay_kvtier(
                 shm: Some(whole),
                 ..request(e)
             };
-            let shm = replay(entries, named, async |req| Ok(client.fetch(req).await?)).await?;
+            let shm = replay(entries, named, async |req| Ok(served(&client.fetch(req).await?))).await?;
             anyhow::ensure!(shm.1 == inline.1, "shm served {} bytes, inline {}", shm.1, inline.1);
             let mut replay_local = async |spin| {
                 region.set_spin(spin);
@@ -452,7 +459,7 @@ async fn replay_kvtier(
                     local_floor.push(t.elapsed().as_micros() as u64);
                 }
                 let (latencies, bytes, seconds) = replay(entries, request, async |req| {
-                    Ok(client.fetch_local(&mut region, req).await?)
+                    Ok(served(&client.fetch_local(&mut region, req).await?))
                 })
                 .await?;
                 anyhow::ensure!(
@@ -488,32 +495,12 @@ async fn replay_kvtier(
 /// Latencies in µs, bytes served, seconds in all.
 type Measured = (Vec<u64>, u64, f64);
 
-/// Each entry as one echo answering with the bytes of its pages, one at a
-/// time, measured as [`replay`] measures fetches.
-async fn replay_echo(
+/// Each entry's call (its `request`, made before the clock starts, then
+/// `send`, which answers the bytes served), one at a time.
+async fn replay<R>(
     entries: &[FetchEntry],
-    page_bytes: usize,
-    client: &mut kvtier_proto::bench::echo_client::EchoClient<tonic::transport::Channel>,
-) -> anyhow::Result<Measured> {
-    let mut latencies = Vec::with_capacity(entries.len());
-    let mut bytes = 0u64;
-    let start = Instant::now();
-    for e in entries {
-        let n = (e.pages.iter().map(Vec::len).sum::<usize>() * page_bytes) as u64;
-        let (micros, answered) = super::echo::call(client, n).await?;
-        latencies.push(micros);
-        bytes += answered;
-    }
-    Ok((latencies, bytes, start.elapsed().as_secs_f64()))
-}
-
-/// Each entry's fetch (its `request`, made before the clock starts, then
-/// `send`), one at a time: latencies in µs, bytes served (inline or into a
-/// region), seconds in all.
-async fn replay(
-    entries: &[FetchEntry],
-    request: impl Fn(&FetchEntry) -> pb::FetchPagesRequest,
-    mut send: impl AsyncFnMut(pb::FetchPagesRequest) -> anyhow::Result<Vec<pb::Page>>,
+    request: impl Fn(&FetchEntry) -> R,
+    mut send: impl AsyncFnMut(R) -> anyhow::Result<u64>,
 ) -> anyhow::Result<Measured> {
     let mut latencies = Vec::with_capacity(entries.len());
     let mut bytes = 0u64;
@@ -521,11 +508,16 @@ async fn replay(
     for e in entries {
         let req = request(e);
         let t = Instant::now();
-        let pages = send(req).await?;
+        let served = send(req).await?;
         latencies.push(t.elapsed().as_micros() as u64);
-        bytes += pages.iter().map(|p| p.kv.len() as u64 + p.shm_bytes).sum::<u64>();
+        bytes += served;
     }
     Ok((latencies, bytes, start.elapsed().as_secs_f64()))
+}
+
+/// The bytes a fetch's pages served, inline or into a region.
+fn served(pages: &[pb::Page]) -> u64 {
+    pages.iter().map(|p| p.kv.len() as u64 + p.shm_bytes).sum()
 }
 
 /// A minimal RESP client: enough for pipelined SETs and MGET.
