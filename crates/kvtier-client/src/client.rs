@@ -24,6 +24,10 @@ pub enum ClientError {
     Token(String),
     #[error(transparent)]
     Shm(#[from] ShmError),
+    /// A cluster could not route the call (no node serving, etcd out of
+    /// reach).
+    #[error("cluster: {0}")]
+    Cluster(String),
 }
 
 pub(crate) type Result<T> = std::result::Result<T, ClientError>;
@@ -100,18 +104,33 @@ impl Client {
 
     /// Connects with a token and/or TLS.
     pub async fn connect_with(addr: impl Into<String>, options: Connect) -> Result<Self> {
+        let endpoint = Self::endpoint_with(addr, options.tls)?;
+        Self::from_channel(endpoint.connect().await?).with_options_token(options.token.as_deref())
+    }
+
+    /// A client that connects on its first call (and again after a lost
+    /// connection), with a token and/or TLS.
+    pub fn connect_lazy_with(addr: impl Into<String>, options: Connect) -> Result<Self> {
+        let endpoint = Self::endpoint_with(addr, options.tls)?;
+        Self::from_channel(endpoint.connect_lazy()).with_options_token(options.token.as_deref())
+    }
+
+    fn endpoint_with(addr: impl Into<String>, tls: Option<Tls>) -> Result<Endpoint> {
         let mut endpoint = Self::endpoint(addr)?;
-        if let Some(tls) = options.tls {
+        if let Some(tls) = tls {
             let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(tls.ca_pem));
             if let Some(domain) = tls.domain {
                 config = config.domain_name(domain);
             }
             endpoint = endpoint.tls_config(config)?;
         }
-        let client = Self::from_channel(endpoint.connect().await?);
-        match options.token {
-            Some(token) => client.with_token(&token),
-            None => Ok(client),
+        Ok(endpoint)
+    }
+
+    fn with_options_token(self, token: Option<&str>) -> Result<Self> {
+        match token {
+            Some(token) => self.with_token(token),
+            None => Ok(self),
         }
     }
 

@@ -15,11 +15,14 @@
 //! ```
 
 mod client;
+mod cluster;
 mod merge;
 mod pack;
 mod shm;
 
 pub use client::{Client, ClientError, Connect, MAX_MESSAGE_BYTES, SelectRequest, SelectResult, Tls, actions, layout};
+pub use cluster::{Cluster, Placed};
+pub use kvtier_cluster::{EtcdConfig, View};
 pub use kvtier_proto::v1 as pb;
 pub use merge::{Part, Partitioned};
 pub use pack::{Element, PackError, pack_kv, unpack_rows};

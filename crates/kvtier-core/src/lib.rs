@@ -15,6 +15,7 @@ pub mod lane;
 pub mod layout;
 pub mod page_table;
 pub mod parallel;
+pub mod placement;
 pub mod policy;
 pub mod poll;
 pub mod rank;

@@ -9,6 +9,7 @@ mod conn;
 mod convert;
 mod gate;
 mod inflight;
+mod membership;
 mod metrics;
 mod policy;
 mod responses;
@@ -23,6 +24,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvtier_cluster::Node;
 use kvtier_proto::v1::kv_tier_server::KvTierServer;
 use kvtier_store::Store;
 use tokio::net::TcpListener;
@@ -30,6 +32,7 @@ use tokio::sync::watch;
 
 pub use auth::{Auth, Grant, Token};
 pub use convert::mode_to_pb;
+pub use membership::{CLUSTER_HEALTH_SERVICE, StoreSequences, capacity};
 
 use crate::gate::{Gate, GateConfig};
 use crate::inflight::InFlight;
@@ -175,6 +178,7 @@ pub struct BoundServer {
     grpc: TcpListener,
     metrics: Option<TcpListener>,
     shm: Option<tokio::net::UnixListener>,
+    cluster: Option<Arc<Node>>,
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
@@ -204,7 +208,15 @@ impl BoundServer {
             grpc,
             metrics,
             shm,
+            cluster: None,
         })
+    }
+
+    /// Serves as a member of a cluster: sequence calls are checked against
+    /// ownership, and a shutdown drains the node before it leaves.
+    pub fn with_cluster(mut self, node: Arc<Node>) -> Self {
+        self.cluster = Some(node);
+        self
     }
 
     pub fn grpc_addr(&self) -> SocketAddr {
@@ -220,8 +232,14 @@ impl BoundServer {
     /// Serves until `shutdown` completes, then drains in-flight calls.
     pub async fn serve(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
         let (stop_tx, stop_rx) = watch::channel(false);
+        let draining = self.cluster.clone();
         tokio::spawn(async move {
             shutdown.await;
+            // Placement skips a draining node: no new sequence comes here
+            // while the calls in flight finish.
+            if let Some(node) = draining {
+                node.start_draining().await;
+            }
             let _ = stop_tx.send(true);
         });
         let stopped = |mut rx: watch::Receiver<bool>| async move {
@@ -233,6 +251,10 @@ impl BoundServer {
         health
             .set_service_status("", tonic_health::ServingStatus::Serving)
             .await;
+        if let Some(node) = &self.cluster {
+            let name = <KvTierServer<KvTierService> as tonic::server::NamedService>::NAME;
+            tokio::spawn(membership::report_health(Arc::clone(node), health.clone(), name));
+        }
         let reflection = || {
             tonic_reflection::server::Builder::configure()
                 .register_encoded_file_descriptor_set(kvtier_proto::FILE_DESCRIPTOR_SET)
@@ -253,6 +275,7 @@ impl BoundServer {
             Arc::clone(&in_flight),
             Arc::clone(&regions),
             traces,
+            self.cluster.clone(),
         );
         let rpc_metrics = Arc::new(RpcMetrics::default());
         let shm = if let (Some(listener), Some(path)) = (self.shm, &self.config.shm_socket) {
@@ -329,6 +352,9 @@ impl BoundServer {
             && let Err(e) = shm.await
         {
             tracing::warn!(error = %e, "shm socket task ended abnormally");
+        }
+        if let Some(node) = &self.cluster {
+            node.leave().await;
         }
         // A recording still running is finished: everything queued written.
         self.store.stop_access_trace();

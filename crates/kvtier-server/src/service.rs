@@ -4,6 +4,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use kvtier_cluster::Node;
+use kvtier_core::placement::PlacementKey;
 use kvtier_core::rank::Ranking;
 use kvtier_core::select::{Aggregation, Budget, Shard};
 use kvtier_core::{Layout, Reason, SequenceKey, TenantId, wire};
@@ -27,7 +29,7 @@ use crate::responses::{
     send_chunks,
 };
 use crate::shm::{LocalCalls, Regions, Window};
-use crate::status::{field_status, invalid, to_status};
+use crate::status::{field_status, invalid, refused, to_status};
 use crate::{chunk, convert};
 
 #[derive(Debug, Clone)]
@@ -40,6 +42,8 @@ pub(crate) struct KvTierService {
     /// Shared-memory regions for the shm data plane.
     regions: Arc<Regions>,
     traces: Arc<TraceSettings>,
+    /// The node's membership, in a cluster.
+    cluster: Option<Arc<Node>>,
 }
 
 /// Where `SetAccessTrace` records, and its default size bound.
@@ -59,13 +63,6 @@ fn open<T>(request: Request<T>) -> Result<(Caller, T), Status> {
     Ok((caller, request.into_inner()))
 }
 
-/// A request's sequence, if the caller may act for its tenant.
-fn key(caller: &Caller, tenant: &str, sequence_id: &str) -> Result<SequenceKey, Status> {
-    let key = convert::key(tenant, sequence_id)?;
-    caller.check_tenant(&key.tenant)?;
-    Ok(key)
-}
-
 /// A request's tenant, if the caller may act for it.
 fn tenant(caller: &Caller, name: &str) -> Result<TenantId, Status> {
     let tenant = TenantId::parse(wire::TENANT.path, name).map_err(field_status)?;
@@ -80,6 +77,7 @@ impl KvTierService {
         in_flight: Arc<InFlight>,
         regions: Arc<Regions>,
         traces: TraceSettings,
+        cluster: Option<Arc<Node>>,
     ) -> Self {
         Self {
             store,
@@ -87,6 +85,29 @@ impl KvTierService {
             in_flight,
             regions,
             traces: Arc::new(traces),
+            cluster,
+        }
+    }
+
+    /// A request's sequence, if the caller may act for its tenant and, in
+    /// a cluster, this node may serve the sequences it holds.
+    fn key(&self, caller: &Caller, tenant: &str, sequence_id: &str) -> Result<SequenceKey, Status> {
+        let key = convert::key(tenant, sequence_id)?;
+        caller.check_tenant(&key.tenant)?;
+        if let Some(node) = &self.cluster {
+            node.check_serving().map_err(refused)?;
+        }
+        Ok(key)
+    }
+
+    /// In a cluster, for a sequence this node does not hold: where it is
+    /// instead (another node, a node that is out, lost), as the call's
+    /// status. Names that do not parse are left to the call to refuse.
+    async fn locate(&self, tenant: &str, sequence_id: &str) -> Result<(), Status> {
+        let Some(node) = &self.cluster else { return Ok(()) };
+        match convert::key(tenant, sequence_id) {
+            Ok(key) if !self.store.holds(&key) => node.whereabouts(&key).await.map_err(refused),
+            _ => Ok(()),
         }
     }
 
@@ -213,7 +234,7 @@ impl KvTierService {
         mut r: pb::FetchPagesRequest,
         request_bytes: Option<RequestBytes>,
     ) -> Result<(FetchJob, Option<Window>), Status> {
-        let key = key(caller, &r.tenant, &r.sequence_id)?;
+        let key = self.key(caller, &r.tenant, &r.sequence_id)?;
         let max_bytes = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
         if !r.pages.is_empty() && !r.per_head_pages.is_empty() {
             return Err(invalid(
@@ -233,7 +254,7 @@ impl KvTierService {
 
     /// A selection, checked, with its shm window if it names one.
     fn plan_select(&self, caller: &Caller, mut r: pb::SelectPagesRequest) -> Result<SelectCall, Status> {
-        let key = key(caller, &r.tenant, &r.sequence_id)?;
+        let key = self.key(caller, &r.tenant, &r.sequence_id)?;
         let limit = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
         let inputs = selection_inputs(&r)?;
         let shm = r.shm.take();
@@ -333,7 +354,7 @@ impl LocalCalls for KvTierService {
     }
 
     fn append_tokens(&self, caller: &Caller, r: pb::AppendTokensRequest) -> Result<pb::AppendTokensResponse, Status> {
-        let key = key(caller, &r.tenant, &r.sequence_id)?;
+        let key = self.key(caller, &r.tenant, &r.sequence_id)?;
         let outcome = append(&self.store, &key, &r).map_err(to_status)?;
         Ok(append_to_pb(&outcome))
     }
@@ -346,10 +367,26 @@ impl KvTier for KvTierService {
         request: Request<pb::CreateSequenceRequest>,
     ) -> Result<Response<pb::CreateSequenceResponse>, Status> {
         let (caller, r) = open(request)?;
-        let key = key(&caller, &r.tenant, &r.sequence_id)?;
+        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         let layout = convert::layout(r.layout)?;
-        let hashes = r.prefix_hashes.into_iter().map(|h| h.to_vec()).collect();
-        let created = self.call(move |s| s.create_sequence(key, layout, hashes)).await?;
+        let hashes: Vec<Vec<u8>> = r.prefix_hashes.into_iter().map(|h| h.to_vec()).collect();
+        if let Some(node) = &self.cluster {
+            let placement = PlacementKey::of(key.tenant.as_str(), key.sequence.as_str(), &hashes);
+            node.claim(&key, placement).await.map_err(refused)?;
+        }
+        let claimed = key.clone();
+        let created = self.call(move |s| s.create_sequence(key, layout, hashes)).await;
+        let created = match (created, &self.cluster) {
+            (Ok(created), _) => created,
+            // ALREADY_EXISTS: the sequence is here, and so is its claim.
+            (Err(e), Some(node)) if e.code() != tonic::Code::AlreadyExists => {
+                if let Err(etcd) = node.release(&claimed).await {
+                    tracing::warn!(error = %etcd, "could not release the claim of a sequence whose create failed");
+                }
+                return Err(e);
+            }
+            (Err(e), _) => return Err(e),
+        };
         Ok(Response::new(pb::CreateSequenceResponse {
             attached_pages: created.attached_pages,
             info: Some(convert::info_to_pb(&created.info)),
@@ -361,7 +398,8 @@ impl KvTier for KvTierService {
         request: Request<pb::GetSequenceRequest>,
     ) -> Result<Response<pb::SequenceInfo>, Status> {
         let (caller, r) = open(request)?;
-        let key = key(&caller, &r.tenant, &r.sequence_id)?;
+        self.locate(&r.tenant, &r.sequence_id).await?;
+        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         let info = self.call(move |s| s.sequence_info(&key)).await?;
         Ok(Response::new(convert::info_to_pb(&info)))
     }
@@ -371,8 +409,17 @@ impl KvTier for KvTierService {
         request: Request<pb::DropSequenceRequest>,
     ) -> Result<Response<pb::DropSequenceResponse>, Status> {
         let (caller, r) = open(request)?;
-        let key = key(&caller, &r.tenant, &r.sequence_id)?;
+        self.locate(&r.tenant, &r.sequence_id).await?;
+        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
+        let dropped = key.clone();
         self.call(move |s| s.drop_sequence(&key)).await?;
+        if let Some(node) = &self.cluster
+            && let Err(e) = node.release(&dropped).await
+        {
+            // The record names this node and a sequence it no longer
+            // holds: a later create here reclaims it, a read gets NOT_FOUND.
+            tracing::warn!(error = %e, "could not release the ownership record of a dropped sequence");
+        }
         Ok(Response::new(pb::DropSequenceResponse {}))
     }
 
@@ -386,7 +433,8 @@ impl KvTier for KvTierService {
         while let Some(r) = stream.message().await? {
             let write = total.writes;
             let numbered = |e: Status| Status::new(e.code(), format!("write {write}: {}", e.message()));
-            let key = key(&caller, &r.tenant, &r.sequence_id).map_err(numbered)?;
+            self.locate(&r.tenant, &r.sequence_id).await.map_err(numbered)?;
+            let key = self.key(&caller, &r.tenant, &r.sequence_id).map_err(numbered)?;
             let outcome = self
                 .call(move |s| {
                     s.put_pages(
@@ -418,7 +466,8 @@ impl KvTier for KvTierService {
         request: Request<pb::AppendTokensRequest>,
     ) -> Result<Response<pb::AppendTokensResponse>, Status> {
         let (caller, r) = open(request)?;
-        let key = key(&caller, &r.tenant, &r.sequence_id)?;
+        self.locate(&r.tenant, &r.sequence_id).await?;
+        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         let outcome = self.call(move |s| append(s, &key, &r)).await?;
         Ok(Response::new(append_to_pb(&outcome)))
     }
@@ -429,6 +478,7 @@ impl KvTier for KvTierService {
         // The request lives as long as its stream, and so does its charge.
         let request_bytes = request.extensions().get::<RequestBytes>().cloned();
         let (caller, r) = open(request)?;
+        self.locate(&r.tenant, &r.sequence_id).await?;
         let (job, window) = self.plan_fetch(&caller, r, request_bytes)?;
         let (tx, rx) = mpsc::channel(1);
         if let Some(mut window) = window {
@@ -467,6 +517,7 @@ impl KvTier for KvTierService {
 
     async fn select_pages(&self, request: Request<pb::SelectPagesRequest>) -> Result<Response<SelectStream>, Status> {
         let (caller, r) = open(request)?;
+        self.locate(&r.tenant, &r.sequence_id).await?;
         let call = self.plan_select(&caller, r)?;
         // The data's room in flight, at most what the selection can choose,
         // is taken before the store reads any of it. Data over shm goes to
@@ -486,7 +537,8 @@ impl KvTier for KvTierService {
         request: Request<pb::SelectPagesRequest>,
     ) -> Result<Response<pb::PrefetchResponse>, Status> {
         let (caller, r) = open(request)?;
-        let key = key(&caller, &r.tenant, &r.sequence_id)?;
+        self.locate(&r.tenant, &r.sequence_id).await?;
+        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         for (set, field) in [
             (r.include_data, wire::INCLUDE_DATA.path),
             (r.swap_in, wire::SWAP_IN.path),
@@ -528,7 +580,8 @@ impl KvTier for KvTierService {
         request: Request<pb::SetPageStateRequest>,
     ) -> Result<Response<pb::SetPageStateResponse>, Status> {
         let (caller, r) = open(request)?;
-        let key = key(&caller, &r.tenant, &r.sequence_id)?;
+        self.locate(&r.tenant, &r.sequence_id).await?;
+        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         let (action, summary_rows) = convert::action(r.action)?;
         if !r.pages.is_empty() && (r.first_page != 0 || r.page_count != 0) {
             return Err(invalid(
@@ -567,7 +620,8 @@ impl KvTier for KvTierService {
         request: Request<pb::ApplyPolicyRequest>,
     ) -> Result<Response<pb::ApplyPolicyResponse>, Status> {
         let (caller, r) = open(request)?;
-        let key = key(&caller, &r.tenant, &r.sequence_id)?;
+        self.locate(&r.tenant, &r.sequence_id).await?;
+        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         let Some((spec, trigger)) = crate::policy::spec(&r)? else {
             self.call(move |s| s.unregister_policy(&key)).await?;
             return Ok(Response::new(pb::ApplyPolicyResponse::default()));
@@ -597,7 +651,8 @@ impl KvTier for KvTierService {
         request: Request<pb::ReportAttentionRequest>,
     ) -> Result<Response<pb::ReportAttentionResponse>, Status> {
         let (caller, r) = open(request)?;
-        let key = key(&caller, &r.tenant, &r.sequence_id)?;
+        self.locate(&r.tenant, &r.sequence_id).await?;
+        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         if r.token_weights.is_empty() == r.page_weights.is_empty() {
             return Err(invalid(
                 wire::TOKEN_WEIGHTS,

@@ -1,5 +1,6 @@
 //! The one mapping from store errors to gRPC status codes.
 
+use kvtier_cluster::{OWNER_ADDR, OWNER_NODE, Refusal};
 use kvtier_core::FieldError;
 use kvtier_store::StoreError;
 use tonic::{Code, Status};
@@ -32,4 +33,24 @@ pub(crate) fn invalid(field: impl Into<String>, message: impl Into<String>) -> S
 /// A request for something the caller's token does not cover.
 pub(crate) fn denied(field: &str, message: impl std::fmt::Display) -> Status {
     Status::permission_denied(format!("{field}: {message}"))
+}
+
+/// A cluster's refusal of a call for a sequence.
+pub(crate) fn refused(r: Refusal) -> Status {
+    let code = match &r {
+        Refusal::Elsewhere { .. } => Code::FailedPrecondition,
+        Refusal::ExistsElsewhere { .. } => Code::AlreadyExists,
+        Refusal::OwnerOut { .. } | Refusal::Unavailable { .. } | Refusal::Fenced { .. } => Code::Unavailable,
+        Refusal::Lost { .. } => Code::DataLoss,
+    };
+    let mut status = Status::new(code, r.to_string());
+    if let Some((node, addr)) = r.redirect() {
+        let metadata = status.metadata_mut();
+        for (key, value) in [(OWNER_NODE, node), (OWNER_ADDR, addr)] {
+            if let Ok(value) = value.parse() {
+                metadata.insert(key, value);
+            }
+        }
+    }
+    status
 }

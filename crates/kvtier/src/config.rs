@@ -101,6 +101,9 @@ pub(crate) struct FileConfig {
     pub(crate) tiers: TierFileConfig,
     #[serde(default)]
     pub(crate) access_trace: AccessTraceFileConfig,
+    /// Membership of a cluster (etcd).
+    #[serde(default)]
+    pub(crate) cluster: crate::cluster::ClusterFileConfig,
 }
 
 /// Page-access recording (`kvtier tune`'s input).

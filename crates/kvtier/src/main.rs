@@ -2,6 +2,7 @@
 
 mod alloc;
 mod bench;
+mod cluster;
 mod config;
 mod eval;
 mod health;
@@ -33,6 +34,9 @@ enum Command {
     Bench(bench::BenchCommand),
     /// Tier sizes from a workload's accesses: miss-ratio curves and the smallest sizes that meet a target.
     Tune(tune::TuneArgs),
+    /// A cluster's nodes and etcd, read from etcd.
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
     /// Whether a server is serving (gRPC health check; exit status 0 if it is).
     Health(health::HealthArgs),
 }
@@ -53,5 +57,6 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Tune(args) => tune::run(args),
         Command::Health(args) => health::run(args),
+        Command::Cluster(command) => cluster::run(command),
     }
 }

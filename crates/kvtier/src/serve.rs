@@ -11,6 +11,7 @@ use kvtier_cuda::{CudaDeviceTier, PinnedHostTier, SwapPath};
 use kvtier_server::{BoundServer, ServerConfig, TlsFiles};
 use kvtier_store::{DeviceCache, Durability, EngineChoice, NvmeConfig, Store, StoreConfig, Tier, TraceConfig};
 
+use crate::cluster::{ClusterArgs, Listening, node_config};
 use crate::config::{
     ByteSize, FileConfig, available_memory, default_metadata_bytes, default_nvme_bytes, default_tier_bytes,
 };
@@ -103,6 +104,8 @@ pub(crate) struct ServeArgs {
     /// An access recording stops growing at this size [default: 1GiB].
     #[arg(long, value_name = "SIZE")]
     access_trace_max_bytes: Option<ByteSize>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -141,10 +144,11 @@ fn parse_metrics(value: &str) -> anyhow::Result<Option<SocketAddr>> {
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     init_logging(args.log_format, "info");
     crate::alloc::tune();
-    let file = match &args.config {
+    let mut file = match &args.config {
         Some(path) => FileConfig::load(path)?,
         None => FileConfig::default(),
     };
+    let cluster_file = std::mem::take(&mut file.cluster);
     let defaults = ServerConfig::default();
     let (default_device, default_host) = default_tier_bytes();
     // How each tier was sized, for the startup line.
@@ -315,6 +319,14 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         "starting kvtier"
     );
 
+    let node = node_config(
+        args.cluster,
+        cluster_file,
+        &Listening {
+            listen: server.listen,
+            tls: server.tls.is_some(),
+        },
+    )?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -328,7 +340,15 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .start_access_trace(trace)
                 .with_context(|| format!("access_trace: recording into {}", path.display()))?;
         }
-        let bound = BoundServer::bind(store, server).await?;
+        let mut bound = BoundServer::bind(Arc::clone(&store), server).await?;
+        if let Some(mut node) = node {
+            node.capacity = kvtier_server::capacity(&store);
+            let local = Arc::new(kvtier_server::StoreSequences(Arc::clone(&store)));
+            let (node, _) = kvtier_cluster::Node::join(node, local)
+                .await
+                .context("joining the cluster")?;
+            bound = bound.with_cluster(node);
+        }
         bound.serve(shutdown_signal()).await?;
         Ok(())
     })

@@ -138,6 +138,11 @@ impl Catalog {
         write(&self.sequences).remove(key);
     }
 
+    /// Every sequence's key, as of now.
+    pub(crate) fn keys(&self) -> Vec<SequenceKey> {
+        read(&self.sequences).keys().cloned().collect()
+    }
+
     /// Every sequence's cell, as of now.
     pub(crate) fn cells(&self) -> Vec<Arc<Cell>> {
         read(&self.sequences).values().cloned().collect()

@@ -95,6 +95,16 @@ impl Store {
             .read(key, |seq| Ok((Arc::clone(&seq.layout), seq.tokens())))
     }
 
+    /// Whether the store holds sequence `key` now.
+    pub fn holds(&self, key: &SequenceKey) -> bool {
+        self.catalog.contains(key)
+    }
+
+    /// Every sequence held, as of now.
+    pub fn sequence_keys(&self) -> Vec<SequenceKey> {
+        self.catalog.keys()
+    }
+
     /// Whether a read of sequence `key` would wait for its writer now (a
     /// hint for where to make it: a write holds its sequence across its
     /// NVMe I/O). False for an unknown sequence, whose call fails at once.

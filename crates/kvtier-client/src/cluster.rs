@@ -1,0 +1,249 @@
+//! A client of a kvtier cluster: it follows the membership in etcd, creates
+//! each sequence on the node placement gives it, and sends every later call
+//! to the node that owns the sequence.
+//!
+//! Routing costs a map lookup per call: the owner of a sequence is learnt
+//! once (from its create, or by asking the node placement names, which
+//! answers with the owner when it is not), then calls go straight to the
+//! owner's connection. A call refused because the sequence is elsewhere
+//! (FAILED_PRECONDITION with the owner in its metadata) or because the
+//! owner's connection failed is routed afresh and retried once.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvtier_cluster::{EtcdConfig, NodeRecord, OWNER_ADDR, OWNER_NODE, View};
+use kvtier_core::placement::PlacementKey;
+use tokio::sync::watch;
+use tonic::Code;
+
+use crate::client::{Client, ClientError, Connect, Result};
+use crate::pb;
+
+/// A client of every node of a cluster, for one tenant.
+#[derive(Debug, Clone)]
+pub struct Cluster {
+    view: watch::Receiver<Arc<View>>,
+    options: Connect,
+    tenant: String,
+    /// One connection per node address.
+    clients: Arc<Mutex<HashMap<String, Client>>>,
+    /// The owner's address of each sequence this client has routed.
+    owners: Arc<Mutex<HashMap<String, String>>>,
+}
+
+/// Where a sequence went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    pub node_id: String,
+    pub addr: String,
+}
+
+impl Cluster {
+    /// Follows the cluster in etcd; `options` reach its nodes (token, TLS).
+    pub async fn connect(etcd: &EtcdConfig, options: Connect) -> Result<Self> {
+        let view = kvtier_cluster::follow(etcd)
+            .await
+            .map_err(|e| ClientError::Cluster(format!("etcd at {}: {e}", etcd.endpoints.join(","))))?;
+        Ok(Self {
+            view,
+            options,
+            tenant: String::new(),
+            clients: Arc::default(),
+            owners: Arc::default(),
+        })
+    }
+
+    /// Uses `tenant` for every later call.
+    pub fn with_tenant(mut self, tenant: impl Into<String>) -> Self {
+        self.tenant = tenant.into();
+        self.owners = Arc::default();
+        self
+    }
+
+    /// The members as last seen.
+    pub fn view(&self) -> Arc<View> {
+        Arc::clone(&self.view.borrow())
+    }
+
+    /// Waits until the view shows `n` serving members (for tools and tests
+    /// starting a cluster), at most `limit`.
+    pub async fn wait_for_serving(&self, n: usize, limit: Duration) -> Result<()> {
+        let mut view = self.view.clone();
+        let serving = |v: &Arc<View>| {
+            v.members()
+                .filter(|m| m.state == kvtier_cluster::NodeState::Serving)
+                .count()
+                >= n
+        };
+        tokio::time::timeout(limit, view.wait_for(serving))
+            .await
+            .map_err(|_| ClientError::Cluster(format!("fewer than {n} nodes serving after {limit:?}")))?
+            .map_err(|_| ClientError::Cluster("the membership watch ended".into()))?;
+        Ok(())
+    }
+
+    fn client(&self, addr: &str) -> Result<Client> {
+        let mut clients = self.clients.lock().expect("clients lock");
+        if let Some(c) = clients.get(addr) {
+            return Ok(c.clone().with_tenant(self.tenant.clone()));
+        }
+        let client = Client::connect_lazy_with(addr.to_owned(), self.options.clone())?;
+        clients.insert(addr.to_owned(), client.clone());
+        Ok(client.with_tenant(self.tenant.clone()))
+    }
+
+    /// The tenant as servers name it (an empty one is the default tenant),
+    /// which placement hashes.
+    fn placement_tenant(&self) -> &str {
+        if self.tenant.is_empty() {
+            kvtier_core::TenantId::DEFAULT
+        } else {
+            &self.tenant
+        }
+    }
+
+    fn owner_by_placement(&self, key: PlacementKey<'_>) -> Result<NodeRecord> {
+        self.view()
+            .owner(key)
+            .cloned()
+            .ok_or_else(|| ClientError::Cluster("no node is serving".into()))
+    }
+
+    /// Creates a sequence on the node placement gives it (with a hash
+    /// chain: the node of its first page's hash, where a shared prompt's
+    /// pages are). Retried once at the owner a node names.
+    pub async fn create_sequence(
+        &self,
+        sequence_id: &str,
+        layout: pb::Layout,
+        prefix_hashes: Vec<Bytes>,
+    ) -> Result<(Placed, pb::CreateSequenceResponse)> {
+        let owner = self.owner_by_placement(PlacementKey::of(self.placement_tenant(), sequence_id, &prefix_hashes))?;
+        let create = |addr: String| {
+            let (layout, hashes) = (layout.clone(), prefix_hashes.clone());
+            async move {
+                let mut client = self.client(&addr)?;
+                client.create_sequence(sequence_id, layout, hashes).await
+            }
+        };
+        let (placed, created) = match create(owner.addr.clone()).await {
+            Ok(created) => (
+                Placed {
+                    node_id: owner.node_id,
+                    addr: owner.addr,
+                },
+                created,
+            ),
+            // The node's view differs from this client's: once, where it says.
+            Err(e) => match redirect(&e) {
+                Some((node_id, addr)) => (
+                    Placed {
+                        node_id,
+                        addr: addr.clone(),
+                    },
+                    create(addr).await?,
+                ),
+                None => return Err(e),
+            },
+        };
+        self.remember(sequence_id, &placed.addr);
+        Ok((placed, created))
+    }
+
+    fn remember(&self, sequence_id: &str, addr: &str) {
+        self.owners
+            .lock()
+            .expect("owners lock")
+            .insert(sequence_id.to_owned(), addr.to_owned());
+    }
+
+    fn forget(&self, sequence_id: &str) {
+        self.owners.lock().expect("owners lock").remove(sequence_id);
+    }
+
+    /// A client of the node that owns `sequence_id`: the one its create
+    /// went to, else found by asking the node placement names.
+    pub async fn sequence(&self, sequence_id: &str) -> Result<Client> {
+        let known = self.owners.lock().expect("owners lock").get(sequence_id).cloned();
+        if let Some(addr) = known {
+            return self.client(&addr);
+        }
+        let owner = self.owner_by_placement(PlacementKey::Sequence {
+            tenant: self.placement_tenant(),
+            sequence_id,
+        })?;
+        let probe = |addr: String| async move {
+            let mut client = self.client(&addr)?;
+            client.get_sequence(sequence_id).await?;
+            Ok::<_, ClientError>((addr, client))
+        };
+        let (addr, client) = match probe(owner.addr).await {
+            Ok(found) => found,
+            Err(e) => match redirect(&e) {
+                Some((_, addr)) => probe(addr).await?,
+                None => return Err(e),
+            },
+        };
+        self.remember(sequence_id, &addr);
+        Ok(client)
+    }
+
+    /// Runs `call` with the owner's client; a call refused because the
+    /// sequence moved, or whose connection failed, is routed afresh and
+    /// run once more.
+    pub async fn call<T, F, Fut>(&self, sequence_id: &str, call: F) -> Result<T>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        let client = self.sequence(sequence_id).await?;
+        match call(client).await {
+            Err(e) if redirect(&e).is_some() || unreachable_node(&e) => {
+                self.forget(sequence_id);
+                if let Some((_, addr)) = redirect(&e) {
+                    self.remember(sequence_id, &addr);
+                }
+                call(self.sequence(sequence_id).await?).await
+            }
+            other => other,
+        }
+    }
+
+    /// Drops a sequence on its owner.
+    pub async fn drop_sequence(&self, sequence_id: &str) -> Result<()> {
+        self.call(sequence_id, |mut c| async move { c.drop_sequence(sequence_id).await })
+            .await?;
+        self.forget(sequence_id);
+        Ok(())
+    }
+}
+
+/// The owner a FAILED_PRECONDITION names, if the error is one.
+fn redirect(e: &ClientError) -> Option<(String, String)> {
+    let ClientError::Status(status) = e else { return None };
+    if status.code() != Code::FailedPrecondition {
+        return None;
+    }
+    let get = |key| {
+        status
+            .metadata()
+            .get(key)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    Some((get(OWNER_NODE)?, get(OWNER_ADDR)?))
+}
+
+/// A failed connection (the node is gone, or came back at another
+/// address) or a node that cannot serve now: worth one fresh route.
+fn unreachable_node(e: &ClientError) -> bool {
+    match e {
+        ClientError::Transport(_) => true,
+        ClientError::Status(s) => s.code() == Code::Unavailable,
+        _ => false,
+    }
+}

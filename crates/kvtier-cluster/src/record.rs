@@ -1,0 +1,96 @@
+//! What a node publishes about itself, and who owns a sequence: the two
+//! kinds of value kvtier keeps in etcd (JSON, so `etcdctl get` reads them).
+
+use serde::{Deserialize, Serialize};
+
+/// A node's part in the cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeState {
+    /// Registered, checking which of its sequences are still its own; owns
+    /// no new sequences yet.
+    Joining,
+    /// Owns the sequences placement gives it.
+    Serving,
+    /// Finishing its calls or handing its sequences over; placement skips
+    /// it, its sequences are still served.
+    Draining,
+}
+
+impl NodeState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Joining => "joining",
+            Self::Serving => "serving",
+            Self::Draining => "draining",
+        }
+    }
+}
+
+/// Bytes per tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierBytes {
+    pub device: u64,
+    pub host: u64,
+    pub nvme: u64,
+}
+
+/// `nodes/<id>`, under the node's membership lease: present while the node
+/// is in the cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub node_id: String,
+    /// Where clients and other nodes reach its gRPC service
+    /// (`http://host:port` or `https://…`).
+    pub addr: String,
+    pub state: NodeState,
+    /// kvtier's version.
+    pub version: String,
+    pub capacity: TierBytes,
+    /// Refreshed while the node runs.
+    pub free: TierBytes,
+}
+
+impl NodeRecord {
+    /// Placement weight: the bytes it keeps sequences in (host and NVMe; the
+    /// device tier caches them). Only capacity counts, so placement does not
+    /// move as a node fills.
+    pub fn weight(&self) -> f64 {
+        (self.capacity.host + self.capacity.nvme) as f64
+    }
+}
+
+/// `seqs/<tenant>/<sequence id, hex>`, with no lease: the node that owns the
+/// sequence. Written by a transaction that requires the key to be absent
+/// (or its owner past its grace), so a sequence has one owner at a time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OwnerRecord {
+    pub node_id: String,
+    /// Random per creation: a read never mixes two creations of one id.
+    pub incarnation: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_read_back_as_written() {
+        let node = NodeRecord {
+            node_id: "n1".into(),
+            addr: "http://127.0.0.1:1".into(),
+            state: NodeState::Draining,
+            version: "0.1.0".into(),
+            capacity: TierBytes {
+                device: 1,
+                host: 2,
+                nvme: 3,
+            },
+            free: TierBytes::default(),
+        };
+        let json = serde_json::to_string(&node).unwrap();
+        assert!(json.contains("\"state\":\"draining\""), "{json}");
+        assert_eq!(serde_json::from_str::<NodeRecord>(&json).unwrap(), node);
+        assert_eq!(node.weight(), 5.0);
+    }
+}

@@ -1,0 +1,59 @@
+//! Why a node refuses a call for a sequence in a cluster. The server maps
+//! each to one status code (`kvtier-server`'s `status.rs`).
+
+/// gRPC metadata on a FAILED_PRECONDITION that sends the client elsewhere:
+/// the node that has (or is to have) the sequence, and its address.
+pub const OWNER_NODE: &str = "kvtier-owner-node";
+pub const OWNER_ADDR: &str = "kvtier-owner-addr";
+
+/// A refusal. Every message names the node it is about.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// FAILED_PRECONDITION: the sequence is, or is to be, on another node;
+    /// the client routes there.
+    #[error("sequence {sequence} is {why} node {owner} ({addr}), not {this}")]
+    Elsewhere {
+        sequence: String,
+        why: &'static str,
+        owner: String,
+        addr: String,
+        this: String,
+    },
+    /// ALREADY_EXISTS: another node owns a sequence of that id.
+    #[error("sequence {sequence} already exists on node {owner}")]
+    ExistsElsewhere { sequence: String, owner: String },
+    /// UNAVAILABLE: the owner's membership lease lapsed; it has until its
+    /// grace ends to come back with the sequence.
+    #[error(
+        "sequence {sequence} is on node {owner}, which is out of the cluster (its lease lapsed); it gets the \
+         sequence back if it returns within its grace period"
+    )]
+    OwnerOut { sequence: String, owner: String },
+    /// DATA_LOSS: the owner stayed away past its grace period.
+    #[error("sequence {sequence} was lost with node {owner}, which stayed out of the cluster past its grace period")]
+    Lost { sequence: String, owner: String },
+    /// UNAVAILABLE: what the call needs from etcd cannot be had now.
+    #[error("node {this} cannot {what}: {why}")]
+    Unavailable {
+        this: String,
+        what: &'static str,
+        why: String,
+    },
+    /// UNAVAILABLE: the node lost etcd for half its grace period; the
+    /// cluster may give its sequences to others, so it serves none.
+    #[error(
+        "node {this} serves no sequence: it has not reached etcd for {secs} s, half its grace period, so the \
+         cluster may declare its sequences lost"
+    )]
+    Fenced { this: String, secs: u64 },
+}
+
+impl Refusal {
+    /// The node the client should go to instead, with its address.
+    pub fn redirect(&self) -> Option<(&str, &str)> {
+        match self {
+            Self::Elsewhere { owner, addr, .. } => Some((owner, addr)),
+            _ => None,
+        }
+    }
+}

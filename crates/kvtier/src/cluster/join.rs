@@ -1,0 +1,136 @@
+//! `kvtier serve`'s cluster settings: flags, the `[cluster]` table, and the
+//! node configuration they make.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use kvtier_cluster::{DEFAULT_CLUSTER, EtcdConfig, NodeConfig, TierBytes};
+use serde::Deserialize;
+
+/// Cluster flags of `kvtier serve`; without `--etcd` the server stands alone.
+#[derive(Debug, Args)]
+pub(crate) struct ClusterArgs {
+    /// Join a cluster whose membership is in this etcd (URL[,URL…]).
+    #[arg(long, value_name = "URLS")]
+    etcd: Option<String>,
+    /// This node's id in the cluster: 1..=64 of [A-Za-z0-9._-], kept across
+    /// restarts (with the data directory) [required with --etcd].
+    #[arg(long, value_name = "ID")]
+    node_id: Option<String>,
+    /// The cluster's name; clusters share an etcd under distinct names
+    /// [default: default].
+    #[arg(long, value_name = "NAME")]
+    cluster: Option<String>,
+    /// The URL clients and other nodes reach this node at
+    /// [default: http(s)://LISTEN].
+    #[arg(long, value_name = "URL")]
+    advertise: Option<String>,
+    /// A node silent this long is out of the cluster [default: 10].
+    #[arg(long, value_name = "SECONDS")]
+    lease_ttl_secs: Option<u64>,
+    /// A node out of the cluster keeps its sequences this long; back
+    /// within it, it serves them again [default: 60].
+    #[arg(long, value_name = "SECONDS")]
+    grace_secs: Option<u64>,
+}
+
+/// The `[cluster]` table.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ClusterFileConfig {
+    /// etcd endpoints.
+    etcd: Option<Vec<String>>,
+    node_id: Option<String>,
+    name: Option<String>,
+    advertise: Option<String>,
+    lease_ttl_secs: Option<u64>,
+    grace_secs: Option<u64>,
+    /// etcd credentials, where etcd checks them.
+    etcd_user: Option<String>,
+    etcd_password: Option<String>,
+    /// PEM CA certificate for `https://` etcd endpoints.
+    etcd_ca: Option<PathBuf>,
+}
+
+/// What the server needs to know to place itself.
+#[derive(Debug)]
+pub(crate) struct Listening {
+    pub(crate) listen: SocketAddr,
+    pub(crate) tls: bool,
+}
+
+const DEFAULT_TTL_SECS: u64 = 10;
+const DEFAULT_GRACE_SECS: u64 = 60;
+
+/// The node's configuration, or `None` without etcd. Capacity is filled in
+/// once the store exists.
+pub(crate) fn node_config(
+    args: ClusterArgs,
+    file: ClusterFileConfig,
+    at: &Listening,
+) -> anyhow::Result<Option<NodeConfig>> {
+    let endpoints = match (args.etcd, file.etcd) {
+        (Some(list), _) => EtcdConfig::parse_endpoints(&list),
+        (None, Some(list)) => EtcdConfig::parse_endpoints(&list.join(",")),
+        (None, None) => return Ok(None),
+    };
+    if endpoints.is_empty() {
+        bail!("etcd: no endpoint given");
+    }
+    let Some(node_id) = args.node_id.or(file.node_id) else {
+        bail!("node_id: required with --etcd (--node-id, or node_id in [cluster])");
+    };
+    check_name("node_id", &node_id)?;
+    let cluster = args.cluster.or(file.name).unwrap_or_else(|| DEFAULT_CLUSTER.to_owned());
+    check_name("cluster", &cluster)?;
+    let advertise = match args.advertise.or(file.advertise) {
+        Some(url) => url,
+        None if at.listen.ip().is_unspecified() => bail!(
+            "advertise: required when listening on {} (--advertise URL: where other nodes and clients reach this one)",
+            at.listen
+        ),
+        None => format!("{}://{}", if at.tls { "https" } else { "http" }, at.listen),
+    };
+    let ttl = args.lease_ttl_secs.or(file.lease_ttl_secs).unwrap_or(DEFAULT_TTL_SECS);
+    let grace = args.grace_secs.or(file.grace_secs).unwrap_or(DEFAULT_GRACE_SECS);
+    if ttl == 0 || grace < ttl {
+        bail!("lease_ttl_secs ({ttl}) must be at least 1 and grace_secs ({grace}) at least lease_ttl_secs");
+    }
+    let mut etcd = EtcdConfig::new(endpoints);
+    etcd.cluster = cluster;
+    etcd.user = match (file.etcd_user, file.etcd_password) {
+        (Some(user), Some(password)) => Some((user, password)),
+        (None, None) => None,
+        _ => bail!("cluster.etcd_user and cluster.etcd_password: give both or neither"),
+    };
+    etcd.ca_pem = match file.etcd_ca {
+        Some(path) => {
+            Some(std::fs::read(&path).with_context(|| format!("cluster.etcd_ca: reading {}", path.display()))?)
+        }
+        None => None,
+    };
+    Ok(Some(NodeConfig {
+        etcd,
+        node_id,
+        advertise,
+        ttl: Duration::from_secs(ttl),
+        grace: Duration::from_secs(grace),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        capacity: TierBytes::default(),
+    }))
+}
+
+/// Node ids and cluster names go into etcd keys and gRPC metadata.
+fn check_name(field: &str, name: &str) -> anyhow::Result<()> {
+    let ok = (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if !ok {
+        bail!("{field}: {name:?} is not 1..=64 of [A-Za-z0-9._-]");
+    }
+    Ok(())
+}

@@ -1,0 +1,93 @@
+//! `kvtier cluster`: a cluster's state, read from its etcd; and the cluster
+//! settings of `kvtier serve`.
+
+mod join;
+
+pub(crate) use join::{ClusterArgs, ClusterFileConfig, Listening, node_config};
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use kvtier_cluster::{DEFAULT_CLUSTER, EtcdConfig};
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum ClusterCommand {
+    /// Nodes, their states, capacities and sequences; etcd's health.
+    Status(StatusArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct StatusArgs {
+    /// The cluster's etcd (URL[,URL…]).
+    #[arg(long, value_name = "URLS")]
+    etcd: String,
+    /// The cluster's name.
+    #[arg(long, value_name = "NAME", default_value = DEFAULT_CLUSTER)]
+    cluster: String,
+    /// JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) fn run(command: ClusterCommand) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    match command {
+        ClusterCommand::Status(args) => runtime.block_on(status(args)),
+    }
+}
+
+async fn status(args: StatusArgs) -> anyhow::Result<()> {
+    let mut config = EtcdConfig::new(EtcdConfig::parse_endpoints(&args.etcd));
+    config.cluster = args.cluster;
+    let status = kvtier_cluster::status(&config)
+        .await
+        .with_context(|| format!("reading cluster {:?} from etcd at {}", config.cluster, args.etcd))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+        return Ok(());
+    }
+    println!("cluster {}", status.cluster);
+    println!(
+        "{:<16} {:<9} {:<28} {:>10} {:>12} {:>12} {:>10}",
+        "node", "state", "address", "version", "host", "nvme", "sequences"
+    );
+    for node in &status.nodes {
+        let (addr, version, host, nvme) = match &node.record {
+            Some(r) => (
+                r.addr.as_str(),
+                r.version.as_str(),
+                format!(
+                    "{}/{}",
+                    gib(r.capacity.host - r.free.host.min(r.capacity.host)),
+                    gib(r.capacity.host)
+                ),
+                format!(
+                    "{}/{}",
+                    gib(r.capacity.nvme - r.free.nvme.min(r.capacity.nvme)),
+                    gib(r.capacity.nvme)
+                ),
+            ),
+            None => ("-", "-", "-".into(), "-".into()),
+        };
+        println!(
+            "{:<16} {:<9} {:<28} {:>10} {:>12} {:>12} {:>10}",
+            node.node_id, node.state, addr, version, host, nvme, node.sequences
+        );
+    }
+    println!("host and nvme: used/capacity, GiB");
+    for e in &status.etcd {
+        match &e.error {
+            None => println!(
+                "etcd {}: healthy, version {}{}",
+                e.endpoint,
+                e.version.as_deref().unwrap_or("?"),
+                if e.leader == Some(true) { ", leader" } else { "" }
+            ),
+            Some(error) => println!("etcd {}: unhealthy: {error}", e.endpoint),
+        }
+    }
+    Ok(())
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / (1u64 << 30) as f64)
+}
