@@ -208,3 +208,278 @@ async fn creates_go_where_placement_says_and_other_nodes_refuse_naming_the_owner
     assert_eq!(total, 24 + 2);
     assert!(status["etcd"][0]["error"].is_null(), "{status}");
 }
+
+/// Whether `kvtier health` says `service` is serving at `addr`.
+fn healthy(addr: &str, service: &str) -> bool {
+    std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["health", "--addr", addr, "--service", service])
+        .output()
+        .unwrap()
+        .status
+        .success()
+}
+
+/// The sequences (of `seqs`) whose owner is `node`.
+fn owned_by<'a>(cluster: &Cluster, node: &str, seqs: &'a [String]) -> Vec<&'a String> {
+    let view = cluster.view();
+    seqs.iter()
+        .filter(|s| {
+            view.owner(kvtier_core::placement::PlacementKey::Sequence {
+                tenant: "default",
+                sequence_id: s,
+            })
+            .is_some_and(|o| o.node_id == node)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_node_is_out_then_back_within_its_grace_with_its_durable_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path());
+    let mut servers: Vec<Server> = (0..3)
+        .map(|i| node(dir.path(), &format!("n{i}"), &etcd.client_url, 1, 30))
+        .collect();
+    for s in &mut servers {
+        s.client().await;
+    }
+    let cluster = cluster(&etcd.client_url, 3).await;
+    let seqs: Vec<String> = (0..12).map(|i| format!("s{i}")).collect();
+    for (i, seq) in seqs.iter().enumerate() {
+        cluster.create_sequence(seq, tiny(), vec![]).await.unwrap();
+        write(&cluster, seq, i as u32, 7).await;
+    }
+    let on_n1 = owned_by(&cluster, "n1", &seqs);
+    assert!(!on_n1.is_empty());
+    servers.remove(1).kill();
+
+    // Out: its sequences are UNAVAILABLE, naming it; never another's bytes.
+    let victim = on_n1[0].clone();
+    let e = eventually(Duration::from_secs(20), "n1's lease lapsing", || {
+        let (cluster, victim) = (cluster.clone(), victim.clone());
+        async move {
+            match cluster.call(&victim, |c| read(c, &victim)).await {
+                Err(e) if code(&e) == Code::Unavailable && e.to_string().contains("out of the cluster") => Some(e),
+                _ => None,
+            }
+        }
+    })
+    .await;
+    assert!(e.to_string().contains("n1"), "{e}");
+    // The others' sequences are served all along.
+    for (i, seq) in seqs.iter().enumerate().filter(|(_, s)| !on_n1.contains(s)) {
+        let got = cluster.call(seq, |c| read(c, seq)).await.unwrap();
+        assert_eq!(got, expected(i as u32, 7), "{seq}");
+    }
+
+    // Back within the grace, at another address: every durable row.
+    servers.insert(1, node(dir.path(), "n1", &etcd.client_url, 1, 30));
+    servers[1].client().await;
+    cluster.wait_for_serving(3, Duration::from_secs(30)).await.unwrap();
+    for seq in &on_n1 {
+        let i: u32 = seq[1..].parse().unwrap();
+        let got = eventually(Duration::from_secs(20), "n1 serving again", || {
+            let cluster = cluster.clone();
+            async move { cluster.call(seq, |c| read(c, seq)).await.ok() }
+        })
+        .await;
+        assert_eq!(got, expected(i, 7), "{seq} after n1's rejoin");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_its_grace_a_nodes_sequences_are_lost_taken_over_and_forgotten_on_its_return() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path());
+    let mut servers: Vec<Server> = (0..3)
+        .map(|i| node(dir.path(), &format!("n{i}"), &etcd.client_url, 1, 3))
+        .collect();
+    for s in &mut servers {
+        s.client().await;
+    }
+    let cluster = cluster(&etcd.client_url, 3).await;
+    let seqs: Vec<String> = (0..12).map(|i| format!("s{i}")).collect();
+    for (i, seq) in seqs.iter().enumerate() {
+        cluster.create_sequence(seq, tiny(), vec![]).await.unwrap();
+        write(&cluster, seq, i as u32, 5).await;
+    }
+    let on_n1 = owned_by(&cluster, "n1", &seqs);
+    assert!(on_n1.len() >= 2, "{on_n1:?}");
+    let (victim, untouched) = (on_n1[0].clone(), on_n1[1].clone());
+    servers.remove(1).kill();
+    let e = eventually(Duration::from_secs(30), "n1's grace ending", || {
+        let (cluster, victim) = (cluster.clone(), victim.clone());
+        async move {
+            match cluster.call(&victim, |c| read(c, &victim)).await {
+                Err(e) if code(&e) == Code::DataLoss => Some(e),
+                _ => None,
+            }
+        }
+    })
+    .await;
+    assert!(e.to_string().contains("n1") && e.to_string().contains("lost"), "{e}");
+
+    // The id is created again where placement now puts it, with new bytes.
+    let (placed, _) = cluster.create_sequence(&victim, tiny(), vec![]).await.unwrap();
+    assert_ne!(placed.node_id, "n1");
+    write(&cluster, &victim, 999, 5).await;
+
+    // n1 returns with the old incarnation on its disk: it gives it up.
+    servers.insert(1, node(dir.path(), "n1", &etcd.client_url, 1, 3));
+    let mut n1 = servers[1].client().await;
+    cluster.wait_for_serving(3, Duration::from_secs(30)).await.unwrap();
+    let e = n1.get_sequence(&victim).await.unwrap_err();
+    assert_eq!(code(&e), Code::FailedPrecondition, "{e}");
+    assert!(e.to_string().contains(&placed.node_id), "{e}");
+    let got = cluster.call(&victim, |c| read(c, &victim)).await.unwrap();
+    assert_eq!(got, expected(999, 5), "the new incarnation's bytes, never the old");
+    // Its other sequences are gone for good, not served from the old disk.
+    let e = cluster.call(&untouched, |c| read(c, &untouched)).await.unwrap_err();
+    assert_eq!(code(&e), Code::NotFound, "{untouched}: {e}");
+    let log = servers[1].stderr();
+    assert!(log.contains("within_grace=false"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_etcd_nodes_serve_what_they_hold_then_fence_then_come_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut etcd = Etcd::start(dir.path());
+    let mut server = node(dir.path(), "n0", &etcd.client_url, 1, 6);
+    let mut direct = server.client().await;
+    let cluster = cluster(&etcd.client_url, 1).await;
+    cluster.create_sequence("s0", tiny(), vec![]).await.unwrap();
+    write(&cluster, "s0", 0, 9).await;
+    assert!(healthy(&server.addr, kvtier_server::CLUSTER_HEALTH_SERVICE));
+
+    etcd.kill();
+    // Degraded: reads go on, creates (which need a fresh view) do not.
+    eventually(Duration::from_secs(10), "health saying degraded", || async {
+        (!healthy(&server.addr, kvtier_server::CLUSTER_HEALTH_SERVICE)).then_some(())
+    })
+    .await;
+    assert!(healthy(&server.addr, "kvtier.v1.KvTier"));
+    assert_eq!(read(direct.clone(), "s0").await.unwrap(), expected(0, 9));
+    let e = direct.create_sequence("s1", tiny(), vec![]).await.unwrap_err();
+    assert_eq!(code(&e), Code::Unavailable, "{e}");
+    assert!(e.to_string().contains("n0"), "{e}");
+
+    // Past half the grace: fenced, serving nothing.
+    let e = eventually(Duration::from_secs(15), "the node fencing itself", || {
+        let direct = direct.clone();
+        async move { read(direct, "s0").await.err() }
+    })
+    .await;
+    assert_eq!(code(&e), Code::Unavailable, "{e}");
+    assert!(e.to_string().contains("serves no sequence"), "{e}");
+    assert!(!healthy(&server.addr, "kvtier.v1.KvTier"));
+
+    // etcd back: the node renews, registers again, serves, creates.
+    etcd.restart();
+    eventually(Duration::from_secs(30), "the node serving again", || {
+        let direct = direct.clone();
+        async move { read(direct, "s0").await.ok() }
+    })
+    .await;
+    eventually(Duration::from_secs(30), "health serving", || async {
+        healthy(&server.addr, kvtier_server::CLUSTER_HEALTH_SERVICE).then_some(())
+    })
+    .await;
+    cluster.wait_for_serving(1, Duration::from_secs(30)).await.unwrap();
+    eventually(Duration::from_secs(30), "a create after etcd's return", || {
+        let cluster = cluster.clone();
+        async move { cluster.create_sequence("s1", tiny(), vec![]).await.ok() }
+    })
+    .await;
+    assert_eq!(read(direct, "s0").await.unwrap(), expected(0, 9));
+    server.terminate();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_member_etcd_losing_its_leader_does_not_stop_kvtier() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut members = Etcd::members(dir.path(), 3);
+    let urls = members
+        .iter()
+        .map(|m| m.client_url.clone())
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut servers: Vec<Server> = (0..2)
+        .map(|i| node(dir.path(), &format!("n{i}"), &urls, 2, 30))
+        .collect();
+    for s in &mut servers {
+        s.client().await;
+    }
+    let cluster = cluster(&urls, 2).await;
+    for i in 0..4u32 {
+        let seq = format!("before{i}");
+        cluster.create_sequence(&seq, tiny(), vec![]).await.unwrap();
+        write(&cluster, &seq, i, 4).await;
+    }
+    let status: serde_json::Value =
+        serde_json::from_str(&common::kvtier(&["cluster", "status", "--etcd", &urls, "--json"])).unwrap();
+    let leader = status["etcd"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|e| e["leader"] == true)
+        .expect("one member leads");
+    members[leader].kill();
+
+    for i in 0..4u32 {
+        let seq = format!("after{i}");
+        eventually(Duration::from_secs(20), "a create with a new leader", || {
+            let (cluster, seq) = (cluster.clone(), seq.clone());
+            async move { cluster.create_sequence(&seq, tiny(), vec![]).await.ok() }
+        })
+        .await;
+        write(&cluster, &seq, 100 + i, 4).await;
+    }
+    for i in 0..4u32 {
+        for (seq, seed) in [(format!("before{i}"), i), (format!("after{i}"), 100 + i)] {
+            let got = cluster.call(&seq, |c| read(c, &seq)).await.unwrap();
+            assert_eq!(got, expected(seed, 4), "{seq}");
+        }
+    }
+    for s in &servers {
+        assert!(
+            healthy(&s.addr, kvtier_server::CLUSTER_HEALTH_SERVICE),
+            "{}",
+            s.stderr()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_leaves_at_once_and_a_restart_within_the_grace_keeps_the_sequences() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path());
+    let mut servers: Vec<Server> = (0..2)
+        .map(|i| node(dir.path(), &format!("n{i}"), &etcd.client_url, 30, 60))
+        .collect();
+    for s in &mut servers {
+        s.client().await;
+    }
+    let cluster = cluster(&etcd.client_url, 2).await;
+    let seqs: Vec<String> = (0..8).map(|i| format!("s{i}")).collect();
+    for (i, seq) in seqs.iter().enumerate() {
+        cluster.create_sequence(seq, tiny(), vec![]).await.unwrap();
+        write(&cluster, seq, i as u32, 3).await;
+    }
+    let on_n1: Vec<String> = owned_by(&cluster, "n1", &seqs).into_iter().cloned().collect();
+    let stopped = Instant::now();
+    servers.remove(1).terminate();
+    // Gone from the view long before its 30 s lease would lapse.
+    eventually(Duration::from_secs(10), "n1 leaving the view", || async {
+        cluster.view().member("n1").is_none().then_some(())
+    })
+    .await;
+    assert!(stopped.elapsed() < Duration::from_secs(30));
+    servers.insert(1, node(dir.path(), "n1", &etcd.client_url, 30, 60));
+    servers[1].client().await;
+    cluster.wait_for_serving(2, Duration::from_secs(30)).await.unwrap();
+    for seq in &on_n1 {
+        let i: u32 = seq[1..].parse().unwrap();
+        let got = cluster.call(seq, |c| read(c, seq)).await.unwrap();
+        assert_eq!(got, expected(i, 3), "{seq}");
+    }
+}

@@ -357,7 +357,14 @@ mod tests {
             dir: None,
             max_bytes: 0,
         };
-        let service = KvTierService::new(store, 1 << 20, Arc::clone(&in_flight), Arc::clone(&regions), traces);
+        let service = KvTierService::new(
+            store,
+            1 << 20,
+            Arc::clone(&in_flight),
+            Arc::clone(&regions),
+            traces,
+            None,
+        );
         let ctx = CallContext {
             calls: Arc::new(service),
             regions,
