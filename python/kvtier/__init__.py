@@ -13,12 +13,14 @@ from ._arrays import storage_dtype
 from ._native import __version__
 from .aio import AsyncClient
 from .client import DEFAULT_ADDRESS, DEFAULT_SHM_SOCKET, Client
+from .cluster import Cluster
 from .errors import KvtierError
 from .types import HeadSelection, Layout, Page, SelectedPage, Selection, ShmRegion, ShmWindow
 
 __all__ = [
     "AsyncClient",
     "Client",
+    "Cluster",
     "DEFAULT_ADDRESS",
     "DEFAULT_SHM_SOCKET",
     "HeadSelection",

@@ -1,8 +1,12 @@
 """Type stubs of the native module (python/src/lib.rs)."""
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 __version__: str
+
+def placement(
+    nodes: List[Tuple[str, float]], tenant: str, sequence_id: str, first_hash: Optional[bytes] = None
+) -> List[int]: ...
 
 class Connection:
     def __init__(

@@ -6,7 +6,7 @@ they are about (``"sequence_id: no such sequence"``), kept in
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional, Type
+from typing import Dict, Optional, Tuple, Type
 
 
 class KvtierError(Exception):
@@ -20,6 +20,9 @@ class KvtierError(Exception):
         self.message = message
         #: The request field the message names, e.g. ``"shard.world"``.
         self.field = field
+        #: In a cluster: ``(node_id, address)`` of the node that has (or is
+        #: to have) the sequence, when this node refused for that reason.
+        self.owner: Optional[Tuple[str, str]] = None
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
@@ -121,7 +124,9 @@ _BY_CODE: Dict[int, Type[KvtierError]] = {
 _FIELD = re.compile(r"^([a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)*): ")
 
 
-def from_status(code: int, message: str) -> KvtierError:
+def from_status(code: int, message: str, owner: Optional[Tuple[str, str]] = None) -> KvtierError:
     """The exception for a gRPC status (called by the native module)."""
     match = _FIELD.match(message)
-    return _BY_CODE.get(code, Unknown)(message, match.group(1) if match else None)
+    error = _BY_CODE.get(code, Unknown)(message, match.group(1) if match else None)
+    error.owner = owner
+    return error

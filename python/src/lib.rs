@@ -116,9 +116,18 @@ fn status_error(py: Python<'_>, status: &Status) -> PyErr {
         ),
         None => (status.code(), status.message().to_owned()),
     };
+    // A cluster node's refusal names the sequence's owner in metadata.
+    let owner = |key| {
+        status
+            .metadata()
+            .get(key)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let owner = owner(kvtier_core::placement::OWNER_NODE).zip(owner(kvtier_core::placement::OWNER_ADDR));
     let built = py
         .import("kvtier.errors")
-        .and_then(|m| m.call_method1("from_status", (code as i32, message)));
+        .and_then(|m| m.call_method1("from_status", (code as i32, message, owner)));
     match built {
         Ok(exception) => PyErr::from_value(exception),
         Err(e) => e,
@@ -484,9 +493,37 @@ impl Region {
     }
 }
 
+/// The serving nodes from a key's owner down, as indices into `nodes`
+/// (`(node_id, weight)` pairs): kvtier's placement rule, the one nodes
+/// apply (`kvtier_core::placement`). The key is the tenant and the first
+/// prefix hash when there is one, else the tenant and the sequence id.
+#[pyfunction]
+#[pyo3(signature = (nodes, tenant, sequence_id, first_hash=None))]
+fn placement(nodes: Vec<(String, f64)>, tenant: &str, sequence_id: &str, first_hash: Option<Vec<u8>>) -> Vec<usize> {
+    use kvtier_core::placement::{Candidate, PlacementKey, ranking};
+    let tenant = if tenant.is_empty() {
+        kvtier_core::TenantId::DEFAULT
+    } else {
+        tenant
+    };
+    let key = match &first_hash {
+        Some(first_hash) => PlacementKey::Prefix { tenant, first_hash },
+        None => PlacementKey::Sequence { tenant, sequence_id },
+    };
+    let candidates: Vec<Candidate<'_>> = nodes
+        .iter()
+        .map(|(node_id, weight)| Candidate {
+            node_id,
+            weight: *weight,
+        })
+        .collect();
+    ranking(key.hash(), &candidates)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(placement, m)?)?;
     m.add_class::<Connection>()?;
     m.add_class::<Region>()?;
     m.add_class::<Pending>()?;

@@ -222,6 +222,23 @@ impl Client {
         Ok(self.inner.create_sequence(self.request(req)).await?.into_inner())
     }
 
+    /// How many leading pages of a hash chain this server holds for the
+    /// client's tenant and `layout` (what a create would attach).
+    pub async fn lookup_prefix(&mut self, layout: pb::Layout, prefix_hashes: Vec<Bytes>) -> Result<u64> {
+        let req = pb::LookupPrefixRequest {
+            tenant: self.tenant.clone(),
+            layout: Some(layout),
+            prefix_hashes,
+        };
+        Ok(self.inner.lookup_prefix(self.request(req)).await?.into_inner().pages)
+    }
+
+    /// The cluster the server is a node of, as its view has it.
+    pub async fn cluster(&mut self) -> Result<pb::ClusterView> {
+        let req = pb::GetClusterRequest {};
+        Ok(self.inner.get_cluster(self.request(req)).await?.into_inner())
+    }
+
     pub async fn get_sequence(&mut self, sequence_id: &str) -> Result<pb::SequenceInfo> {
         let req = pb::GetSequenceRequest {
             tenant: self.tenant.clone(),

@@ -154,6 +154,22 @@ impl Cluster {
         Ok((placed, created))
     }
 
+    /// Where a prompt's pages are and how many of its leading pages are
+    /// stored: the node placement gives its first hash (where a create with
+    /// the chain goes and attaches them), and the count, so a worker
+    /// recomputes only the rest.
+    pub async fn lookup(&self, layout: pb::Layout, prefix_hashes: Vec<Bytes>) -> Result<(Placed, u64)> {
+        let owner = self.owner_by_placement(PlacementKey::of(self.placement_tenant(), "", &prefix_hashes))?;
+        let pages = self.client(&owner.addr)?.lookup_prefix(layout, prefix_hashes).await?;
+        Ok((
+            Placed {
+                node_id: owner.node_id,
+                addr: owner.addr,
+            },
+            pages,
+        ))
+    }
+
     fn remember(&self, sequence_id: &str, addr: &str) {
         self.owners
             .lock()

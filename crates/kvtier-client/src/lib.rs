@@ -15,13 +15,16 @@
 //! ```
 
 mod client;
+#[cfg(feature = "cluster")]
 mod cluster;
 mod merge;
 mod pack;
 mod shm;
 
 pub use client::{Client, ClientError, Connect, MAX_MESSAGE_BYTES, SelectRequest, SelectResult, Tls, actions, layout};
+#[cfg(feature = "cluster")]
 pub use cluster::{Cluster, Placed};
+#[cfg(feature = "cluster")]
 pub use kvtier_cluster::{EtcdConfig, View};
 pub use kvtier_proto::v1 as pb;
 pub use merge::{Part, Partitioned};

@@ -53,8 +53,10 @@ impl EtcdConfig {
         let mut options = ConnectOptions::new()
             .with_connect_timeout(self.timeout)
             .with_timeout(self.timeout)
-            // Find a dead member's connection within seconds, not minutes.
-            .with_keep_alive(Duration::from_secs(2), self.timeout)
+            // Find a dead member's connection within seconds, not minutes;
+            // etcd closes connections that ping more often than every 5 s
+            // (--grpc-keepalive-min-time).
+            .with_keep_alive(Duration::from_secs(10), self.timeout)
             .with_require_leader(true);
         if let Some((user, password)) = &self.user {
             options = options.with_user(user.clone(), password.clone());

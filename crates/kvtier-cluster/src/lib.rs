@@ -20,9 +20,10 @@ mod view;
 
 pub use etcd::{DEFAULT_CLUSTER, EtcdConfig};
 pub use keys::Keys;
+pub use kvtier_core::placement::{OWNER_ADDR, OWNER_NODE};
 pub use node::{Health, JoinError, Joined, LocalSequences, Node, NodeConfig};
 pub use record::{NodeRecord, NodeState, OwnerRecord, TierBytes};
-pub use refusal::{OWNER_ADDR, OWNER_NODE, Refusal};
+pub use refusal::Refusal;
 pub use status::{ClusterStatus, EndpointHealth, NodeStatus, status};
 pub use view::View;
 

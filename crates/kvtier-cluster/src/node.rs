@@ -106,7 +106,9 @@ pub struct Joined {
     pub within_grace: bool,
     /// Sequences kept.
     pub kept: usize,
-    /// Sequences given up: lost past the grace, or owned by another node.
+    /// Sequences given up: lost past the grace, owned by another node, or
+    /// recorded as this node's but not held (created and never persisted
+    /// before a crash).
     pub forgotten: usize,
     /// Sequences held without an ownership record (a standalone data
     /// directory), now claimed.
@@ -137,15 +139,8 @@ impl Node {
             endpoints: endpoints.clone(),
             source,
         };
-        let mut etcd = config.etcd.connect().await.map_err(etcd_error)?;
+        let etcd = config.etcd.connect().await.map_err(etcd_error)?;
         let keys = Keys::new(&config.etcd.cluster);
-        let membership = etcd.lease_grant(secs(config.ttl), None).await.map_err(etcd_error)?.id();
-        let grace = etcd
-            .lease_grant(secs(config.grace), None)
-            .await
-            .map_err(etcd_error)?
-            .id();
-        let sent = Instant::now();
         let view = view::follow(etcd.clone(), keys.clone()).await.map_err(etcd_error)?;
         let (health, _) = watch::channel(Health::Serving);
         let node = Arc::new(Self {
@@ -154,17 +149,33 @@ impl Node {
             local,
             view,
             state: Mutex::new(NodeState::Joining),
-            leases: Mutex::new(Leases { membership, grace }),
-            renewed: Mutex::new(sent),
+            // Granted as they are needed: a lease granted before a wait
+            // would lapse in it.
+            leases: Mutex::new(Leases {
+                membership: 0,
+                grace: 0,
+            }),
+            renewed: Mutex::new(Instant::now()),
             health,
             incarnations: AtomicU64::new(seed()),
             config,
         });
         node.register_first().await?;
+        let sent = Instant::now();
+        let grace = node
+            .etcd
+            .clone()
+            .lease_grant(secs(node.config.grace), None)
+            .await
+            .map_err(etcd_error)?
+            .id();
+        node.leases.lock().expect("leases lock").grace = grace;
+        *node.renewed.lock().expect("renewed lock") = sent;
+        // Renewing from here on: settling may take longer than the TTL.
+        tokio::spawn(Arc::clone(&node).renew_forever());
         let joined = node.settle().await.map_err(etcd_error)?;
         node.set_state(NodeState::Serving).await.map_err(etcd_error)?;
         node.wait_to_see_itself_serving().await;
-        tokio::spawn(Arc::clone(&node).renew_forever());
         tracing::info!(
             node = %node.config.node_id,
             cluster = %node.config.etcd.cluster,
@@ -180,6 +191,11 @@ impl Node {
 
     pub fn id(&self) -> &str {
         &self.config.node_id
+    }
+
+    /// The cluster's name.
+    pub fn cluster(&self) -> &str {
+        &self.config.etcd.cluster
     }
 
     pub fn view(&self) -> Arc<View> {
@@ -225,10 +241,28 @@ impl Node {
     async fn register_first(&self) -> Result<(), JoinError> {
         let deadline = Instant::now() + self.config.ttl + self.config.etcd.timeout;
         loop {
+            let lease = self
+                .etcd
+                .clone()
+                .lease_grant(secs(self.config.ttl), None)
+                .await
+                .map_err(|source| JoinError::Etcd {
+                    endpoints: self.config.etcd.endpoints.join(","),
+                    source,
+                })?
+                .id();
+            self.leases.lock().expect("leases lock").membership = lease;
             match self.register(true).await {
                 Ok(true) => return Ok(()),
                 Ok(false) if Instant::now() < deadline => {
-                    tracing::info!("a record of this node id is in etcd; waiting for its lease to lapse");
+                    let key = self.keys.node(&self.config.node_id);
+                    let other = self.etcd.clone().get(key, None).await.ok();
+                    let other = other.as_ref().and_then(|g| g.kvs().first());
+                    tracing::info!(
+                        record = %other.map_or(String::new(), |kv| String::from_utf8_lossy(kv.value()).into_owned()),
+                        lease = other.map_or(0, |kv| kv.lease()),
+                        "a record of this node id is in etcd; waiting for its lease to lapse"
+                    );
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
                 Ok(false) => return Err(JoinError::Duplicate(self.config.node_id.clone())),
@@ -293,12 +327,14 @@ impl Node {
                 continue;
             };
             let held_here = unclaimed.remove(&key);
-            if record.node_id == me && within_grace {
-                joined.kept += usize::from(held_here);
+            if record.node_id == me && within_grace && held_here {
+                joined.kept += 1;
                 continue;
             }
             if record.node_id == me {
-                // Reported lost while this node was away: lost for good.
+                // Reported lost while this node was away (past the grace),
+                // or held only in memory when it stopped: lost for good.
+                joined.forgotten += usize::from(!held_here);
                 let gone = Txn::new()
                     .when([Compare::mod_revision(kv.key(), CompareOp::Equal, kv.mod_revision())])
                     .and_then([TxnOp::delete(kv.key(), None)]);

@@ -1,11 +1,6 @@
 //! Why a node refuses a call for a sequence in a cluster. The server maps
 //! each to one status code (`kvtier-server`'s `status.rs`).
 
-/// gRPC metadata on a FAILED_PRECONDITION that sends the client elsewhere:
-/// the node that has (or is to have) the sequence, and its address.
-pub const OWNER_NODE: &str = "kvtier-owner-node";
-pub const OWNER_ADDR: &str = "kvtier-owner-addr";
-
 /// A refusal. Every message names the node it is about.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {

@@ -11,6 +11,11 @@
 
 use crate::hash::mix64;
 
+/// gRPC metadata on a FAILED_PRECONDITION that sends the client elsewhere:
+/// the node that has (or is to have) the sequence, and its address.
+pub const OWNER_NODE: &str = "kvtier-owner-node";
+pub const OWNER_ADDR: &str = "kvtier-owner-addr";
+
 /// What places a sequence: the first page's prefix hash when the sequence has
 /// a hash chain (sequences sharing a prompt land together and share its
 /// pages; sharing is per tenant), else the tenant and the sequence id.

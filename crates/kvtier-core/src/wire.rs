@@ -38,10 +38,11 @@ const RELEASE: &str = "ReleaseLeaseRequest";
 const STATS: &str = "GetStatsRequest";
 const TRACE: &str = "SetAccessTraceRequest";
 const LOCAL: &str = "LocalCall";
+const LOOKUP: &str = "LookupPrefixRequest";
 
 const KEYED: &[&str] = &[CREATE, GET, DROP, PUT, APPEND, FETCH, SELECT, SET_STATE, POLICY, REPORT];
 const TENANTED: &[&str] = &[
-    CREATE, GET, DROP, PUT, APPEND, FETCH, SELECT, SET_STATE, POLICY, REPORT, RELEASE, STATS,
+    CREATE, GET, DROP, PUT, APPEND, FETCH, SELECT, SET_STATE, POLICY, REPORT, RELEASE, STATS, LOOKUP,
 ];
 const ONE_LAYER: &[&str] = &[PUT, APPEND, FETCH, SELECT, REPORT];
 const LAYER_RANGE: &[&str] = &[SET_STATE, POLICY];
@@ -60,15 +61,15 @@ macro_rules! fields {
 fields! {
     TENANT = "tenant" in TENANTED;
     SEQUENCE_ID = "sequence_id" in KEYED;
-    LAYOUT = "layout" in &[CREATE];
-    LAYOUT_NUM_LAYERS = "layout.num_layers" in &[CREATE];
-    LAYOUT_NUM_KV_HEADS = "layout.num_kv_heads" in &[CREATE];
-    LAYOUT_NUM_QUERY_HEADS = "layout.num_query_heads" in &[CREATE];
-    LAYOUT_HEAD_DIM = "layout.head_dim" in &[CREATE];
-    LAYOUT_DTYPE = "layout.dtype" in &[CREATE];
-    LAYOUT_PAGE_SIZE = "layout.page_size" in &[CREATE];
-    LAYOUT_LAYER_GROUPS = "layout.layer_groups" in &[CREATE];
-    PREFIX_HASHES = "prefix_hashes" in &[CREATE];
+    LAYOUT = "layout" in &[CREATE, LOOKUP];
+    LAYOUT_NUM_LAYERS = "layout.num_layers" in &[CREATE, LOOKUP];
+    LAYOUT_NUM_KV_HEADS = "layout.num_kv_heads" in &[CREATE, LOOKUP];
+    LAYOUT_NUM_QUERY_HEADS = "layout.num_query_heads" in &[CREATE, LOOKUP];
+    LAYOUT_HEAD_DIM = "layout.head_dim" in &[CREATE, LOOKUP];
+    LAYOUT_DTYPE = "layout.dtype" in &[CREATE, LOOKUP];
+    LAYOUT_PAGE_SIZE = "layout.page_size" in &[CREATE, LOOKUP];
+    LAYOUT_LAYER_GROUPS = "layout.layer_groups" in &[CREATE, LOOKUP];
+    PREFIX_HASHES = "prefix_hashes" in &[CREATE, LOOKUP];
     LAYER = "layer" in ONE_LAYER;
     LAYER_START = "layer_start" in LAYER_RANGE;
     LAYER_COUNT = "layer_count" in LAYER_RANGE;

@@ -103,11 +103,11 @@ sent_by!(Code::InvalidArgument, "request" =>
     CreateSequenceRequest, GetSequenceRequest, DropSequenceRequest, PutPagesRequest,
     AppendTokensRequest, FetchPagesRequest, SelectPagesRequest, ReleaseLeaseRequest,
     SetPageStateRequest, ApplyPolicyRequest, ReportAttentionRequest, GetStatsRequest,
-    SetAccessTraceRequest,
+    SetAccessTraceRequest, LookupPrefixRequest, GetClusterRequest,
 );
 sent_by!(Code::Internal, "response" =>
     CreateSequenceResponse, SequenceInfo, DropSequenceResponse, PutPagesResponse,
     AppendTokensResponse, FetchPagesResponse, SelectPagesResponse, PrefetchResponse,
     ReleaseLeaseResponse, SetPageStateResponse, ApplyPolicyResponse, ReportAttentionResponse, Stats,
-    AccessTraceStatus,
+    AccessTraceStatus, LookupPrefixResponse, ClusterView,
 );

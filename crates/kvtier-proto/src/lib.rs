@@ -8,7 +8,7 @@ pub mod v1 {
 
     /// The `KvTier` service's methods, in the proto's order (checked
     /// against the descriptor by a test in `kvtier-server`).
-    pub const METHODS: [&str; 14] = [
+    pub const METHODS: [&str; 16] = [
         "CreateSequence",
         "GetSequence",
         "DropSequence",
@@ -23,6 +23,8 @@ pub mod v1 {
         "ReportAttention",
         "GetStats",
         "SetAccessTrace",
+        "LookupPrefix",
+        "GetCluster",
     ];
 }
 

@@ -145,6 +145,33 @@ fn counts_to_pb(c: &StateCounts) -> pb::PageCounts {
     }
 }
 
+/// A node's membership view, as `GetCluster` answers it.
+pub(crate) fn cluster_to_pb(node: &kvtier_cluster::Node) -> pb::ClusterView {
+    let view = node.view();
+    let bytes = |b: &kvtier_cluster::TierBytes| pb::TierBytes {
+        device: b.device,
+        host: b.host,
+        nvme: b.nvme,
+    };
+    pb::ClusterView {
+        cluster: node.cluster().to_owned(),
+        node_id: node.id().to_owned(),
+        revision: view.revision,
+        current: view.current,
+        nodes: view
+            .members()
+            .map(|m| pb::ClusterNode {
+                node_id: m.node_id.clone(),
+                addr: m.addr.clone(),
+                state: m.state.as_str().to_owned(),
+                version: m.version.clone(),
+                capacity: Some(bytes(&m.capacity)),
+                free: Some(bytes(&m.free)),
+            })
+            .collect(),
+    }
+}
+
 fn bytes_to_pb(b: &TierBytes) -> pb::TierBytes {
     pb::TierBytes {
         device: b.device,

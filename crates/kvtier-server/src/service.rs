@@ -678,6 +678,28 @@ impl KvTier for KvTierService {
         Ok(Response::new(pb::ReportAttentionResponse {}))
     }
 
+    async fn lookup_prefix(
+        &self,
+        request: Request<pb::LookupPrefixRequest>,
+    ) -> Result<Response<pb::LookupPrefixResponse>, Status> {
+        let (caller, r) = open(request)?;
+        let tenant = tenant(&caller, &r.tenant)?;
+        let layout = convert::layout(r.layout)?;
+        let hashes = r.prefix_hashes.into_iter().map(|h| h.to_vec()).collect();
+        let pages = self.call(move |s| s.lookup_prefix(&tenant, layout, hashes)).await?;
+        Ok(Response::new(pb::LookupPrefixResponse { pages }))
+    }
+
+    async fn get_cluster(&self, request: Request<pb::GetClusterRequest>) -> Result<Response<pb::ClusterView>, Status> {
+        open(request)?;
+        let Some(node) = &self.cluster else {
+            return Err(Status::failed_precondition(
+                "this server is not in a cluster (it was started without --etcd)",
+            ));
+        };
+        Ok(Response::new(convert::cluster_to_pb(node)))
+    }
+
     async fn get_stats(&self, request: Request<pb::GetStatsRequest>) -> Result<Response<pb::Stats>, Status> {
         let (caller, r) = open(request)?;
         let tenant = match (r.tenant, caller.own_tenant()) {

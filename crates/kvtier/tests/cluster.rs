@@ -6,12 +6,12 @@
 
 mod common;
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::Server;
+use common::cluster::{cluster, code, eventually, healthy, node, read};
 use common::etcd::Etcd;
-use kvtier_client::{Client, ClientError, Cluster, Connect, EtcdConfig, layout, pb};
+use kvtier_client::{ClientError, Cluster, layout, pb};
 use tonic::Code;
 
 const DIM: usize = 4;
@@ -33,48 +33,6 @@ fn kv(seed: u32, n: usize) -> Vec<u8> {
         .flat_map(|t| row(t, 0.0))
         .chain((0..n).flat_map(|t| row(t, 0.25)))
         .collect()
-}
-
-/// A node: `kvtier serve` joined to the cluster at `etcd`.
-fn node(dir: &Path, id: &str, etcd: &str, ttl: u32, grace: u32) -> Server {
-    let dir = dir.join(id);
-    std::fs::create_dir_all(&dir).unwrap();
-    Server::start(
-        &dir,
-        &[
-            "--etcd",
-            etcd,
-            "--node-id",
-            id,
-            "--lease-ttl-secs",
-            &ttl.to_string(),
-            "--grace-secs",
-            &grace.to_string(),
-        ],
-    )
-}
-
-async fn cluster(etcd: &str, nodes: usize) -> Cluster {
-    let cluster = Cluster::connect(&EtcdConfig::new(EtcdConfig::parse_endpoints(etcd)), Connect::default())
-        .await
-        .unwrap();
-    cluster.wait_for_serving(nodes, Duration::from_secs(60)).await.unwrap();
-    cluster
-}
-
-fn code(e: &ClientError) -> Code {
-    match e {
-        ClientError::Status(s) => s.code(),
-        other => panic!("not a status: {other}"),
-    }
-}
-
-/// Every page's bytes of a one-layer, one-head sequence.
-async fn read(mut client: Client, seq: &str) -> Result<Vec<u8>, ClientError> {
-    let pages = client.fetch_pages(seq, 0, 0..1, vec![]).await?;
-    // Pages are whole K then V; the test compares the concatenation of
-    // each page's bytes against the same split of what was written.
-    Ok(pages.into_iter().flat_map(|p| p.kv.to_vec()).collect())
 }
 
 /// What `read` returns for `n` tokens written as one `kv(seed, n)`.
@@ -101,22 +59,6 @@ async fn write(cluster: &Cluster, seq: &str, seed: u32, n: usize) {
         })
         .await
         .unwrap();
-}
-
-/// Retries `f` until it returns `Some`, at most `limit`.
-async fn eventually<T, F, Fut>(limit: Duration, what: &str, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(t) = f().await {
-            return t;
-        }
-        assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -190,11 +132,33 @@ async fn creates_go_where_placement_says_and_other_nodes_refuse_naming_the_owner
         .unwrap();
     assert_eq!(named, owner);
 
-    // Sequences sharing a first page's hash land together.
+    // Sequences sharing a first page's hash land together, and a lookup
+    // finds the prompt's stored pages where a create attaches them.
     let hashes: Vec<bytes::Bytes> = vec![bytes::Bytes::from_static(b"prompt-page-0")];
+    let (at, pages) = cluster.lookup(tiny(), hashes.clone()).await.unwrap();
+    assert_eq!(pages, 0);
     let (a, _) = cluster.create_sequence("p1", tiny(), hashes.clone()).await.unwrap();
-    let (b, _) = cluster.create_sequence("p2", tiny(), hashes).await.unwrap();
-    assert_eq!(a, b);
+    assert_eq!(a, at);
+    cluster
+        .call("p1", |mut c| async move {
+            c.put_pages("p1", 0, 0..1, 0, PAGE as u32, kv(1, PAGE).into()).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(cluster.lookup(tiny(), hashes.clone()).await.unwrap(), (a.clone(), 1));
+    let (b, created) = cluster.create_sequence("p2", tiny(), hashes).await.unwrap();
+    assert_eq!((b, created.attached_pages), (a, 1));
+
+    // Every node serves the membership it follows.
+    for (n, client) in direct.iter_mut().enumerate() {
+        let view = client.cluster().await.unwrap();
+        assert_eq!(view.node_id, format!("n{n}"));
+        assert_eq!(view.nodes.len(), 3, "{view:?}");
+        assert!(
+            view.current && view.nodes.iter().all(|m| m.state == "serving"),
+            "{view:?}"
+        );
+    }
 
     // status counts every sequence, per node.
     let status = common::kvtier(&["cluster", "status", "--etcd", &etcd.client_url, "--json"]);
@@ -207,16 +171,6 @@ async fn creates_go_where_placement_says_and_other_nodes_refuse_naming_the_owner
         .sum();
     assert_eq!(total, 24 + 2);
     assert!(status["etcd"][0]["error"].is_null(), "{status}");
-}
-
-/// Whether `kvtier health` says `service` is serving at `addr`.
-fn healthy(addr: &str, service: &str) -> bool {
-    std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(["health", "--addr", addr, "--service", service])
-        .output()
-        .unwrap()
-        .status
-        .success()
 }
 
 /// The sequences (of `seqs`) whose owner is `node`.

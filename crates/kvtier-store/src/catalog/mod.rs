@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
-use kvtier_core::{LogicalPage, PageTableError, PhysicalPages, SequenceKey};
+use kvtier_core::{Layout, LogicalPage, PageTableError, PhysicalPages, SequenceKey, TenantId};
 
 pub use sequence::HeadRange;
 pub(crate) use sequence::{Sequence, Target};
@@ -255,6 +255,27 @@ impl Catalog {
             attached = p as u64 + 1;
         }
         attached
+    }
+
+    /// How many leading pages of `hashes` are stored for every lane of
+    /// `layout` in `tenant`: what a create with them would attach.
+    pub(crate) fn stored_prefix(&self, tenant: &TenantId, layout: &Arc<Layout>, hashes: &[Arc<[u8]>]) -> u64 {
+        let table = lock(&self.pages);
+        let stored = |hash: &Arc<[u8]>| {
+            (0..layout.num_lanes()).all(|lane| {
+                let key = ShareKey {
+                    tenant: tenant.clone(),
+                    layout: Arc::clone(layout),
+                    hash: Arc::clone(hash),
+                    lane: lane as u32,
+                };
+                table
+                    .find(&key)
+                    .and_then(|id| table.get(id))
+                    .is_some_and(|page| page.index_entry.is_some())
+            })
+        };
+        hashes.iter().take_while(|h| stored(h)).count() as u64
     }
 }
 

@@ -3,7 +3,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use kvtier_core::{Layout, LogicalPage, PageState, Reason, SequenceKey, wire};
+use kvtier_core::{Layout, LogicalPage, PageState, Reason, SequenceKey, TenantId, wire};
 
 use super::Store;
 use crate::accounts::cost;
@@ -58,6 +58,14 @@ impl Store {
         }
         tracing::info!(sequence = %key, attached_pages, "sequence created");
         Ok(Created { attached_pages, info })
+    }
+
+    /// How many leading pages of a hash chain are stored for `tenant` and
+    /// `layout`: what [`Store::create_sequence`] with these hashes would
+    /// attach, without creating anything.
+    pub fn lookup_prefix(&self, tenant: &TenantId, layout: Layout, prefix_hashes: Vec<Vec<u8>>) -> StoreResult<u64> {
+        let hashes = check_hashes(prefix_hashes)?;
+        Ok(self.catalog.stored_prefix(tenant, &Arc::new(layout), &hashes))
     }
 
     /// Drops a sequence; physical pages no other sequence uses are freed.

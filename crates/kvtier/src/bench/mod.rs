@@ -1,6 +1,7 @@
 //! `kvtier bench`: measurements whose results go under `bench/results/`.
 //! Compare ratios measured in the same run; these machines are noisy.
 
+mod cluster;
 pub(crate) mod decode;
 mod echo;
 pub(crate) mod fetch;
@@ -25,6 +26,8 @@ pub(crate) enum BenchCommand {
     Decode(Box<decode::DecodeArgs>),
     /// Replays a decode trace's page fetches through kvtier and, optionally, Redis.
     Fetch(fetch::FetchBenchArgs),
+    /// A cluster of three nodes on loopback: routing cost against a direct connection, time to notice a lost node.
+    Cluster(cluster::ClusterBenchArgs),
     /// Serves the bare tonic unary echo that `bench fetch` measures its floor with.
     Echo(echo::EchoArgs),
 }
@@ -37,6 +40,7 @@ pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Decode(args) => decode::run(*args),
         BenchCommand::Fetch(args) => fetch::run(args),
         BenchCommand::Echo(args) => echo::run(args),
+        BenchCommand::Cluster(args) => cluster::run(args),
     }
 }
 

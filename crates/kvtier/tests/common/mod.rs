@@ -2,6 +2,7 @@
 //! directory: started, connected to, stopped with SIGTERM or killed.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod cluster;
 pub mod etcd;
 pub mod model;
 pub mod ops;
