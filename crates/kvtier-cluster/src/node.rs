@@ -16,7 +16,7 @@
 //! so no sequence has two owners serving it at once.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -86,6 +86,8 @@ pub struct Node {
     renewed: Mutex<Instant>,
     health: watch::Sender<Health>,
     incarnations: AtomicU64,
+    /// Set by [`Node::leave`]: the leases are no longer renewed.
+    left: AtomicBool,
 }
 
 impl std::fmt::Debug for Node {
@@ -158,6 +160,7 @@ impl Node {
             renewed: Mutex::new(Instant::now()),
             health,
             incarnations: AtomicU64::new(seed()),
+            left: AtomicBool::new(false),
             config,
         });
         node.register_first().await?;
@@ -384,7 +387,7 @@ impl Node {
         let mut down_since: Option<Instant> = None;
         loop {
             tick.tick().await;
-            if Arc::strong_count(&self) == 1 {
+            if Arc::strong_count(&self) == 1 || self.left.load(Ordering::Acquire) {
                 return;
             }
             let sent = Instant::now();
@@ -432,6 +435,10 @@ impl Node {
             );
         }
         if !self.keep_alive(membership).await? {
+            if self.left.load(Ordering::Acquire) {
+                // Revoked by `leave`, not expired.
+                return Ok(());
+            }
             let id = self.etcd.clone().lease_grant(secs(self.config.ttl), None).await?.id();
             self.leases.lock().expect("leases lock").membership = id;
             self.register(false).await?;
@@ -633,6 +640,7 @@ impl Node {
     /// Leaves the cluster: revokes the membership lease. The grace lease
     /// runs on, so a restart within the grace keeps the node's sequences.
     pub async fn leave(&self) {
+        self.left.store(true, Ordering::Release);
         let lease = self.leases.lock().expect("leases lock").membership;
         match self.etcd.clone().lease_revoke(lease).await {
             Ok(_) => tracing::info!(node = %self.config.node_id, "left the cluster"),

@@ -83,6 +83,14 @@ impl Corpus {
                     }
                     .encode_to_vec()
                 });
+                add("LookupPrefix", &|| {
+                    pb::LookupPrefixRequest {
+                        tenant: t.clone(),
+                        layout: Some(layout(s)),
+                        prefix_hashes: vec![vec![1u8; 8].into(), vec![2u8; 8].into()],
+                    }
+                    .encode_to_vec()
+                });
                 add("DropSequence", &|| {
                     pb::DropSequenceRequest {
                         tenant: t.clone(),
@@ -307,6 +315,8 @@ impl Corpus {
             });
         }
         add("GetStats", &|| pb::GetStatsRequest { tenant: None }.encode_to_vec());
+        // A standalone server refuses it: the fuzzer sees that it stays so.
+        add("GetCluster", &|| pb::GetClusterRequest {}.encode_to_vec());
         for (record, sample_rate, max_bytes) in [(true, 0.5, 64 << 10), (true, 0.0, 0), (false, 0.0, 0)] {
             add("SetAccessTrace", &|| {
                 pb::SetAccessTraceRequest {
