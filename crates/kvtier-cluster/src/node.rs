@@ -461,9 +461,11 @@ impl Node {
                 None => Err(etcd_client::Error::LeaseKeepAliveError("no reply".into())),
             }
         };
-        tokio::time::timeout(timeout, once)
-            .await
-            .unwrap_or_else(|_| Err(etcd_client::Error::LeaseKeepAliveError("timed out".into())))
+        match tokio::time::timeout(timeout, once).await {
+            Ok(Err(e)) if lease_gone(&e) => Ok(false),
+            Ok(answer) => answer,
+            Err(_) => Err(etcd_client::Error::LeaseKeepAliveError("timed out".into())),
+        }
     }
 
     /// Whether the node may serve the sequences it holds.
@@ -646,6 +648,16 @@ impl Node {
             Ok(_) => tracing::info!(node = %self.config.node_id, "left the cluster"),
             Err(e) => tracing::warn!(error = %e, "could not revoke the membership lease; it lapses by itself"),
         }
+    }
+}
+
+/// Whether etcd answered that a lease no longer exists (expired or
+/// revoked): etcd-client reports it as an error when a keep-alive opens.
+fn lease_gone(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::LeaseKeepAliveError(m) => m == "lease not found",
+        etcd_client::Error::GRpcStatus(s) => s.code() == tonic::Code::NotFound,
+        _ => false,
     }
 }
 

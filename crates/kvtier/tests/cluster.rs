@@ -437,3 +437,94 @@ async fn sigterm_leaves_at_once_and_a_restart_within_the_grace_keeps_the_sequenc
         assert_eq!(got, expected(i, 3), "{seq}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_off_from_etcd_fences_itself_before_its_sequences_are_taken_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path());
+    let proxy = common::etcd::Proxy::start(&etcd.client_url).await;
+    let (ttl, grace) = (1, 8);
+    // n0 reaches etcd only through the proxy; n1 directly.
+    let mut servers = vec![
+        node(dir.path(), "n0", &proxy.url, ttl, grace),
+        node(dir.path(), "n1", &etcd.client_url, ttl, grace),
+    ];
+    let mut n0 = servers[0].client().await;
+    let mut n1 = servers[1].client().await;
+    let cluster = cluster(&etcd.client_url, 2).await;
+    let seqs: Vec<String> = (0..10).map(|i| format!("s{i}")).collect();
+    for (i, seq) in seqs.iter().enumerate() {
+        cluster.create_sequence(seq, tiny(), vec![]).await.unwrap();
+        write(&cluster, seq, i as u32, 5).await;
+    }
+    let on_n0: Vec<String> = owned_by(&cluster, "n0", &seqs).into_iter().cloned().collect();
+    assert!(on_n0.len() >= 2, "{on_n0:?}");
+    let (taken, kept) = (on_n0[0].clone(), on_n0[1].clone());
+
+    let cut = Instant::now();
+    proxy.cut();
+    // Out of the others' view after its lease: n1 says so. n0 still serves
+    // what it holds to clients that reach it, until half its grace.
+    eventually(Duration::from_secs(15), "n0 out of the view", || async {
+        cluster.view().member("n0").is_none().then_some(())
+    })
+    .await;
+    let e = n1.get_sequence(&kept).await.unwrap_err();
+    assert_eq!(code(&e), Code::Unavailable, "{e}");
+    assert!(e.to_string().contains("n0"), "{e}");
+    let k: u32 = kept[1..].parse().unwrap();
+    assert_eq!(read(n0.clone(), &kept).await.unwrap(), expected(k, 5));
+    // Fenced at half the grace: every read of it refused.
+    let fenced = eventually(Duration::from_secs(15), "n0 fencing itself", || {
+        let n0 = n0.clone();
+        let kept = kept.clone();
+        async move {
+            match read(n0, &kept).await {
+                Err(e) if e.to_string().contains("serves no sequence") => Some(Instant::now()),
+                _ => None,
+            }
+        }
+    })
+    .await;
+    assert!(fenced - cut < Duration::from_secs(grace as u64), "fenced after {:?}", fenced - cut);
+
+    // Past the grace the id is created again on n1, with new bytes; the
+    // fenced n0 never serves its old copy meanwhile.
+    eventually(Duration::from_secs(30), "the takeover after n0's grace", || {
+        let (cluster, taken) = (cluster.clone(), taken.clone());
+        async move { cluster.create_sequence(&taken, tiny(), vec![]).await.ok() }
+    })
+    .await;
+    // Its grace lease was last renewed up to a third of the TTL before the
+    // cut; the takeover comes after the fence in any case.
+    let taken_at = Instant::now();
+    assert!(taken_at > fenced, "taken over before n0 fenced itself");
+    assert!(
+        taken_at - cut >= Duration::from_secs(grace as u64 - 1),
+        "taken over after {:?}",
+        taken_at - cut
+    );
+    write(&cluster, &taken, 500, 5).await;
+    let e = read(n0.clone(), &taken).await.unwrap_err();
+    assert!(e.to_string().contains("serves no sequence"), "{e}");
+
+    // Healed: n0 finds its grace over and gives up everything it held.
+    proxy.heal();
+    if let Err(e) = cluster.wait_for_serving(2, Duration::from_secs(30)).await {
+        panic!("{e}; n0:\n{}", servers[0].stderr());
+    }
+    let e = eventually(Duration::from_secs(30), "n0 serving again", || {
+        let (n0, taken) = (n0.clone(), taken.clone());
+        async move {
+            match n0.clone().get_sequence(&taken).await {
+                Err(e) if code(&e) == Code::FailedPrecondition => Some(e),
+                _ => None,
+            }
+        }
+    })
+    .await;
+    assert!(e.to_string().contains("n1"), "{e}");
+    assert_eq!(cluster.call(&taken, |c| read(c, &taken)).await.unwrap(), expected(500, 5));
+    let e = n0.get_sequence(&kept).await.unwrap_err();
+    assert_eq!(code(&e), Code::NotFound, "{kept}, lost with n0's grace: {e}");
+}

@@ -116,3 +116,54 @@ impl Drop for Etcd {
         self.kill();
     }
 }
+
+/// A TCP proxy in front of etcd for one node: cutting it partitions that
+/// node from etcd (its connections reset, new ones refused) while every
+/// other node still reaches etcd.
+pub struct Proxy {
+    pub url: String,
+    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Bumped on every cut: connections from before it end.
+    cuts: tokio::sync::watch::Sender<u64>,
+}
+
+impl Proxy {
+    /// Forwards a loopback port to `target` (`http://127.0.0.1:port`).
+    pub async fn start(target: &str) -> Self {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let upstream = target.trim_start_matches("http://").to_owned();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let open = Arc::new(AtomicBool::new(true));
+        let (cuts, _) = tokio::sync::watch::channel(0u64);
+        let (accepting, cut) = (Arc::clone(&open), cuts.clone());
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if !accepting.load(Ordering::SeqCst) {
+                    continue; // dropped: the connection is reset
+                }
+                let upstream = upstream.clone();
+                let mut cut = cut.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&upstream).await else { return };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        });
+        Self { url, open, cuts }
+    }
+
+    /// Partitions: ends every connection and refuses new ones.
+    pub fn cut(&self) {
+        self.open.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.cuts.send_modify(|n| *n += 1);
+    }
+
+    pub fn heal(&self) {
+        self.open.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
