@@ -1,5 +1,6 @@
 //! Typed calls over a tonic channel.
 
+use kvtier_core::placement::INCARNATION;
 use std::ops::Range;
 
 use bytes::Bytes;
@@ -64,6 +65,9 @@ pub struct Client {
     persist: bool,
     /// `Bearer <token>`, sent with every typed call.
     authorization: Option<AsciiMetadataValue>,
+    /// The creation of the sequence calls are meant for (a cluster's
+    /// `kvtier-incarnation`), sent with every typed call.
+    incarnation: Option<AsciiMetadataValue>,
 }
 
 /// How to reach a server that checks tokens or speaks TLS.
@@ -166,6 +170,9 @@ impl Client {
         if let Some(auth) = &self.authorization {
             request.metadata_mut().insert("authorization", auth.clone());
         }
+        if let Some(incarnation) = &self.incarnation {
+            request.metadata_mut().insert(INCARNATION, incarnation.clone());
+        }
         request
     }
 
@@ -178,6 +185,7 @@ impl Client {
             tenant: String::new(),
             persist: false,
             authorization: None,
+            incarnation: None,
         }
     }
 
@@ -191,6 +199,14 @@ impl Client {
     /// Uses `tenant` for every later call.
     pub fn with_tenant(mut self, tenant: impl Into<String>) -> Self {
         self.tenant = tenant.into();
+        self
+    }
+
+    /// Every later call is meant for this creation of its sequence (0:
+    /// any): a cluster node refuses it (NOT_FOUND) once the id has been
+    /// created again.
+    pub fn with_incarnation(mut self, incarnation: u64) -> Self {
+        self.incarnation = (incarnation != 0).then(|| AsciiMetadataValue::from(incarnation));
         self
     }
 

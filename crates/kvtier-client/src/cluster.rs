@@ -31,8 +31,17 @@ pub struct Cluster {
     tenant: String,
     /// One connection per node address.
     clients: Arc<Mutex<HashMap<String, Client>>>,
-    /// The owner's address of each sequence this client has routed.
-    owners: Arc<Mutex<HashMap<String, String>>>,
+    /// What this client knows of each sequence it has routed.
+    owners: Arc<Mutex<HashMap<String, Route>>>,
+}
+
+/// A sequence as this client knows it: the creation it created or first
+/// found (calls are meant for that one: nodes refuse them once the id is
+/// created again), and its owner's address while known.
+#[derive(Debug, Clone)]
+struct Route {
+    addr: Option<String>,
+    incarnation: u64,
 }
 
 /// Where a sequence went.
@@ -150,7 +159,7 @@ impl Cluster {
                 None => return Err(e),
             },
         };
-        self.remember(sequence_id, &placed.addr);
+        self.remember(sequence_id, &placed.addr, created.incarnation);
         Ok((placed, created))
     }
 
@@ -170,47 +179,68 @@ impl Cluster {
         ))
     }
 
-    fn remember(&self, sequence_id: &str, addr: &str) {
+    fn remember(&self, sequence_id: &str, addr: &str, incarnation: u64) {
+        let route = Route {
+            addr: Some(addr.to_owned()),
+            incarnation,
+        };
         self.owners
             .lock()
             .expect("owners lock")
-            .insert(sequence_id.to_owned(), addr.to_owned());
+            .insert(sequence_id.to_owned(), route);
     }
 
+    /// Forgets where the sequence is, not which creation it is.
+    fn unroute(&self, sequence_id: &str) {
+        if let Some(route) = self.owners.lock().expect("owners lock").get_mut(sequence_id) {
+            route.addr = None;
+        }
+    }
+
+    /// Forgets the sequence (dropped).
     fn forget(&self, sequence_id: &str) {
         self.owners.lock().expect("owners lock").remove(sequence_id);
     }
 
-    /// A client of the node that owns `sequence_id`: the one its create
-    /// went to, else found by asking the node placement names.
+    /// A client of the node that owns `sequence_id`, for the creation this
+    /// client created or first found: the node its create went to, else
+    /// found by asking the node placement names (which names the owner
+    /// when it is not).
     pub async fn sequence(&self, sequence_id: &str) -> Result<Client> {
         let known = self.owners.lock().expect("owners lock").get(sequence_id).cloned();
-        if let Some(addr) = known {
-            return self.client(&addr);
+        if let Some(Route {
+            addr: Some(addr),
+            incarnation,
+        }) = &known
+        {
+            return Ok(self.client(addr)?.with_incarnation(*incarnation));
         }
+        let known = known.map(|r| r.incarnation);
         let owner = self.owner_by_placement(PlacementKey::Sequence {
             tenant: self.placement_tenant(),
             sequence_id,
         })?;
+        // Asked for the known creation, a node refuses a later one.
         let probe = |addr: String| async move {
-            let mut client = self.client(&addr)?;
-            client.get_sequence(sequence_id).await?;
-            Ok::<_, ClientError>((addr, client))
+            let mut client = self.client(&addr)?.with_incarnation(known.unwrap_or(0));
+            let info = client.get_sequence(sequence_id).await?;
+            Ok::<_, ClientError>((addr, info.incarnation))
         };
-        let (addr, client) = match probe(owner.addr).await {
+        let (addr, incarnation) = match probe(owner.addr).await {
             Ok(found) => found,
             Err(e) => match redirect(&e) {
                 Some((_, addr)) => probe(addr).await?,
                 None => return Err(e),
             },
         };
-        self.remember(sequence_id, &addr);
-        Ok(client)
+        let incarnation = known.unwrap_or(incarnation);
+        self.remember(sequence_id, &addr, incarnation);
+        Ok(self.client(&addr)?.with_incarnation(incarnation))
     }
 
     /// Runs `call` with the owner's client; a call refused because the
     /// sequence moved, or whose connection failed, is routed afresh and
-    /// run once more.
+    /// run once more (still for the same creation of the sequence).
     pub async fn call<T, F, Fut>(&self, sequence_id: &str, call: F) -> Result<T>
     where
         F: Fn(Client) -> Fut,
@@ -219,9 +249,10 @@ impl Cluster {
         let client = self.sequence(sequence_id).await?;
         match call(client).await {
             Err(e) if redirect(&e).is_some() || unreachable_node(&e) => {
-                self.forget(sequence_id);
-                if let Some((_, addr)) = redirect(&e) {
-                    self.remember(sequence_id, &addr);
+                self.unroute(sequence_id);
+                let known = self.owners.lock().expect("owners lock").get(sequence_id).cloned();
+                if let (Some((_, addr)), Some(route)) = (redirect(&e), known) {
+                    self.remember(sequence_id, &addr, route.incarnation);
                 }
                 call(self.sequence(sequence_id).await?).await
             }

@@ -20,7 +20,7 @@ mod view;
 
 pub use etcd::{DEFAULT_CLUSTER, EtcdConfig};
 pub use keys::Keys;
-pub use kvtier_core::placement::{OWNER_ADDR, OWNER_NODE};
+pub use kvtier_core::placement::{INCARNATION, OWNER_ADDR, OWNER_NODE};
 pub use node::{Health, JoinError, Joined, LocalSequences, Node, NodeConfig};
 pub use record::{NodeRecord, NodeState, OwnerRecord, TierBytes};
 pub use refusal::Refusal;

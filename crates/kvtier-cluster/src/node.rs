@@ -15,7 +15,7 @@
 //! grace lease for half the grace period: etcd cannot have expired it yet,
 //! so no sequence has two owners serving it at once.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -86,6 +86,9 @@ pub struct Node {
     renewed: Mutex<Instant>,
     health: watch::Sender<Health>,
     incarnations: AtomicU64,
+    /// The incarnation of each sequence this node owns (its ownership
+    /// record's, cached: calls are checked against it).
+    owned: Mutex<HashMap<SequenceKey, u64>>,
     /// Set by [`Node::leave`]: the leases are no longer renewed.
     left: AtomicBool,
 }
@@ -160,6 +163,7 @@ impl Node {
             renewed: Mutex::new(Instant::now()),
             health,
             incarnations: AtomicU64::new(seed()),
+            owned: Mutex::default(),
             left: AtomicBool::new(false),
             config,
         });
@@ -331,6 +335,7 @@ impl Node {
             };
             let held_here = unclaimed.remove(&key);
             if record.node_id == me && within_grace && held_here {
+                self.own(&key, record.incarnation);
                 joined.kept += 1;
                 continue;
             }
@@ -344,12 +349,13 @@ impl Node {
                 etcd.txn(gone).await?;
             }
             if held_here {
+                self.disown(&key);
                 self.local.forget(&key);
                 joined.forgotten += 1;
             }
         }
         for key in unclaimed {
-            let record = self.owner_record();
+            let (record, incarnation) = self.owner_record();
             let k = self.keys.sequence(&key);
             let claimed = etcd
                 .txn(
@@ -360,8 +366,10 @@ impl Node {
                 .await?
                 .succeeded();
             if claimed {
+                self.own(&key, incarnation);
                 joined.adopted += 1;
             } else {
+                self.disown(&key);
                 self.local.forget(&key);
                 joined.forgotten += 1;
             }
@@ -369,12 +377,43 @@ impl Node {
         Ok(joined)
     }
 
-    fn owner_record(&self) -> Vec<u8> {
+    /// A new ownership record naming this node, and its incarnation.
+    fn owner_record(&self) -> (Vec<u8>, u64) {
         let record = OwnerRecord {
             node_id: self.config.node_id.clone(),
-            incarnation: kvtier_core::hash::mix64(self.incarnations.fetch_add(1, Ordering::Relaxed)),
+            // Never 0, which means "standalone" on the wire.
+            incarnation: kvtier_core::hash::mix64(self.incarnations.fetch_add(1, Ordering::Relaxed)).max(1),
         };
-        serde_json::to_vec(&record).expect("an owner record serialises")
+        (
+            serde_json::to_vec(&record).expect("an owner record serialises"),
+            record.incarnation,
+        )
+    }
+
+    fn own(&self, key: &SequenceKey, incarnation: u64) {
+        self.owned.lock().expect("owned lock").insert(key.clone(), incarnation);
+    }
+
+    fn disown(&self, key: &SequenceKey) {
+        self.owned.lock().expect("owned lock").remove(key);
+    }
+
+    /// The incarnation of a sequence this node owns.
+    pub fn incarnation(&self, key: &SequenceKey) -> Option<u64> {
+        self.owned.lock().expect("owned lock").get(key).copied()
+    }
+
+    /// Refuses a call meant for another creation of the sequence than the
+    /// one this node owns.
+    pub fn check_incarnation(&self, key: &SequenceKey, expected: u64) -> Result<(), Refusal> {
+        match self.incarnation(key) {
+            Some(owned) if owned != expected => Err(Refusal::Recreated {
+                sequence: key.sequence.as_str().to_owned(),
+                expected,
+                now: owned,
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Renews both leases every third of the membership TTL; re-registers
@@ -483,7 +522,8 @@ impl Node {
     /// Claims a sequence about to be created here: placement must put it on
     /// this node (in this node's current view), and no other node may own
     /// the id, unless that node stayed out past its grace.
-    pub async fn claim(&self, key: &SequenceKey, placement: PlacementKey<'_>) -> Result<(), Refusal> {
+    /// Returns the claimed incarnation.
+    pub async fn claim(&self, key: &SequenceKey, placement: PlacementKey<'_>) -> Result<u64, Refusal> {
         self.check_serving()?;
         let unavailable = |why: String| Refusal::Unavailable {
             this: self.config.node_id.clone(),
@@ -513,7 +553,7 @@ impl Node {
         let etcd_down = |e: etcd_client::Error| unavailable(format!("etcd: {e}"));
         let mut etcd = self.etcd.clone();
         let k = self.keys.sequence(key);
-        let record = self.owner_record();
+        let (record, incarnation) = self.owner_record();
         let done = etcd
             .txn(
                 Txn::new()
@@ -524,7 +564,8 @@ impl Node {
             .await
             .map_err(etcd_down)?;
         if done.succeeded() {
-            return Ok(());
+            self.own(key, incarnation);
+            return Ok(incarnation);
         }
         let Some(TxnOpResponse::Get(got)) = done.op_responses().into_iter().next() else {
             return Err(unavailable("etcd answered the claim without the record".into()));
@@ -537,7 +578,8 @@ impl Node {
         if existing.node_id == self.config.node_id {
             // Claimed here before (a create that failed or a crash between
             // the claim and the create): still this node's.
-            return Ok(());
+            self.own(key, existing.incarnation);
+            return Ok(existing.incarnation);
         }
         // Another node's: taken over only once that node's grace is over.
         let taken = etcd
@@ -554,7 +596,8 @@ impl Node {
             .succeeded();
         if taken {
             tracing::info!(sequence = %key.sequence.as_str(), lost_with = %existing.node_id, "took over a sequence lost with its node");
-            Ok(())
+            self.own(key, incarnation);
+            Ok(incarnation)
         } else {
             Err(Refusal::ExistsElsewhere {
                 sequence: key.sequence.as_str().to_owned(),
@@ -565,6 +608,7 @@ impl Node {
 
     /// Gives up the ownership record of a sequence this node dropped.
     pub async fn release(&self, key: &SequenceKey) -> Result<(), etcd_client::Error> {
+        self.disown(key);
         let mut etcd = self.etcd.clone();
         let k = self.keys.sequence(key);
         let got = etcd.get(k.clone(), None).await?;
@@ -583,7 +627,9 @@ impl Node {
 
     /// Why a sequence this node does not hold is not here: `Ok(())` when
     /// the cluster knows of no other owner (the call's NOT_FOUND stands).
-    pub async fn whereabouts(&self, key: &SequenceKey) -> Result<(), Refusal> {
+    /// With `expected`, a record of another incarnation answers that the
+    /// sequence was created again.
+    pub async fn whereabouts(&self, key: &SequenceKey, expected: Option<u64>) -> Result<(), Refusal> {
         let mut etcd = self.etcd.clone();
         let unavailable = |e: etcd_client::Error| Refusal::Unavailable {
             this: self.config.node_id.clone(),
@@ -598,6 +644,13 @@ impl Node {
         else {
             return Ok(());
         };
+        if let Some(expected) = expected.filter(|&e| e != record.incarnation) {
+            return Err(Refusal::Recreated {
+                sequence: key.sequence.as_str().to_owned(),
+                expected,
+                now: record.incarnation,
+            });
+        }
         if record.node_id == self.config.node_id {
             return Ok(());
         }

@@ -17,6 +17,12 @@ pub enum Refusal {
     /// ALREADY_EXISTS: another node owns a sequence of that id.
     #[error("sequence {sequence} already exists on node {owner}")]
     ExistsElsewhere { sequence: String, owner: String },
+    /// NOT_FOUND: the call is meant for an earlier creation of the id.
+    #[error(
+        "sequence {sequence} was created again since: the call is for incarnation {expected}, the sequence \
+         is incarnation {now}"
+    )]
+    Recreated { sequence: String, expected: u64, now: u64 },
     /// UNAVAILABLE: the owner's membership lease lapsed; it has until its
     /// grace ends to come back with the sequence.
     #[error(

@@ -15,6 +15,8 @@ use crate::hash::mix64;
 /// the node that has (or is to have) the sequence, and its address.
 pub const OWNER_NODE: &str = "kvtier-owner-node";
 pub const OWNER_ADDR: &str = "kvtier-owner-addr";
+/// Request metadata naming the creation of a sequence a call is meant for.
+pub const INCARNATION: &str = "kvtier-incarnation";
 
 /// What places a sequence: the first page's prefix hash when the sequence has
 /// a hash chain (sequences sharing a prompt land together and share its

@@ -198,6 +198,8 @@ pub(crate) fn info_to_pb(info: &SequenceInfo) -> pb::SequenceInfo {
                 pages: *pages,
             })
             .collect(),
+        // The store knows no incarnations; a node in a cluster sets it.
+        incarnation: 0,
     }
 }
 

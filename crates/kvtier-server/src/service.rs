@@ -53,6 +53,20 @@ pub(crate) struct TraceSettings {
     pub(crate) max_bytes: u64,
 }
 
+/// A call for a sequence: the caller, the incarnation of the sequence the
+/// call is meant for (`kvtier-incarnation` metadata, sent by cluster
+/// clients), and the message.
+fn open_seq<T>(request: Request<T>) -> Result<(Caller, Option<u64>, T), Status> {
+    let incarnation = match request.metadata().get(kvtier_cluster::INCARNATION) {
+        None => None,
+        Some(v) => Some(v.to_str().ok().and_then(|v| v.parse().ok()).ok_or_else(|| {
+            Status::invalid_argument(format!("{}: not a decimal incarnation", kvtier_cluster::INCARNATION))
+        })?),
+    };
+    let (caller, message) = open(request)?;
+    Ok((caller, incarnation, message))
+}
+
 /// The caller the gate resolved, and the message.
 fn open<T>(request: Request<T>) -> Result<(Caller, T), Status> {
     let caller = request
@@ -103,11 +117,17 @@ impl KvTierService {
     /// In a cluster, for a sequence this node does not hold: where it is
     /// instead (another node, a node that is out, lost), as the call's
     /// status. Names that do not parse are left to the call to refuse.
-    async fn locate(&self, tenant: &str, sequence_id: &str) -> Result<(), Status> {
+    /// With the incarnation a call is meant for, a later creation of the
+    /// id is refused (NOT_FOUND) rather than served.
+    async fn locate(&self, tenant: &str, sequence_id: &str, incarnation: Option<u64>) -> Result<(), Status> {
         let Some(node) = &self.cluster else { return Ok(()) };
         match convert::key(tenant, sequence_id) {
-            Ok(key) if !self.store.holds(&key) => node.whereabouts(&key).await.map_err(refused),
-            _ => Ok(()),
+            Ok(key) if !self.store.holds(&key) => node.whereabouts(&key, incarnation).await.map_err(refused),
+            Ok(key) => match incarnation {
+                Some(expected) => node.check_incarnation(&key, expected).map_err(refused),
+                None => Ok(()),
+            },
+            Err(_) => Ok(()),
         }
     }
 
@@ -370,10 +390,13 @@ impl KvTier for KvTierService {
         let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         let layout = convert::layout(r.layout)?;
         let hashes: Vec<Vec<u8>> = r.prefix_hashes.into_iter().map(|h| h.to_vec()).collect();
-        if let Some(node) = &self.cluster {
-            let placement = PlacementKey::of(key.tenant.as_str(), key.sequence.as_str(), &hashes);
-            node.claim(&key, placement).await.map_err(refused)?;
-        }
+        let incarnation = match &self.cluster {
+            Some(node) => {
+                let placement = PlacementKey::of(key.tenant.as_str(), key.sequence.as_str(), &hashes);
+                node.claim(&key, placement).await.map_err(refused)?
+            }
+            None => 0,
+        };
         let claimed = key.clone();
         let created = self.call(move |s| s.create_sequence(key, layout, hashes)).await;
         let created = match (created, &self.cluster) {
@@ -389,7 +412,11 @@ impl KvTier for KvTierService {
         };
         Ok(Response::new(pb::CreateSequenceResponse {
             attached_pages: created.attached_pages,
-            info: Some(convert::info_to_pb(&created.info)),
+            info: Some(pb::SequenceInfo {
+                incarnation,
+                ..convert::info_to_pb(&created.info)
+            }),
+            incarnation,
         }))
     }
 
@@ -397,19 +424,23 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::GetSequenceRequest>,
     ) -> Result<Response<pb::SequenceInfo>, Status> {
-        let (caller, r) = open(request)?;
-        self.locate(&r.tenant, &r.sequence_id).await?;
+        let (caller, incarnation, r) = open_seq(request)?;
+        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
         let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
+        let incarnation = self.cluster.as_ref().and_then(|n| n.incarnation(&key)).unwrap_or(0);
         let info = self.call(move |s| s.sequence_info(&key)).await?;
-        Ok(Response::new(convert::info_to_pb(&info)))
+        Ok(Response::new(pb::SequenceInfo {
+            incarnation,
+            ..convert::info_to_pb(&info)
+        }))
     }
 
     async fn drop_sequence(
         &self,
         request: Request<pb::DropSequenceRequest>,
     ) -> Result<Response<pb::DropSequenceResponse>, Status> {
-        let (caller, r) = open(request)?;
-        self.locate(&r.tenant, &r.sequence_id).await?;
+        let (caller, incarnation, r) = open_seq(request)?;
+        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
         let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         let dropped = key.clone();
         self.call(move |s| s.drop_sequence(&key)).await?;
@@ -427,13 +458,15 @@ impl KvTier for KvTierService {
         &self,
         request: Request<Streaming<pb::PutPagesRequest>>,
     ) -> Result<Response<pb::PutPagesResponse>, Status> {
-        let (caller, mut stream) = open(request)?;
+        let (caller, incarnation, mut stream) = open_seq(request)?;
         let mut total = pb::PutPagesResponse::default();
         let mut weakest: Option<pb::Durability> = None;
         while let Some(r) = stream.message().await? {
             let write = total.writes;
             let numbered = |e: Status| Status::new(e.code(), format!("write {write}: {}", e.message()));
-            self.locate(&r.tenant, &r.sequence_id).await.map_err(numbered)?;
+            self.locate(&r.tenant, &r.sequence_id, incarnation)
+                .await
+                .map_err(numbered)?;
             let key = self.key(&caller, &r.tenant, &r.sequence_id).map_err(numbered)?;
             let outcome = self
                 .call(move |s| {
@@ -465,8 +498,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::AppendTokensRequest>,
     ) -> Result<Response<pb::AppendTokensResponse>, Status> {
-        let (caller, r) = open(request)?;
-        self.locate(&r.tenant, &r.sequence_id).await?;
+        let (caller, incarnation, r) = open_seq(request)?;
+        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
         let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         let outcome = self.call(move |s| append(s, &key, &r)).await?;
         Ok(Response::new(append_to_pb(&outcome)))
@@ -477,8 +510,8 @@ impl KvTier for KvTierService {
     async fn fetch_pages(&self, request: Request<pb::FetchPagesRequest>) -> Result<Response<FetchStream>, Status> {
         // The request lives as long as its stream, and so does its charge.
         let request_bytes = request.extensions().get::<RequestBytes>().cloned();
-        let (caller, r) = open(request)?;
-        self.locate(&r.tenant, &r.sequence_id).await?;
+        let (caller, incarnation, r) = open_seq(request)?;
+        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
         let (job, window) = self.plan_fetch(&caller, r, request_bytes)?;
         let (tx, rx) = mpsc::channel(1);
         if let Some(mut window) = window {
@@ -516,8 +549,8 @@ impl KvTier for KvTierService {
     type SelectPagesStream = SelectStream;
 
     async fn select_pages(&self, request: Request<pb::SelectPagesRequest>) -> Result<Response<SelectStream>, Status> {
-        let (caller, r) = open(request)?;
-        self.locate(&r.tenant, &r.sequence_id).await?;
+        let (caller, incarnation, r) = open_seq(request)?;
+        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
         let call = self.plan_select(&caller, r)?;
         // The data's room in flight, at most what the selection can choose,
         // is taken before the store reads any of it. Data over shm goes to
@@ -536,8 +569,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::SelectPagesRequest>,
     ) -> Result<Response<pb::PrefetchResponse>, Status> {
-        let (caller, r) = open(request)?;
-        self.locate(&r.tenant, &r.sequence_id).await?;
+        let (caller, incarnation, r) = open_seq(request)?;
+        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
         let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         for (set, field) in [
             (r.include_data, wire::INCLUDE_DATA.path),
@@ -579,8 +612,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::SetPageStateRequest>,
     ) -> Result<Response<pb::SetPageStateResponse>, Status> {
-        let (caller, r) = open(request)?;
-        self.locate(&r.tenant, &r.sequence_id).await?;
+        let (caller, incarnation, r) = open_seq(request)?;
+        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
         let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         let (action, summary_rows) = convert::action(r.action)?;
         if !r.pages.is_empty() && (r.first_page != 0 || r.page_count != 0) {
@@ -619,8 +652,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::ApplyPolicyRequest>,
     ) -> Result<Response<pb::ApplyPolicyResponse>, Status> {
-        let (caller, r) = open(request)?;
-        self.locate(&r.tenant, &r.sequence_id).await?;
+        let (caller, incarnation, r) = open_seq(request)?;
+        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
         let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         let Some((spec, trigger)) = crate::policy::spec(&r)? else {
             self.call(move |s| s.unregister_policy(&key)).await?;
@@ -650,8 +683,8 @@ impl KvTier for KvTierService {
         &self,
         request: Request<pb::ReportAttentionRequest>,
     ) -> Result<Response<pb::ReportAttentionResponse>, Status> {
-        let (caller, r) = open(request)?;
-        self.locate(&r.tenant, &r.sequence_id).await?;
+        let (caller, incarnation, r) = open_seq(request)?;
+        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
         let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
         if r.token_weights.is_empty() == r.page_weights.is_empty() {
             return Err(invalid(

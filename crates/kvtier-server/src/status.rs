@@ -42,6 +42,7 @@ pub(crate) fn refused(r: Refusal) -> Status {
         Refusal::ExistsElsewhere { .. } => Code::AlreadyExists,
         Refusal::OwnerOut { .. } | Refusal::Unavailable { .. } | Refusal::Fenced { .. } => Code::Unavailable,
         Refusal::Lost { .. } => Code::DataLoss,
+        Refusal::Recreated { .. } => Code::NotFound,
     };
     let mut status = Status::new(code, r.to_string());
     if let Some((node, addr)) = r.redirect() {

@@ -1,7 +1,7 @@
 //! A model-based test of the cluster: random creates, page writes, reads and
 //! drops through the routing client while nodes are killed (-9), stopped
-//! (SIGTERM) and restarted over their data, and etcd is killed and
-//! restarted. Every read is checked against an independent model:
+//! (SIGTERM), restarted over their data and cut off from etcd (each node
+//! reaches etcd through its own proxy), and etcd is killed and restarted. Every read is checked against an independent model:
 //! - bytes, when served, are exactly the sequence's acknowledged pages (of
 //!   its current incarnation: a re-created id has new values);
 //! - refusals are precise: UNAVAILABLE only while a fault is recent,
@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use common::Server;
 use common::cluster::{cluster, code, node, read};
-use common::etcd::Etcd;
+use common::etcd::{Etcd, Proxy};
 use kvtier_client::{Client, Cluster, layout, pb};
 use proptest::prelude::RngExt;
 use tonic::Code;
@@ -87,6 +87,10 @@ struct Slot {
     down_since: Option<Instant>,
     /// A connection straight to it, while it is up.
     direct: Option<Client>,
+    /// Its way to etcd, which a partition cuts.
+    proxy: Proxy,
+    /// When it was cut off from etcd, while it is.
+    cut_since: Option<Instant>,
 }
 
 struct World {
@@ -107,7 +111,48 @@ const SETTLE: Duration = Duration::from_secs(TTL as u64 * 3 + 3);
 
 impl World {
     fn quiet(&self) -> bool {
-        self.etcd_up && self.slots.iter().all(|s| s.server.is_some()) && self.last_fault.elapsed() > SETTLE
+        self.etcd_up
+            && self.slots.iter().all(|s| s.server.is_some() && s.cut_since.is_none())
+            && self.last_fault.elapsed() > SETTLE
+    }
+
+    /// Away (down or cut off) about its grace or longer: its sequences
+    /// may be lost (etcd extends leases across its own outages, so this
+    /// is a lower bound).
+    fn away(&mut self, id: &str, away: Option<Duration>) {
+        if away.is_some_and(|a| a + Duration::from_millis(1500) >= Duration::from_secs(GRACE as u64)) {
+            for seq in self.seqs.values_mut().filter(|s| s.owner == id && s.fate == Fate::Live) {
+                seq.fate = Fate::MaybeLost;
+            }
+        }
+    }
+
+    /// Nodes down or cut off for about their grace: their sequences may be
+    /// lost (or taken over) already, while they are still away.
+    fn age(&mut self) {
+        let away: Vec<(String, Duration)> = self
+            .slots
+            .iter()
+            .filter_map(|s| s.down_since.or(s.cut_since).map(|t| (s.id.clone(), t.elapsed())))
+            .collect();
+        for (id, for_) in away {
+            self.away(&id, Some(for_));
+        }
+    }
+
+    fn cut(&mut self, i: usize) {
+        self.slots[i].proxy.cut();
+        self.slots[i].cut_since = Some(Instant::now());
+        let id = self.slots[i].id.clone();
+        self.fault(format!("cut {id}"));
+    }
+
+    fn heal(&mut self, i: usize) {
+        self.slots[i].proxy.heal();
+        let away = self.slots[i].cut_since.take().map(|t| t.elapsed());
+        let id = self.slots[i].id.clone();
+        self.away(&id, away);
+        self.fault(format!("heal {id} (cut {away:?})"));
     }
 
     fn up(&self) -> Vec<usize> {
@@ -123,15 +168,12 @@ impl World {
 
     async fn start(&mut self, i: usize) {
         let id = self.slots[i].id.clone();
-        let mut server = node(self.dir.path(), &id, &self.etcd.client_url, TTL, GRACE);
-        let away = self.slots[i].down_since.take().map(|t| t.elapsed());
-        // Away about its grace or longer: its sequences may be lost (etcd
-        // extends leases across its own outages, so this is a lower bound).
-        if away.is_some_and(|a| a + Duration::from_millis(1500) >= Duration::from_secs(GRACE as u64)) {
-            for seq in self.seqs.values_mut().filter(|s| s.owner == id && s.fate == Fate::Live) {
-                seq.fate = Fate::MaybeLost;
-            }
+        if self.slots[i].cut_since.is_some() {
+            self.heal(i);
         }
+        let mut server = node(self.dir.path(), &id, &self.slots[i].proxy.url, TTL, GRACE);
+        let away = self.slots[i].down_since.take().map(|t| t.elapsed());
+        self.away(&id, away);
         self.slots[i].direct = Some(server.client().await);
         self.slots[i].server = Some(server);
         self.fault(format!("start {id} (away {away:?})"));
@@ -322,13 +364,16 @@ async fn random_operations_and_faults_never_serve_a_wrong_byte() {
     let mut slots = Vec::new();
     for i in 0..NODES {
         let id = format!("n{i}");
-        let mut server = node(dir.path(), &id, &etcd.client_url, TTL, GRACE);
+        let proxy = Proxy::start(&etcd.client_url).await;
+        let mut server = node(dir.path(), &id, &proxy.url, TTL, GRACE);
         let direct = Some(server.client().await);
         slots.push(Slot {
             id,
             server: Some(server),
             down_since: None,
             direct,
+            proxy,
+            cut_since: None,
         });
     }
     let cluster = cluster(&etcd.client_url, NODES).await;
@@ -344,6 +389,7 @@ async fn random_operations_and_faults_never_serve_a_wrong_byte() {
     };
     let names = 16u32;
     for step in 0..ops {
+        world.age();
         let roll = rng.random_range(0..100u32);
         // Writes, reads and drops go to a sequence the model has.
         let known: Vec<u32> = world.seqs.keys().copied().collect();
@@ -355,7 +401,7 @@ async fn random_operations_and_faults_never_serve_a_wrong_byte() {
             0..12 => world.create(number).await,
             12..45 if exists => world.write(number).await,
             45..75 if exists => world.read(number).await,
-            75..79 => {
+            77..79 => {
                 let up = world.up();
                 if up.len() > 1 {
                     let i = up[rng.random_range(0..up.len())];
@@ -368,6 +414,17 @@ async fn random_operations_and_faults_never_serve_a_wrong_byte() {
                 // A node starts only with etcd up (it joins before serving).
                 if let Some(&i) = down.first().filter(|_| world.etcd_up) {
                     world.start(i).await;
+                }
+            }
+            75..77 => {
+                // One node at a time cut off from etcd; healed as often.
+                match (0..NODES).find(|&i| world.slots[i].cut_since.is_some()) {
+                    Some(i) => world.heal(i),
+                    None => {
+                        let up = world.up();
+                        let i = up[rng.random_range(0..up.len())];
+                        world.cut(i);
+                    }
                 }
             }
             84..86 => {
@@ -402,6 +459,11 @@ async fn random_operations_and_faults_never_serve_a_wrong_byte() {
     }
 
     // Everything back: every sequence not lost is served exactly.
+    for i in 0..NODES {
+        if world.slots[i].cut_since.is_some() {
+            world.heal(i);
+        }
+    }
     if !world.etcd_up {
         world.etcd.restart();
         world.etcd_up = true;
@@ -434,7 +496,7 @@ async fn random_operations_and_faults_never_serve_a_wrong_byte() {
         .count();
     eprintln!(
         "{ops} operations: {} creates, {} writes, {} reads ({refused} refused), {} drops; {} kills, {} stops, \
-         {} starts, {} etcd kills; {} sequences at the end, {} lost",
+         {} starts, {} cuts, {} etcd kills; {} sequences at the end, {} lost",
         count("create"),
         count("write"),
         count("read"),
@@ -442,6 +504,7 @@ async fn random_operations_and_faults_never_serve_a_wrong_byte() {
         count("kill n"),
         count("stop"),
         count("start"),
+        count("cut"),
         count("kill etcd"),
         world.seqs.len(),
         world.seqs.values().filter(|s| s.fate == Fate::Lost).count(),
