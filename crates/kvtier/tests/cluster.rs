@@ -187,22 +187,35 @@ fn owned_by<'a>(cluster: &Cluster, node: &str, seqs: &'a [String]) -> Vec<&'a St
         .collect()
 }
 
+/// `n` nodes of one cluster (membership TTL and grace in seconds), a
+/// routing client, and `seqs` sequences `s0..` of `tokens` tokens each,
+/// written persisted with `kv(i, tokens)`.
+async fn populated(
+    dir: &std::path::Path,
+    etcd: &str,
+    n: usize,
+    (ttl, grace): (u32, u32),
+    seqs: usize,
+    tokens: usize,
+) -> (Vec<Server>, Cluster, Vec<String>) {
+    let mut servers: Vec<Server> = (0..n).map(|i| node(dir, &format!("n{i}"), etcd, ttl, grace)).collect();
+    for s in &mut servers {
+        s.client().await;
+    }
+    let cluster = cluster(etcd, n).await;
+    let names: Vec<String> = (0..seqs).map(|i| format!("s{i}")).collect();
+    for (i, seq) in names.iter().enumerate() {
+        cluster.create_sequence(seq, tiny(), vec![]).await.unwrap();
+        write(&cluster, seq, i as u32, tokens).await;
+    }
+    (servers, cluster, names)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_node_is_out_then_back_within_its_grace_with_its_durable_rows() {
     let dir = tempfile::tempdir().unwrap();
     let etcd = Etcd::start(dir.path());
-    let mut servers: Vec<Server> = (0..3)
-        .map(|i| node(dir.path(), &format!("n{i}"), &etcd.client_url, 1, 30))
-        .collect();
-    for s in &mut servers {
-        s.client().await;
-    }
-    let cluster = cluster(&etcd.client_url, 3).await;
-    let seqs: Vec<String> = (0..12).map(|i| format!("s{i}")).collect();
-    for (i, seq) in seqs.iter().enumerate() {
-        cluster.create_sequence(seq, tiny(), vec![]).await.unwrap();
-        write(&cluster, seq, i as u32, 7).await;
-    }
+    let (mut servers, cluster, seqs) = populated(dir.path(), &etcd.client_url, 3, (1, 30), 12, 7).await;
     let on_n1 = owned_by(&cluster, "n1", &seqs);
     assert!(!on_n1.is_empty());
     servers.remove(1).kill();
@@ -245,18 +258,7 @@ async fn a_killed_node_is_out_then_back_within_its_grace_with_its_durable_rows()
 async fn past_its_grace_a_nodes_sequences_are_lost_taken_over_and_forgotten_on_its_return() {
     let dir = tempfile::tempdir().unwrap();
     let etcd = Etcd::start(dir.path());
-    let mut servers: Vec<Server> = (0..3)
-        .map(|i| node(dir.path(), &format!("n{i}"), &etcd.client_url, 1, 3))
-        .collect();
-    for s in &mut servers {
-        s.client().await;
-    }
-    let cluster = cluster(&etcd.client_url, 3).await;
-    let seqs: Vec<String> = (0..12).map(|i| format!("s{i}")).collect();
-    for (i, seq) in seqs.iter().enumerate() {
-        cluster.create_sequence(seq, tiny(), vec![]).await.unwrap();
-        write(&cluster, seq, i as u32, 5).await;
-    }
+    let (mut servers, cluster, seqs) = populated(dir.path(), &etcd.client_url, 3, (1, 3), 12, 5).await;
     let on_n1 = owned_by(&cluster, "n1", &seqs);
     assert!(on_n1.len() >= 2, "{on_n1:?}");
     let (victim, untouched) = (on_n1[0].clone(), on_n1[1].clone());
@@ -416,18 +418,7 @@ async fn a_three_member_etcd_losing_its_leader_does_not_stop_kvtier() {
 async fn sigterm_leaves_at_once_and_a_restart_within_the_grace_keeps_the_sequences() {
     let dir = tempfile::tempdir().unwrap();
     let etcd = Etcd::start(dir.path());
-    let mut servers: Vec<Server> = (0..2)
-        .map(|i| node(dir.path(), &format!("n{i}"), &etcd.client_url, 30, 60))
-        .collect();
-    for s in &mut servers {
-        s.client().await;
-    }
-    let cluster = cluster(&etcd.client_url, 2).await;
-    let seqs: Vec<String> = (0..8).map(|i| format!("s{i}")).collect();
-    for (i, seq) in seqs.iter().enumerate() {
-        cluster.create_sequence(seq, tiny(), vec![]).await.unwrap();
-        write(&cluster, seq, i as u32, 3).await;
-    }
+    let (mut servers, cluster, seqs) = populated(dir.path(), &etcd.client_url, 2, (30, 60), 8, 3).await;
     let on_n1: Vec<String> = owned_by(&cluster, "n1", &seqs).into_iter().cloned().collect();
     let stopped = Instant::now();
     servers.remove(1).terminate();
