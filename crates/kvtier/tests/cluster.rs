@@ -445,7 +445,7 @@ async fn a_node_cut_off_from_etcd_fences_itself_before_its_sequences_are_taken_o
     let proxy = common::etcd::Proxy::start(&etcd.client_url).await;
     let (ttl, grace) = (1, 8);
     // n0 reaches etcd only through the proxy; n1 directly.
-    let mut servers = vec![
+    let mut servers = [
         node(dir.path(), "n0", &proxy.url, ttl, grace),
         node(dir.path(), "n1", &etcd.client_url, ttl, grace),
     ];
