@@ -335,7 +335,11 @@ async fn without_etcd_nodes_serve_what_they_hold_then_fence_then_come_back() {
     .await;
     assert_eq!(code(&e), Code::Unavailable, "{e}");
     assert!(e.to_string().contains("serves no sequence"), "{e}");
-    assert!(!healthy(&server.addr, "kvtier.v1.KvTier"));
+    // Health follows at the node's next renewal attempt (a third of the TTL).
+    eventually(Duration::from_secs(5), "health saying fenced", || async {
+        (!healthy(&server.addr, "kvtier.v1.KvTier")).then_some(())
+    })
+    .await;
 
     // etcd back: the node renews, registers again, serves, creates.
     etcd.restart();
