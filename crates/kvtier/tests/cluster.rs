@@ -308,7 +308,7 @@ async fn past_its_grace_a_nodes_sequences_are_lost_taken_over_and_forgotten_on_i
 async fn without_etcd_nodes_serve_what_they_hold_then_fence_then_come_back() {
     let dir = tempfile::tempdir().unwrap();
     let mut etcd = Etcd::start(dir.path());
-    let mut server = node(dir.path(), "n0", &etcd.client_url, 1, 6);
+    let mut server = node(dir.path(), "n0", &etcd.client_url, 1, 10);
     let mut direct = server.client().await;
     let cluster = cluster(&etcd.client_url, 1).await;
     cluster.create_sequence("s0", tiny(), vec![]).await.unwrap();
@@ -478,40 +478,32 @@ async fn a_node_cut_off_from_etcd_fences_itself_before_its_sequences_are_taken_o
     assert!(e.to_string().contains("n0"), "{e}");
     let k: u32 = kept[1..].parse().unwrap();
     assert_eq!(read(n0.clone(), &kept).await.unwrap(), expected(k, 5));
-    // Fenced at half the grace: every read of it refused.
-    let fenced = eventually(Duration::from_secs(15), "n0 fencing itself", || {
-        let n0 = n0.clone();
-        let kept = kept.clone();
-        async move {
-            match read(n0, &kept).await {
-                Err(e) if e.to_string().contains("serves no sequence") => Some(Instant::now()),
-                _ => None,
-            }
+    // From here on, each round tries the takeover (a create of the id on
+    // n1) and asks n0 whether it still serves: n0 must fence itself (at
+    // half its grace) before the takeover succeeds (after its grace).
+    let (mut fenced, mut taken_at) = (None, None);
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while taken_at.is_none() {
+        assert!(Instant::now() < deadline, "no takeover after {:?}", cut.elapsed());
+        if fenced.is_none()
+            && let Err(e) = read(n0.clone(), &kept).await
+            && e.to_string().contains("serves no sequence")
+        {
+            fenced = Some(Instant::now());
         }
-    })
-    .await;
+        if cluster.create_sequence(&taken, tiny(), vec![]).await.is_ok() {
+            taken_at = Some(Instant::now());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (fenced, taken_at) = (fenced.expect("n0 fenced itself before the takeover"), taken_at.unwrap());
+    assert!(fenced < taken_at);
     assert!(
         fenced - cut < Duration::from_secs(grace as u64),
         "fenced after {:?}",
         fenced - cut
     );
-
-    // Past the grace the id is created again on n1, with new bytes; the
-    // fenced n0 never serves its old copy meanwhile.
-    eventually(Duration::from_secs(30), "the takeover after n0's grace", || {
-        let (cluster, taken) = (cluster.clone(), taken.clone());
-        async move { cluster.create_sequence(&taken, tiny(), vec![]).await.ok() }
-    })
-    .await;
-    // Its grace lease was last renewed up to a third of the TTL before the
-    // cut; the takeover comes after the fence in any case.
-    let taken_at = Instant::now();
-    assert!(taken_at > fenced, "taken over before n0 fenced itself");
-    assert!(
-        taken_at - cut >= Duration::from_secs(grace as u64 - 1),
-        "taken over after {:?}",
-        taken_at - cut
-    );
+    // The fenced n0 never serves its old copy while n1 has the new one.
     write(&cluster, &taken, 500, 5).await;
     let e = read(n0.clone(), &taken).await.unwrap_err();
     assert!(e.to_string().contains("serves no sequence"), "{e}");
