@@ -22,6 +22,7 @@ class Connection:
         method: str,
         request: Any,
         done: Optional[Callable[[Any, Optional[BaseException]], None]] = None,
+        incarnation: Optional[int] = None,
     ) -> Any: ...
     def register_shm(self, socket: str, size: int, tenant: str) -> Region: ...
 

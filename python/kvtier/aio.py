@@ -40,7 +40,7 @@ class AsyncClient(_Api):
             except RuntimeError:
                 pass
 
-        pending = self._conn.call(method, request, done)
+        pending = self._conn.call(method, request, done, incarnation=self.incarnation)
         try:
             return await future
         except asyncio.CancelledError:

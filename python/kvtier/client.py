@@ -108,6 +108,10 @@ class _Api:
         # Connecting is one short blocking step, as constructors are.
         self._conn = Connection(address, token, tls_ca, tls_domain, timeout)
         self.tenant = tenant
+        #: In a cluster: the creation of the sequence calls are meant for
+        #: (set by :class:`kvtier.Cluster` on the client it hands out); a
+        #: node refuses them with NotFound once the id is created again.
+        self.incarnation: Optional[int] = None
         self.persist = persist
         self.shm_socket = shm_socket or DEFAULT_SHM_SOCKET
         self._layouts: Dict[str, Layout] = {}
@@ -639,7 +643,7 @@ class Client(_Api):
                     if rpc.via is not None:
                         reply = rpc.via._call(rpc.method, rpc.request)
                     else:
-                        reply = self._conn.call(rpc.method, rpc.request)
+                        reply = self._conn.call(rpc.method, rpc.request, incarnation=self.incarnation)
                 except BaseException as e:  # let the method see its RPC's failure
                     rpc = steps.throw(e)
                 else:

@@ -10,6 +10,7 @@ the sequence id, over the serving nodes.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 from . import errors
@@ -39,7 +40,9 @@ class Cluster:
         if not self._seeds:
             raise ValueError("addresses: at least one node's address")
         self._clients: Dict[str, Client] = {}
-        self._owners: Dict[str, str] = {}
+        #: Per sequence routed: the owner's address while known, and the
+        #: creation (incarnation) calls are meant for.
+        self._owners: Dict[str, Tuple[Optional[str], int]] = {}
         self.nodes: List[Dict[str, Any]] = []
         self.refresh()
 
@@ -79,6 +82,12 @@ class Cluster:
         """The node placement gives a sequence (its record from GetCluster)."""
         return self._placed(sequence_id, list(prefix_hashes))
 
+    def _for(self, address: str, incarnation: int) -> Client:
+        """The node's client, its calls meant for ``incarnation``."""
+        client = copy.copy(self._node_client(address))
+        client.incarnation = incarnation or None
+        return client
+
     def create(self, sequence_id: str, layout: Layout, prefix_hashes: Iterable[bytes] = ()) -> Dict[str, Any]:
         """Creates the sequence on its placement's node (once more on the
         node a refusal names); the response, with the node's ``node_id``
@@ -94,39 +103,41 @@ class Cluster:
             target = e.owner
             self.refresh()
             created = self._node_client(target[1]).create(sequence_id, layout, hashes)
-        self._owners[sequence_id] = target[1]
+        self._owners[sequence_id] = (target[1], int(created.get("incarnation", 0)))
         return dict(created, node_id=target[0], addr=target[1])
 
     def client(self, sequence_id: str) -> Client:
-        """The client of the node that owns the sequence: the one its create
-        went to, else found by asking the node placement names (which
-        answers with the owner when it is not)."""
-        address = self._owners.get(sequence_id)
+        """The client of the node that owns the sequence, its calls meant for
+        the creation this cluster client created or first found: the node
+        its create went to, else found by asking the node placement names
+        (which answers with the owner when it is not)."""
+        address, incarnation = self._owners.get(sequence_id, (None, 0))
         if address is not None:
-            return self._node_client(address)
+            return self._for(address, incarnation)
         address = self._placed(sequence_id)["addr"]
         try:
-            self._node_client(address).info(sequence_id)
+            info = self._for(address, incarnation).info(sequence_id)
         except errors.FailedPrecondition as e:
             if e.owner is None:
                 raise
             address = e.owner[1]
-            self._node_client(address).info(sequence_id)
-        self._owners[sequence_id] = address
-        return self._node_client(address)
+            info = self._for(address, incarnation).info(sequence_id)
+        incarnation = incarnation or int(info.get("incarnation", 0))
+        self._owners[sequence_id] = (address, incarnation)
+        return self._for(address, incarnation)
 
     def call(self, sequence_id: str, fn: Callable[[Client], T]) -> T:
         """``fn(owner's client)``; refused because the sequence is elsewhere,
-        or the node unreachable, it is routed afresh and run once more."""
+        or the node unreachable, it is routed afresh (still for the same
+        creation) and run once more."""
         try:
             return fn(self.client(sequence_id))
         except (errors.FailedPrecondition, errors.Unavailable) as e:
             if isinstance(e, errors.FailedPrecondition) and e.owner is None:
                 raise
-            self._owners.pop(sequence_id, None)
+            _, incarnation = self._owners.get(sequence_id, (None, 0))
+            self._owners[sequence_id] = (e.owner[1] if e.owner else None, incarnation)
             self.refresh()
-            if e.owner is not None:
-                self._owners[sequence_id] = e.owner[1]
             return fn(self.client(sequence_id))
 
     def drop(self, sequence_id: str) -> None:

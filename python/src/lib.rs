@@ -221,13 +221,16 @@ impl Connection {
     /// `PutPages` a list of dicts. Returns a dict, or a list of dicts for a
     /// server stream. With `done`, returns a `Pending` at once and calls
     /// `done(result, exception)` from a runtime thread when it finishes.
-    #[pyo3(signature = (method, request, done=None))]
+    /// With `incarnation` (a cluster's), the call is meant for that
+    /// creation of its sequence: a node refuses it for a later one.
+    #[pyo3(signature = (method, request, done=None, incarnation=None))]
     fn call(
         &self,
         py: Python<'_>,
         method: &str,
         request: &Bound<'_, PyAny>,
         done: Option<Py<PyAny>>,
+        incarnation: Option<u64>,
     ) -> PyResult<Py<PyAny>> {
         let rt = self.runtime()?;
         let method = service()?
@@ -244,7 +247,8 @@ impl Connection {
         } else {
             vec![reflect::to_message(request, &method.input(), "")?]
         };
-        let reply = limited(self.timeout, send(self.client.clone(), method, requests));
+        let client = self.client.clone().with_incarnation(incarnation.unwrap_or(0));
+        let reply = limited(self.timeout, send(client, method, requests));
         match done {
             None => match wait(py, rt, reply)? {
                 Ok(reply) => reply.into_py(py),

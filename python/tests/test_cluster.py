@@ -133,3 +133,19 @@ def test_a_standalone_server_is_in_no_cluster(tmp_path: Path) -> None:
             kvtier.Cluster([server.address])
     finally:
         stop(server)
+
+
+def test_a_client_never_reads_a_later_creation_of_the_id(cluster: kvtier.Cluster) -> None:
+    first = kvtier.Cluster([cluster.nodes[0]["addr"]])
+    created = first.create("again", LAYOUT)
+    assert int(created["incarnation"]) != 0
+    first.call("again", lambda c: c.put("again", 0, kv(1, 4), kv(1, 4)))
+    # Another client drops the id and creates it again, with other bytes.
+    other = kvtier.Cluster([cluster.nodes[0]["addr"]])
+    other.drop("again")
+    other.create("again", LAYOUT)
+    other.call("again", lambda c: c.put("again", 0, kv(2, 4), kv(2, 4)))
+    with pytest.raises(kvtier.errors.NotFound, match="created again"):
+        first.call("again", lambda c: c.fetch("again", 0))
+    pages = other.call("again", lambda c: c.fetch("again", 0))
+    np.testing.assert_array_equal(pages[0].k, kv(2, 4)[0])
