@@ -116,19 +116,26 @@ impl KvTierService {
 
     /// In a cluster, for a sequence this node does not hold: where it is
     /// instead (another node, a node that is out, lost), as the call's
-    /// status. Names that do not parse are left to the call to refuse.
-    /// With the incarnation a call is meant for, a later creation of the
+    /// status, and the sequence's key. With the incarnation a call is meant for, a later creation of the
     /// id is refused (NOT_FOUND) rather than served.
-    async fn locate(&self, tenant: &str, sequence_id: &str, incarnation: Option<u64>) -> Result<(), Status> {
-        let Some(node) = &self.cluster else { return Ok(()) };
-        match convert::key(tenant, sequence_id) {
-            Ok(key) if !self.store.holds(&key) => node.whereabouts(&key, incarnation).await.map_err(refused),
-            Ok(key) => match incarnation {
-                Some(expected) => node.check_incarnation(&key, expected).map_err(refused),
-                None => Ok(()),
-            },
-            Err(_) => Ok(()),
+    ///
+    /// The caller's right to the tenant is checked first: a refusal must
+    /// not tell a caller where another tenant's sequences are.
+    async fn located(
+        &self,
+        caller: &Caller,
+        tenant: &str,
+        sequence_id: &str,
+        incarnation: Option<u64>,
+    ) -> Result<SequenceKey, Status> {
+        let key = self.key(caller, tenant, sequence_id)?;
+        let Some(node) = &self.cluster else { return Ok(key) };
+        if !self.store.holds(&key) {
+            node.whereabouts(&key, incarnation).await.map_err(refused)?;
+        } else if let Some(expected) = incarnation {
+            node.check_incarnation(&key, expected).map_err(refused)?;
         }
+        Ok(key)
     }
 
     async fn call<T, F>(&self, f: F) -> Result<T, Status>
@@ -425,8 +432,7 @@ impl KvTier for KvTierService {
         request: Request<pb::GetSequenceRequest>,
     ) -> Result<Response<pb::SequenceInfo>, Status> {
         let (caller, incarnation, r) = open_seq(request)?;
-        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
-        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
+        let key = self.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
         let incarnation = self.cluster.as_ref().and_then(|n| n.incarnation(&key)).unwrap_or(0);
         let info = self.call(move |s| s.sequence_info(&key)).await?;
         Ok(Response::new(pb::SequenceInfo {
@@ -440,8 +446,7 @@ impl KvTier for KvTierService {
         request: Request<pb::DropSequenceRequest>,
     ) -> Result<Response<pb::DropSequenceResponse>, Status> {
         let (caller, incarnation, r) = open_seq(request)?;
-        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
-        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
+        let key = self.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
         let dropped = key.clone();
         self.call(move |s| s.drop_sequence(&key)).await?;
         if let Some(node) = &self.cluster
@@ -464,10 +469,10 @@ impl KvTier for KvTierService {
         while let Some(r) = stream.message().await? {
             let write = total.writes;
             let numbered = |e: Status| Status::new(e.code(), format!("write {write}: {}", e.message()));
-            self.locate(&r.tenant, &r.sequence_id, incarnation)
+            let key = self
+                .located(&caller, &r.tenant, &r.sequence_id, incarnation)
                 .await
                 .map_err(numbered)?;
-            let key = self.key(&caller, &r.tenant, &r.sequence_id).map_err(numbered)?;
             let outcome = self
                 .call(move |s| {
                     s.put_pages(
@@ -499,8 +504,7 @@ impl KvTier for KvTierService {
         request: Request<pb::AppendTokensRequest>,
     ) -> Result<Response<pb::AppendTokensResponse>, Status> {
         let (caller, incarnation, r) = open_seq(request)?;
-        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
-        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
+        let key = self.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
         let outcome = self.call(move |s| append(s, &key, &r)).await?;
         Ok(Response::new(append_to_pb(&outcome)))
     }
@@ -511,7 +515,7 @@ impl KvTier for KvTierService {
         // The request lives as long as its stream, and so does its charge.
         let request_bytes = request.extensions().get::<RequestBytes>().cloned();
         let (caller, incarnation, r) = open_seq(request)?;
-        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
+        self.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
         let (job, window) = self.plan_fetch(&caller, r, request_bytes)?;
         let (tx, rx) = mpsc::channel(1);
         if let Some(mut window) = window {
@@ -550,7 +554,7 @@ impl KvTier for KvTierService {
 
     async fn select_pages(&self, request: Request<pb::SelectPagesRequest>) -> Result<Response<SelectStream>, Status> {
         let (caller, incarnation, r) = open_seq(request)?;
-        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
+        self.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
         let call = self.plan_select(&caller, r)?;
         // The data's room in flight, at most what the selection can choose,
         // is taken before the store reads any of it. Data over shm goes to
@@ -570,8 +574,7 @@ impl KvTier for KvTierService {
         request: Request<pb::SelectPagesRequest>,
     ) -> Result<Response<pb::PrefetchResponse>, Status> {
         let (caller, incarnation, r) = open_seq(request)?;
-        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
-        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
+        let key = self.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
         for (set, field) in [
             (r.include_data, wire::INCLUDE_DATA.path),
             (r.swap_in, wire::SWAP_IN.path),
@@ -613,8 +616,7 @@ impl KvTier for KvTierService {
         request: Request<pb::SetPageStateRequest>,
     ) -> Result<Response<pb::SetPageStateResponse>, Status> {
         let (caller, incarnation, r) = open_seq(request)?;
-        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
-        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
+        let key = self.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
         let (action, summary_rows) = convert::action(r.action)?;
         if !r.pages.is_empty() && (r.first_page != 0 || r.page_count != 0) {
             return Err(invalid(
@@ -653,8 +655,7 @@ impl KvTier for KvTierService {
         request: Request<pb::ApplyPolicyRequest>,
     ) -> Result<Response<pb::ApplyPolicyResponse>, Status> {
         let (caller, incarnation, r) = open_seq(request)?;
-        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
-        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
+        let key = self.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
         let Some((spec, trigger)) = crate::policy::spec(&r)? else {
             self.call(move |s| s.unregister_policy(&key)).await?;
             return Ok(Response::new(pb::ApplyPolicyResponse::default()));
@@ -684,8 +685,7 @@ impl KvTier for KvTierService {
         request: Request<pb::ReportAttentionRequest>,
     ) -> Result<Response<pb::ReportAttentionResponse>, Status> {
         let (caller, incarnation, r) = open_seq(request)?;
-        self.locate(&r.tenant, &r.sequence_id, incarnation).await?;
-        let key = self.key(&caller, &r.tenant, &r.sequence_id)?;
+        let key = self.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
         if r.token_weights.is_empty() == r.page_weights.is_empty() {
             return Err(invalid(
                 wire::TOKEN_WEIGHTS,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::Server;
 use common::cluster::{cluster, cluster as cluster_of, code, eventually, healthy, node, read};
 use common::etcd::Etcd;
-use kvtier_client::{ClientError, Cluster, layout, pb};
+use kvtier_client::{Client, ClientError, Cluster, layout, pb};
 use tonic::Code;
 
 const DIM: usize = 4;
@@ -530,4 +530,72 @@ async fn a_node_cut_off_from_etcd_fences_itself_before_its_sequences_are_taken_o
     );
     let e = n0.get_sequence(&kept).await.unwrap_err();
     assert_eq!(code(&e), Code::NotFound, "{kept}, lost with n0's grace: {e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_token_learns_nothing_of_another_tenants_sequences() {
+    const TOKEN_A: &str = "token-of-tenant-a-0123456789";
+    const TOKEN_B: &str = "token-of-tenant-b-0123456789";
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path());
+    let config = dir.path().join("kvtier.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[auth.tokens]]\ntoken = \"{TOKEN_A}\"\ntenant = \"a\"\n\n[[auth.tokens]]\ntoken = \"{TOKEN_B}\"\ntenant = \"b\"\n"
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let servers: Vec<Server> = (0..2)
+        .map(|i| {
+            let id = format!("n{i}");
+            let data = dir.path().join(&id);
+            std::fs::create_dir_all(&data).unwrap();
+            Server::start(
+                &data,
+                &[
+                    "--config",
+                    config,
+                    "--etcd",
+                    &etcd.client_url,
+                    "--node-id",
+                    &id,
+                    "--lease-ttl-secs",
+                    "2",
+                ],
+            )
+        })
+        .collect();
+    let connect = |token: &'static str| kvtier_client::Connect {
+        token: Some(token.to_owned()),
+        tls: None,
+    };
+    let etcd_config = kvtier_client::EtcdConfig::new(vec![etcd.client_url.clone()]);
+    let b = Cluster::connect(&etcd_config, connect(TOKEN_B))
+        .await
+        .unwrap()
+        .with_tenant("b");
+    b.wait_for_serving(2, Duration::from_secs(60)).await.unwrap();
+    // Tenant b's sequences, one on each node.
+    let mut on = std::collections::BTreeMap::new();
+    for i in 0..16 {
+        let seq = format!("secret{i}");
+        let (placed, _) = b.create_sequence(&seq, tiny(), vec![]).await.unwrap();
+        on.entry(placed.node_id).or_insert(seq);
+    }
+    assert_eq!(on.len(), 2, "{on:?}");
+    // Tenant a asks every node about each: PERMISSION_DENIED everywhere,
+    // never where the sequence is.
+    for s in &servers {
+        let mut a = Client::connect_with(s.addr.clone(), connect(TOKEN_A))
+            .await
+            .unwrap()
+            .with_tenant("b");
+        for seq in on.values() {
+            let e = a.get_sequence(seq).await.unwrap_err();
+            assert_eq!(code(&e), Code::PermissionDenied, "{seq} at {}: {e}", s.addr);
+            assert!(!e.to_string().contains("n0") && !e.to_string().contains("n1"), "{e}");
+        }
+    }
 }
