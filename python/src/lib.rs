@@ -117,14 +117,7 @@ fn status_error(py: Python<'_>, status: &Status) -> PyErr {
         None => (status.code(), status.message().to_owned()),
     };
     // A cluster node's refusal names the sequence's owner in metadata.
-    let owner = |key| {
-        status
-            .metadata()
-            .get(key)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    };
-    let owner = owner(kvtier_core::placement::OWNER_NODE).zip(owner(kvtier_core::placement::OWNER_ADDR));
+    let owner = kvtier_client::refusal_owner(status);
     let built = py
         .import("kvtier.errors")
         .and_then(|m| m.call_method1("from_status", (code as i32, message, owner)));

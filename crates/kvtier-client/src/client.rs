@@ -33,6 +33,19 @@ pub enum ClientError {
 
 pub(crate) type Result<T> = std::result::Result<T, ClientError>;
 
+/// The node a cluster node's refusal names as the sequence's owner, with
+/// its address (`kvtier-owner-node` / `kvtier-owner-addr` metadata).
+pub fn refusal_owner(status: &tonic::Status) -> Option<(String, String)> {
+    let get = |key| {
+        status
+            .metadata()
+            .get(key)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    get(kvtier_core::placement::OWNER_NODE).zip(get(kvtier_core::placement::OWNER_ADDR))
+}
+
 /// Largest message the client sends or accepts.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvtier_cluster::{EtcdConfig, NodeRecord, OWNER_ADDR, OWNER_NODE, View};
+use kvtier_cluster::{EtcdConfig, NodeRecord, View};
 use kvtier_core::placement::PlacementKey;
 use tokio::sync::watch;
 use tonic::Code;
@@ -275,14 +275,7 @@ fn redirect(e: &ClientError) -> Option<(String, String)> {
     if status.code() != Code::FailedPrecondition {
         return None;
     }
-    let get = |key| {
-        status
-            .metadata()
-            .get(key)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    };
-    Some((get(OWNER_NODE)?, get(OWNER_ADDR)?))
+    crate::client::refusal_owner(status)
 }
 
 /// A failed connection (the node is gone, or came back at another

@@ -21,7 +21,9 @@ mod merge;
 mod pack;
 mod shm;
 
-pub use client::{Client, ClientError, Connect, MAX_MESSAGE_BYTES, SelectRequest, SelectResult, Tls, actions, layout};
+pub use client::{
+    Client, ClientError, Connect, MAX_MESSAGE_BYTES, SelectRequest, SelectResult, Tls, actions, layout, refusal_owner,
+};
 #[cfg(feature = "cluster")]
 pub use cluster::{Cluster, Placed};
 #[cfg(feature = "cluster")]
