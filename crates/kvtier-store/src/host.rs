@@ -154,7 +154,7 @@ impl HostCache {
                 continue;
             }
             let place = read(&page.place);
-            if let (Some(host), None) = (&place.host, place.lost) {
+            if let (Some(host), None) = (place.host(), place.lost()) {
                 freed += host.reserved();
                 drop(place);
                 victims.push(page);
@@ -167,7 +167,10 @@ impl HostCache {
         self.touch(&skipped);
         let moved = durable.write_copies(&victims, Keep::Nothing, Reason::CapacityPressure);
         // Pages that did not move keep their place in line.
-        let kept: Vec<Arc<PhysPage>> = victims.into_iter().filter(|p| read(&p.place).host.is_some()).collect();
+        let kept: Vec<Arc<PhysPage>> = victims
+            .into_iter()
+            .filter(|p| read(&p.place).host().is_some())
+            .collect();
         self.touch(&kept);
         if let Err(e) = &moved {
             tracing::warn!(error = %e, "could not migrate host pages to nvme");

@@ -224,7 +224,7 @@ impl Reader<'_> {
     /// Asks the tier holding a page's bytes in memory to start loading them.
     fn prefetch_bytes(&self, page: &PhysPage) {
         let place = read(&page.place);
-        match (&place.host, &place.device) {
+        match (place.host(), place.device()) {
             (Some(host), _) => self.host.tier().prefetch(host),
             (None, Some(device)) => self.device.prefetch(device),
             (None, None) => {}
@@ -242,21 +242,21 @@ impl Reader<'_> {
         dst: &mut [MaybeUninit<u8>],
     ) -> StoreResult<Option<Source>> {
         let place = read(&page.place);
-        if place.lost.is_some() {
+        if place.lost().is_some() {
             return Ok(None);
         }
-        if let Some(host) = &place.host {
+        if let Some(host) = place.host() {
             read_rows_into(&**self.host.tier(), host, layout, rows, dst)?;
             // The LRU after the page lock is released: never an LRU lock
             // under a page lock (migration takes them the other way).
             return Ok(Some(Source::ReadFromHost));
         }
-        if let Some(device) = &place.device {
+        if let Some(device) = place.device() {
             read_rows_into(self.device, device, layout, rows, dst)?;
             return Ok(Some(Source::Read));
         }
-        match &place.nvme {
-            Some(copy) => Ok(Some(Source::Nvme(copy.clone(), place.version))),
+        match place.nvme() {
+            Some(copy) => Ok(Some(Source::Nvme(copy.clone(), place.version()))),
             None => Err(StoreError::Internal(format!(
                 "page {} has no copy and is not lost",
                 page.id
@@ -298,13 +298,9 @@ impl Reader<'_> {
             if host.write(&mut slot, 0, &buf[..layout.page_bytes()]).is_err() {
                 continue;
             }
-            let mut place = write(&page.place);
-            if place.version == version && place.host.is_none() && place.lost.is_none() {
-                let from = place.state();
-                place.host = Some(slot);
-                let to = place.state();
-                drop(place);
-                self.counters.counted(from, to, Reason::Demand);
+            let installed = write(&page.place).install_host(slot, version);
+            if let Ok(change) = installed {
+                self.counters.counted(change.from, change.to, Reason::Demand);
                 self.counters.moved(TierKind::Nvme, TierKind::Host, len);
                 self.host.touch([&page]);
             }
@@ -320,9 +316,13 @@ impl Reader<'_> {
         reason: Reason,
         spent: &mut MigrationTime,
     ) -> StoreResult<()> {
-        if read(&page.place).host.is_some() {
-            return Ok(());
-        }
+        let version = {
+            let place = read(&page.place);
+            if place.host().is_some() {
+                return Ok(());
+            }
+            place.version()
+        };
         let whole = self.originals(layout, &[(Arc::clone(page), layout.page_size())])?;
         let Some(bytes) = whole.into_iter().next().flatten() else {
             return Err(StoreError::precondition(wire::PAGES, "the page's bytes are lost"));
@@ -332,16 +332,21 @@ impl Reader<'_> {
             .allocate(layout.page_bytes() as u64, self.durable, spent, page.owner())?;
         let (k, v) = bytes.split_at(bytes.len() / 2);
         write_rows(&**self.host.tier(), &mut slot, layout, 0, k, v)?;
-        let mut place = write(&page.place);
-        if place.host.is_none() {
-            let from = place.state();
-            place.host = Some(slot);
-            let to = place.state();
-            drop(place);
-            self.counters.counted(from, to, reason);
-            self.host.touch([page]);
+        // Refused when another path gave it a host copy meanwhile (this
+        // slot is freed as it drops), or when it changed or was lost.
+        let installed = write(&page.place).install_host(slot, version);
+        match installed {
+            Ok(change) => {
+                self.counters.counted(change.from, change.to, reason);
+                self.host.touch([page]);
+                Ok(())
+            }
+            Err(_) if read(&page.place).host().is_some() => Ok(()),
+            Err(_) => Err(StoreError::precondition(
+                wire::PAGES,
+                "the page changed or lost its bytes while being copied to host memory",
+            )),
         }
-        Ok(())
     }
 }
 
@@ -358,5 +363,5 @@ pub(crate) fn room_for(layout: &Layout, lane: &StoreLane, p: usize) -> usize {
 /// Why a page's bytes are not to be had: the reason it was lost for, or a
 /// failed check.
 fn lost_reason(page: &PhysPage) -> Reason {
-    read(&page.place).lost.unwrap_or(Reason::Integrity)
+    read(&page.place).lost().unwrap_or(Reason::Integrity)
 }

@@ -12,7 +12,7 @@ use kvtier_core::select::{Budget, TopP};
 use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey, TenantId};
 use kvtier_store::{
     EngineChoice, FetchPages, HeadRange, Miss, NvmeConfig, PageContent, PageList, PageSelection, PutPages, SelectPages,
-    SetPageState, Store, StoreConfig, StoreError, SwapReport,
+    SetPageState, Store, StoreConfig, StoreError, SwapReport, TierKind,
 };
 use kvtier_tiers::faults::{Faults, FaultyTier};
 use kvtier_tiers::{ArenaTier, NvmeTier};
@@ -405,6 +405,86 @@ fn exclusive_caching_moves_pages_up_and_back_down_without_loss() {
         );
         let hot = (4..8).contains(&p.page);
         assert_eq!(p.state == PageState::Hot, hot, "page {} {:?}", p.page, p.state);
+    }
+}
+
+/// An explicit swap-in (SetPageState) and a selection's swap-in are one
+/// path: with an exclusive device cache both move the page up, so the host
+/// keeps only cold pages, and both count the transition and the bytes moved.
+#[test]
+fn an_explicit_swap_in_moves_pages_like_a_selection_does() {
+    let store = Store::with_tiers(
+        Arc::new(ArenaTier::emulated_device(4 * PAGE_BYTES).unwrap()),
+        Arc::new(ArenaTier::host(4 << 20).unwrap()),
+        None,
+        StoreConfig {
+            cache_writes_on_device: false,
+            device_cache: kvtier_store::DeviceCache::Exclusive,
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    store.create_sequence(key(), layout(), vec![]).unwrap();
+    for p in 0..8 {
+        let kv = page_data(p);
+        let put = PutPages {
+            layer: 0,
+            heads: HeadRange { start: 0, count: 1 },
+            first_page: p as u32,
+            num_tokens: PAGE as u32,
+            kv: &kv,
+            persist: false,
+        };
+        store.put_pages(&key(), put).unwrap();
+    }
+    let host_used = |s: &Store| s.stats().tiers[1].used_bytes;
+    assert_eq!(host_used(&store), 8 * PAGE_BYTES);
+    let before = store.stats();
+    let swap_in = SetPageState {
+        layer_start: 0,
+        layer_count: 1,
+        heads: HeadRange { start: 0, count: 1 },
+        pages: PageSelection::Range { first: 0, count: 4 },
+        action: Action::SwapIn,
+        summary_rows: 0,
+        reason: Reason::Explicit,
+    };
+    assert_eq!(store.set_page_state(&key(), swap_in).unwrap().pages, 4);
+    assert_eq!(
+        host_used(&store),
+        4 * PAGE_BYTES,
+        "the device copies replace the host copies"
+    );
+    let after = store.stats();
+    let moved_up = |s: &kvtier_store::StatsSnapshot| {
+        s.bytes_moved
+            .iter()
+            .find(|(from, to, _)| *from == TierKind::Host && *to == TierKind::Device)
+            .map_or(0, |m| m.2)
+    };
+    assert_eq!(moved_up(&after) - moved_up(&before), 4 * PAGE_BYTES);
+    let swapped = after
+        .transitions
+        .iter()
+        .filter(|t| t.from == PageState::Cold(ColdTier::Host) && t.to == PageState::Hot && t.reason == Reason::Explicit)
+        .map(|t| t.count)
+        .sum::<u64>();
+    assert_eq!(swapped, 4, "counted once each");
+    // Every page is still whole, the hot ones only on the device.
+    let all = FetchPages {
+        layer: 0,
+        heads: HeadRange { start: 0, count: 1 },
+        pages: PageList::All,
+        with_digests: false,
+    };
+    for p in store.fetch_pages(&key(), all).unwrap() {
+        assert_eq!(
+            p.content,
+            PageContent::Original(page_data(p.page as usize)),
+            "page {}",
+            p.page
+        );
+        assert_eq!(p.state == PageState::Hot, p.page < 4, "page {} {:?}", p.page, p.state);
     }
 }
 

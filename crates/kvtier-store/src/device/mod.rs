@@ -17,7 +17,7 @@ mod workers;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use kvtier_core::{PageState, Reason};
+use kvtier_core::Reason;
 use kvtier_tiers::{Slot, Tier, TierError, TierKind};
 
 pub use swapin::SwapReport;
@@ -103,11 +103,13 @@ impl HotSet {
                 continue;
             }
             let mut place = write(&page.place);
-            if place.backing_tier().is_some() && !page.pinned() && place.device.take().is_some() {
-                let to = place.state();
+            if page.pinned() {
+                continue; // pinned since: it stays hot
+            }
+            if let Some((change, slot)) = place.drop_device() {
                 drop(place);
-                self.counters
-                    .transition(PageState::Hot, to, Reason::CapacityPressure, 1);
+                drop(slot);
+                self.counters.counted(change.from, change.to, Reason::CapacityPressure);
                 self.note_wasted(&page);
                 break true;
             }
@@ -125,12 +127,12 @@ impl HotSet {
     /// (demotion never makes room below it by force).
     fn copy_down(&self, page: &Arc<PhysPage>, host: &HostCache) -> bool {
         let place = read(&page.place);
-        let Some(device) = &place.device else { return true };
+        let Some(device) = place.device() else { return true };
         let mut bytes = vec![0u8; device.len() as usize];
         if self.tier.read(device, 0, &mut bytes).is_err() {
             return false;
         }
-        let version = place.version;
+        let version = place.version();
         drop(place);
         // Past the owner's host quota if need be: demotion must not stall.
         let len = bytes.len() as u64;
@@ -143,14 +145,15 @@ impl HotSet {
         if host.tier().write(&mut slot, 0, &bytes).is_err() {
             return false;
         }
-        let mut place = write(&page.place);
-        if place.version != version || place.host.is_some() {
-            return place.host.is_some();
+        let installed = write(&page.place).install_host(slot, version);
+        match installed {
+            Ok(_hot_still) => {
+                host.touch([page]);
+                true
+            }
+            // Another path gave it a host copy meanwhile, or it changed.
+            Err(_) => read(&page.place).host().is_some(),
         }
-        place.host = Some(slot);
-        drop(place);
-        host.touch([page]);
-        true
     }
 
     /// Marks pages as just used on the device.

@@ -5,11 +5,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvtier_core::{ColdTier, Layout, PageState, Reason, wire};
+use kvtier_core::{Layout, Reason, wire};
 use kvtier_tiers::{AlignedBuf, Slot, Tier, TierError, TierKind};
 
 use super::{Durable, Record};
-use crate::page::{NvmeCopy, PhysPage};
+use crate::page::{Lost, NvmeCopy, PhysPage};
 use crate::stats::Counters;
 use crate::sync::{read, write};
 use crate::{StoreError, StoreResult};
@@ -72,23 +72,23 @@ impl Durable {
             // A read lock is enough to copy the bytes out: `install` takes
             // the copy only if the page's version has not moved since.
             let place = read(&page.place);
-            if place.lost.is_some() {
+            if place.lost().is_some() {
                 continue;
             }
-            if place.nvme.is_some() {
+            if place.nvme().is_some() {
                 // Already current on NVMe: no I/O needed.
                 drop(place);
                 moved += usize::from(self.settle_current(page, keep, reason));
                 continue;
             }
-            let (tier, slot): (&dyn Tier, &Slot) = match (&place.host, &place.device) {
+            let (tier, slot): (&dyn Tier, &Slot) = match (place.host(), place.device()) {
                 (Some(host), _) => (&*self.host, host),
                 (None, Some(device)) => (&*self.device, device),
                 (None, None) => continue,
             };
             let mut buf = AlignedBuf::zeroed(slot.len() as usize);
             tier.read(slot, 0, &mut buf)?;
-            let (version, rows) = (place.version, place.rows);
+            let (version, rows) = (place.version(), place.rows());
             drop(place);
             pending.push(CopyJob {
                 page: Arc::clone(page),
@@ -158,24 +158,24 @@ impl Durable {
         } = job;
         let (rows, crc) = (*rows, *crc);
         let record = persist_record(page, slot.offset(), slot.len(), crc, rows, bytes);
-        let mut place = write(&page.place);
-        if place.version != *version || place.lost.is_some() || place.nvme.is_some() {
-            return false;
-        }
-        let from = place.state();
-        place.nvme = Some(NvmeCopy {
+        let copy = NvmeCopy {
             slot: Arc::new(slot),
             crc,
             rows,
-        });
-        let superseded = place.durable_prefix.take().map(|c| c.slot);
-        self.journal_retiring(vec![record], superseded.into_iter().collect());
-        if keep == Keep::Nothing && !page.pinned() && place.host.take().is_some() {
+        };
+        let keep_host = keep != Keep::Nothing || page.pinned();
+        let mut place = write(&page.place);
+        let Ok(done) = place.install_nvme(copy, *version, keep_host) else {
+            return false;
+        };
+        // Journaled under the page's lock, so the journal orders this
+        // record after any earlier one about the page.
+        self.journal_retiring(vec![record], done.superseded.into_iter().collect());
+        drop(place);
+        if done.dropped_host.is_some() {
             self.host_copy_dropped(reason);
         }
-        let to = place.state();
-        drop(place);
-        self.counters.counted(from, to, reason);
+        self.counters.counted(done.change.from, done.change.to, reason);
         true
     }
 
@@ -191,16 +191,17 @@ impl Durable {
     /// to keep it (or pinned). Whether it counts as moved or copied.
     fn settle_current(&self, page: &PhysPage, keep: Keep, reason: Reason) -> bool {
         let mut place = write(&page.place);
-        if place.lost.is_some() || place.nvme.is_none() || place.host.is_none() {
+        if place.lost().is_some() || place.nvme().is_none() || place.host().is_none() {
             return false;
         }
-        if keep == Keep::Nothing && !page.pinned() {
-            let from = place.state();
-            place.host = None;
-            let to = place.state();
+        if keep == Keep::Nothing
+            && !page.pinned()
+            && let Some((change, host)) = place.drop_host()
+        {
             drop(place);
+            drop(host);
             self.host_copy_dropped(reason);
-            self.counters.counted(from, to, reason);
+            self.counters.counted(change.from, change.to, reason);
         }
         true
     }
@@ -273,23 +274,20 @@ impl Durable {
     /// exists now. Returns whether it is lost.
     fn mark_lost(&self, page: &PhysPage, failed: &NvmeCopy) -> bool {
         let mut place = write(&page.place);
-        let same = place.nvme.as_ref().is_some_and(|c| Arc::ptr_eq(&c.slot, &failed.slot));
-        if place.lost.is_some() || place.host.is_some() || place.device.is_some() || !same {
-            return place.lost.is_some();
+        match place.lose_nvme_copy(&failed.slot) {
+            Lost::Now { change, failed } => {
+                let lost = Record::Lost {
+                    phys: page.id,
+                    reason: Reason::Integrity,
+                };
+                self.journal_retiring(vec![lost], vec![failed]);
+                drop(place);
+                self.counters.counted(change.from, change.to, Reason::Integrity);
+                true
+            }
+            Lost::Already => true,
+            Lost::Elsewhere => false,
         }
-        let Some(failed) = place.nvme.take() else {
-            return false;
-        };
-        place.lost = Some(Reason::Integrity);
-        let lost = Record::Lost {
-            phys: page.id,
-            reason: Reason::Integrity,
-        };
-        self.journal_retiring(vec![lost], vec![failed.slot]);
-        drop(place);
-        self.counters
-            .transition(PageState::Cold(ColdTier::Nvme), PageState::Gone, Reason::Integrity, 1);
-        true
     }
 
     /// Journals the pages being freed that had an NVMe copy (or a durable
@@ -297,7 +295,7 @@ impl Durable {
     pub(crate) fn journal_freed(&self, freed: &[Arc<PhysPage>]) {
         for page in freed {
             let place = read(&page.place);
-            let copies: Vec<_> = [&place.nvme, &place.durable_prefix]
+            let copies: Vec<_> = [place.nvme(), place.durable_prefix()]
                 .into_iter()
                 .flatten()
                 .map(|c| Arc::clone(&c.slot))

@@ -150,5 +150,5 @@ fn unpersisted(lane: &StoreLane, from: usize) -> Vec<Arc<PhysPage>> {
 }
 
 fn needs_copy(place: &Placement) -> bool {
-    place.lost.is_none() && place.nvme.is_none()
+    place.lost().is_none() && place.nvme().is_none()
 }

@@ -154,19 +154,11 @@ impl Durable {
                 return None;
             }
         };
-        let place = Placement {
-            device: None,
-            host: None,
-            nvme: Some(NvmeCopy {
-                slot: Arc::new(slot),
-                crc: copy.crc,
-                rows: copy.rows,
-            }),
-            durable_prefix: None,
+        let place = Placement::recovered(NvmeCopy {
+            slot: Arc::new(slot),
+            crc: copy.crc,
             rows: copy.rows,
-            version: 0,
-            lost: None,
-        };
+        });
         let full = PageIndex::entry_len(layout.dtype(), layout.head_dim() as usize, layout.page_size());
         let entry = (copy.rows == layout.page_size() && copy.digest.len() == full)
             .then(|| copy.digest.clone().into_boxed_slice());

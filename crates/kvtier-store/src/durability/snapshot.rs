@@ -85,10 +85,10 @@ impl Durable {
             let record = match logical {
                 LogicalPage::Physical(r) => {
                     let place = read(&r.page.place);
-                    if let Some(reason) = place.lost {
+                    if let Some(reason) = place.lost() {
                         gone_record(seq, lane, p, reason)
                     } else {
-                        if let Some(copy) = place.nvme.as_ref().or(place.durable_prefix.as_ref())
+                        if let Some(copy) = place.nvme().or(place.durable_prefix())
                             && persisted.insert(r.page.id)
                         {
                             // The lane's digest covers at least the copy's

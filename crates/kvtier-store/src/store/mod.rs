@@ -4,6 +4,7 @@
 //! | component | file | holds |
 //! |---|---|---|
 //! | sequence catalog | `catalog/` | sequences, lanes, the physical page table |
+//! | pages | `page/` | physical pages; their placement, whose transitions are its only writers |
 //! | host cache | `host.rs` | host tier, its LRU, migration to NVMe |
 //! | device cache (hot set) | `device/` | device tier, its LRU, swap-in, workers |
 //! | read path | `reader.rs` | bytes wherever they are, CRC, promotion |
@@ -32,7 +33,8 @@
 //! 4. the host cache's `migrating` (`host.rs`): held across one migration's
 //!    NVMe writes, so that a second allocation waits for the first one's
 //!    room;
-//! 5. a physical page's placement lock (`PhysPage::place`), one at a time;
+//! 5. a physical page's placement lock (`PhysPage::place`, `page/`), one
+//!    at a time;
 //! 6. page ids (`durability/ids.rs`), then the journal's file, then its
 //!    record buffer (`durability/journal.rs`): records about a page are
 //!    appended while its placement (or its sequence's) lock is held, so the

@@ -143,12 +143,12 @@ impl Store {
                 LogicalPage::Physical(r) => {
                     let place = read(&r.page.place);
                     states.add(place.state());
-                    if let Some(reason) = place.lost {
+                    if let Some(reason) = place.lost() {
                         *gone.entry(reason).or_default() += 1;
                     }
-                    bytes.device += page_bytes * u64::from(place.device.is_some());
-                    bytes.host += page_bytes * u64::from(place.host.is_some());
-                    bytes.nvme += page_bytes * u64::from(place.nvme.is_some());
+                    bytes.device += page_bytes * u64::from(place.device().is_some());
+                    bytes.host += page_bytes * u64::from(place.host().is_some());
+                    bytes.nvme += page_bytes * u64::from(place.nvme().is_some());
                     physical.push(r.id);
                 }
                 LogicalPage::Summary(s) => {

@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kvtier_core::{Action, ColdTier, LogicalPage, PageState, Reason, SequenceKey, Summary, wire};
-use kvtier_tiers::{Slot, TierError, TierKind};
 
 use super::Store;
 use crate::accounts::cost;
@@ -85,12 +84,15 @@ impl Store {
         match action {
             Action::Offload(tier) => self.offload(seq, targets, tier, reason)?,
             Action::Migrate(tier) => self.migrate(seq, targets, tier, reason)?,
-            Action::SwapIn => self.swap_in(seq, targets)?,
+            Action::SwapIn => self.swap_in(seq, targets, reason)?,
             Action::Summarize => self.summarize(seq, targets, summary_rows, reason)?,
             Action::Evict => self.evict(seq, targets, reason),
         }
-        for (from, to, pages) in made.into_values() {
-            self.counters.transition(from, to, reason, pages);
+        // A swap-in counts the pages it made hot itself.
+        if action != Action::SwapIn {
+            for (from, to, pages) in made.into_values() {
+                self.counters.transition(from, to, reason, pages);
+            }
         }
         Ok(())
     }
@@ -227,7 +229,10 @@ impl Store {
             self.durable.write_copies(&pages, Keep::Nothing, reason)?;
         }
         for page in &pages {
-            write(&page.place).device = None;
+            // Refused only for a page without a device copy (another path
+            // dropped it meanwhile); counted by the caller.
+            let dropped = write(&page.place).drop_device();
+            drop(dropped);
         }
         self.device.forget(pages.iter().map(|p| p.id));
         Ok(())
@@ -245,46 +250,11 @@ impl Store {
         }
     }
 
-    /// cold → hot: reserve device room for every page first (demoting LRU hot
-    /// pages), then copy from wherever the original is.
-    fn swap_in(&self, seq: &Sequence, targets: &[Target]) -> StoreResult<()> {
-        let layout = &seq.layout;
-        let len = layout.page_bytes() as u64;
-        let needed = len * targets.len() as u64;
-        let device = self.device.tier();
-        if needed > device.capacity_bytes() {
-            return Err(StoreError::ResourceExhausted(TierError::Full {
-                tier: TierKind::Device,
-                requested: needed,
-                free: device.capacity_bytes().saturating_sub(device.used_bytes()),
-                largest_free: 0,
-                capacity: device.capacity_bytes(),
-            }));
-        }
-        let slots: Vec<Slot> = targets
-            .iter()
-            .map(|_| self.device.allocate(len, &self.host, seq.charge.account()))
-            .collect::<Result<_, _>>()?;
-        let pages: Vec<(Arc<PhysPage>, u32)> = Self::pages_of(seq, targets)?
-            .into_iter()
-            .map(|p| (p, layout.page_size()))
-            .collect();
-        let originals = self.reader().originals(layout, &pages)?;
-        let mut hot = Vec::with_capacity(targets.len());
-        for (((page, _), bytes), mut slot) in pages.into_iter().zip(originals).zip(slots) {
-            // A lost page stays gone; a page shared with another sequence
-            // may have been promoted through it meanwhile.
-            let Some(bytes) = bytes else { continue };
-            let mut place = write(&page.place);
-            if place.device.is_none() && place.lost.is_none() {
-                device.write(&mut slot, 0, &bytes)?;
-                place.device = Some(slot);
-            }
-            drop(place);
-            hot.push(page);
-        }
-        self.device.touch(&hot);
-        Ok(())
+    /// cold → hot, all or nothing: the device's one swap-in path, which
+    /// counts the transitions it makes.
+    fn swap_in(&self, seq: &Sequence, targets: &[Target], reason: Reason) -> StoreResult<()> {
+        let pages = Self::pages_of(seq, targets)?;
+        self.device.make_all_hot(&pages, reason, &self.reader()).map(drop)
     }
 
     /// hot | cold → summary: compute and store every summary, then swap them

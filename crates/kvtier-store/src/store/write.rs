@@ -18,7 +18,7 @@ use crate::accounts::{Account, PageCharge, cost};
 use crate::catalog::{HeadRange, Sequence};
 use crate::durability::{Acknowledged, map_record};
 use crate::host::MigrationTime;
-use crate::page::{PageRef, PhysPage, Pins, Placement, ShareKey, StorePage, write_rows};
+use crate::page::{AppendRefused, MemoryCopy, PageRef, PhysPage, Pins, Placement, ShareKey, StorePage, write_rows};
 use crate::stats::Counters;
 use crate::sync::{read, write};
 use crate::{StoreError, StoreResult};
@@ -169,8 +169,8 @@ enum Planned {
 /// under once written.
 struct NewPage {
     id: u64,
-    host: Slot,
-    device: Option<Slot>,
+    host_slot: Slot,
+    device_slot: Option<Slot>,
     key: Option<ShareKey>,
 }
 
@@ -362,10 +362,10 @@ impl Store {
                         ids.next(),
                         self.host.allocate(len, &self.durable, migration, &batch.owner),
                     ) {
-                        (Some(id), Ok(host)) => Planned::New(NewPage {
+                        (Some(id), Ok(host_slot)) => Planned::New(NewPage {
                             id,
-                            host,
-                            device: None,
+                            host_slot,
+                            device_slot: None,
                             key,
                         }),
                         (_, Err(e)) => break Some(e),
@@ -395,7 +395,7 @@ impl Store {
             for h in 0..batch.lanes.len() {
                 if let Some(Planned::New(page)) = planned.get_mut(h * per_lane + i) {
                     match self.device.allocate(len, &self.host, &batch.owner) {
-                        Ok(slot) => page.device = Some(slot),
+                        Ok(slot) => page.device_slot = Some(slot),
                         Err(_) => return,
                     }
                 }
@@ -423,7 +423,7 @@ impl Store {
     ) -> StoreResult<()> {
         if let Some(page) = partial.iter().find(|p| {
             let place = read(&p.place);
-            place.host.is_none() && place.device.is_none()
+            place.host().is_none() && place.device().is_none()
         }) {
             return Err(StoreError::Internal(format!(
                 "page {} lost its memory copies while pinned for an append",
@@ -435,20 +435,20 @@ impl Store {
             let l = &seq.lanes[lane];
             let first_row = l.rows_in(l.num_pages() - 1);
             let (k, v) = (batch.rows.keys(h, 0..fill), batch.rows.values(h, 0..fill));
-            let mut place = write(&page.place);
-            let place = &mut *place;
-            if let Some(host) = place.host.as_mut() {
-                write_rows(&**self.host.tier(), host, layout, first_row, k, v)?;
-            }
-            if let Some(device) = place.device.as_mut() {
-                write_rows(&**self.device.tier(), device, layout, first_row, k, v)?;
-            }
-            // An NVMe copy no longer holds the page, only its first rows.
-            if let Some(copy) = place.nvme.take() {
-                place.durable_prefix = Some(copy);
-            }
-            place.rows += fill as u32;
-            place.touch_bytes();
+            let (host, device) = (self.host.tier(), self.device.tier());
+            // An append changes no page's state: the memory copy stays.
+            let _same_state = write(&page.place)
+                .append_rows(fill as u32, |copy, slot| match copy {
+                    MemoryCopy::Host => write_rows(&**host, slot, layout, first_row, k, v),
+                    MemoryCopy::Device => write_rows(&**device, slot, layout, first_row, k, v),
+                })
+                .map_err(|e| match e {
+                    AppendRefused::Write(e) => StoreError::from(e),
+                    AppendRefused::NoMemoryCopy => StoreError::Internal(format!(
+                        "page {} lost its memory copies while pinned for an append",
+                        page.id
+                    )),
+                })?;
         }
         Ok(())
     }
@@ -460,8 +460,8 @@ impl Store {
             let Planned::New(page) = plan else { return Ok(()) };
             let (h, range) = (j / per_lane, batch.ranges[j % per_lane].clone());
             let (keys, values) = (batch.rows.keys(h, range.clone()), batch.rows.values(h, range));
-            write_rows(&**self.host.tier(), &mut page.host, &batch.layout, 0, keys, values)?;
-            if let Some(device) = page.device.as_mut() {
+            write_rows(&**self.host.tier(), &mut page.host_slot, &batch.layout, 0, keys, values)?;
+            if let Some(device) = page.device_slot.as_mut() {
                 write_rows(&**self.device.tier(), device, &batch.layout, 0, keys, values)?;
             }
             Ok(())
@@ -489,7 +489,7 @@ impl Store {
                 out.shared += 1;
             } else {
                 out.written += 1;
-                if read(&r.page.place).device.is_some() {
+                if read(&r.page.place).device().is_some() {
                     hot.push(Arc::clone(&r.page));
                 }
             }
@@ -520,7 +520,7 @@ impl Store {
             .key
             .as_ref()
             .map(|_| Box::from(PageIndex::entry_of(layout.dtype(), layout.head_dim() as usize, keys)));
-        let place = Placement::new(page.device, page.host, rows as u32);
+        let place = Placement::written(page.device_slot, page.host_slot, rows as u32);
         let physical = Arc::new(PhysPage::new(page.id, Arc::clone(layout), entry, place, charge));
         self.host.touch([&physical]);
         self.catalog.publish(physical, page.key)
@@ -655,7 +655,7 @@ fn append_batch<'a>(seq: &Sequence, req: &AppendTokens<'a>) -> StoreResult<(Batc
     if fill > 0
         && let Some(&(h, lane)) = lanes.iter().find(|(_, lane)| {
             let l = &seq.lanes[*lane];
-            !matches!(l.page(l.num_pages() - 1), Some(LogicalPage::Physical(r)) if read(&r.page.place).lost.is_none())
+            !matches!(l.page(l.num_pages() - 1), Some(LogicalPage::Physical(r)) if read(&r.page.place).lost().is_none())
         })
     {
         return Err(StoreError::precondition(

@@ -1,0 +1,113 @@
+//! Physical pages and their placement across tiers. `placement.rs` owns
+//! where a page's bytes are: its transitions are the only writers of a
+//! placement (see its module comment for the invariant).
+
+mod lru;
+mod pins;
+mod placement;
+mod rows;
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, RwLock};
+
+use kvtier_core::{Lane, Layout, LogicalPage, PageState, PhysId, Reason, TenantId};
+use kvtier_tiers::Slot;
+
+pub(crate) use lru::{LruVictims, PageLru, touch_lru};
+pub(crate) use pins::Pins;
+pub(crate) use placement::{AppendRefused, Lost, MemoryCopy, NvmeCopy, Placement};
+pub(crate) use rows::{read_rows_into, rows_of, write_rows};
+
+use crate::accounts::{Account, PageCharge};
+
+/// The bytes of one page of one lane: K rows `[page_size][head_dim]` at
+/// offset 0, V rows at `page_size · row_bytes`. Partial pages use the same
+/// slot size so that appends fill them in place.
+#[derive(Debug)]
+pub(crate) struct PhysPage {
+    /// Unique for the store's lifetime, and kept across restarts by the
+    /// manifest; keys the LRUs.
+    pub(crate) id: u64,
+    pub(crate) layout: Arc<Layout>,
+    /// Kept for shared pages, so a sequence that attaches the page gets its
+    /// index entry (digest and sketches) without reading the page.
+    pub(crate) index_entry: Option<Box<[u8]>>,
+    pub(crate) place: RwLock<Placement>,
+    /// Holders that need the page to stay where it is (a swap-in in flight,
+    /// a lease): a pinned page is never demoted, migrated or moved.
+    pub(crate) pins: AtomicU32,
+    /// Promoted by a prefetch and not yet used by a selection.
+    pub(crate) prefetched: AtomicBool,
+    /// Its metadata, charged to the tenant whose quotas its slots count
+    /// against too (pages are shared only within a tenant).
+    charge: PageCharge,
+}
+
+impl PhysPage {
+    pub(crate) fn new(
+        id: u64,
+        layout: Arc<Layout>,
+        index_entry: Option<Box<[u8]>>,
+        place: Placement,
+        charge: PageCharge,
+    ) -> Self {
+        Self {
+            id,
+            layout,
+            index_entry,
+            place: RwLock::new(place),
+            pins: AtomicU32::new(0),
+            prefetched: AtomicBool::new(false),
+            charge,
+        }
+    }
+
+    /// The tenant the page belongs to.
+    pub(crate) fn owner(&self) -> &Arc<Account> {
+        self.charge.owner()
+    }
+
+    pub(crate) fn pinned(&self) -> bool {
+        self.pins.load(Ordering::Acquire) > 0
+    }
+}
+
+/// A logical page's handle on its physical page: the refcount entry and the
+/// page itself (so that reads need not consult the refcount table).
+#[derive(Debug)]
+pub(crate) struct PageRef {
+    pub(crate) id: PhysId,
+    pub(crate) page: Arc<PhysPage>,
+}
+
+/// A summarised page: `counts.len()` rows, K then V, in a host slot.
+#[derive(Debug)]
+pub(crate) struct SummaryPage {
+    pub(crate) counts: Vec<u32>,
+    pub(crate) slot: Slot,
+    /// Why the page was summarised (it is reported gone with this reason
+    /// if the summary is ever lost).
+    pub(crate) reason: Reason,
+}
+
+pub(crate) type StoreLane = Lane<PageRef, SummaryPage>;
+pub(crate) type StorePage = LogicalPage<PageRef, SummaryPage>;
+
+/// A logical page's state: a physical page's placement says hot or cold.
+pub(crate) fn state_of(page: &StorePage) -> PageState {
+    match page {
+        LogicalPage::Physical(r) => r.page.place.read().unwrap_or_else(|p| p.into_inner()).state(),
+        LogicalPage::Summary(_) => PageState::Summary,
+        LogicalPage::Gone(_) => PageState::Gone,
+    }
+}
+
+/// Identity of a shareable page: the same prefix (hash chain entry) of the
+/// same model layout, in the same tenant, for the same lane.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct ShareKey {
+    pub(crate) tenant: TenantId,
+    pub(crate) layout: Arc<Layout>,
+    pub(crate) hash: Arc<[u8]>,
+    pub(crate) lane: u32,
+}
