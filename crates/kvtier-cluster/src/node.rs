@@ -16,13 +16,14 @@
 //! so no sequence has two owners serving it at once.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
 use kvtier_core::SequenceKey;
 use kvtier_core::placement::PlacementKey;
+use kvtier_sync::{Mutex, Rank};
 use tokio::sync::watch;
 
 use crate::etcd::EtcdConfig;
@@ -153,17 +154,20 @@ impl Node {
             etcd,
             local,
             view,
-            state: Mutex::new(NodeState::Joining),
+            state: Mutex::new(Rank::NodeState, NodeState::Joining),
             // Granted as they are needed: a lease granted before a wait
             // would lapse in it.
-            leases: Mutex::new(Leases {
-                membership: 0,
-                grace: 0,
-            }),
-            renewed: Mutex::new(Instant::now()),
+            leases: Mutex::new(
+                Rank::NodeLeases,
+                Leases {
+                    membership: 0,
+                    grace: 0,
+                },
+            ),
+            renewed: Mutex::new(Rank::NodeRenewed, Instant::now()),
             health,
             incarnations: AtomicU64::new(seed()),
-            owned: Mutex::default(),
+            owned: Mutex::new(Rank::NodeOwned, HashMap::new()),
             left: AtomicBool::new(false),
             config,
         });
@@ -176,8 +180,8 @@ impl Node {
             .await
             .map_err(etcd_error)?
             .id();
-        node.leases.lock().expect("leases lock").grace = grace;
-        *node.renewed.lock().expect("renewed lock") = sent;
+        node.leases.lock().grace = grace;
+        *node.renewed.lock() = sent;
         // Renewing from here on: settling may take longer than the TTL.
         tokio::spawn(Arc::clone(&node).renew_forever());
         let joined = node.settle().await.map_err(etcd_error)?;
@@ -227,8 +231,8 @@ impl Node {
     /// Writes the node record under the membership lease. The first time,
     /// only if no other process's record is there; whether it was written.
     async fn register(&self, first: bool) -> Result<bool, etcd_client::Error> {
-        let state = *self.state.lock().expect("state lock");
-        let lease = self.leases.lock().expect("leases lock").membership;
+        let state = *self.state.lock();
+        let lease = self.leases.lock().membership;
         let key = self.keys.node(&self.config.node_id);
         let value = serde_json::to_vec(&self.record(state)).expect("a node record serialises");
         let put = TxnOp::put(key.clone(), value, Some(PutOptions::new().with_lease(lease)));
@@ -258,7 +262,7 @@ impl Node {
                     source,
                 })?
                 .id();
-            self.leases.lock().expect("leases lock").membership = lease;
+            self.leases.lock().membership = lease;
             match self.register(true).await {
                 Ok(true) => return Ok(()),
                 Ok(false) if Instant::now() < deadline => {
@@ -284,7 +288,7 @@ impl Node {
     }
 
     async fn set_state(&self, state: NodeState) -> Result<(), etcd_client::Error> {
-        *self.state.lock().expect("state lock") = state;
+        *self.state.lock() = state;
         self.register(false).await.map(|_| ())
     }
 
@@ -307,7 +311,7 @@ impl Node {
         let mut etcd = self.etcd.clone();
         let me = self.config.node_id.as_str();
         let held = self.keys.held(me);
-        let grace = self.leases.lock().expect("leases lock").grace;
+        let grace = self.leases.lock().grace;
         let attach = || TxnOp::put(held.clone(), "", Some(PutOptions::new().with_lease(grace)));
         let within_grace = etcd
             .txn(
@@ -391,16 +395,16 @@ impl Node {
     }
 
     fn own(&self, key: &SequenceKey, incarnation: u64) {
-        self.owned.lock().expect("owned lock").insert(key.clone(), incarnation);
+        self.owned.lock().insert(key.clone(), incarnation);
     }
 
     fn disown(&self, key: &SequenceKey) {
-        self.owned.lock().expect("owned lock").remove(key);
+        self.owned.lock().remove(key);
     }
 
     /// The incarnation of a sequence this node owns.
     pub fn incarnation(&self, key: &SequenceKey) -> Option<u64> {
-        self.owned.lock().expect("owned lock").get(key).copied()
+        self.owned.lock().get(key).copied()
     }
 
     /// Refuses a call meant for another creation of the sequence than the
@@ -432,7 +436,7 @@ impl Node {
             let sent = Instant::now();
             match self.renew().await {
                 Ok(()) => {
-                    *self.renewed.lock().expect("renewed lock") = sent;
+                    *self.renewed.lock() = sent;
                     if let Some(since) = down_since.take() {
                         tracing::info!(after_ms = since.elapsed().as_millis() as u64, "etcd is back");
                     }
@@ -444,7 +448,7 @@ impl Node {
                 }
                 Err(e) => {
                     let since = *down_since.get_or_insert(sent);
-                    let silent = self.renewed.lock().expect("renewed lock").elapsed();
+                    let silent = self.renewed.lock().elapsed();
                     let health = if silent > self.config.grace / 2 {
                         Health::Fenced(format!("etcd unreachable for {} s: {e}", silent.as_secs()))
                     } else {
@@ -459,13 +463,13 @@ impl Node {
 
     async fn renew(&self) -> Result<(), etcd_client::Error> {
         let (membership, grace) = {
-            let l = self.leases.lock().expect("leases lock");
+            let l = self.leases.lock();
             (l.membership, l.grace)
         };
         if !self.keep_alive(grace).await? {
             tracing::warn!("the grace lease expired: this node's sequences are no longer its own");
             let id = self.etcd.clone().lease_grant(secs(self.config.grace), None).await?.id();
-            self.leases.lock().expect("leases lock").grace = id;
+            self.leases.lock().grace = id;
             let joined = self.settle().await?;
             tracing::warn!(
                 forgotten = joined.forgotten,
@@ -479,7 +483,7 @@ impl Node {
                 return Ok(());
             }
             let id = self.etcd.clone().lease_grant(secs(self.config.ttl), None).await?.id();
-            self.leases.lock().expect("leases lock").membership = id;
+            self.leases.lock().membership = id;
             self.register(false).await?;
             tracing::info!("the membership lease had expired: registered again");
         } else {
@@ -509,7 +513,7 @@ impl Node {
 
     /// Whether the node may serve the sequences it holds.
     pub fn check_serving(&self) -> Result<(), Refusal> {
-        let silent = self.renewed.lock().expect("renewed lock").elapsed();
+        let silent = self.renewed.lock().elapsed();
         if silent > self.config.grace / 2 {
             return Err(Refusal::Fenced {
                 this: self.config.node_id.clone(),
@@ -530,7 +534,7 @@ impl Node {
             what: "create a sequence",
             why,
         };
-        let state = *self.state.lock().expect("state lock");
+        let state = *self.state.lock();
         if state != NodeState::Serving {
             return Err(unavailable(format!("it is {}", state.as_str())));
         }
@@ -696,7 +700,7 @@ impl Node {
     /// runs on, so a restart within the grace keeps the node's sequences.
     pub async fn leave(&self) {
         self.left.store(true, Ordering::Release);
-        let lease = self.leases.lock().expect("leases lock").membership;
+        let lease = self.leases.lock().membership;
         match self.etcd.clone().lease_revoke(lease).await {
             Ok(_) => tracing::info!(node = %self.config.node_id, "left the cluster"),
             Err(e) => tracing::warn!(error = %e, "could not revoke the membership lease; it lapses by itself"),

@@ -13,11 +13,12 @@
 
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes};
 use http_body::{Body as HttpBody, Frame};
+use kvtier_sync::{Mutex, MutexGuard, Rank};
 use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::{Service, http};
@@ -52,8 +53,8 @@ pub(crate) struct RequestBytes {
 }
 
 impl Charge {
-    fn held(&self) -> std::sync::MutexGuard<'_, Option<Held>> {
-        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    fn held(&self) -> MutexGuard<'_, Option<Held>> {
+        self.held.lock()
     }
 
     /// A new message starts: the previous one's bytes are decoded by now.
@@ -119,7 +120,7 @@ where
         parts.extensions.insert::<Caller>(caller);
         let charge = Arc::new(Charge {
             in_flight: Arc::clone(&self.config.in_flight),
-            held: Mutex::new(None),
+            held: Mutex::new(Rank::Gate, None),
         });
         parts.extensions.insert(RequestBytes {
             _charge: Arc::clone(&charge),

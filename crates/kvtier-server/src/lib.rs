@@ -1,7 +1,6 @@
 //! The kvtier gRPC server: `kvtier.v1.KvTier`, `grpc.health.v1.Health`,
 //! server reflection, and Prometheus metrics over HTTP.
 
-mod access_trace;
 mod auth;
 mod blocking;
 mod chunk;
@@ -11,7 +10,6 @@ mod gate;
 mod inflight;
 mod membership;
 mod metrics;
-mod policy;
 mod responses;
 mod rpc_metrics;
 mod service;

@@ -16,13 +16,14 @@
 //! waits for the disk: a record that finds the channel full is dropped and
 //! counted; the file stops at its size bound with an `end` record.
 
+use kvtier_sync::{Mutex, Rank, RwLock};
 use std::collections::HashSet;
 use std::hash::BuildHasher;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
-use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -30,7 +31,6 @@ use kvtier_core::hash::mix64;
 use kvtier_core::{ColdTier, Layout, PageState, SequenceKey, wire};
 use serde::{Deserialize, Serialize};
 
-use crate::sync::{lock, read, write};
 use crate::{StoreError, StoreResult};
 
 /// The format's version, in every header.
@@ -211,12 +211,22 @@ impl std::fmt::Debug for Event {
 }
 
 /// The store's recorder: off, or one recording.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct AccessTrace {
     on: AtomicBool,
     current: RwLock<Option<Arc<Recorder>>>,
     /// The last recording, once stopped.
     last: Mutex<Option<TraceStatus>>,
+}
+
+impl Default for AccessTrace {
+    fn default() -> Self {
+        Self {
+            on: AtomicBool::new(false),
+            current: RwLock::new(Rank::TraceRecorder, None),
+            last: Mutex::new(Rank::TraceStatus, None),
+        }
+    }
 }
 
 /// A recording in progress, as one call sees it.
@@ -240,7 +250,7 @@ impl AccessTrace {
         if !self.on.load(Ordering::Relaxed) {
             return None;
         }
-        let recorder = read(&self.current).clone()?;
+        let recorder = self.current.read().clone()?;
         Some(Tracer {
             seq: recorder.salt.hash_one(key) & ((1 << 53) - 1),
             recorder,
@@ -250,7 +260,7 @@ impl AccessTrace {
 
     pub(crate) fn start(&self, config: TraceConfig, source: &str, device: &str) -> StoreResult<TraceStatus> {
         check_sample(config.sample)?;
-        let mut current = write(&self.current);
+        let mut current = self.current.write();
         if let Some(r) = current.as_ref() {
             return Err(StoreError::precondition(
                 wire::RECORD.path,
@@ -297,7 +307,7 @@ impl AccessTrace {
             started: Instant::now(),
             tx,
             counts,
-            writer: Mutex::new(Some(writer)),
+            writer: Mutex::new(Rank::TraceWriter, Some(writer)),
         });
         let status = recorder.status(true);
         tracing::info!(path = %status.config.path.display(), sample = status.config.sample, max_bytes = status.config.max_bytes, "recording page accesses");
@@ -310,14 +320,14 @@ impl AccessTrace {
     /// then, or with none running, the last recording's status.
     pub(crate) fn stop(&self) -> Option<TraceStatus> {
         let recorder = {
-            let mut current = write(&self.current);
+            let mut current = self.current.write();
             self.on.store(false, Ordering::Relaxed);
             current.take()
         };
         if let Some(recorder) = recorder {
             // Calls holding a tracer keep the sender alive; the writer ends
             // when the last of them is gone.
-            let writer = lock(&recorder.writer).take();
+            let writer = recorder.writer.lock().take();
             let counts = Arc::clone(&recorder.counts);
             let config = recorder.config.clone();
             drop(recorder);
@@ -328,17 +338,16 @@ impl AccessTrace {
             }
             let status = status_of(config, &counts, false);
             tracing::info!(path = %status.config.path.display(), records = status.records, bytes = status.bytes, dropped = status.dropped, "stopped recording page accesses");
-            *lock(&self.last) = Some(status);
+            *self.last.lock() = Some(status);
         }
         self.status()
     }
 
     /// The running recording's status, or the last one's.
     pub(crate) fn status(&self) -> Option<TraceStatus> {
-        match read(&self.current).as_ref() {
-            Some(r) => Some(r.status(true)),
-            None => lock(&self.last).clone(),
-        }
+        // One lock at a time: the recorder's is a leaf.
+        let running = self.current.read().as_ref().map(|r| r.status(true));
+        running.or_else(|| self.last.lock().clone())
     }
 }
 

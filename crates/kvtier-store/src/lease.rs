@@ -4,19 +4,26 @@
 //! whose selection took it, and its id is random: one tenant can neither
 //! guess nor release another's.
 
+use kvtier_sync::{Mutex, Rank};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvtier_core::TenantId;
 
 use crate::page::{PhysPage, Pins};
-use crate::sync::lock;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Leases {
     table: Mutex<HashMap<u64, Lease>>,
+}
+
+impl Default for Leases {
+    fn default() -> Self {
+        Self {
+            table: Mutex::new(Rank::Leases, HashMap::new()),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -39,7 +46,7 @@ impl Leases {
             expires,
             _pins: Pins::new(pages),
         };
-        let mut table = lock(&self.table);
+        let mut table = self.table.lock();
         loop {
             let id = random_id();
             if let std::collections::hash_map::Entry::Vacant(slot) = table.entry(id) {
@@ -52,23 +59,32 @@ impl Leases {
     /// Ends one of `tenant`'s leases early; false if it has no such lease
     /// (any more).
     pub(crate) fn release(&self, tenant: &TenantId, id: u64) -> bool {
-        let mut table = lock(&self.table);
-        match table.get(&id) {
-            Some(lease) if lease.tenant == *tenant => table.remove(&id).is_some(),
-            _ => false,
-        }
+        let ended = {
+            let mut table = self.table.lock();
+            match table.get(&id) {
+                Some(lease) if lease.tenant == *tenant => table.remove(&id),
+                _ => None,
+            }
+        };
+        // Unpinned after the table's lock: a lease may hold the last
+        // reference to a page, whose freeing takes other locks.
+        ended.is_some()
     }
 
     /// Ends every lease past its expiry; returns how many.
     pub(crate) fn expire(&self, now: Instant) -> usize {
-        let mut table = lock(&self.table);
-        let before = table.len();
-        table.retain(|_, l| l.expires > now);
-        before - table.len()
+        let ended: Vec<Lease> = self
+            .table
+            .lock()
+            .extract_if(|_, l| l.expires <= now)
+            .map(|(_, l)| l)
+            .collect();
+        // Unpinned after the table's lock, as in `release`.
+        ended.len()
     }
 
     pub(crate) fn active(&self) -> usize {
-        lock(&self.table).len()
+        self.table.lock().len()
     }
 }
 

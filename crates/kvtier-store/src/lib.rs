@@ -9,6 +9,7 @@
 mod access_trace;
 mod accounts;
 mod catalog;
+mod cost;
 mod device;
 mod durability;
 mod error;
@@ -22,7 +23,8 @@ mod prefetch;
 mod reader;
 mod stats;
 mod store;
-mod sync;
+#[cfg(test)]
+mod testing;
 
 pub use access_trace::{
     Access, HeadPages, SwapTiming, TRACE_FORMAT, TraceConfig, TraceHeader, TraceRecord, TraceStatus, check_sample,

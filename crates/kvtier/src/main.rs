@@ -7,6 +7,7 @@ mod config;
 mod eval;
 mod health;
 mod serve;
+mod shape;
 mod trace;
 mod tune;
 

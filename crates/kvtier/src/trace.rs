@@ -10,7 +10,7 @@ use std::path::Path;
 use anyhow::{Context, bail, ensure};
 use kvtier_store::{Access, TRACE_FORMAT, TraceHeader, TraceRecord};
 
-use crate::bench::decode::Shape;
+use crate::shape::Shape;
 
 /// One access of a trace, its sequence numbered in order of appearance.
 #[derive(Debug, Clone)]

@@ -11,13 +11,14 @@ use std::io::{self, Read};
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvtier_core::poll::AdaptivePoll;
 use kvtier_core::wire;
 use kvtier_proto::v1 as pb;
+use kvtier_sync::{Mutex, MutexGuard, Rank};
 use prost::Message;
 use tonic::{Code, Status};
 
@@ -51,9 +52,17 @@ pub(crate) struct CallContext {
 
 /// The registered connections' threads, so that a stopping server can end
 /// them (and with them their hold on the store).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Connections {
     open: Mutex<Open>,
+}
+
+impl Default for Connections {
+    fn default() -> Self {
+        Self {
+            open: Mutex::new(Rank::ShmConnections, Open::default()),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -65,7 +74,7 @@ struct Open {
 
 impl Connections {
     fn open(&self) -> MutexGuard<'_, Open> {
-        self.open.lock().unwrap_or_else(|p| p.into_inner())
+        self.open.lock()
     }
 
     /// Serves region `id`'s connection on a thread of its own until the

@@ -14,11 +14,12 @@ use std::fs::File;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::os::fd::AsRawFd;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use kvtier_core::{TenantId, wire};
 use kvtier_proto::v1 as pb;
 use kvtier_store::{FetchedPage, PageBuf};
+use kvtier_sync::{Mutex, MutexGuard, Rank};
 use memmap2::{MmapOptions, MmapRaw};
 use tonic::Status;
 
@@ -76,19 +77,27 @@ impl Region {
     }
 
     fn busy(&self) -> MutexGuard<'_, Vec<Range<u64>>> {
-        self.busy.lock().unwrap_or_else(|p| p.into_inner())
+        self.busy.lock()
     }
 }
 
 /// The registered regions, by id.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Regions {
     by_id: Mutex<HashMap<u64, Arc<Region>>>,
 }
 
+impl Default for Regions {
+    fn default() -> Self {
+        Self {
+            by_id: Mutex::new(Rank::ShmRegions, HashMap::new()),
+        }
+    }
+}
+
 impl Regions {
     fn by_id(&self) -> MutexGuard<'_, HashMap<u64, Arc<Region>>> {
-        self.by_id.lock().unwrap_or_else(|p| p.into_inner())
+        self.by_id.lock()
     }
 
     /// Maps `file` for `tenant`; the new region's id (random, so that one
@@ -126,7 +135,7 @@ impl Regions {
         let region = Arc::new(Region {
             tenant,
             map,
-            busy: Mutex::new(Vec::new()),
+            busy: Mutex::new(Rank::ShmWindows, Vec::new()),
         });
         let mut by_id = self.by_id();
         let (all, total) = usage(&by_id, None);

@@ -6,24 +6,21 @@
 //! statistics. Each is charged when it is created (before the allocation, so
 //! that a refused request allocates nothing) and refunded when its sequence
 //! is dropped (a physical page carries its own charge, refunded when the
-//! page is freed). What each costs is in `cost.rs`; pages that go gone keep
+//! page is freed). What each costs is in `cost.rs` (the crate's); pages that go gone keep
 //! their charge until the sequence is dropped (their table entry and digest
 //! stay).
 //!
 //! A tenant's page bytes per tier are counted as its pages' slots come and
 //! go; a quota on one refuses the allocation that would pass it.
 
-pub(crate) mod cost;
-
+use kvtier_sync::{Mutex, Rank};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 
 use kvtier_core::{SequenceKey, TenantId};
 use kvtier_tiers::{Slot, TierKind};
 
-use crate::page::PhysPage;
-use crate::sync::lock;
 use crate::{StoreError, StoreResult};
 
 /// What one tenant may hold. `None`: no limit of that kind.
@@ -205,11 +202,6 @@ impl Account {
             .expect("every kind is in ALL")]
     }
 
-    /// Whether `page` is one of this tenant's.
-    pub(crate) fn owns(self: &Arc<Self>, page: &PhysPage) -> bool {
-        Arc::ptr_eq(self, page.owner())
-    }
-
     pub(crate) fn usage(&self) -> Usage {
         Usage {
             sequences: get(&self.sequences),
@@ -233,12 +225,12 @@ impl Accounts {
         Arc::new(Self {
             limits,
             metadata: AtomicU64::new(0),
-            tenants: Mutex::new(HashMap::new()),
+            tenants: Mutex::new(Rank::Tenants, HashMap::new()),
         })
     }
 
     pub(crate) fn account(&self, tenant: &TenantId) -> Arc<Account> {
-        let mut tenants = lock(&self.tenants);
+        let mut tenants = self.tenants.lock();
         let account = tenants.entry(tenant.clone()).or_insert_with(|| {
             Arc::new(Account {
                 tenant: tenant.clone(),
@@ -263,7 +255,7 @@ impl Accounts {
     /// What `tenant` holds; asking makes no account (tenant names are the
     /// client's to choose).
     pub(crate) fn usage(&self, tenant: &TenantId) -> Usage {
-        match lock(&self.tenants).get(tenant) {
+        match self.tenants.lock().get(tenant) {
             Some(account) => account.usage(),
             None => Usage {
                 quota: self.quota(tenant),
@@ -283,7 +275,7 @@ impl Accounts {
     /// Forgets `account` once nothing else refers to it and it holds
     /// nothing, so that the map holds only tenants with something stored.
     fn forget_if_idle(&self, account: &Arc<Account>) {
-        let mut tenants = lock(&self.tenants);
+        let mut tenants = self.tenants.lock();
         // The map's reference and the caller's.
         let idle = Arc::strong_count(account) == 2
             && get(&account.sequences) == 0

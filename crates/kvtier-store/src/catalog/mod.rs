@@ -9,10 +9,13 @@
 //! the other way round.
 
 mod sequence;
+#[cfg(test)]
+mod tests;
 
+use kvtier_sync::{Mutex, Rank, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use kvtier_core::{Layout, LogicalPage, PageTableError, PhysicalPages, SequenceKey, TenantId};
@@ -21,7 +24,6 @@ pub use sequence::HeadRange;
 pub(crate) use sequence::{Sequence, Target};
 
 use crate::page::{PageRef, PhysPage, ShareKey, StorePage};
-use crate::sync::{lock, read, write};
 use crate::{StoreError, StoreResult};
 
 /// How long a checkpoint's snapshot lets waiting writers go first before
@@ -39,18 +41,18 @@ pub(crate) struct Cell {
 impl Cell {
     fn new(seq: Sequence) -> Arc<Self> {
         Arc::new(Self {
-            seq: RwLock::new(seq),
+            seq: RwLock::new(Rank::Sequence, seq),
             writers: AtomicU32::new(0),
         })
     }
 
     pub(crate) fn read(&self) -> RwLockReadGuard<'_, Sequence> {
-        read(&self.seq)
+        self.seq.read()
     }
 
     pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Sequence> {
         self.writers.fetch_add(1, Ordering::AcqRel);
-        let guard = write(&self.seq);
+        let guard = self.seq.write();
         self.writers.fetch_sub(1, Ordering::AcqRel);
         guard
     }
@@ -59,7 +61,7 @@ impl Cell {
     /// for it (std's lock lets waiting writers go first). A hint: by the
     /// time the reader takes the lock, that may have changed.
     pub(crate) fn would_wait(&self) -> bool {
-        matches!(self.seq.try_read(), Err(std::sync::TryLockError::WouldBlock))
+        self.seq.try_read().is_none()
     }
 
     /// For a background reader that takes the lock again and again (a
@@ -75,20 +77,29 @@ impl Cell {
         while self.writers.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_micros(50));
         }
-        read(&self.seq)
+        self.seq.read()
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Catalog {
     sequences: RwLock<HashMap<SequenceKey, Arc<Cell>>>,
     pages: Mutex<PhysicalPages<Arc<PhysPage>, ShareKey>>,
 }
 
+impl Default for Catalog {
+    fn default() -> Self {
+        Self {
+            sequences: RwLock::new(Rank::Sequences, HashMap::new()),
+            pages: Mutex::new(Rank::PageTable, PhysicalPages::default()),
+        }
+    }
+}
+
 impl Catalog {
     /// The cell of sequence `key`.
     pub(crate) fn cell(&self, key: &SequenceKey) -> StoreResult<Arc<Cell>> {
-        read(&self.sequences).get(key).cloned().ok_or_else(|| not_found(key))
+        self.sequences.read().get(key).cloned().ok_or_else(|| not_found(key))
     }
 
     /// Runs `f` on the sequence with its lock held for reading.
@@ -116,14 +127,14 @@ impl Catalog {
     }
 
     pub(crate) fn contains(&self, key: &SequenceKey) -> bool {
-        read(&self.sequences).contains_key(key)
+        self.sequences.read().contains_key(key)
     }
 
     /// Adds a sequence unless its key is taken (then gives it back);
     /// `announce` runs under the map's lock, so that what it journals comes
     /// after the `Drop` of an earlier sequence under the same key.
     pub(crate) fn insert(&self, seq: Sequence, announce: impl FnOnce(&Sequence)) -> Result<(), Box<Sequence>> {
-        let mut sequences = write(&self.sequences);
+        let mut sequences = self.sequences.write();
         if sequences.contains_key(&seq.key) {
             return Err(Box::new(seq));
         }
@@ -135,22 +146,22 @@ impl Catalog {
     /// Removes sequence `key` from the map (its cell lives on with its
     /// holders, marked dropped by the caller).
     pub(crate) fn remove(&self, key: &SequenceKey) {
-        write(&self.sequences).remove(key);
+        self.sequences.write().remove(key);
     }
 
     /// Every sequence's key, as of now.
     pub(crate) fn keys(&self) -> Vec<SequenceKey> {
-        read(&self.sequences).keys().cloned().collect()
+        self.sequences.read().keys().cloned().collect()
     }
 
     /// Every sequence's cell, as of now.
     pub(crate) fn cells(&self) -> Vec<Arc<Cell>> {
-        read(&self.sequences).values().cloned().collect()
+        self.sequences.read().values().cloned().collect()
     }
 
     /// A new reference to the page stored under `key`, if one is.
     pub(crate) fn share(&self, key: &ShareKey) -> Option<PageRef> {
-        let mut table = lock(&self.pages);
+        let mut table = self.pages.lock();
         let id = table.find(key)?;
         table.acquire(id).ok()?;
         let page = Arc::clone(table.get(id)?);
@@ -161,7 +172,7 @@ impl Catalog {
     /// If another page took the key meanwhile, that one is referenced
     /// instead and `shared` comes back true (the new page is dropped).
     pub(crate) fn publish(&self, page: Arc<PhysPage>, key: Option<ShareKey>) -> StoreResult<(PageRef, bool)> {
-        let mut table = lock(&self.pages);
+        let mut table = self.pages.lock();
         match table.insert(Arc::clone(&page), key) {
             Ok(id) => Ok((PageRef { id, page }, false)),
             Err((PageTableError::KeyTaken(id), _)) => {
@@ -177,7 +188,7 @@ impl Catalog {
     /// another recovered page holds the key (two copies of one prefix: the
     /// first stays shared).
     pub(crate) fn adopt(&self, page: Arc<PhysPage>, key: Option<ShareKey>) -> StoreResult<PageRef> {
-        let mut table = lock(&self.pages);
+        let mut table = self.pages.lock();
         let id = match table.insert(Arc::clone(&page), key) {
             Ok(id) => id,
             Err((_, page)) => table.insert(page, None).map_err(|(e, _)| internal(e))?,
@@ -187,7 +198,7 @@ impl Catalog {
 
     /// Another reference to a registered page.
     pub(crate) fn acquire(&self, r: &PageRef) -> StoreResult<PageRef> {
-        lock(&self.pages).acquire(r.id).map_err(internal)?;
+        self.pages.lock().acquire(r.id).map_err(internal)?;
         Ok(PageRef {
             id: r.id,
             page: Arc::clone(&r.page),
@@ -196,13 +207,13 @@ impl Catalog {
 
     /// Adds a recovered sequence.
     pub(crate) fn insert_recovered(&self, seq: Sequence) {
-        write(&self.sequences).insert(seq.key.clone(), Cell::new(seq));
+        self.sequences.write().insert(seq.key.clone(), Cell::new(seq));
     }
 
     /// Releases logical pages' references: the physical pages that lost
     /// their last one come back (summaries free their slot as they drop).
     pub(crate) fn release(&self, logical: impl IntoIterator<Item = StorePage>) -> Vec<Arc<PhysPage>> {
-        let mut table = lock(&self.pages);
+        let mut table = self.pages.lock();
         let mut freed = Vec::new();
         for page in logical {
             if let LogicalPage::Physical(r) = page {
@@ -218,7 +229,7 @@ impl Catalog {
 
     /// How many of `refs` name pages that more than one logical page maps.
     pub(crate) fn shared(&self, refs: impl IntoIterator<Item = kvtier_core::PhysId>) -> u64 {
-        let table = lock(&self.pages);
+        let table = self.pages.lock();
         refs.into_iter()
             .filter(|id| table.refs(*id).is_some_and(|r| r > 1))
             .count() as u64
@@ -226,14 +237,14 @@ impl Catalog {
 
     /// Physical pages stored.
     pub(crate) fn physical_pages(&self) -> u64 {
-        lock(&self.pages).len() as u64
+        self.pages.lock().len() as u64
     }
 
     /// Attaches to a new sequence the longest run of leading pages stored
     /// for every lane under its hash chain (shared, not copied); returns
     /// how many.
     pub(crate) fn attach_prefix(&self, seq: &mut Sequence) -> u64 {
-        let mut table = lock(&self.pages);
+        let mut table = self.pages.lock();
         let mut attached = 0;
         for p in 0..seq.hashes.len() {
             // Every lane's page first, then the references: all or none.
@@ -260,7 +271,7 @@ impl Catalog {
     /// How many leading pages of `hashes` are stored for every lane of
     /// `layout` in `tenant`: what a create with them would attach.
     pub(crate) fn stored_prefix(&self, tenant: &TenantId, layout: &Arc<Layout>, hashes: &[Arc<[u8]>]) -> u64 {
-        let table = lock(&self.pages);
+        let table = self.pages.lock();
         let stored = |hash: &Arc<[u8]>| {
             (0..layout.num_lanes()).all(|lane| {
                 let key = ShareKey {

@@ -12,10 +12,13 @@
 //! page's placement lock is taken.
 
 mod swapin;
+#[cfg(test)]
+mod tests;
 mod workers;
 
+use kvtier_sync::{Mutex, Rank};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 
 use kvtier_core::Reason;
 use kvtier_tiers::{Slot, Tier, TierError, TierKind};
@@ -28,7 +31,6 @@ use crate::accounts::Account;
 use crate::host::HostCache;
 use crate::page::{LruVictims, PageLru, PhysPage, touch_lru};
 use crate::stats::Counters;
-use crate::sync::{lock, read, write};
 
 /// How many of a tenant's least recently used hot pages one scan of the LRU
 /// collects when the tenant is past its device quota.
@@ -48,7 +50,7 @@ impl HotSet {
     pub(crate) fn new(tier: Arc<dyn Tier>, exclusive: bool, counters: Arc<Counters>) -> Self {
         Self {
             tier,
-            lru: Mutex::new(lru::LruCache::unbounded()),
+            lru: Mutex::new(Rank::DeviceLru, lru::LruCache::unbounded()),
             exclusive,
             workers: Workers::start(2),
             counters,
@@ -98,11 +100,11 @@ impl HotSet {
             }
             // Demotion may not drop the only copy: a page held only on the
             // device (exclusive caching) is copied down to host first.
-            if read(&page.place).backing_tier().is_none() && !self.copy_down(&page, host) {
+            if page.place.read().backing_tier().is_none() && !self.copy_down(&page, host) {
                 pinned.push((id, weak)); // no host room now; keep it hot
                 continue;
             }
-            let mut place = write(&page.place);
+            let mut place = page.place.write();
             if page.pinned() {
                 continue; // pinned since: it stays hot
             }
@@ -115,7 +117,7 @@ impl HotSet {
             }
         };
         // Pinned pages keep their place at the least recently used end.
-        let mut lru = lock(&self.lru);
+        let mut lru = self.lru.lock();
         for (id, weak) in pinned {
             lru.put(id, weak);
             lru.demote(&id);
@@ -126,7 +128,7 @@ impl HotSet {
     /// Gives a device-only page a host copy; false if there is no host room
     /// (demotion never makes room below it by force).
     fn copy_down(&self, page: &Arc<PhysPage>, host: &HostCache) -> bool {
-        let place = read(&page.place);
+        let place = page.place.read();
         let Some(device) = place.device() else { return true };
         let mut bytes = vec![0u8; device.len() as usize];
         if self.tier.read(device, 0, &mut bytes).is_err() {
@@ -145,14 +147,14 @@ impl HotSet {
         if host.tier().write(&mut slot, 0, &bytes).is_err() {
             return false;
         }
-        let installed = write(&page.place).install_host(slot, version);
+        let installed = page.place.write().install_host(slot, version);
         match installed {
             Ok(_hot_still) => {
                 host.touch([page]);
                 true
             }
             // Another path gave it a host copy meanwhile, or it changed.
-            Err(_) => read(&page.place).host().is_some(),
+            Err(_) => page.place.read().host().is_some(),
         }
     }
 
@@ -162,7 +164,7 @@ impl HotSet {
     }
 
     pub(crate) fn forget(&self, page_ids: impl IntoIterator<Item = u64>) {
-        let mut lru = lock(&self.lru);
+        let mut lru = self.lru.lock();
         for id in page_ids {
             lru.pop(&id);
         }

@@ -16,7 +16,6 @@ use crate::host::HostCache;
 use crate::page::PhysPage;
 use crate::reader::Reader;
 use crate::stats::{Counters, Latency};
-use crate::sync::{read, write};
 use crate::{StoreError, StoreResult};
 
 /// Where the pages of one swap-in came from, and what it cost.
@@ -89,7 +88,7 @@ impl HotSet {
         let mut report = SwapReport::default();
         let (mut from_host, mut from_nvme) = (Vec::new(), Vec::new());
         for p in pages {
-            let place = read(&p.place);
+            let place = p.place.read();
             if place.lost().is_some() {
                 report.not_hot += 1;
             } else if place.device().is_some() {
@@ -178,7 +177,7 @@ impl HotSet {
         let Some(layout) = pages.first().map(|p| Arc::clone(&p.layout)) else {
             return 0;
         };
-        let versions: Vec<u64> = pages.iter().map(|p| read(&p.place).version()).collect();
+        let versions: Vec<u64> = pages.iter().map(|p| p.place.read().version()).collect();
         let requests: Vec<(Arc<PhysPage>, u32)> = pages.iter().map(|p| (Arc::clone(p), layout.page_size())).collect();
         let originals = match reader.originals(&layout, &requests) {
             Ok(o) => o,
@@ -215,7 +214,7 @@ impl HotSet {
     }
 
     fn install(&self, page: &PhysPage, slot: Slot, version: u64, reason: Reason) -> bool {
-        let installed = write(&page.place).install_device(slot, version, self.exclusive);
+        let installed = page.place.write().install_device(slot, version, self.exclusive);
         let Ok((change, freed_host)) = installed else {
             return false;
         };

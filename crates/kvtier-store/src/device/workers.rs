@@ -1,16 +1,15 @@
 //! Background workers: swap-ins that outlived their call's deadline, and
 //! prefetches, which always run after the demand jobs waiting.
 
+use kvtier_sync::{Condvar, Mutex, Rank};
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
-
-use crate::sync::lock;
+use std::sync::Arc;
 
 type Job = Box<dyn FnOnce() + Send>;
 
 /// Background workers: demand jobs (swap-ins past their deadline) always run
 /// before prefetch jobs.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Workers {
     queue: Mutex<JobQueue>,
     ready: Condvar,
@@ -41,7 +40,10 @@ const PREFETCH_BACKLOG: usize = 256;
 
 impl Workers {
     pub(crate) fn start(threads: usize) -> Arc<Self> {
-        let workers = Arc::new(Self::default());
+        let workers = Arc::new(Self {
+            queue: Mutex::new(Rank::WorkerQueue, JobQueue::default()),
+            ready: Condvar::new(),
+        });
         for i in 0..threads {
             let w = Arc::clone(&workers);
             let spawned = std::thread::Builder::new()
@@ -57,7 +59,7 @@ impl Workers {
     fn run(&self) {
         loop {
             let job = {
-                let mut q = lock(&self.queue);
+                let mut q = self.queue.lock();
                 loop {
                     if let Some(job) = q.demand.pop_front().or_else(|| q.prefetch.pop_front()) {
                         q.running += 1;
@@ -66,31 +68,31 @@ impl Workers {
                     if q.closed {
                         return;
                     }
-                    q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
+                    q = self.ready.wait(q);
                 }
             };
             job();
-            lock(&self.queue).running -= 1;
+            self.queue.lock().running -= 1;
             self.ready.notify_all();
         }
     }
 
     /// Blocks until no job is queued or running.
     pub(crate) fn wait_idle(&self) {
-        let mut q = lock(&self.queue);
+        let mut q = self.queue.lock();
         while q.running > 0 || !q.demand.is_empty() || !q.prefetch.is_empty() {
-            q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
+            q = self.ready.wait(q);
         }
     }
 
     pub(crate) fn demand(&self, job: Job) {
-        lock(&self.queue).demand.push_back(job);
+        self.queue.lock().demand.push_back(job);
         self.ready.notify_one();
     }
 
     /// Queues a prefetch; false when the backlog is full and it was dropped.
     pub(crate) fn prefetch(&self, job: Job) -> bool {
-        let mut q = lock(&self.queue);
+        let mut q = self.queue.lock();
         if q.prefetch.len() >= PREFETCH_BACKLOG {
             return false;
         }
@@ -101,7 +103,7 @@ impl Workers {
     }
 
     pub(crate) fn close(&self) {
-        lock(&self.queue).closed = true;
+        self.queue.lock().closed = true;
         self.ready.notify_all();
     }
 }

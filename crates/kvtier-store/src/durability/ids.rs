@@ -6,12 +6,11 @@
 //! then never holds two meanings for one id: a stale record about a freed
 //! page can never be mistaken for a record about a new one.
 
+use kvtier_sync::{Mutex, Rank};
 use std::ops::Range;
-use std::sync::Mutex;
 
 use super::record::Record;
 use super::{Manifest, ManifestError};
-use crate::sync::lock;
 
 /// Ids reserved per manifest record.
 const BLOCK: u64 = 1 << 16;
@@ -32,7 +31,7 @@ impl PageIds {
     /// Ids from `next` on; none reserved yet.
     pub(crate) fn starting_at(next: u64) -> Self {
         Self {
-            state: Mutex::new(Reserved { next, end: next }),
+            state: Mutex::new(Rank::PageIds, Reserved { next, end: next }),
         }
     }
 
@@ -40,7 +39,7 @@ impl PageIds {
     /// reservation written to the OS) before an id beyond the last one is
     /// given out.
     pub(crate) fn take(&self, n: u64, manifest: Option<&Manifest>) -> Result<Range<u64>, ManifestError> {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         let start = s.next;
         // 2^64 ids do not run out; saturating keeps the arithmetic panic-free.
         let end = start.saturating_add(n);
@@ -60,6 +59,6 @@ impl PageIds {
 
     /// The bound to write into a checkpoint: no id at or above it was given.
     pub(crate) fn reserved(&self) -> u64 {
-        lock(&self.state).end
+        self.state.lock().end
     }
 }

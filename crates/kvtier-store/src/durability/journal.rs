@@ -1,16 +1,16 @@
 //! The open manifest file: records buffered by writers, written in groups,
 //! and rewritten as a checkpoint when the file has grown.
 
+use kvtier_sync::{Mutex, Rank};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvtier_tiers::{Slot, Tier};
 
 use super::record::{FORMAT_VERSION, Record, frame, frame_into};
 use super::{Durability, ManifestError};
-use crate::sync::lock;
 
 /// Records are buffered and written in groups; [`Journal::flush`] makes them
 /// reach the OS (and the disk with [`Durability::Fsync`]).
@@ -110,14 +110,17 @@ impl Journal {
             path: path.to_owned(),
             durability,
             data: None,
-            pending: Mutex::default(),
-            file: Mutex::new(JournalFile {
-                file,
-                len: valid,
-                checkpoint_len: 0,
-                tail: None,
-                unsynced: Vec::new(),
-            }),
+            pending: Mutex::new(Rank::JournalPending, Pending::default()),
+            file: Mutex::new(
+                Rank::JournalFile,
+                JournalFile {
+                    file,
+                    len: valid,
+                    checkpoint_len: 0,
+                    tail: None,
+                    unsynced: Vec::new(),
+                },
+            ),
         };
         if valid == 0 {
             journal.append(&[Record::Header {
@@ -148,7 +151,7 @@ impl Journal {
     pub(crate) fn append(&self, records: &[Record]) {
         if !records.is_empty() {
             let framed = frame(records);
-            lock(&self.pending).bytes.extend_from_slice(&framed);
+            self.pending.lock().bytes.extend_from_slice(&framed);
         }
     }
 
@@ -156,7 +159,7 @@ impl Journal {
     /// those are freed for reuse once the records are durable.
     pub(crate) fn append_retiring(&self, records: &[Record], retired: Vec<Arc<Slot>>) {
         let framed = frame(records);
-        let mut pending = lock(&self.pending);
+        let mut pending = self.pending.lock();
         pending.bytes.extend_from_slice(&framed);
         pending.retired.extend(retired);
     }
@@ -164,7 +167,7 @@ impl Journal {
     /// Writes buffered records to the file; with `Fsync` durability and
     /// `sync`, waits for the disk.
     pub(crate) fn flush(&self, sync: bool) -> Result<(), ManifestError> {
-        self.flush_locked(&mut lock(&self.file), sync)
+        self.flush_locked(&mut self.file.lock(), sync)
             .map_err(|e| ManifestError::io("write", &self.path, e))
     }
 
@@ -172,15 +175,14 @@ impl Journal {
     /// then the records wait for the next call instead of the caller waiting.
     pub(crate) fn flush_if_idle(&self) -> Result<(), ManifestError> {
         let flushed = match self.file.try_lock() {
-            Ok(mut f) => self.flush_locked(&mut f, false),
-            Err(std::sync::TryLockError::WouldBlock) => Ok(()),
-            Err(std::sync::TryLockError::Poisoned(p)) => self.flush_locked(&mut p.into_inner(), false),
+            Some(mut f) => self.flush_locked(&mut f, false),
+            None => Ok(()),
         };
         flushed.map_err(|e| ManifestError::io("write", &self.path, e))
     }
 
     fn flush_locked(&self, f: &mut JournalFile, sync: bool) -> io::Result<()> {
-        let Pending { bytes, retired } = std::mem::take(&mut *lock(&self.pending));
+        let Pending { bytes, retired } = std::mem::take(&mut *self.pending.lock());
         if !bytes.is_empty() {
             let written = {
                 use std::os::unix::fs::FileExt;
@@ -191,7 +193,7 @@ impl Journal {
                 // next attempt; cut off anything half-written so the file
                 // stays a valid prefix.
                 let _ = f.file.set_len(f.len);
-                let mut pending = lock(&self.pending);
+                let mut pending = self.pending.lock();
                 pending.bytes.splice(0..0, bytes);
                 pending.retired.extend(retired);
                 return Err(e);
@@ -221,7 +223,7 @@ impl Journal {
     /// `floor`, and by as much as its last checkpoint (so rewriting costs at
     /// most about as many bytes as were journalled).
     pub(crate) fn wants_checkpoint(&self, floor: u64) -> bool {
-        let f = lock(&self.file);
+        let f = self.file.lock();
         f.len > floor.max(2 * f.checkpoint_len)
     }
 
@@ -238,14 +240,14 @@ impl Journal {
         snapshot: impl FnOnce(&mut SnapshotOut) -> io::Result<()>,
     ) -> Result<u64, ManifestError> {
         {
-            let mut f = lock(&self.file);
+            let mut f = self.file.lock();
             self.flush_locked(&mut f, true)
                 .map_err(|e| ManifestError::io("write", &self.path, e))?;
             f.tail = Some(Vec::new());
         }
         let written = self.write_checkpoint(snapshot);
         if written.is_err() {
-            lock(&self.file).tail = None;
+            self.file.lock().tail = None;
         }
         written.map_err(|e| ManifestError::io("checkpoint", &self.path, e))
     }
@@ -265,7 +267,7 @@ impl Journal {
             ..
         } = snapshot_out;
         out.sync_all()?;
-        let mut f = lock(&self.file);
+        let mut f = self.file.lock();
         self.flush_locked(&mut f, false)?;
         let tail = f.tail.take().unwrap_or_default();
         out.write_all(&tail)?;
@@ -293,7 +295,7 @@ impl Journal {
     /// Bytes in the file (tests compare it with what replay reads).
     #[cfg(test)]
     fn len(&self) -> u64 {
-        lock(&self.file).len
+        self.file.lock().len
     }
 }
 

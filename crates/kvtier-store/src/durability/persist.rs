@@ -11,7 +11,6 @@ use super::record::PageAt;
 use super::{Durability, Durable, Keep, Record};
 use crate::catalog::Sequence;
 use crate::page::{PhysPage, Placement, StoreLane};
-use crate::sync::read;
 use crate::{StoreError, StoreResult};
 
 /// What an acknowledged write guarantees.
@@ -51,7 +50,7 @@ impl Durable {
         // Nothing changes a page's bytes while its sequence is locked for
         // writing, so every page must have its copy now (or have lost its
         // bytes, which is reported as such).
-        if let Some(page) = pages.iter().find(|p| needs_copy(&read(&p.place))) {
+        if let Some(page) = pages.iter().find(|p| needs_copy(&p.place.read())) {
             return Err(StoreError::Internal(format!(
                 "page {} has no NVMe copy after persisting",
                 page.id
@@ -143,7 +142,7 @@ fn digest(seq: &Sequence, lane: usize, page: usize) -> Vec<u8> {
 fn unpersisted(lane: &StoreLane, from: usize) -> Vec<Arc<PhysPage>> {
     (from..lane.num_pages())
         .filter_map(|p| match lane.page(p) {
-            Some(LogicalPage::Physical(r)) if needs_copy(&read(&r.page.place)) => Some(Arc::clone(&r.page)),
+            Some(LogicalPage::Physical(r)) if needs_copy(&r.page.place.read()) => Some(Arc::clone(&r.page)),
             _ => None,
         })
         .collect()

@@ -10,8 +10,9 @@ use kvtier_tiers::TierKind;
 
 use super::Durable;
 use super::image::{CopyImage, Image, PageImage, PageKind};
-use crate::accounts::{Account, Accounts, PageCharge, cost};
+use crate::accounts::{Account, Accounts, PageCharge};
 use crate::catalog::{Catalog, Sequence};
+use crate::cost;
 use crate::page::{NvmeCopy, PageRef, PhysPage, Placement, StorePage, SummaryPage};
 
 /// What a restart found.

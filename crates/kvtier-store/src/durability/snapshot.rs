@@ -10,7 +10,6 @@ use super::journal::SnapshotOut;
 use super::persist::{gone_record, map_record, summary_record};
 use super::record::{FORMAT_VERSION, Record};
 use crate::catalog::{Catalog, Sequence};
-use crate::sync::read;
 
 /// Pages whose records are made under one hold of their sequence's lock.
 const PAGES_PER_HOLD: usize = 256;
@@ -84,7 +83,7 @@ impl Durable {
             let Some(logical) = l.page(p) else { break };
             let record = match logical {
                 LogicalPage::Physical(r) => {
-                    let place = read(&r.page.place);
+                    let place = r.page.place.read();
                     if let Some(reason) = place.lost() {
                         gone_record(seq, lane, p, reason)
                     } else {

@@ -1,11 +1,11 @@
 //! The least-recently-used order of a cache's pages (the host cache's, the
 //! device's), and taking victims out of it.
 
-use std::sync::{Arc, Mutex, Weak};
+use kvtier_sync::Mutex;
+use std::sync::{Arc, Weak};
 
 use super::PhysPage;
 use crate::accounts::Account;
-use crate::sync::lock;
 
 /// A cache's least-recently-used order of its pages (the host cache's, the
 /// device's), keyed by page id.
@@ -15,7 +15,7 @@ pub(crate) type PageLru = Mutex<lru::LruCache<u64, Weak<PhysPage>>>;
 /// to the front: no new weak reference, no old one dropped (each an atomic
 /// on the page, thousands of them in a decode step).
 pub(crate) fn touch_lru<'a>(lru: &PageLru, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
-    let mut lru = lock(lru);
+    let mut lru = lru.lock();
     for page in pages {
         if lru.get(&page.id).is_none() {
             lru.put(page.id, Arc::downgrade(page));
@@ -42,8 +42,8 @@ impl<'a> LruVictims<'a> {
     /// The next entry, taken out of the LRU.
     pub(crate) fn pop(&mut self) -> Option<(u64, Weak<PhysPage>)> {
         match &mut self.owned {
-            None => lock(self.lru).pop_lru(),
-            Some(ids) => ids.find_map(|id| lock(self.lru).pop_entry(&id)),
+            None => self.lru.lock().pop_lru(),
+            Some(ids) => ids.find_map(|id| self.lru.lock().pop_entry(&id)),
         }
     }
 }
@@ -56,10 +56,10 @@ fn least_recent_of(lru: &PageLru, owner: &Arc<Account>, n: usize) -> Vec<u64> {
     let mut seen = Vec::new();
     let mut ids = Vec::new();
     {
-        let lru = lock(lru);
+        let lru = lru.lock();
         for (id, weak) in lru.iter().rev() {
             let Some(page) = weak.upgrade() else { continue };
-            if owner.owns(&page) {
+            if page.owned_by(owner) {
                 ids.push(*id);
             }
             seen.push(page);

@@ -7,8 +7,9 @@ mod pins;
 mod placement;
 mod rows;
 
+use kvtier_sync::{Rank, RwLock};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, RwLock};
 
 use kvtier_core::{Lane, Layout, LogicalPage, PageState, PhysId, Reason, TenantId};
 use kvtier_tiers::Slot;
@@ -55,7 +56,7 @@ impl PhysPage {
             id,
             layout,
             index_entry,
-            place: RwLock::new(place),
+            place: RwLock::new(Rank::Placement, place),
             pins: AtomicU32::new(0),
             prefetched: AtomicBool::new(false),
             charge,
@@ -65,6 +66,11 @@ impl PhysPage {
     /// The tenant the page belongs to.
     pub(crate) fn owner(&self) -> &Arc<Account> {
         self.charge.owner()
+    }
+
+    /// Whether the page is one of `tenant`'s.
+    pub(crate) fn owned_by(&self, tenant: &Arc<Account>) -> bool {
+        Arc::ptr_eq(self.owner(), tenant)
     }
 
     pub(crate) fn pinned(&self) -> bool {
@@ -96,7 +102,7 @@ pub(crate) type StorePage = LogicalPage<PageRef, SummaryPage>;
 /// A logical page's state: a physical page's placement says hot or cold.
 pub(crate) fn state_of(page: &StorePage) -> PageState {
     match page {
-        LogicalPage::Physical(r) => r.page.place.read().unwrap_or_else(|p| p.into_inner()).state(),
+        LogicalPage::Physical(r) => r.page.place.read().state(),
         LogicalPage::Summary(_) => PageState::Summary,
         LogicalPage::Gone(_) => PageState::Gone,
     }

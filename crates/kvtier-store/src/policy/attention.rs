@@ -4,8 +4,8 @@
 use kvtier_core::policy::{KeyRow, TokenStats, add_attention};
 
 use crate::StoreResult;
-use crate::accounts::cost;
 use crate::catalog::Sequence;
+use crate::cost;
 use crate::reader::{PageContent, Reader};
 
 /// Exact attention of each query over the lane's keys, as the query

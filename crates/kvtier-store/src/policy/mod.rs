@@ -7,6 +7,8 @@
 //! (`store/policy.rs`).
 
 mod attention;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;

@@ -5,9 +5,9 @@
 //! |---|---|---|
 //! | sequence catalog | `catalog/` | sequences, lanes, the physical page table |
 //! | pages | `page/` | physical pages; their placement, whose transitions are its only writers |
-//! | host cache | `host.rs` | host tier, its LRU, migration to NVMe |
+//! | host cache | `host/` | host tier, its LRU, migration to NVMe |
 //! | device cache (hot set) | `device/` | device tier, its LRU, swap-in, workers |
-//! | read path | `reader.rs` | bytes wherever they are, CRC, promotion |
+//! | read path | `reader/` | bytes wherever they are, CRC, promotion |
 //! | durability | `durability/` | manifest, NVMe copies, page ids, recovery |
 //! | policies | `policy/` | candidates, budgets, attention |
 //!
@@ -23,29 +23,11 @@
 //!
 //! # Lock order
 //!
-//! Every lock of the store, in the only order in which one is taken while
-//! another is held (a lock may be skipped, never taken after a later one):
-//!
-//! 1. a sequence's lock (`catalog`): read for reads, write for changes;
-//! 2. the map of sequences (`catalog`): held only to find, add or remove
-//!    one (a drop removes its sequence while holding its lock);
-//! 3. the physical page table (`catalog`): bookkeeping only;
-//! 4. the host cache's `migrating` (`host.rs`): held across one migration's
-//!    NVMe writes, so that a second allocation waits for the first one's
-//!    room;
-//! 5. a physical page's placement lock (`PhysPage::place`, `page/`), one
-//!    at a time;
-//! 6. page ids (`durability/ids.rs`), then the journal's file, then its
-//!    record buffer (`durability/journal.rs`): records about a page are
-//!    appended while its placement (or its sequence's) lock is held, so the
-//!    journal orders them as the changes happened.
-//!
-//! The LRUs (`host.rs`, `device/`), the leases, the workers' queue and the
-//! access trace's recorder (`access_trace.rs`: read-locked to clone a
-//! handle, its channel never waited on) are leaves: held alone, for one update, never while a page's lock is held
-//! and never with another lock taken under them (a reader touches the LRU
-//! after releasing the page; migration and demotion pop one entry at a
-//! time, then take the page's lock).
+//! Every lock is a `kvtier_sync` lock made with its rank, and
+//! `kvtier_sync::Rank` is the one order, in one table: a thread takes a
+//! lock only above every lock it holds, and nothing under a leaf (the
+//! LRUs, the accounts, the leases, the workers' queue, the access trace).
+//! Debug builds, and so every test, panic on a lock taken out of order.
 //!
 //! A page lock is never held across I/O (the in-place fill of an append
 //! writes memory only). Calls that hold a sequence's lock across NVMe I/O:

@@ -20,7 +20,6 @@ use crate::device::SwapReport;
 use crate::page::{PhysPage, Pins, StoreLane, state_of};
 use crate::page_buf::PageBuf;
 use crate::stats::Counters;
-use crate::sync::read;
 use crate::{StoreError, StoreResult};
 
 #[derive(Debug, Clone, Copy)]
@@ -288,7 +287,7 @@ impl Store {
                 .into_iter()
                 .filter(|(k, _)| !ranked.chosen.contains_key(k))
                 .map(|(_, p)| p)
-                .filter(|p| read(&p.place).state() != PageState::Hot)
+                .filter(|p| p.place.read().state() != PageState::Hot)
                 .collect();
             out.prefetch_queued = self.prefetch(next);
         }

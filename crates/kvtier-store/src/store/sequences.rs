@@ -6,12 +6,11 @@ use std::sync::Arc;
 use kvtier_core::{Layout, LogicalPage, PageState, Reason, SequenceKey, TenantId, wire};
 
 use super::Store;
-use crate::accounts::cost;
 use crate::catalog::{Sequence, not_found};
+use crate::cost;
 use crate::durability::{Record, created_records};
 use crate::page::StorePage;
 use crate::stats::{SequenceInfo, StateCounts, TierBytes};
-use crate::sync::read;
 use crate::{StoreError, StoreResult};
 
 /// A new sequence and how many leading pages it shares with earlier ones.
@@ -141,7 +140,7 @@ impl Store {
         for page in seq.lanes.iter().flat_map(|l| l.pages()) {
             match page {
                 LogicalPage::Physical(r) => {
-                    let place = read(&r.page.place);
+                    let place = r.page.place.read();
                     states.add(place.state());
                     if let Some(reason) = place.lost() {
                         *gone.entry(reason).or_default() += 1;

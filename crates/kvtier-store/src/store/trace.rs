@@ -13,7 +13,6 @@ use crate::access_trace::{HeadPages, SwapTiming, TraceConfig, TraceRecord, Trace
 use crate::catalog::Sequence;
 use crate::device::SwapReport;
 use crate::page::PhysPage;
-use crate::sync::read;
 
 impl Store {
     /// Starts recording page accesses to `config.path`; refused while a
@@ -43,7 +42,7 @@ impl Store {
 pub(super) fn tiers_of(chosen: &BTreeMap<(usize, usize), Arc<PhysPage>>) -> BTreeMap<(usize, usize), char> {
     chosen
         .iter()
-        .map(|(&k, p)| (k, tier_letter(read(&p.place).state())))
+        .map(|(&k, p)| (k, tier_letter(p.place.read().state())))
         .collect()
 }
 

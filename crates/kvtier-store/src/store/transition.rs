@@ -8,12 +8,11 @@ use std::sync::Arc;
 use kvtier_core::{Action, ColdTier, LogicalPage, PageState, Reason, SequenceKey, Summary, wire};
 
 use super::Store;
-use crate::accounts::cost;
 use crate::catalog::{HeadRange, Sequence, Target};
+use crate::cost;
 use crate::durability::{Keep, gone_record, summary_record};
 use crate::host::MigrationTime;
 use crate::page::{PhysPage, SummaryPage, state_of};
-use crate::sync::write;
 use crate::{StoreError, StoreResult};
 
 #[derive(Debug, Clone, Copy)]
@@ -231,7 +230,7 @@ impl Store {
         for page in &pages {
             // Refused only for a page without a device copy (another path
             // dropped it meanwhile); counted by the caller.
-            let dropped = write(&page.place).drop_device();
+            let dropped = page.place.write().drop_device();
             drop(dropped);
         }
         self.device.forget(pages.iter().map(|p| p.id));

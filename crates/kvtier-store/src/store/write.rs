@@ -14,13 +14,13 @@ use kvtier_core::{Layout, LogicalPage, PageIndex, Reason, SequenceKey, wire};
 use kvtier_tiers::Slot;
 
 use super::{Store, micros};
-use crate::accounts::{Account, PageCharge, cost};
+use crate::accounts::{Account, PageCharge};
 use crate::catalog::{HeadRange, Sequence};
+use crate::cost;
 use crate::durability::{Acknowledged, map_record};
 use crate::host::MigrationTime;
 use crate::page::{AppendRefused, MemoryCopy, PageRef, PhysPage, Pins, Placement, ShareKey, StorePage, write_rows};
 use crate::stats::Counters;
-use crate::sync::{read, write};
 use crate::{StoreError, StoreResult};
 
 /// Whole pages for one layer and a range of KV heads, starting at the end
@@ -422,7 +422,7 @@ impl Store {
         fill: usize,
     ) -> StoreResult<()> {
         if let Some(page) = partial.iter().find(|p| {
-            let place = read(&p.place);
+            let place = p.place.read();
             place.host().is_none() && place.device().is_none()
         }) {
             return Err(StoreError::Internal(format!(
@@ -437,7 +437,9 @@ impl Store {
             let (k, v) = (batch.rows.keys(h, 0..fill), batch.rows.values(h, 0..fill));
             let (host, device) = (self.host.tier(), self.device.tier());
             // An append changes no page's state: the memory copy stays.
-            let _same_state = write(&page.place)
+            let _same_state = page
+                .place
+                .write()
                 .append_rows(fill as u32, |copy, slot| match copy {
                     MemoryCopy::Host => write_rows(&**host, slot, layout, first_row, k, v),
                     MemoryCopy::Device => write_rows(&**device, slot, layout, first_row, k, v),
@@ -489,7 +491,7 @@ impl Store {
                 out.shared += 1;
             } else {
                 out.written += 1;
-                if read(&r.page.place).device().is_some() {
+                if r.page.place.read().device().is_some() {
                     hot.push(Arc::clone(&r.page));
                 }
             }
@@ -655,7 +657,7 @@ fn append_batch<'a>(seq: &Sequence, req: &AppendTokens<'a>) -> StoreResult<(Batc
     if fill > 0
         && let Some(&(h, lane)) = lanes.iter().find(|(_, lane)| {
             let l = &seq.lanes[*lane];
-            !matches!(l.page(l.num_pages() - 1), Some(LogicalPage::Physical(r)) if read(&r.page.place).lost().is_none())
+            !matches!(l.page(l.num_pages() - 1), Some(LogicalPage::Physical(r)) if r.page.place.read().lost().is_none())
         })
     {
         return Err(StoreError::precondition(

@@ -13,7 +13,7 @@ use kvtier_client::{Client, pb};
 use kvtier_server::{BoundServer, ServerConfig};
 use kvtier_store::{Store, StoreConfig};
 
-use super::decode::Shape;
+use crate::shape::Shape;
 use serde::Serialize;
 
 use crate::trace::Trace;

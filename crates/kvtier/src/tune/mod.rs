@@ -497,7 +497,7 @@ mod tests {
     use kvtier_store::{Access, HeadPages, TRACE_FORMAT, TraceHeader};
 
     use super::*;
-    use crate::bench::decode::Shape;
+    use crate::shape::Shape;
 
     /// A trace of `reads` swap-ins of one page each over `pages` pages of 4
     /// KV heads, skewed towards low pages (about Zipf's law).

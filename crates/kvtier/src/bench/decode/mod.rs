@@ -16,11 +16,11 @@ use kvtier_client::pb;
 use serde::Serialize;
 
 use super::plot::{Chart, Series};
+use crate::shape::Shape;
 use kvtier_store::{Access, HeadPages, TRACE_FORMAT, TraceHeader, TraceRecord};
 use run::DataPlane;
 pub(crate) use run::histogram;
 use run::{Class, Measured, RunConfig};
-pub(crate) use workload::Shape;
 use workload::{Queries, RealKv};
 
 #[derive(Debug, Clone, Args)]

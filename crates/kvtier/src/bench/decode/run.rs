@@ -14,7 +14,8 @@ use kvtier_server::{BoundServer, ServerConfig};
 use kvtier_store::{EngineChoice, NvmeConfig, Store, StoreConfig};
 use serde::Serialize;
 
-use super::workload::{Queries, SequenceData, Shape};
+use super::workload::{Queries, SequenceData};
+use crate::shape::Shape;
 use kvtier_store::{Access, HeadPages, SwapTiming, TraceRecord};
 
 /// Everything one run needs.

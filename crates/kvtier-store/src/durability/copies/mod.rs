@@ -2,6 +2,9 @@
 //! `Persist` records, read back in batches and checked against their CRC,
 //! given up with a `Lost` or `Unpersist` record.
 
+#[cfg(test)]
+mod tests;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -11,7 +14,6 @@ use kvtier_tiers::{AlignedBuf, Slot, Tier, TierError, TierKind};
 use super::{Durable, Record};
 use crate::page::{Lost, NvmeCopy, PhysPage};
 use crate::stats::Counters;
-use crate::sync::{read, write};
 use crate::{StoreError, StoreResult};
 
 /// The CRC32C an NVMe copy of page `id` is stored with. The id is part of
@@ -71,7 +73,7 @@ impl Durable {
         for page in pages {
             // A read lock is enough to copy the bytes out: `install` takes
             // the copy only if the page's version has not moved since.
-            let place = read(&page.place);
+            let place = page.place.read();
             if place.lost().is_some() {
                 continue;
             }
@@ -164,7 +166,7 @@ impl Durable {
             rows,
         };
         let keep_host = keep != Keep::Nothing || page.pinned();
-        let mut place = write(&page.place);
+        let mut place = page.place.write();
         let Ok(done) = place.install_nvme(copy, *version, keep_host) else {
             return false;
         };
@@ -190,7 +192,7 @@ impl Durable {
     /// A page whose NVMe copy is current: drops its host copy unless asked
     /// to keep it (or pinned). Whether it counts as moved or copied.
     fn settle_current(&self, page: &PhysPage, keep: Keep, reason: Reason) -> bool {
-        let mut place = write(&page.place);
+        let mut place = page.place.write();
         if place.lost().is_some() || place.nvme().is_none() || place.host().is_none() {
             return false;
         }
@@ -273,7 +275,7 @@ impl Durable {
     /// Marks a page lost after its NVMe copy failed, unless another copy
     /// exists now. Returns whether it is lost.
     fn mark_lost(&self, page: &PhysPage, failed: &NvmeCopy) -> bool {
-        let mut place = write(&page.place);
+        let mut place = page.place.write();
         match place.lose_nvme_copy(&failed.slot) {
             Lost::Now { change, failed } => {
                 let lost = Record::Lost {
@@ -294,7 +296,7 @@ impl Durable {
     /// prefix); their extents are reused once the records are durable.
     pub(crate) fn journal_freed(&self, freed: &[Arc<PhysPage>]) {
         for page in freed {
-            let place = read(&page.place);
+            let place = page.place.read();
             let copies: Vec<_> = [place.nvme(), place.durable_prefix()]
                 .into_iter()
                 .flatten()

@@ -39,7 +39,7 @@ pub(crate) fn pages(layout: &Layout, logical: u64, physical: u64, shareable: boo
 /// One physical page: its struct, its `Arc`, its page-table and LRU
 /// entries, and, if it may be shared, the index entry it carries for the
 /// sequences that attach it (charged to the page itself, see
-/// [`super::PageCharge`]).
+/// `accounts::PageCharge`).
 pub(crate) fn physical_page(layout: &Layout, shareable: bool) -> u64 {
     let entry = match shareable {
         true => PageIndex::entry_len(layout.dtype(), layout.head_dim() as usize, layout.page_size()),

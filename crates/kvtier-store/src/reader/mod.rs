@@ -2,6 +2,9 @@
 //! or NVMe in one CRC-checked batch), promotion of NVMe-only pages back to
 //! host memory, and a host copy on demand for the writes that need one.
 
+#[cfg(test)]
+mod tests;
+
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::Arc;
@@ -15,7 +18,6 @@ use crate::page::{NvmeCopy, PhysPage, StoreLane, read_rows_into, rows_of, write_
 use crate::page_buf::PageBuf;
 use crate::prefetch;
 use crate::stats::Counters;
-use crate::sync::{read, write};
 use crate::{StoreError, StoreResult};
 
 /// A view over the tiers for reading; built by the store on demand.
@@ -103,7 +105,7 @@ impl Reader<'_> {
                 LogicalPage::Physical(r) => {
                     let rows = lane.rows_in(p);
                     let range = buf.take(room_for(layout, lane, p))?;
-                    let state = read(&r.page.place).state();
+                    let state = r.page.place.read().state();
                     if state == PageState::Hot {
                         hot.push(Arc::clone(&r.page));
                     }
@@ -223,7 +225,7 @@ impl Reader<'_> {
 
     /// Asks the tier holding a page's bytes in memory to start loading them.
     fn prefetch_bytes(&self, page: &PhysPage) {
-        let place = read(&page.place);
+        let place = page.place.read();
         match (place.host(), place.device()) {
             (Some(host), _) => self.host.tier().prefetch(host),
             (None, Some(device)) => self.device.prefetch(device),
@@ -241,7 +243,7 @@ impl Reader<'_> {
         rows: u32,
         dst: &mut [MaybeUninit<u8>],
     ) -> StoreResult<Option<Source>> {
-        let place = read(&page.place);
+        let place = page.place.read();
         if place.lost().is_some() {
             return Ok(None);
         }
@@ -298,7 +300,7 @@ impl Reader<'_> {
             if host.write(&mut slot, 0, &buf[..layout.page_bytes()]).is_err() {
                 continue;
             }
-            let installed = write(&page.place).install_host(slot, version);
+            let installed = page.place.write().install_host(slot, version);
             if let Ok(change) = installed {
                 self.counters.counted(change.from, change.to, Reason::Demand);
                 self.counters.moved(TierKind::Nvme, TierKind::Host, len);
@@ -317,7 +319,7 @@ impl Reader<'_> {
         spent: &mut MigrationTime,
     ) -> StoreResult<()> {
         let version = {
-            let place = read(&page.place);
+            let place = page.place.read();
             if place.host().is_some() {
                 return Ok(());
             }
@@ -334,14 +336,14 @@ impl Reader<'_> {
         write_rows(&**self.host.tier(), &mut slot, layout, 0, k, v)?;
         // Refused when another path gave it a host copy meanwhile (this
         // slot is freed as it drops), or when it changed or was lost.
-        let installed = write(&page.place).install_host(slot, version);
+        let installed = page.place.write().install_host(slot, version);
         match installed {
             Ok(change) => {
                 self.counters.counted(change.from, change.to, reason);
                 self.host.touch([page]);
                 Ok(())
             }
-            Err(_) if read(&page.place).host().is_some() => Ok(()),
+            Err(_) if page.place.read().host().is_some() => Ok(()),
             Err(_) => Err(StoreError::precondition(
                 wire::PAGES,
                 "the page changed or lost its bytes while being copied to host memory",
@@ -363,5 +365,5 @@ pub(crate) fn room_for(layout: &Layout, lane: &StoreLane, p: usize) -> usize {
 /// Why a page's bytes are not to be had: the reason it was lost for, or a
 /// failed check.
 fn lost_reason(page: &PhysPage) -> Reason {
-    read(&page.place).lost().unwrap_or(Reason::Integrity)
+    page.place.read().lost().unwrap_or(Reason::Integrity)
 }

@@ -1,13 +1,77 @@
-//! Conversions of the policy messages: unset (zero) parameters take the
-//! reference method's defaults (`kvtier_core::policy`).
+//! `ApplyPolicy` and `ReportAttention`: a policy request converted to the
+//! store's spec (scorer, allocator, action and trigger, each field checked
+//! and named when wrong), and attention reported for the policies' scores.
 
 use kvtier_core::policy::{Allocator, Pooling, Scorer, Window};
 use kvtier_core::wire;
 use kvtier_proto::v1 as pb;
-use kvtier_store::{PolicyAction, PolicySpec, Trigger};
-use tonic::Status;
+use kvtier_store::{ApplyPolicy, AttentionWeights, PolicyAction, PolicySpec, ReportAttention, Trigger};
+use tonic::{Request, Response, Status};
 
+use super::{KvTierService, open_seq};
+use crate::convert;
 use crate::status::invalid;
+
+pub(super) async fn apply_policy(
+    svc: &KvTierService,
+    request: Request<pb::ApplyPolicyRequest>,
+) -> Result<Response<pb::ApplyPolicyResponse>, Status> {
+    let (caller, incarnation, r) = open_seq(request)?;
+    let key = svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    let Some((spec, trigger)) = spec(&r)? else {
+        svc.call(move |s| s.unregister_policy(&key)).await?;
+        return Ok(Response::new(pb::ApplyPolicyResponse::default()));
+    };
+    let queries = convert::f32s(wire::QUERIES, &r.queries)?;
+    let outcome = svc
+        .call(move |s| {
+            s.apply_policy(
+                &key,
+                ApplyPolicy {
+                    spec: &spec,
+                    queries: &queries,
+                    trigger,
+                },
+            )
+        })
+        .await?;
+    Ok(Response::new(pb::ApplyPolicyResponse {
+        pages_kept: outcome.kept,
+        pages_changed: outcome.changed,
+        dropped_mass: outcome.dropped_mass,
+    }))
+}
+
+pub(super) async fn report_attention(
+    svc: &KvTierService,
+    request: Request<pb::ReportAttentionRequest>,
+) -> Result<Response<pb::ReportAttentionResponse>, Status> {
+    let (caller, incarnation, r) = open_seq(request)?;
+    let key = svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    if r.token_weights.is_empty() == r.page_weights.is_empty() {
+        return Err(invalid(
+            wire::TOKEN_WEIGHTS,
+            "give either token_weights or page_weights",
+        ));
+    }
+    svc.call(move |s| {
+        s.report_attention(
+            &key,
+            ReportAttention {
+                layer: r.layer,
+                heads: convert::heads(r.kv_head_start, r.kv_head_count),
+                weights: if r.page_weights.is_empty() {
+                    AttentionWeights::Tokens(&r.token_weights)
+                } else {
+                    AttentionWeights::Pages(&r.page_weights)
+                },
+                decay: (r.decay != 0.0).then_some(r.decay),
+            },
+        )
+    })
+    .await?;
+    Ok(Response::new(pb::ReportAttentionResponse {}))
+}
 
 fn defaults(name: &str) -> Scorer {
     Scorer::defaults(name).expect("every scorer has defaults")

@@ -1,13 +1,39 @@
-//! `SetAccessTrace`'s conversions: a request to a recording's settings
-//! (the server names the file), a status to its message.
+//! `SetAccessTrace` (admin only): a start request becomes a recording's
+//! settings (the server names the file), a status its message.
 
 use kvtier_core::wire;
 use kvtier_proto::v1 as pb;
 use kvtier_store::{TraceConfig, TraceStatus};
-use tonic::Status;
+use tonic::{Request, Response, Status};
 
-use crate::service::TraceSettings;
+use super::{KvTierService, open};
 use crate::status::{invalid, to_status};
+
+/// Where `SetAccessTrace` records, and its default size bound.
+#[derive(Debug, Clone)]
+pub(crate) struct TraceSettings {
+    pub(crate) dir: Option<std::path::PathBuf>,
+    pub(crate) max_bytes: u64,
+}
+
+pub(super) async fn set_access_trace(
+    svc: &KvTierService,
+    request: Request<pb::SetAccessTraceRequest>,
+) -> Result<Response<pb::AccessTraceStatus>, Status> {
+    let (caller, r) = open(request)?;
+    caller.check_admin("SetAccessTrace")?;
+    let status = match r.record {
+        true => {
+            let config = config(&r, &svc.traces)?;
+            Some(svc.call(move |s| s.start_access_trace(config)).await?)
+        }
+        false => {
+            check_stop(&r)?;
+            svc.call(|s| Ok(s.stop_access_trace())).await?
+        }
+    };
+    Ok(Response::new(status_to_pb(status)))
+}
 
 /// A start request's recording: sampled as asked, bounded as asked or by
 /// the server's default, in a new file under the server's trace directory

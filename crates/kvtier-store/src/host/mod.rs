@@ -10,7 +10,11 @@
 //! is held for a whole migration, so that a second allocation waits for
 //! the first one's room instead of finding its victims taken.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+#[cfg(test)]
+mod tests;
+
+use kvtier_sync::{Mutex, MutexGuard, Rank};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_core::Reason;
@@ -19,7 +23,6 @@ use kvtier_tiers::{Slot, Tier, TierError, TierKind};
 use crate::accounts::Account;
 use crate::durability::{Durable, Keep};
 use crate::page::{LruVictims, PageLru, PhysPage, touch_lru};
-use crate::sync::{lock, read};
 use crate::{StoreError, StoreResult};
 
 /// Pages migrated per batch when making room in host memory.
@@ -48,8 +51,8 @@ impl HostCache {
     pub(crate) fn new(tier: Arc<dyn Tier>, high_watermark: f64, low_watermark: f64) -> Self {
         Self {
             tier,
-            lru: Mutex::new(lru::LruCache::unbounded()),
-            migrating: Mutex::new(()),
+            lru: Mutex::new(Rank::HostLru, lru::LruCache::unbounded()),
+            migrating: Mutex::new(Rank::HostMigration, ()),
             high: high_watermark,
             low: low_watermark,
         }
@@ -72,7 +75,7 @@ impl HostCache {
         owner: &Arc<Account>,
     ) -> StoreResult<Slot> {
         while !owner.fits(TierKind::Host, len) && durable.nvme().is_some() {
-            let one = lock(&self.migrating);
+            let one = self.migrating.lock();
             if !matches!(self.relieve_locked(len, durable, &one, Some(owner)), Ok(n) if n > 0) {
                 break;
             }
@@ -89,7 +92,7 @@ impl HostCache {
                         return Err(full);
                     }
                     let waiting = Instant::now();
-                    let one = lock(&self.migrating);
+                    let one = self.migrating.lock();
                     spent.waited += waiting.elapsed();
                     let moving = Instant::now();
                     let moved = self.relieve_locked(len, durable, &one, None);
@@ -123,7 +126,7 @@ impl HostCache {
         // Read once per round: a concurrent free may shrink `used` between
         // two reads, and the excess must not underflow.
         while let Some(excess) = self.tier.used_bytes().checked_sub(low).filter(|&e| e > 0) {
-            let one = lock(&self.migrating);
+            let one = self.migrating.lock();
             if !matches!(self.relieve_locked(excess, durable, &one, None), Ok(n) if n > 0) {
                 break;
             }
@@ -153,7 +156,7 @@ impl HostCache {
                 skipped.push(page);
                 continue;
             }
-            let place = read(&page.place);
+            let place = page.place.read();
             if let (Some(host), None) = (place.host(), place.lost()) {
                 freed += host.reserved();
                 drop(place);
@@ -169,7 +172,7 @@ impl HostCache {
         // Pages that did not move keep their place in line.
         let kept: Vec<Arc<PhysPage>> = victims
             .into_iter()
-            .filter(|p| read(&p.place).host().is_some())
+            .filter(|p| p.place.read().host().is_some())
             .collect();
         self.touch(&kept);
         if let Err(e) = &moved {
@@ -186,7 +189,7 @@ impl HostCache {
 
     /// Forgets freed pages.
     pub(crate) fn forget(&self, ids: impl IntoIterator<Item = u64>) {
-        let mut lru = lock(&self.lru);
+        let mut lru = self.lru.lock();
         for id in ids {
             lru.pop(&id);
         }

@@ -1,0 +1,325 @@
+//! `SelectPages`, `Prefetch` and `ReleaseLease`: a selection checked and
+//! sized before it moves anything, run with its data read inline or into
+//! the caller's shm window, then as messages within the message limit (a
+//! lease it took given back if they cannot be made).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use kvtier_core::rank::Ranking;
+use kvtier_core::select::{Aggregation, Budget, Shard};
+use kvtier_core::{Layout, SequenceKey, TenantId, wire};
+use kvtier_proto::v1 as pb;
+use kvtier_store::{SelectPages, Selection, Store, StoreError, StoreResult};
+use prost::Message;
+use tonic::{Request, Response, Status};
+
+use super::{KvTierService, open, open_seq, tenant};
+use crate::auth::Caller;
+use crate::blocking::sized;
+use crate::inflight::Holding;
+use crate::responses::{Held_, PIPELINED_BYTES, holding, inline_pages, read_to_bytes};
+use crate::shm::Window;
+use crate::status::{invalid, to_status};
+use crate::{chunk, convert};
+
+pub(crate) type SelectStream = Holding<tokio_stream::Iter<std::vec::IntoIter<Held_<pb::SelectPagesResponse>>>>;
+
+pub(super) async fn select_pages(
+    svc: &KvTierService,
+    request: Request<pb::SelectPagesRequest>,
+) -> Result<Response<SelectStream>, Status> {
+    let (caller, incarnation, r) = open_seq(request)?;
+    svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    let call = svc.plan_select(&caller, r)?;
+    // The data's room in flight, at most what the selection can choose,
+    // is taken before the store reads any of it. Data over shm goes to
+    // the client's memory: nothing held in flight.
+    let held = match call.data_inline() {
+        true => Some(svc.in_flight.hold("a selection's data", call.bound).await?),
+        false => None,
+    };
+    let (key, limit, work) = (call.key.clone(), call.limit, call.work());
+    let (selection, data) = sized(&svc.store, &key, work, move |s| call.run(s)).await?;
+    let messages = svc.selection_messages(&key.tenant, selection, data, limit)?;
+    Ok(Response::new(Holding::new(tokio_stream::iter(holding(messages, held)))))
+}
+
+pub(super) fn select_pages_local(
+    svc: &KvTierService,
+    caller: &Caller,
+    r: pb::SelectPagesRequest,
+) -> Result<Vec<pb::SelectPagesResponse>, Status> {
+    let call = svc.plan_select(caller, r)?;
+    if call.data_inline() {
+        return Err(invalid(
+            wire::SHM,
+            "is required with include_data over the shm socket, which carries no page bytes",
+        ));
+    }
+    let (tenant, limit) = (call.key.tenant.clone(), call.limit);
+    let (selection, data) = call.run(&svc.store).map_err(to_status)?;
+    svc.selection_messages(&tenant, selection, data, limit)
+}
+
+pub(super) async fn prefetch(
+    svc: &KvTierService,
+    request: Request<pb::SelectPagesRequest>,
+) -> Result<Response<pb::PrefetchResponse>, Status> {
+    let (caller, incarnation, r) = open_seq(request)?;
+    let key = svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    for (set, field) in [
+        (r.include_data, wire::INCLUDE_DATA.path),
+        (r.swap_in, wire::SWAP_IN.path),
+        (r.deadline_us > 0, wire::DEADLINE_US.path),
+        (r.lease_ms > 0, wire::LEASE_MS.path),
+    ] {
+        if set {
+            return Err(invalid(
+                field,
+                "must be unset for Prefetch, which only schedules promotions",
+            ));
+        }
+    }
+    let inputs = selection_inputs(&r)?;
+    let pages_queued = svc
+        .call(move |s| s.prefetch_query(&key, select_request(&r, &inputs)))
+        .await?;
+    Ok(Response::new(pb::PrefetchResponse { pages_queued }))
+}
+
+pub(super) async fn release_lease(
+    svc: &KvTierService,
+    request: Request<pb::ReleaseLeaseRequest>,
+) -> Result<Response<pb::ReleaseLeaseResponse>, Status> {
+    let (caller, r) = open(request)?;
+    let tenant = tenant(&caller, &r.tenant)?;
+    let id = r.lease_id;
+    if svc.call(move |s| Ok(s.release_lease(&tenant, id))).await? {
+        Ok(Response::new(pb::ReleaseLeaseResponse {}))
+    } else {
+        Err(to_status(StoreError::NotFound {
+            what: format!("lease {id}"),
+        }))
+    }
+}
+
+/// The parts of a selection request that need converting.
+struct SelectionInputs {
+    queries: Vec<f32>,
+    aggregation: Aggregation,
+    shard: Option<Shard>,
+    ranking: Ranking,
+}
+
+fn selection_inputs(r: &pb::SelectPagesRequest) -> Result<SelectionInputs, Status> {
+    if r.lease_ms as u128 > kvtier_store::MAX_LEASE.as_millis() {
+        return Err(invalid(
+            wire::LEASE_MS,
+            format!(
+                "is {}, at most {} allowed",
+                r.lease_ms,
+                kvtier_store::MAX_LEASE.as_millis()
+            ),
+        ));
+    }
+    if r.deadline_us > 0 && !r.swap_in {
+        return Err(invalid(wire::DEADLINE_US, "applies to a swap-in; set swap_in too"));
+    }
+    Ok(SelectionInputs {
+        queries: convert::f32s(wire::QUERIES, &r.queries)?,
+        aggregation: convert::aggregation(r.aggregation)?,
+        shard: convert::shard(r.shard)?,
+        ranking: convert::ranking(r)?,
+    })
+}
+
+fn select_request<'a>(r: &pb::SelectPagesRequest, inputs: &'a SelectionInputs) -> SelectPages<'a> {
+    let millis = |ms: u32| (ms > 0).then(|| std::time::Duration::from_millis(u64::from(ms)));
+    SelectPages {
+        layer: r.layer,
+        heads: convert::heads(r.kv_head_start, r.kv_head_count),
+        queries: &inputs.queries,
+        budget: Budget {
+            pages: r.budget_pages as usize,
+            sinks: r.sink_pages as usize,
+            window: r.window_pages as usize,
+        },
+        aggregation: inputs.aggregation,
+        ranking: inputs.ranking,
+        shard: inputs.shard,
+        with_data: r.include_data,
+        swap_in: r.swap_in,
+        deadline: (r.deadline_us > 0).then(|| std::time::Duration::from_micros(u64::from(r.deadline_us))),
+        prefetch_pages: r.prefetch_pages as usize,
+        lease: millis(r.lease_ms),
+    }
+}
+
+/// A selection, checked and ready to run: refused before it moves
+/// anything.
+pub(crate) struct SelectCall {
+    key: SequenceKey,
+    request: pb::SelectPagesRequest,
+    inputs: SelectionInputs,
+    window: Option<Window>,
+    /// The most page bytes it can return.
+    bound: usize,
+    /// Index bytes it scans.
+    scanned: usize,
+    /// The limit on one response message.
+    limit: usize,
+}
+
+impl SelectCall {
+    /// Whether its page bytes travel in the messages.
+    fn data_inline(&self) -> bool {
+        self.request.include_data && self.window.is_none()
+    }
+
+    /// Bytes it scans and copies, for where it runs.
+    fn work(&self) -> usize {
+        // A swap-in copies pages to the device and may wait for its
+        // deadline: never on a runtime worker.
+        match self.request.swap_in {
+            true => usize::MAX,
+            false => self.scanned.saturating_add(self.room()),
+        }
+    }
+
+    fn room(&self) -> usize {
+        if self.request.include_data { self.bound } else { 0 }
+    }
+
+    fn run(mut self, store: &Arc<Store>) -> StoreResult<(Selection<Range<usize>>, Vec<pb::Page>)> {
+        let room = self.room();
+        let req = select_request(&self.request, &self.inputs);
+        select_into(store, &self.key, req, self.window.as_mut(), room)
+    }
+}
+
+impl KvTierService {
+    /// A selection, checked, with its shm window if it names one.
+    fn plan_select(&self, caller: &Caller, mut r: pb::SelectPagesRequest) -> Result<SelectCall, Status> {
+        let key = self.key(caller, &r.tenant, &r.sequence_id)?;
+        let limit = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
+        let inputs = selection_inputs(&r)?;
+        let shm = r.shm.take();
+        if shm.is_some() && !r.include_data {
+            return Err(invalid(wire::SHM, "carries page bytes; set include_data too"));
+        }
+        let shape = self.shape(&key)?;
+        let scanned = index_scanned(r.kv_head_count, r.budget_pages, &inputs.ranking, &shape);
+        let bound = kvtier_store::data_bound(&shape.0, shape.1, r.budget_pages, r.kv_head_count, inputs.aggregation);
+        let window = match &shm {
+            Some(w) => Some(self.regions.window(&key.tenant, w, bound)?),
+            None if r.include_data => {
+                chunk::check_page_fits(shape.0.page_bytes(), limit)?;
+                None
+            }
+            None => None,
+        };
+        Ok(SelectCall {
+            key,
+            request: r,
+            inputs,
+            window,
+            bound,
+            scanned,
+            limit,
+        })
+    }
+
+    /// A selection's response messages; a lease it took is given back if
+    /// they cannot be made.
+    fn selection_messages(
+        &self,
+        tenant: &TenantId,
+        selection: Selection<Range<usize>>,
+        data: Vec<pb::Page>,
+        limit: usize,
+    ) -> Result<Vec<pb::SelectPagesResponse>, Status> {
+        let lease = selection.lease;
+        let messages = select_messages(selection, data, limit);
+        if let (Err(_), Some((id, _))) = (&messages, lease) {
+            self.store.release_lease(tenant, id);
+        }
+        messages
+    }
+}
+
+/// The digest bytes a selection of `kv_heads` heads scans: every page's
+/// min and max rows.
+pub(crate) fn index_scanned(
+    kv_heads: u32,
+    budget_pages: u32,
+    ranking: &Ranking,
+    (layout, tokens): &(Arc<Layout>, u64),
+) -> usize {
+    let heads = kv_heads.min(layout.num_kv_heads()) as usize;
+    kvtier_store::index_scan_bytes(layout, *tokens, budget_pages as usize, ranking).saturating_mul(heads)
+}
+
+/// A selection with its data read straight into `window`, or into a new
+/// buffer of `room` bytes when there is none; the pages' messages apart.
+pub(crate) fn select_into(
+    store: &Arc<Store>,
+    key: &SequenceKey,
+    req: SelectPages<'_>,
+    window: Option<&mut Window>,
+    room: usize,
+) -> StoreResult<(Selection<Range<usize>>, Vec<pb::Page>)> {
+    Ok(match window {
+        Some(w) => {
+            let mut selection = store.select_pages_into(key, req, &mut w.buf())?;
+            let pages = w.pages(std::mem::take(&mut selection.data));
+            (selection, pages)
+        }
+        None => {
+            let (mut selection, bytes) = read_to_bytes(room, |buf| store.select_pages_into(key, req, buf))?;
+            let pages = inline_pages(std::mem::take(&mut selection.data), &bytes);
+            (selection, pages)
+        }
+    })
+}
+
+/// A selection as response messages within `limit`: the totals with as
+/// many heads as fit, the remaining heads, then the pages.
+pub(crate) fn select_messages<B>(
+    selection: Selection<B>,
+    data: Vec<pb::Page>,
+    limit: usize,
+) -> Result<Vec<pb::SelectPagesResponse>, Status> {
+    let first = pb::SelectPagesResponse {
+        heads: vec![],
+        pages_scored: selection.pages_scored,
+        digest_bytes: selection.digest_bytes,
+        pages: vec![],
+        swap: Some(convert::swap_to_pb(&selection.swap)),
+        prefetch_queued: selection.prefetch_queued,
+        lease_id: selection.lease.map_or(0, |(id, _)| id),
+        lease_expires_in_ms: selection.lease.map_or(0, |(_, at)| {
+            at.saturating_duration_since(std::time::Instant::now()).as_millis() as u64
+        }),
+        timing: Some(convert::timing_to_pb(&selection.timing)),
+        mode: convert::mode_to_pb(selection.mode) as i32,
+    };
+    let heads = selection.heads.iter().map(convert::head_selection_to_pb).collect();
+    let mut head_runs = chunk::fit(heads, first.encoded_len(), limit, "KV head's selection")?.into_iter();
+    // Pages in messages of the same size as an inline fetch's chunks, so
+    // that the client receives one while the server encodes the next.
+    let data = chunk::fit_within(data, 0, PIPELINED_BYTES, limit, "page")?;
+    let first = pb::SelectPagesResponse {
+        heads: head_runs.next().unwrap_or_default(),
+        ..first
+    };
+    let more_heads = head_runs.map(|heads| pb::SelectPagesResponse {
+        heads,
+        ..Default::default()
+    });
+    let pages = data.into_iter().map(|pages| pb::SelectPagesResponse {
+        pages,
+        ..Default::default()
+    });
+    Ok(std::iter::once(first).chain(more_heads).chain(pages).collect())
+}

@@ -1,0 +1,113 @@
+//! The store's components built alone over real tiers (an arena device and
+//! host, an NVMe file behind a fault injector), for their unit tests: each
+//! component is tested against its own contract, not through the store.
+
+use std::sync::Arc;
+
+use kvtier_core::{DType, Layout, LayoutSpec, TenantId};
+use kvtier_tiers::faults::{Faults, FaultyTier};
+use kvtier_tiers::{ArenaTier, EngineChoice, NvmeConfig, NvmeTier, Tier};
+
+use crate::accounts::{Account, Accounts, Limits};
+use crate::device::HotSet;
+use crate::durability::Durable;
+use crate::host::HostCache;
+use crate::page::{PhysPage, Placement};
+use crate::reader::Reader;
+use crate::stats::Counters;
+
+/// One page: 16 tokens of 64 f16 dimensions, K then V.
+pub(crate) const PAGE_BYTES: u64 = 4096;
+
+pub(crate) fn layout() -> Arc<Layout> {
+    Arc::new(
+        Layout::new(LayoutSpec {
+            num_layers: 1,
+            num_kv_heads: 1,
+            num_query_heads: 1,
+            head_dim: 64,
+            dtype: DType::F16,
+            page_size: 16,
+            layer_groups: vec![],
+        })
+        .expect("a valid layout"),
+    )
+}
+
+/// The components, sized in pages.
+pub(crate) struct Parts {
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) accounts: Arc<Accounts>,
+    pub(crate) owner: Arc<Account>,
+    pub(crate) host: HostCache,
+    pub(crate) device: HotSet,
+    pub(crate) durable: Durable,
+    pub(crate) faults: Arc<Faults>,
+    pub(crate) layout: Arc<Layout>,
+    _dir: tempfile::TempDir,
+}
+
+impl Parts {
+    pub(crate) fn new(device_pages: u64, host_pages: u64, exclusive: bool) -> Self {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let nvme = NvmeTier::open(NvmeConfig {
+            path: dir.path().join("nvme.data"),
+            capacity: 1 << 20,
+            engine: EngineChoice::Auto,
+            queue_depth: 8,
+            direct: true,
+        })
+        .expect("an NVMe file");
+        let faults = Faults::none();
+        let nvme: Arc<dyn Tier> = Arc::new(FaultyTier::new(nvme, Arc::clone(&faults)));
+        let device: Arc<dyn Tier> = Arc::new(ArenaTier::emulated_device(device_pages * PAGE_BYTES).expect("device"));
+        let host: Arc<dyn Tier> = Arc::new(ArenaTier::host(host_pages * PAGE_BYTES).expect("host"));
+        let counters = Arc::new(Counters::default());
+        let accounts = Accounts::new(Limits::default());
+        let owner = accounts.account(&TenantId::parse("tenant", "t").expect("a tenant"));
+        Self {
+            durable: Durable::new(None, 0, [&device, &host], Some(nvme), Arc::clone(&counters)),
+            host: HostCache::new(host, 0.9, 0.8),
+            device: HotSet::new(device, exclusive, Arc::clone(&counters)),
+            counters,
+            accounts,
+            owner,
+            faults,
+            layout: layout(),
+            _dir: dir,
+        }
+    }
+
+    pub(crate) fn reader(&self) -> Reader<'_> {
+        Reader {
+            host: &self.host,
+            device: &**self.device.tier(),
+            durable: &self.durable,
+            counters: &self.counters,
+            promote: false,
+        }
+    }
+
+    /// The bytes of page `id`: every byte `id` plus its offset's low bits.
+    pub(crate) fn bytes(id: u64) -> Vec<u8> {
+        (0..PAGE_BYTES).map(|i| (id as u8).wrapping_add(i as u8)).collect()
+    }
+
+    /// A full page `id` with its bytes in host memory, known to the host's
+    /// LRU.
+    pub(crate) fn page(&self, id: u64) -> Arc<PhysPage> {
+        let host = self.host.tier();
+        let mut slot = self
+            .owner
+            .slot(kvtier_tiers::TierKind::Host, PAGE_BYTES, true, || {
+                host.allocate(PAGE_BYTES)
+            })
+            .expect("host room");
+        host.write(&mut slot, 0, &Self::bytes(id)).expect("host write");
+        let charge = self.accounts.page_charge(&self.owner, 0);
+        let place = Placement::written(None, slot, self.layout.page_size());
+        let page = Arc::new(PhysPage::new(id, Arc::clone(&self.layout), None, place, charge));
+        self.host.touch([&page]);
+        page
+    }
+}
