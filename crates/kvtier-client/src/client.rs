@@ -13,16 +13,25 @@ use crate::pb::kv_tier_client::KvTierClient;
 use crate::pb::set_page_state_request::Action;
 use crate::shm::{ShmError, ShmRegion};
 
+/// What a client call can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// The address does not parse, the TLS settings are unusable, or the
+    /// connection could not be made.
     #[error("connecting: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// A refused call: the server's status (the proto lists each RPC's
+    /// codes), or one the client made for an answer it cannot use.
     #[error("{}: {}", .0.code(), .0.message())]
     Status(#[from] tonic::Status),
+    /// K or V did not pack into the wire layout.
     #[error(transparent)]
     Pack(#[from] crate::PackError),
+    /// The token cannot be sent in a header: it must be printable ASCII.
     #[error("token: {0}")]
     Token(String),
+    /// A shared-memory region could not be registered, or its connection
+    /// broke during a call.
     #[error(transparent)]
     Shm(#[from] ShmError),
     /// A cluster could not route the call (no node serving, etcd out of
@@ -92,6 +101,8 @@ pub struct Connect {
     pub tls: Option<Tls>,
 }
 
+/// TLS settings for [`Connect::tls`]: what the server's certificate is
+/// checked against.
 #[derive(Debug, Clone)]
 pub struct Tls {
     /// PEM certificates of the authorities the server's certificate must
@@ -189,6 +200,9 @@ impl Client {
         request
     }
 
+    /// A client over a channel dialed elsewhere (from [`Client::endpoint`],
+    /// say): the default tenant, no token, no persist, messages up to
+    /// [`MAX_MESSAGE_BYTES`] both ways.
     pub fn from_channel(channel: Channel) -> Self {
         Self {
             channel: channel.clone(),
@@ -236,6 +250,10 @@ impl Client {
         self.channel.clone()
     }
 
+    /// Creates `sequence_id` with `layout` (`CreateSequence`). Leading pages
+    /// already stored for this tenant, layout and `prefix_hashes` (one hash
+    /// per full page; may be empty) are attached, shared; the response says
+    /// how many (write on from there) and, in a cluster, the incarnation.
     pub async fn create_sequence(
         &mut self,
         sequence_id: &str,
@@ -268,6 +286,8 @@ impl Client {
         Ok(self.inner.get_cluster(self.request(req)).await?.into_inner())
     }
 
+    /// The sequence's layout, length, pages per state and bytes per tier
+    /// (`GetSequence`); NOT_FOUND if there is no such sequence.
     pub async fn get_sequence(&mut self, sequence_id: &str) -> Result<pb::SequenceInfo> {
         let req = pb::GetSequenceRequest {
             tenant: self.tenant.clone(),
@@ -276,6 +296,8 @@ impl Client {
         Ok(self.inner.get_sequence(self.request(req)).await?.into_inner())
     }
 
+    /// Drops the sequence (`DropSequence`), freeing the pages no other
+    /// sequence shares; with the NVMe tier, a restart cannot bring it back.
     pub async fn drop_sequence(&mut self, sequence_id: &str) -> Result<()> {
         let req = pb::DropSequenceRequest {
             tenant: self.tenant.clone(),
@@ -618,14 +640,25 @@ impl Client {
 /// queries (`[query head][head_dim]`, GQA group after group).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SelectRequest {
+    /// The layer whose pages are ranked.
     pub layer: u32,
+    /// The KV heads to select for (a tensor-parallel rank's heads); at least one.
     pub kv_heads: Range<u32>,
+    /// Post-RoPE decode queries, finite, for every query head of `kv_heads` in order.
     pub queries: Vec<f32>,
+    /// Pages chosen per head, sinks and window included; at least 1.
     pub budget_pages: u32,
+    /// The first pages of each lane, always chosen.
     pub sink_pages: u32,
+    /// The last (newest) pages of each lane, always chosen; with
+    /// `sink_pages`, at most `budget_pages`.
     pub window_pages: u32,
+    /// How a GQA group's scores combine per KV head: `Max` (also for
+    /// `Unspecified`) is sound; `PerQueryHead` selects per query head.
     pub aggregation: pb::Aggregation,
+    /// The context-parallel rank calling and which pages it owns; `None`: not sharded.
     pub shard: Option<pb::ContextShard>,
+    /// Also return the chosen pages' bytes (gone pages never).
     pub include_data: bool,
     /// Make the chosen pages hot in one swap-in.
     pub swap_in: bool,
@@ -647,6 +680,7 @@ pub struct SelectRequest {
     /// Top-p budget (sketch, two-stage): stop once the chosen pages hold
     /// this share of the estimated mass, with at least `min_pages` (0: off).
     pub top_p: f32,
+    /// With `top_p`: the fewest pages chosen.
     pub min_pages: u32,
 }
 
@@ -677,19 +711,26 @@ impl SelectRequest {
     }
 }
 
+/// A selection's answer, collected from all of its response messages.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SelectResult {
+    /// Per KV head (per query head with `PerQueryHead`): the chosen pages in
+    /// position order, with score and state, and how many are gone.
     pub heads: Vec<pb::HeadSelection>,
     /// With `include_data`: the chosen pages that are not gone.
     pub pages: Vec<pb::Page>,
+    /// Pages the server ranked, over all heads.
     pub pages_scored: u64,
     /// Index bytes read: digests, and sketch rows.
     pub digest_bytes: u64,
     /// The mode that ranked.
     pub mode: pb::SelectionMode,
+    /// With `swap_in`: where the pages came from and the time per source
+    /// (zeros without one, and past a deadline).
     pub swap: pb::SwapReport,
     /// Where the server spent the call's time.
     pub timing: pb::SelectTiming,
+    /// Pages queued for background promotion (`prefetch_pages`).
     pub prefetch_queued: u32,
     /// (lease id, milliseconds until it expires).
     pub lease: Option<(u64, u64)>,
@@ -727,27 +768,34 @@ pub mod actions {
     use crate::pb;
     use crate::pb::set_page_state_request::Action;
 
+    /// Hot → cold in host memory.
     pub fn offload_to_host() -> Action {
         Action::Offload(pb::Offload {
             tier: pb::Tier::Host as i32,
         })
     }
+    /// Hot → cold on NVMe.
     pub fn offload_to_nvme() -> Action {
         Action::Offload(pb::Offload {
             tier: pb::Tier::Nvme as i32,
         })
     }
+    /// Cold in host memory → cold on NVMe.
     pub fn migrate_to_nvme() -> Action {
         Action::Migrate(pb::Migrate {
             tier: pb::Tier::Nvme as i32,
         })
     }
+    /// Cold → hot.
     pub fn swap_in() -> Action {
         Action::SwapIn(pb::SwapIn {})
     }
+    /// Hot or cold → a summary of `rows` rows (at least 1), each the mean
+    /// key and value of a run of consecutive tokens; the originals are lost.
     pub fn summarize(rows: u32) -> Action {
         Action::Summarize(pb::Summarize { rows })
     }
+    /// Hot, cold or summary → gone, for good.
     pub fn evict() -> Action {
         Action::Evict(pb::Evict {})
     }

@@ -47,7 +47,9 @@ struct Route {
 /// Where a sequence went.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placed {
+    /// The node's id.
     pub node_id: String,
+    /// Its gRPC address (`http://host:port` or `https://…`).
     pub addr: String,
 }
 

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! Rust client for kvtier: typed calls for the whole `kvtier.v1` API and
 //! helpers to pack and unpack pages from typed slices.
 //!

@@ -12,9 +12,13 @@ use crate::{Client, ClientError, SelectRequest, pb};
 /// `first_page..first_page + pages`, stored there as local pages `0..pages`.
 #[derive(Debug, Clone)]
 pub struct Part {
+    /// A client of the server that holds the part (its tenant set).
     pub client: Client,
+    /// The part's sequence id on that server.
     pub sequence_id: String,
+    /// The part's first page in the whole sequence.
     pub first_page: u32,
+    /// How many pages the part holds.
     pub pages: u32,
 }
 
@@ -48,6 +52,7 @@ impl Partitioned {
         Ok(Self { parts })
     }
 
+    /// Pages in the whole sequence: every part's, summed.
     pub fn pages(&self) -> u32 {
         self.parts.iter().map(|p| p.pages).sum()
     }

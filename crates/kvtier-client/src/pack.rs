@@ -8,9 +8,14 @@ use crate::pb;
 
 /// An element type kvtier stores.
 pub trait Element: Copy + Send + Sync + 'static {
+    /// The element type as a layout names it.
     const DTYPE: pb::DType;
+    /// Bytes per element.
     const SIZE: usize;
+    /// Appends the element to `out`, little-endian.
     fn put(self, out: &mut BytesMut);
+    /// The element in the first `SIZE` bytes of `bytes`, little-endian;
+    /// panics if there are fewer.
     fn get(bytes: &[u8]) -> Self;
 }
 
@@ -47,21 +52,34 @@ impl Element for bf16 {
     }
 }
 
+/// Why [`pack_kv`] or [`unpack_rows`] refused its input.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PackError {
+    /// `k` or `v` does not hold `heads × tokens × head_dim` elements.
     #[error("{what} holds {actual} elements, but {heads} heads × {tokens} tokens × head_dim {head_dim} = {expected}")]
     Shape {
+        /// Which slice: `"k"` or `"v"`.
         what: &'static str,
+        /// Elements it holds.
         actual: usize,
+        /// Elements it should hold: `heads × tokens × head_dim`.
         expected: usize,
+        /// KV heads asked for.
         heads: usize,
+        /// Tokens per head asked for.
         tokens: usize,
+        /// Elements per row.
         head_dim: usize,
     },
+    /// The bytes do not split into K rows and as many V rows (or `head_dim`
+    /// is 0).
     #[error("{actual} bytes are not a whole number of {head_dim}-wide K and V rows of {size}-byte elements")]
     Bytes {
+        /// Bytes given.
         actual: usize,
+        /// Elements per row.
         head_dim: usize,
+        /// Bytes per element.
         size: usize,
     },
 }

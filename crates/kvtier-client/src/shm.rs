@@ -22,16 +22,32 @@ use tokio::net::UnixStream;
 use crate::pb;
 use kvtier_core::poll::AdaptivePoll;
 
+/// What registering a shared-memory region, reading it, or a call over its
+/// connection can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum ShmError {
+    /// Making, mapping or sealing the memfd failed, or the server's socket
+    /// did (a broken connection, no answer to the registration within 10 s).
     #[error("shm region: {0}")]
     Io(#[from] io::Error),
+    /// The server answered the registration with an error: its status.
     #[error("the server refused the region: {}: {}", .0.code(), .0.message())]
     Refused(tonic::Status),
+    /// The server's answer to the registration, a line that is neither
+    /// `ok <id> …` nor `error <code> <message>`.
     #[error("the server's shm socket answered {0:?}")]
     Protocol(String),
+    /// A read reached outside the region.
     #[error("{offset}+{len} lies outside the region's {region} bytes")]
-    OutOfRange { offset: u64, len: u64, region: u64 },
+    OutOfRange {
+        /// Where the read starts, in bytes from the region's start.
+        offset: u64,
+        /// Bytes asked for.
+        len: u64,
+        /// The region's size in bytes.
+        region: u64,
+    },
+    /// A reply over the region's connection is not a `LocalReply`.
     #[error("the server's reply over the shm socket: {0}")]
     Reply(#[from] prost::DecodeError),
 }
@@ -252,14 +268,17 @@ impl ShmRegion {
         Ok(())
     }
 
+    /// The id the server gave the region, as a window's `region_id` names it.
     pub fn id(&self) -> u64 {
         self.id
     }
 
+    /// The region's size in bytes.
     pub fn len(&self) -> usize {
         self.map.len()
     }
 
+    /// Whether the region is of zero bytes.
     pub fn is_empty(&self) -> bool {
         self.map.len() == 0
     }

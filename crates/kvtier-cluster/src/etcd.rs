@@ -24,6 +24,8 @@ pub struct EtcdConfig {
 pub const DEFAULT_CLUSTER: &str = "default";
 
 impl EtcdConfig {
+    /// `endpoints` for the default cluster: no credentials, plaintext, a
+    /// 3 s timeout.
     pub fn new(endpoints: Vec<String>) -> Self {
         Self {
             endpoints,
@@ -49,6 +51,8 @@ impl EtcdConfig {
             .collect()
     }
 
+    /// A client of the cluster's etcd with these settings: keep-alive pings
+    /// every 10 s, and requests refused while the member has no leader.
     pub async fn connect(&self) -> Result<etcd_client::Client, etcd_client::Error> {
         let mut options = ConnectOptions::new()
             .with_connect_timeout(self.timeout)

@@ -3,12 +3,14 @@
 
 use kvtier_core::SequenceKey;
 
+/// The etcd keys of one cluster's records.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Keys {
     root: String,
 }
 
 impl Keys {
+    /// The keys of the cluster named `cluster`.
     pub fn new(cluster: &str) -> Self {
         Self {
             root: format!("/kvtier/{cluster}/"),
@@ -20,6 +22,7 @@ impl Keys {
         format!("{}nodes/", self.root)
     }
 
+    /// One node's record.
     pub fn node(&self, node_id: &str) -> String {
         format!("{}{node_id}", self.nodes())
     }

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! kvtier as a cluster. Membership lives in etcd (a maintained consensus
 //! engine; kvtier runs none of its own), and so does one ownership record
 //! per sequence; no page metadata does.

@@ -35,7 +35,9 @@ use crate::view::{self, View};
 /// A node's cluster settings.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
+    /// Where the cluster's etcd is, and the cluster's name.
     pub etcd: EtcdConfig,
+    /// This node's id: one live process per id in the cluster.
     pub node_id: String,
     /// The URL other nodes and clients reach this node's gRPC service at.
     pub advertise: String,
@@ -43,7 +45,10 @@ pub struct NodeConfig {
     pub ttl: Duration,
     /// How long a node that is out keeps its sequences.
     pub grace: Duration,
+    /// kvtier's version, published in the node record.
     pub version: String,
+    /// Bytes per tier, published in the node record (placement weighs
+    /// nodes by it).
     pub capacity: TierBytes,
 }
 
@@ -121,13 +126,18 @@ pub struct Joined {
     pub adopted: usize,
 }
 
+/// Why [`Node::join`] failed.
 #[derive(Debug, thiserror::Error)]
 pub enum JoinError {
+    /// etcd could not be reached, or failed a request joining needs.
     #[error("etcd at {endpoints}: {source}")]
     Etcd {
+        /// The configured endpoints, comma-separated.
         endpoints: String,
+        /// etcd's error.
         source: etcd_client::Error,
     },
+    /// Another live process holds this node id's membership (the id).
     #[error("node {0} is already in the cluster (another process holds its membership)")]
     Duplicate(String),
 }
@@ -200,6 +210,7 @@ impl Node {
         Ok((node, joined))
     }
 
+    /// This node's id.
     pub fn id(&self) -> &str {
         &self.config.node_id
     }
@@ -209,10 +220,13 @@ impl Node {
         &self.config.etcd.cluster
     }
 
+    /// The cluster's members as this node last saw them.
     pub fn view(&self) -> Arc<View> {
         Arc::clone(&self.view.borrow())
     }
 
+    /// The node's standing, checked at every lease renewal (a third of the
+    /// TTL); the receiver sees each change.
     pub fn health(&self) -> watch::Receiver<Health> {
         self.health.subscribe()
     }

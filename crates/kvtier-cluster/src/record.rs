@@ -18,6 +18,8 @@ pub enum NodeState {
 }
 
 impl NodeState {
+    /// The state's name, as the JSON record and `kvtier cluster status`
+    /// spell it.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Joining => "joining",
@@ -30,8 +32,11 @@ impl NodeState {
 /// Bytes per tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierBytes {
+    /// The device tier (GPU memory, or its emulation in host memory).
     pub device: u64,
+    /// The host memory tier.
     pub host: u64,
+    /// The NVMe tier.
     pub nvme: u64,
 }
 
@@ -39,13 +44,17 @@ pub struct TierBytes {
 /// is in the cluster.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeRecord {
+    /// The node's id, also the last part of its key.
     pub node_id: String,
     /// Where clients and other nodes reach its gRPC service
     /// (`http://host:port` or `https://…`).
     pub addr: String,
+    /// Its part in the cluster; placement counts only serving nodes.
     pub state: NodeState,
     /// kvtier's version.
     pub version: String,
+    /// Bytes per tier the node was configured with; host and NVMe make its
+    /// placement weight.
     pub capacity: TierBytes,
     /// Refreshed while the node runs.
     pub free: TierBytes,
@@ -65,6 +74,7 @@ impl NodeRecord {
 /// (or its owner past its grace), so a sequence has one owner at a time.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OwnerRecord {
+    /// The owner's node id.
     pub node_id: String,
     /// Random per creation: a read never mixes two creations of one id.
     pub incarnation: u64,

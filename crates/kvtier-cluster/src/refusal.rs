@@ -8,36 +8,67 @@ pub enum Refusal {
     /// the client routes there.
     #[error("sequence {sequence} is {why} node {owner} ({addr}), not {this}")]
     Elsewhere {
+        /// The sequence's id.
         sequence: String,
+        /// `placed on` (placement puts a new sequence there) or `on` (that
+        /// node owns it).
         why: &'static str,
+        /// The node to go to.
         owner: String,
+        /// That node's gRPC address.
         addr: String,
+        /// The refusing node.
         this: String,
     },
     /// ALREADY_EXISTS: another node owns a sequence of that id.
     #[error("sequence {sequence} already exists on node {owner}")]
-    ExistsElsewhere { sequence: String, owner: String },
+    ExistsElsewhere {
+        /// The sequence's id.
+        sequence: String,
+        /// The node that owns it.
+        owner: String,
+    },
     /// NOT_FOUND: the call is meant for an earlier creation of the id.
     #[error(
         "sequence {sequence} was created again since: the call is for incarnation {expected}, the sequence \
          is incarnation {now}"
     )]
-    Recreated { sequence: String, expected: u64, now: u64 },
+    Recreated {
+        /// The sequence's id.
+        sequence: String,
+        /// The incarnation the call was meant for (its `kvtier-incarnation`).
+        expected: u64,
+        /// The incarnation the sequence is now.
+        now: u64,
+    },
     /// UNAVAILABLE: the owner's membership lease lapsed; it has until its
     /// grace ends to come back with the sequence.
     #[error(
         "sequence {sequence} is on node {owner}, which is out of the cluster (its lease lapsed); it gets the \
          sequence back if it returns within its grace period"
     )]
-    OwnerOut { sequence: String, owner: String },
+    OwnerOut {
+        /// The sequence's id.
+        sequence: String,
+        /// The node that owns it.
+        owner: String,
+    },
     /// DATA_LOSS: the owner stayed away past its grace period.
     #[error("sequence {sequence} was lost with node {owner}, which stayed out of the cluster past its grace period")]
-    Lost { sequence: String, owner: String },
+    Lost {
+        /// The sequence's id.
+        sequence: String,
+        /// The node it was lost with.
+        owner: String,
+    },
     /// UNAVAILABLE: what the call needs from etcd cannot be had now.
     #[error("node {this} cannot {what}: {why}")]
     Unavailable {
+        /// The refusing node.
         this: String,
+        /// What it cannot do (`create a sequence`, say).
         what: &'static str,
+        /// Why not.
         why: String,
     },
     /// UNAVAILABLE: the node lost etcd for half its grace period; the
@@ -46,7 +77,12 @@ pub enum Refusal {
         "node {this} serves no sequence: it has not reached etcd for {secs} s, half its grace period, so the \
          cluster may declare its sequences lost"
     )]
-    Fenced { this: String, secs: u64 },
+    Fenced {
+        /// The refusing node.
+        this: String,
+        /// Seconds since etcd last answered a renewal of its grace lease.
+        secs: u64,
+    },
 }
 
 impl Refusal {

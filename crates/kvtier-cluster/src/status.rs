@@ -12,9 +12,11 @@ use crate::record::{NodeRecord, OwnerRecord};
 /// One etcd endpoint as it answered.
 #[derive(Debug, Clone, Serialize)]
 pub struct EndpointHealth {
+    /// The endpoint's URL, as configured.
     pub endpoint: String,
     /// `None` when it answered; the error otherwise.
     pub error: Option<String>,
+    /// etcd's version, when the endpoint answered.
     pub version: Option<String>,
     /// Whether this member is the leader.
     pub leader: Option<bool>,
@@ -24,19 +26,27 @@ pub struct EndpointHealth {
 /// owns sequences (within its grace, or lost).
 #[derive(Debug, Clone, Serialize)]
 pub struct NodeStatus {
+    /// The node's id.
     pub node_id: String,
     /// `joining`, `serving`, `draining`; `out` (lease lapsed, within its
     /// grace); `lost` (past its grace, sequences still recorded).
     pub state: String,
+    /// Its node record; `None` for a node out of the cluster.
     pub record: Option<NodeRecord>,
     /// Ownership records naming the node.
     pub sequences: u64,
 }
 
+/// What [`status`] read: the cluster's nodes and how each etcd endpoint
+/// answered.
 #[derive(Debug, Clone, Serialize)]
 pub struct ClusterStatus {
+    /// The cluster's name.
     pub cluster: String,
+    /// Members, and nodes out of the cluster that ownership records still
+    /// name, by id.
     pub nodes: Vec<NodeStatus>,
+    /// Every configured endpoint, in the configured order.
     pub etcd: Vec<EndpointHealth>,
 }
 

@@ -24,10 +24,12 @@ pub struct View {
 }
 
 impl View {
+    /// Every member, whatever its state, by node id.
     pub fn members(&self) -> impl Iterator<Item = &NodeRecord> {
         self.members.values()
     }
 
+    /// The member of that id; `None` if no such node is in the cluster.
     pub fn member(&self, node_id: &str) -> Option<&NodeRecord> {
         self.members.get(node_id)
     }

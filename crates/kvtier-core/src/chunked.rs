@@ -6,6 +6,8 @@
 /// Elements per chunk.
 const CHUNK: usize = 512;
 
+/// A growable vector of `T` kept in chunks of 512 elements, so a push never
+/// moves existing elements.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChunkedVec<T> {
     chunks: Vec<Vec<T>>,
@@ -22,14 +24,17 @@ impl<T> Default for ChunkedVec<T> {
 }
 
 impl<T> ChunkedVec<T> {
+    /// Number of elements.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether there are no elements.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// Appends `value` at the end, opening a new chunk when the last is full.
     pub fn push(&mut self, value: T) {
         if self.len.is_multiple_of(CHUNK) {
             // The first chunk grows as needed (most vectors stay short).
@@ -40,14 +45,17 @@ impl<T> ChunkedVec<T> {
         self.len += 1;
     }
 
+    /// Element `i`, or `None` if `i` is out of bounds.
     pub fn get(&self, i: usize) -> Option<&T> {
         self.chunks.get(i / CHUNK)?.get(i % CHUNK)
     }
 
+    /// Element `i` mutably, or `None` if `i` is out of bounds.
     pub fn get_mut(&mut self, i: usize) -> Option<&mut T> {
         self.chunks.get_mut(i / CHUNK)?.get_mut(i % CHUNK)
     }
 
+    /// The elements in order.
     pub fn iter(&self) -> impl Iterator<Item = &T> {
         self.chunks.iter().flatten()
     }
@@ -71,6 +79,7 @@ pub struct ChunkedEntries {
 }
 
 impl ChunkedEntries {
+    /// An empty set of entries of `entry_bytes` bytes each, `per_chunk` entries per chunk.
     pub fn new(entry_bytes: usize, per_chunk: usize) -> Self {
         Self {
             entry_bytes,
@@ -80,14 +89,17 @@ impl ChunkedEntries {
         }
     }
 
+    /// Bytes of one entry.
     pub fn entry_bytes(&self) -> usize {
         self.entry_bytes
     }
 
+    /// Number of entries.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether there are no entries.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -102,11 +114,13 @@ impl ChunkedEntries {
         self.chunks.iter().map(Vec::as_slice)
     }
 
+    /// Entry `i` (`entry_bytes` bytes). Panics if `i` is out of bounds.
     pub fn get(&self, i: usize) -> &[u8] {
         let at = i % self.per_chunk * self.entry_bytes;
         &self.chunks[i / self.per_chunk][at..at + self.entry_bytes]
     }
 
+    /// Entry `i` mutably. Panics if `i` is out of bounds.
     pub fn get_mut(&mut self, i: usize) -> &mut [u8] {
         let at = i % self.per_chunk * self.entry_bytes;
         &mut self.chunks[i / self.per_chunk][at..at + self.entry_bytes]

@@ -22,6 +22,7 @@ pub struct DigestColumn {
 }
 
 impl DigestColumn {
+    /// An empty column for keys of `dtype` with `head_dim` elements per row.
     pub fn new(dtype: DType, head_dim: usize) -> Self {
         Self {
             dtype,
@@ -30,10 +31,12 @@ impl DigestColumn {
         }
     }
 
+    /// Element type of the keys and so of the digests.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
 
+    /// Elements per key row (and per min or max row).
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
@@ -47,6 +50,7 @@ impl DigestColumn {
         self.entries.entry_bytes()
     }
 
+    /// Number of pages with a digest.
     pub fn pages(&self) -> usize {
         self.entries.len()
     }
@@ -71,10 +75,12 @@ impl DigestColumn {
         self.entries.get_mut(page)
     }
 
+    /// Element-wise minimum of page `page`'s keys (`head_dim` elements).
     pub fn min_row(&self, page: usize) -> &[u8] {
         &self.entry(page)[..self.row_bytes()]
     }
 
+    /// Element-wise maximum of page `page`'s keys (`head_dim` elements).
     pub fn max_row(&self, page: usize) -> &[u8] {
         &self.entry(page)[self.row_bytes()..]
     }

@@ -1,17 +1,24 @@
+//! The element types of keys and values, and their little-endian encoding.
+
 use half::{bf16, f16};
 
 /// Element type of keys and values. Every byte on the wire and in every tier
 /// is little-endian.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// IEEE 754 single precision, 4 bytes.
     F32,
+    /// IEEE 754 half precision, 2 bytes.
     F16,
+    /// bfloat16 (the top half of an f32), 2 bytes.
     Bf16,
 }
 
 impl DType {
+    /// All three dtypes, widest first.
     pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
 
+    /// Bytes per element.
     pub const fn size(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -19,6 +26,7 @@ impl DType {
         }
     }
 
+    /// Lower-case name (`f32`, `f16`, `bf16`), as printed by `Display`.
     pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",

@@ -1,3 +1,5 @@
+//! Names of tenants and sequences, validated as they arrive in requests.
+
 use crate::wire;
 use std::fmt;
 use std::sync::Arc;
@@ -17,11 +19,14 @@ pub struct SequenceId(Arc<str>);
 /// The full name of a sequence.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SequenceKey {
+    /// The tenant the sequence belongs to.
     pub tenant: TenantId,
+    /// The sequence's name within `tenant`.
     pub sequence: SequenceId,
 }
 
 impl TenantId {
+    /// Name of the tenant that an empty tenant name stands for.
     pub const DEFAULT: &'static str = "default";
     const MAX_LEN: usize = 64;
 
@@ -49,6 +54,7 @@ impl TenantId {
         Ok(Self(name.into()))
     }
 
+    /// The tenant's name.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -57,6 +63,8 @@ impl TenantId {
 impl SequenceId {
     const MAX_LEN: usize = 256;
 
+    /// Validates a sequence name: required, at most 256 bytes, no control
+    /// characters. Errors name `field`.
     pub fn parse(field: &str, name: &str) -> Result<Self, FieldError> {
         if name.is_empty() {
             return Err(FieldError::new(field, "is required"));
@@ -73,12 +81,15 @@ impl SequenceId {
         Ok(Self(name.into()))
     }
 
+    /// The sequence's name.
     pub fn as_str(&self) -> &str {
         &self.0
     }
 }
 
 impl SequenceKey {
+    /// Validates both names, reporting errors against the `tenant` and
+    /// `sequence_id` request fields.
     pub fn parse(tenant: &str, sequence: &str) -> Result<Self, FieldError> {
         Ok(Self {
             tenant: TenantId::parse(wire::TENANT.path, tenant)?,

@@ -11,6 +11,8 @@ use crate::chunked::ChunkedEntries;
 use crate::sketch::{self, cuboid_entry};
 use crate::{DIGEST_CHUNK_PAGES, DType, DigestColumn};
 
+/// The resident index of one lane: a digest per page and `page_size` key
+/// sketch rows per page, both in page order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageIndex {
     digests: DigestColumn,
@@ -21,6 +23,8 @@ pub struct PageIndex {
 }
 
 impl PageIndex {
+    /// An empty index for keys of `dtype` and `head_dim` elements, in pages
+    /// of `page_size` tokens.
     pub fn new(dtype: DType, head_dim: usize, page_size: u32) -> Self {
         let page_size = page_size as usize;
         Self {
@@ -30,6 +34,7 @@ impl PageIndex {
         }
     }
 
+    /// The per-page min/max digests.
     pub fn digests(&self) -> &DigestColumn {
         &self.digests
     }
@@ -52,10 +57,12 @@ impl PageIndex {
         self.sketches.get(page)
     }
 
+    /// Bytes of one token's sketch row.
     pub fn sketch_row_bytes(&self) -> usize {
         sketch::row_bytes(self.digests.head_dim())
     }
 
+    /// Tokens per page, and so sketch rows kept per page.
     pub fn page_size(&self) -> usize {
         self.page_size
     }

@@ -8,11 +8,16 @@ use crate::{DType, DigestColumn, PageIndex, Reason};
 /// page (its placement tells hot from cold), `S` its summary storage.
 #[derive(Debug)]
 pub enum LogicalPage<P, S> {
+    /// The original K/V, in the physical page `P` (hot or cold).
     Physical(P),
+    /// Replaced by a summary kept in `S`.
     Summary(S),
+    /// Deleted, for this reason; the positions still count.
     Gone(Reason),
 }
 
+/// One lane: its pages in position order, its token count and the index of
+/// every page. Only the last page may be partial.
 #[derive(Debug)]
 pub struct Lane<P, S> {
     page_size: u32,
@@ -25,11 +30,15 @@ pub struct Lane<P, S> {
 /// new pages holding `new_pages[i]` rows each.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AppendPlan {
+    /// Rows that go into the partial last page (0 if there is none).
     pub fill: u32,
+    /// Rows of each new page, in order; all are `page_size` but the last.
     pub new_pages: Vec<u32>,
 }
 
 impl<P, S> Lane<P, S> {
+    /// An empty lane for keys of `dtype` and `head_dim` elements, in pages of
+    /// `page_size` tokens.
     pub fn new(dtype: DType, head_dim: usize, page_size: u32) -> Self {
         Self {
             page_size,
@@ -44,6 +53,7 @@ impl<P, S> Lane<P, S> {
         self.tokens
     }
 
+    /// Pages held, whatever their state (summarised and gone ones included).
     pub fn num_pages(&self) -> usize {
         self.pages.len()
     }
@@ -53,14 +63,17 @@ impl<P, S> Lane<P, S> {
         self.pages.iter()
     }
 
+    /// Page `page`'s mapping, or `None` past the last page.
     pub fn page(&self, page: usize) -> Option<&LogicalPage<P, S>> {
         self.pages.get(page)
     }
 
+    /// The digest of every page, in page order.
     pub fn digests(&self) -> &DigestColumn {
         self.index.digests()
     }
 
+    /// The resident index (digests and key sketches) of every page.
     pub fn index(&self) -> &PageIndex {
         &self.index
     }
@@ -79,6 +92,7 @@ impl<P, S> Lane<P, S> {
         }
     }
 
+    /// Where `n` more tokens would go; changes nothing.
     pub fn plan_append(&self, n: u32) -> AppendPlan {
         let fill = n.min(self.room_in_last());
         let mut rest = n - fill;

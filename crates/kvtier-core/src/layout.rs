@@ -1,3 +1,6 @@
+//! The model layout a sequence is created with (layers, heads, head size,
+//! dtype, page size, shared-KV layer groups) and the sizes derived from it.
+
 use crate::wire;
 use crate::{DType, FieldError};
 
@@ -5,19 +8,29 @@ use crate::{DType, FieldError};
 /// (cross-layer attention, YOCO). The shared KV is stored and counted once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LayerGroup {
+    /// First layer of the group, 0-based.
     pub first_layer: u32,
+    /// Layers in the group; at least 2.
     pub num_layers: u32,
 }
 
 /// A layout as a client states it, before validation.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct LayoutSpec {
+    /// Model layers, `1..=MAX_LAYERS`.
     pub num_layers: u32,
+    /// KV heads per layer, `1..=MAX_KV_HEADS`.
     pub num_kv_heads: u32,
+    /// Query heads per layer, `1..=MAX_QUERY_HEADS`; a multiple of `num_kv_heads`.
     pub num_query_heads: u32,
+    /// Elements per K or V row, `1..=MAX_HEAD_DIM`.
     pub head_dim: u32,
+    /// Element type of keys and values.
     pub dtype: DType,
+    /// Tokens per page, `1..=MAX_PAGE_SIZE`.
     pub page_size: u32,
+    /// Groups of layers that read one shared KV; must not overlap. Empty when
+    /// every layer stores its own.
     pub layer_groups: Vec<LayerGroup>,
 }
 
@@ -32,14 +45,22 @@ pub struct Layout {
 }
 
 impl LayoutSpec {
+    /// Largest `num_layers` accepted.
     pub const MAX_LAYERS: u32 = 1024;
+    /// Largest `num_kv_heads` accepted.
     pub const MAX_KV_HEADS: u32 = 1024;
+    /// Largest `num_query_heads` accepted.
     pub const MAX_QUERY_HEADS: u32 = 8192;
+    /// Largest `head_dim` accepted, in elements.
     pub const MAX_HEAD_DIM: u32 = 1024;
+    /// Largest `page_size` accepted, in tokens.
     pub const MAX_PAGE_SIZE: u32 = 1024;
 }
 
 impl Layout {
+    /// Validates `spec` (every size in range, query heads a multiple of KV
+    /// heads, layer groups of at least 2 layers, in range and disjoint) and
+    /// numbers its stored KV layers. Errors name the offending `layout.*` field.
     pub fn new(spec: LayoutSpec) -> Result<Self, FieldError> {
         fn within(field: wire::Field, value: u32, max: u32) -> Result<(), FieldError> {
             if value == 0 || value > max {
@@ -118,24 +139,31 @@ impl Layout {
         })
     }
 
+    /// The validated spec.
     pub fn spec(&self) -> &LayoutSpec {
         &self.spec
     }
+    /// Model layers, counting each layer of a group.
     pub fn num_layers(&self) -> u32 {
         self.spec.num_layers
     }
+    /// KV heads per layer.
     pub fn num_kv_heads(&self) -> u32 {
         self.spec.num_kv_heads
     }
+    /// Query heads per layer.
     pub fn num_query_heads(&self) -> u32 {
         self.spec.num_query_heads
     }
+    /// Elements per K or V row.
     pub fn head_dim(&self) -> u32 {
         self.spec.head_dim
     }
+    /// Element type of keys and values.
     pub fn dtype(&self) -> DType {
         self.spec.dtype
     }
+    /// Tokens per page.
     pub fn page_size(&self) -> u32 {
         self.spec.page_size
     }

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! The kvtier model, free of I/O: what a page is, which state it is in, what
 //! its digest says, and which physical page backs it.
 //!

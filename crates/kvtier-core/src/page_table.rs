@@ -19,12 +19,16 @@ pub struct PhysId {
     generation: u32,
 }
 
+/// Why a [`PhysicalPages`] operation was refused; nothing changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PageTableError {
+    /// The handle names no live page (never issued, or already freed).
     #[error("physical page {0:?} does not exist")]
     Unknown(PhysId),
+    /// The share key is already registered, to this live page.
     #[error("a physical page is already registered under this share key")]
     KeyTaken(PhysId),
+    /// The page's reference count would overflow `u32`.
     #[error("physical page {0:?} has too many references")]
     TooManyRefs(PhysId),
 }
@@ -64,6 +68,7 @@ impl<T, K> Default for PhysicalPages<T, K> {
 }
 
 impl<T, K: Hash + Eq + Clone> PhysicalPages<T, K> {
+    /// An empty table.
     pub fn new() -> Self {
         Self::default()
     }
@@ -73,6 +78,7 @@ impl<T, K: Hash + Eq + Clone> PhysicalPages<T, K> {
         self.live
     }
 
+    /// Whether no page is live.
     pub fn is_empty(&self) -> bool {
         self.live == 0
     }
@@ -124,6 +130,7 @@ impl<T, K: Hash + Eq + Clone> PhysicalPages<T, K> {
         }
     }
 
+    /// The payload of live page `id`, or `None` for a stale or unknown handle.
     pub fn get(&self, id: PhysId) -> Option<&T> {
         match self.entries.get(id.index as usize) {
             Some(Entry::Live {
@@ -133,6 +140,8 @@ impl<T, K: Hash + Eq + Clone> PhysicalPages<T, K> {
         }
     }
 
+    /// References to live page `id` (at least 1), or `None` for a stale or
+    /// unknown handle.
     pub fn refs(&self, id: PhysId) -> Option<u32> {
         match self.entries.get(id.index as usize) {
             Some(Entry::Live { generation, refs, .. }) if *generation == id.generation => Some(*refs),

@@ -14,6 +14,7 @@ use crate::hash::mix64;
 /// gRPC metadata on a FAILED_PRECONDITION that sends the client elsewhere:
 /// the node that has (or is to have) the sequence, and its address.
 pub const OWNER_NODE: &str = "kvtier-owner-node";
+/// Metadata key of the owner node's address, sent with [`OWNER_NODE`].
 pub const OWNER_ADDR: &str = "kvtier-owner-addr";
 /// Request metadata naming the creation of a sequence a call is meant for.
 pub const INCARNATION: &str = "kvtier-incarnation";
@@ -23,8 +24,21 @@ pub const INCARNATION: &str = "kvtier-incarnation";
 /// pages; sharing is per tenant), else the tenant and the sequence id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PlacementKey<'a> {
-    Prefix { tenant: &'a str, first_hash: &'a [u8] },
-    Sequence { tenant: &'a str, sequence_id: &'a str },
+    /// A sequence with a prefix hash chain, placed by its tenant and the hash
+    /// of its first page.
+    Prefix {
+        /// The tenant's name.
+        tenant: &'a str,
+        /// The first page's prefix hash, as the client sent it.
+        first_hash: &'a [u8],
+    },
+    /// A sequence without prefix hashes, placed by its full name.
+    Sequence {
+        /// The tenant's name.
+        tenant: &'a str,
+        /// The sequence's name within the tenant.
+        sequence_id: &'a str,
+    },
 }
 
 impl<'a> PlacementKey<'a> {
@@ -66,7 +80,9 @@ fn fnv1a(mut h: u64, bytes: &[u8]) -> u64 {
 /// A node that may own keys, with its weight (its capacity; 0 owns nothing).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Candidate<'a> {
+    /// The node's id, unique in the cluster; it seeds the node's hash.
     pub node_id: &'a str,
+    /// Relative share of keys the node should own; 0, negative or NaN owns none.
     pub weight: f64,
 }
 

@@ -21,6 +21,7 @@ pub struct AdaptivePoll {
 }
 
 impl AdaptivePoll {
+    /// A waiter that polls for up to `cap` (zero: never), with no waits seen yet.
     pub const fn new(cap: Duration) -> Self {
         Self { cap, mean: None }
     }
@@ -30,6 +31,7 @@ impl AdaptivePoll {
         self.cap
     }
 
+    /// Changes the longest poll; the history of recent waits is kept.
     pub fn set_cap(&mut self, cap: Duration) {
         self.cap = cap;
     }

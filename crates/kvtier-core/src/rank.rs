@@ -26,15 +26,23 @@ use crate::{DIGEST_CHUNK_PAGES, DigestColumn, PageIndex};
 /// Which estimate ranks pages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Mode {
+    /// Quest's sound upper bound from each page's min/max digest.
     Quest,
+    /// `q·c + |q|·ρ` from each page's box of mean and mean deviation; tighter
+    /// than Quest but not a bound.
     Cuboid,
+    /// Each page's estimated attention mass, from its tokens' int4 sketches.
     Sketch,
+    /// Quest's bound picks `candidates ×` the budget; those are re-ranked by
+    /// sketch mass.
     TwoStage,
 }
 
 impl Mode {
+    /// All four modes, in declaration order.
     pub const ALL: [Mode; 4] = [Mode::Quest, Mode::Cuboid, Mode::Sketch, Mode::TwoStage];
 
+    /// The mode's name: `quest`, `cuboid`, `sketch` or `two-stage`.
     pub const fn name(self) -> &'static str {
         match self {
             Mode::Quest => "quest",
@@ -44,6 +52,7 @@ impl Mode {
         }
     }
 
+    /// The mode named `name` (as [`Self::name`] spells it), or `None`.
     pub fn parse(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|m| m.name() == name)
     }
@@ -64,12 +73,15 @@ impl std::fmt::Display for Mode {
 /// How a selection ranks, beyond its budget.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Ranking {
+    /// Which estimate ranks pages.
     pub mode: Mode,
     /// Two-stage: stage one keeps this many times the budget (at least 1).
     pub candidates: u32,
     /// The attention's softmax scale, applied to estimated logits; `None`:
     /// `1/√head_dim`, as most models use.
     pub softmax_scale: Option<f32>,
+    /// A top-p budget; applies only where [`Mode::estimates_mass`] (ignored
+    /// otherwise). `None`: the plain page budget.
     pub top_p: Option<TopP>,
 }
 
@@ -104,14 +116,19 @@ impl Default for Ranking {
 /// One lane's ranking problem.
 #[derive(Debug, Clone, Copy)]
 pub struct LaneQuery<'a> {
+    /// The lane's resident index (digests and sketches).
     pub index: &'a PageIndex,
     /// Tokens in the lane (the last page may be partial).
     pub tokens: u64,
     /// `[group][head_dim]`: the KV head's query heads.
     pub queries: &'a [f32],
+    /// How the group's query heads are combined per page.
     pub aggregation: Aggregation,
+    /// Pages to choose, and the sinks and window always chosen.
     pub budget: Budget,
+    /// The context-parallel rank choosing, if the lane is sharded.
     pub shard: Option<Shard>,
+    /// Which estimate ranks pages, and its parameters.
     pub ranking: Ranking,
 }
 
@@ -127,8 +144,11 @@ pub struct HeadRank {
     pub chosen: Vec<usize>,
 }
 
+/// What [`rank_lane`] found for one lane.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LaneRanking {
+    /// One entry for the KV head, or one per query head with
+    /// [`Aggregation::PerQueryHead`], in query-head order.
     pub heads: Vec<HeadRank>,
     /// Index bytes read: digests, and sketch rows.
     pub bytes_scanned: u64,

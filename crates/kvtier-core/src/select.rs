@@ -27,12 +27,18 @@ pub enum Ownership {
 /// A context-parallel rank and what it selects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shard {
+    /// This rank, in `0..world`.
     pub rank: u32,
+    /// Number of context-parallel ranks; at least 1.
     pub world: u32,
+    /// How pages are split among the ranks.
     pub ownership: Ownership,
+    /// Whether the rank takes its share of the global selection or selects
+    /// among its own pages.
     pub scope: Scope,
 }
 
+/// What a sharded selection ranks over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scope {
     /// The caller's share of the global top-k: the union over ranks is the
@@ -52,6 +58,7 @@ impl Shard {
         (start, start + base + usize::from(rank < extra))
     }
 
+    /// Whether this rank owns page `page` of a lane of `pages` pages.
     pub fn owns(&self, page: usize, pages: usize) -> bool {
         match self.ownership {
             Ownership::Contiguous => {
@@ -66,8 +73,12 @@ impl Shard {
 /// Budget, in pages, and the pages always included.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Budget {
+    /// Pages to choose in all, sinks and window included (these are chosen
+    /// even beyond it).
     pub pages: usize,
+    /// The first `sinks` pages, always chosen.
     pub sinks: usize,
+    /// The last `window` pages (the most recent), always chosen.
     pub window: usize,
 }
 
@@ -77,7 +88,9 @@ pub struct Budget {
 /// never fewer than `min_pages` nor more than the budget.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TopP {
+    /// Share of the total score to hold, in (0, 1].
     pub p: f32,
+    /// Pages to choose at least (forced ones included), score share or not.
     pub min_pages: usize,
 }
 

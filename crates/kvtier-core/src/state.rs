@@ -6,10 +6,13 @@ use std::fmt;
 /// Where a cold page's original bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ColdTier {
+    /// Host (CPU) memory.
     Host,
+    /// Local NVMe storage.
     Nvme,
 }
 
+/// The state of a page: where its original K/V bytes are, if anywhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PageState {
     /// Original K/V in the device tier; usable at once.
@@ -60,13 +63,16 @@ pub enum Reason {
 /// A transition the state machine forbids. Refused; nothing changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IllegalTransition {
+    /// The state the page was in (and still is).
     pub from: PageState,
+    /// The action that was refused.
     pub action: Action,
 }
 
 impl PageState {
     /// Number of distinct states when cold is split by tier; see [`Self::index`].
     pub const COUNT: usize = 5;
+    /// Every state, in [`Self::index`] order.
     pub const ALL: [PageState; Self::COUNT] = [
         PageState::Hot,
         PageState::Cold(ColdTier::Host),
@@ -107,7 +113,9 @@ impl PageState {
 }
 
 impl Reason {
+    /// Number of reasons; see [`Self::index`].
     pub const COUNT: usize = 7;
+    /// Every reason, in [`Self::index`] order.
     pub const ALL: [Reason; Self::COUNT] = [
         Reason::Explicit,
         Reason::CapacityPressure,
@@ -118,6 +126,7 @@ impl Reason {
         Reason::LostOnRestart,
     ];
 
+    /// Dense index in `0..COUNT`, for counter arrays.
     pub const fn index(self) -> usize {
         match self {
             Reason::Explicit => 0,
@@ -130,6 +139,7 @@ impl Reason {
         }
     }
 
+    /// Short snake_case name, as used in counter labels (`capacity`, `lost_on_restart`).
     pub const fn name(self) -> &'static str {
         match self {
             Reason::Explicit => "explicit",
@@ -144,6 +154,7 @@ impl Reason {
 }
 
 impl ColdTier {
+    /// Lower-case name (`host`, `nvme`), as printed in states and actions.
     pub const fn name(self) -> &'static str {
         match self {
             ColdTier::Host => "host",

@@ -5,6 +5,8 @@
 
 use crate::DType;
 
+/// The summary that replaces one page of one lane: `m` K/V rows with their
+/// token counts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Summary {
     /// Tokens represented by each row; they sum to the page's valid rows.
@@ -44,6 +46,7 @@ impl Summary {
         Self { counts, kv }
     }
 
+    /// Number of summary rows, `m`.
     pub fn rows(&self) -> usize {
         self.counts.len()
     }

@@ -7,7 +7,9 @@
 /// A field path and the request messages (in `kvtier.v1`) that have it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Field {
+    /// Protobuf field path, dotted for nested messages (`layout.head_dim`).
     pub path: &'static str,
+    /// Names of the `kvtier.v1` request messages that carry the field.
     pub requests: &'static [&'static str],
 }
 
@@ -52,7 +54,10 @@ const ACTIONS: &[&str] = &[SET_STATE, POLICY];
 
 macro_rules! fields {
     ($($name:ident = $path:literal in $requests:expr;)*) => {
-        $(pub const $name: Field = Field { path: $path, requests: $requests };)*
+        $(
+            #[doc = concat!("The `", $path, "` field.")]
+            pub const $name: Field = Field { path: $path, requests: $requests };
+        )*
         /// Every field an error may name.
         pub const ALL: &[Field] = &[$($name),*];
     };

@@ -23,6 +23,9 @@ pub enum SwapPath {
 /// Device slots are 256-byte aligned: full-width loads and stores.
 const GRANULE: u64 = 256;
 
+/// The device tier in GPU memory on device 0: one `cuMemAlloc` of exactly the capacity, carved
+/// into 256-byte aligned slots. Single reads and writes are synchronous driver copies;
+/// [`Tier::write_batch`] (a swap-in step) takes the tier's [`SwapPath`].
 #[derive(Debug)]
 pub struct CudaDeviceTier {
     gpu: Arc<Gpu>,
@@ -61,6 +64,9 @@ fn io(e: impl std::fmt::Display) -> TierError {
 }
 
 impl CudaDeviceTier {
+    /// Allocates `capacity` bytes of device memory (nothing for 0) and sends batches by `path`.
+    /// Errors: [`CudaError::Driver`] when the context cannot be bound or the allocation fails.
+    /// The gather kernel is compiled at the first batch that needs it, not here.
     pub fn new(gpu: &Arc<Gpu>, capacity: u64, path: SwapPath) -> Result<Self, CudaError> {
         gpu.bind()?;
         let base = match capacity {
@@ -78,6 +84,7 @@ impl CudaDeviceTier {
         })
     }
 
+    /// How batches reach the device, as chosen at [`CudaDeviceTier::new`].
     pub fn path(&self) -> SwapPath {
         self.path
     }

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! The device tier on a real GPU, through cudarc with dynamic loading: this
 //! crate builds and loads on a machine without CUDA, [`probe`] says at run
 //! time whether a device is usable, and callers fall back to the emulated
@@ -27,9 +28,13 @@ pub enum Probe {
     NoDevice,
     /// The driver or device failed.
     Failed(String),
+    /// Device 0 can be used.
     Ready {
+        /// The device's name as the driver reports it.
         name: String,
+        /// Its total memory in bytes.
         memory_bytes: u64,
+        /// Its compute capability as (major, minor): (9, 0) for an H100.
         compute_capability: (i32, i32),
     },
 }
@@ -84,12 +89,17 @@ pub fn probe() -> Probe {
     }
 }
 
+/// Why a CUDA tier could not be made or used.
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
+    /// [`probe`] found no usable device; the value says why.
     #[error("no usable CUDA device: {0}")]
     Unavailable(Probe),
+    /// A CUDA driver call failed.
     #[error("CUDA: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
+    /// NVRTC is missing or could not compile the gather kernel. (A pinned host allocation that
+    /// comes back null is reported as this too.)
     #[error("NVRTC could not compile the swap-in kernel: {0}")]
     Compile(String),
 }
@@ -115,6 +125,7 @@ impl Gpu {
         }
     }
 
+    /// The device's name as the driver reports it.
     pub fn name(&self) -> &str {
         &self.name
     }

@@ -72,6 +72,9 @@ pub struct PinnedHostTier {
 }
 
 impl PinnedHostTier {
+    /// Allocates `capacity` bytes of page-locked host memory mapped into the device, carved into
+    /// 256-byte aligned slots. Errors: [`CudaError::Driver`] when the driver refuses the
+    /// allocation or its mapping.
     pub fn new(gpu: &Arc<Gpu>, capacity: u64) -> Result<Self, CudaError> {
         Ok(Self {
             buf: PinnedBuf::new(gpu, capacity as usize)?,

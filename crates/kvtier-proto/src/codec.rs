@@ -20,6 +20,9 @@ pub trait Sender {
     const KIND: &'static str;
 }
 
+/// prost's codec with kvtier's two changes: an encoder that reserves room
+/// for the whole message at once, and a decoder whose failure has the code
+/// the message's [`Sender`] gives it (INVALID_ARGUMENT for a request).
 #[derive(Debug, Clone, Copy)]
 pub struct KvTierCodec<T, U>(PhantomData<(T, U)>);
 
@@ -48,6 +51,7 @@ where
     }
 }
 
+/// [`KvTierCodec`]'s encoder.
 #[derive(Debug)]
 pub struct KvTierEncoder<T>(ProstEncoder<T>);
 
@@ -69,6 +73,7 @@ impl<T: Message> Encoder for KvTierEncoder<T> {
     }
 }
 
+/// [`KvTierCodec`]'s decoder.
 #[derive(Debug)]
 pub struct KvTierDecoder<U>(ProstDecoder<U>);
 

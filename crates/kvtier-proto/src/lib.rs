@@ -1,7 +1,10 @@
+#![warn(missing_docs)]
 //! Generated gRPC types and stubs for `kvtier.v1` (see `proto/kvtier/v1/kvtier.proto`).
 
 pub mod codec;
 
+/// The `kvtier.v1` API: every message, enum and the `KvTier` and `Cluster`
+/// services, documented by the proto's own comments.
 #[allow(missing_debug_implementations, unreachable_pub, clippy::all, clippy::pedantic)]
 pub mod v1 {
     tonic::include_proto!("kvtier.v1");

@@ -18,12 +18,18 @@ pub enum Grant {
     Admin,
 }
 
+/// One bearer token and what it grants.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Token {
+    /// The token a caller presents (`authorization: Bearer <secret>`, or in a shared-memory
+    /// registration); compared in constant time.
     pub secret: String,
+    /// What a caller presenting it may do.
     pub grant: Grant,
 }
 
+/// The server's bearer tokens. With none (the default), no token is checked and every caller
+/// may act for every tenant.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Auth {
     tokens: Vec<Token>,
@@ -39,10 +45,13 @@ pub(crate) enum Caller {
 }
 
 impl Auth {
+    /// Checks calls against `tokens`; an empty list checks nothing. Should two tokens share a
+    /// secret, the later one's grant applies.
     pub fn new(tokens: Vec<Token>) -> Self {
         Self { tokens }
     }
 
+    /// True when tokens are configured, so every call must present one.
     pub fn enabled(&self) -> bool {
         !self.tokens.is_empty()
     }

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! The kvtier gRPC server: `kvtier.v1.KvTier`, `grpc.health.v1.Health`,
 //! server reflection, and Prometheus metrics over HTTP.
 
@@ -38,8 +39,12 @@ use crate::rpc_metrics::{RpcMetrics, Timed};
 use crate::service::KvTierService;
 use crate::shm::Regions;
 
+/// What [`BoundServer::bind`] listens on and the limits it serves under. The default serves
+/// plaintext without tokens on loopback: gRPC on 127.0.0.1:50051, metrics on 127.0.0.1:9464.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
+    /// The gRPC address (`kvtier.v1`, health, reflection); port 0 picks a free port (read it back
+    /// with [`BoundServer::grpc_addr`]). Off loopback it needs tokens and TLS unless `insecure`.
     pub listen: SocketAddr,
     /// Prometheus `/metrics`; `None` disables it.
     pub metrics_listen: Option<SocketAddr>,
@@ -76,9 +81,12 @@ pub struct ServerConfig {
 /// polling stops by itself where calls come further apart.
 pub const DEFAULT_SHM_POLL: Duration = Duration::from_micros(50);
 
+/// The server's TLS identity, read when [`BoundServer::serve`] starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsFiles {
+    /// PEM certificate chain.
     pub cert: PathBuf,
+    /// PEM private key of the certificate.
     pub key: PathBuf,
 }
 
@@ -140,29 +148,59 @@ impl ServerConfig {
     }
 }
 
+/// Why the server refused to start, or stopped serving.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
+    /// A listen address off loopback lacks the protection it needs (see
+    /// [`ServerConfig::insecure`]).
     #[error(
         "refusing to listen on {addr}, which is not loopback: {why}. Configure tokens ([[auth.tokens]]) \
          and TLS (--tls-cert, --tls-key), or pass --insecure to serve unprotected"
     )]
-    Exposed { addr: SocketAddr, why: String },
+    Exposed {
+        /// The address refused.
+        addr: SocketAddr,
+        /// What protection is missing.
+        why: String,
+    },
+    /// Limits that cannot work: `max_inflight_bytes` below two messages of `max_message_bytes`,
+    /// or no connections allowed.
     #[error("{0}")]
     Config(String),
+    /// A TLS file could not be read.
     #[error("reading TLS {what} {path}: {source}")]
     TlsFile {
+        /// `certificate` or `key`.
         what: &'static str,
+        /// The file.
         path: PathBuf,
+        /// The read error.
         source: std::io::Error,
     },
+    /// The gRPC or metrics address could not be bound.
     #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The bind error.
+        source: std::io::Error,
+    },
+    /// The shared-memory Unix socket could not be bound.
     #[error("cannot listen on the shm socket {path}: {source}")]
-    BindShm { path: PathBuf, source: std::io::Error },
+    BindShm {
+        /// The socket's path.
+        path: PathBuf,
+        /// The bind error.
+        source: std::io::Error,
+    },
+    /// The gRPC transport failed, or refused the TLS identity.
     #[error("gRPC server failed: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// The metrics HTTP server failed. (Also reported when the gRPC socket's own address cannot
+    /// be read for the start-up log.)
     #[error("metrics server failed: {0}")]
     Metrics(std::io::Error),
+    /// The reflection service could not be built from the file descriptor sets.
     #[error("reflection service: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
 }
@@ -186,6 +224,9 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
 }
 
 impl BoundServer {
+    /// Checks `config` and binds its sockets (gRPC, metrics, shm) without serving yet. Errors:
+    /// [`ServerError::Config`] or [`ServerError::Exposed`] from the checks, [`ServerError::Bind`]
+    /// or [`ServerError::BindShm`] from binding.
     pub async fn bind(store: Arc<Store>, config: ServerConfig) -> Result<Self, ServerError> {
         config.check()?;
         let grpc = bind(config.listen).await?;
@@ -217,10 +258,12 @@ impl BoundServer {
         self
     }
 
+    /// The gRPC socket's bound address: the real port when `listen` asked for port 0.
     pub fn grpc_addr(&self) -> SocketAddr {
         self.grpc.local_addr().expect("bound socket has an address")
     }
 
+    /// The metrics socket's bound address; `None` when metrics are off.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics
             .as_ref()

@@ -16,7 +16,6 @@
 //! waits for the disk: a record that finds the channel full is dropped and
 //! counted; the file stops at its size bound with an `end` record.
 
-use kvtier_sync::{Mutex, Rank, RwLock};
 use std::collections::HashSet;
 use std::hash::BuildHasher;
 use std::io::Write;
@@ -29,6 +28,7 @@ use std::time::Instant;
 
 use kvtier_core::hash::mix64;
 use kvtier_core::{ColdTier, Layout, PageState, SequenceKey, wire};
+use kvtier_sync::{Mutex, Rank, RwLock};
 use serde::{Deserialize, Serialize};
 
 use crate::{StoreError, StoreResult};
@@ -64,10 +64,13 @@ pub struct TraceHeader {
 pub enum TraceRecord {
     /// A sequence's shape, before its first access.
     Sequence {
+        /// The sequence's salted hash, as its accesses name it.
         seq: u64,
         /// Layers, KV heads, query heads, head dim.
         shape: [u32; 4],
+        /// The element type's name (`f32`, `f16`, `bf16`).
         dtype: String,
+        /// Tokens per page.
         page_size: u32,
     },
     /// Pages a call read: a selection that made them hot or read their
@@ -78,10 +81,21 @@ pub enum TraceRecord {
     Write(Access),
     /// The sequence was dropped: a sequence created again under the same
     /// name is another one (with its own `sequence` record).
-    Drop { t_us: u64, seq: u64 },
+    Drop {
+        /// Microseconds since the recording began.
+        t_us: u64,
+        /// The dropped sequence's hash.
+        seq: u64,
+    },
     /// Why the recording stopped before it was stopped, and what it
     /// dropped.
-    End { reason: String, dropped: u64 },
+    End {
+        /// `max_bytes` (the size bound was reached) or `write failed: ` and
+        /// the error.
+        reason: String,
+        /// Records dropped over the whole recording.
+        dropped: u64,
+    },
 }
 
 /// One call's pages in one layer.
@@ -89,6 +103,7 @@ pub enum TraceRecord {
 pub struct Access {
     /// Microseconds since the recording began.
     pub t_us: u64,
+    /// The sequence's salted hash (see the `sequence` record).
     pub seq: u64,
     /// The stored layer: layers that share one KV (a layer group) are
     /// recorded as the group's first layer, so their pages are one page.
@@ -97,6 +112,7 @@ pub struct Access {
     /// first row) — a step's layers share it. A write's step is where it
     /// began.
     pub step: u64,
+    /// The pages, KV head by KV head.
     pub heads: Vec<HeadPages>,
     /// A read that made its pages hot (a swap-in): the device tier saw it.
     #[serde(default)]
@@ -111,7 +127,9 @@ pub struct Access {
 /// A KV head's pages in one access.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HeadPages {
+    /// The KV head.
     pub head: u32,
+    /// Page numbers within the head's lane.
     pub pages: Vec<u32>,
     /// Where each page was served from, one letter per page: `D` device,
     /// `H` host memory, `N` NVMe, `S` a summary, `G` gone; empty when the
@@ -120,11 +138,17 @@ pub struct HeadPages {
     pub from: String,
 }
 
+/// A swap-in's pages by source tier and the time each copy took (a trace's
+/// view of a `SwapReport`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct SwapTiming {
+    /// Pages made hot from host memory.
     pub from_host: u32,
+    /// Pages made hot from NVMe.
     pub from_nvme: u32,
+    /// Microseconds spent copying the host pages up.
     pub host_us: u64,
+    /// Microseconds spent reading and copying the NVMe pages up.
     pub nvme_us: u64,
 }
 
@@ -165,10 +189,13 @@ pub fn check_sample(sample: f64) -> StoreResult<()> {
 /// A recording, running or finished.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TraceStatus {
+    /// The file, sample rate and size bound it was started with.
     pub config: TraceConfig,
+    /// Still running (`false`: stopped, and this is the last recording).
     pub recording: bool,
     /// Records written and their bytes.
     pub records: u64,
+    /// Bytes written to the file, the header included.
     pub bytes: u64,
     /// Records dropped: the channel was full, or the size bound was reached.
     pub dropped: u64,

@@ -13,10 +13,19 @@ pub enum StoreError {
     /// name). Nothing changed.
     #[error("{0}")]
     InvalidArgument(FieldError),
+    /// The named object (a sequence) does not exist. Nothing changed.
     #[error("{what} does not exist")]
-    NotFound { what: String },
+    NotFound {
+        /// What was asked for, e.g. `sequence` and its key.
+        what: String,
+    },
+    /// The object to create exists already (a sequence of the same key).
+    /// Nothing changed.
     #[error("{what} already exists")]
-    AlreadyExists { what: String },
+    AlreadyExists {
+        /// What was to be created, e.g. `sequence` and its key.
+        what: String,
+    },
     /// Well-formed, but the current state forbids it (an illegal transition,
     /// a write that does not start at the end). Nothing changed.
     #[error("{0}")]
@@ -71,19 +80,33 @@ impl From<TierError> for StoreError {
     }
 }
 
+/// What every store operation returns.
 pub type StoreResult<T> = Result<T, StoreError>;
 
 /// The manifest's failures, kept apart from the tiers' I/O errors.
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
+    /// Reading, writing or opening the manifest file failed.
     #[error("manifest {op} failed on {path}: {source}")]
     Io {
+        /// What was being done: `open`, `read`, `write`, `checkpoint`.
         op: &'static str,
+        /// The manifest file.
         path: PathBuf,
+        /// The operating system's error.
         source: std::io::Error,
     },
+    /// The manifest was read but is not in a format this kvtier reads (no
+    /// header, or another format version).
     #[error("manifest {path} cannot be read: {why}")]
-    Format { path: PathBuf, why: String },
+    Format {
+        /// The manifest file.
+        path: PathBuf,
+        /// What is wrong with it, and what to do about it.
+        why: String,
+    },
+    /// The data directory's lock could not be taken: another process holds
+    /// it, or locking itself failed.
     #[error("the data directory is in use: {0}")]
     InUse(LockError),
 }

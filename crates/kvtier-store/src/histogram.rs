@@ -24,12 +24,18 @@ pub struct Histogram {
 /// (the last, `+Inf`, is `count`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct HistogramSnapshot {
+    /// (upper bound in seconds, observations at or below it), one per
+    /// [`LATENCY_BOUNDS`] entry, in order.
     pub cumulative: Vec<(f64, u64)>,
+    /// Every observation, those above the last bound included.
     pub count: u64,
+    /// The observations' total, in seconds.
     pub sum_seconds: f64,
 }
 
 impl Histogram {
+    /// Counts one observation of `elapsed` in the first bucket that holds it
+    /// (past 10 s: only in the count and the sum).
     pub fn observe(&self, elapsed: Duration) {
         let seconds = elapsed.as_secs_f64();
         if let Some(i) = LATENCY_BOUNDS.iter().position(|&bound| seconds <= bound) {
@@ -40,6 +46,8 @@ impl Histogram {
             .fetch_add(u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX), Relaxed);
     }
 
+    /// The counts so far, made cumulative; taken without a lock, so it may
+    /// miss observations made meanwhile.
     pub fn snapshot(&self) -> HistogramSnapshot {
         let mut running = 0;
         let cumulative = LATENCY_BOUNDS

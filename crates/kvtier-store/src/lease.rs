@@ -4,12 +4,12 @@
 //! whose selection took it, and its id is random: one tenant can neither
 //! guess nor release another's.
 
-use kvtier_sync::{Mutex, Rank};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_core::TenantId;
+use kvtier_sync::{Mutex, Rank};
 
 use crate::page::{PhysPage, Pins};
 

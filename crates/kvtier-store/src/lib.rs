@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! The kvtier engine: sequences of pages across the device, host and NVMe
 //! tiers, every page in one of four explicit states.
 //!

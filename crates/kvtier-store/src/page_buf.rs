@@ -24,6 +24,7 @@ pub struct PageBuf<'a> {
 }
 
 impl<'a> PageBuf<'a> {
+    /// A buffer over all of `room`, nothing taken yet; ranges count from its start.
     pub fn new(room: &'a mut [MaybeUninit<u8>]) -> Self {
         Self {
             room,

@@ -38,9 +38,11 @@ pub(crate) struct Counters {
 pub struct Latency {
     /// One swap-in batch's copy to the device, by the tier it came from.
     pub swap_in_from_host: Histogram,
+    /// The same for pages read from NVMe (the reads included).
     pub swap_in_from_nvme: Histogram,
     /// One batch of NVMe reads (CRC checks included) or writes.
     pub nvme_read: Histogram,
+    /// One batch of NVMe writes (page copies, not the manifest).
     pub nvme_write: Histogram,
     /// Rewriting the manifest as a checkpoint.
     pub checkpoint: Histogram,
@@ -48,7 +50,9 @@ pub struct Latency {
     /// call in the store, by the slowest tier a chosen page came from:
     /// every page already hot, some from host memory, some from NVMe.
     pub selection_hot: Histogram,
+    /// Some chosen page came from host memory, none from NVMe.
     pub selection_from_host: Histogram,
+    /// Some chosen page came from NVMe.
     pub selection_from_nvme: Histogram,
     /// ... and those answered at their deadline, before the swap-in finished.
     pub selection_past_deadline: Histogram,
@@ -110,6 +114,7 @@ impl Counters {
 pub struct StateCounts(pub [u64; PageState::COUNT]);
 
 impl StateCounts {
+    /// Pages in `state` (cold on host and cold on NVMe are counted apart).
     pub fn get(&self, state: PageState) -> u64 {
         self.0[state.index()]
     }
@@ -118,26 +123,39 @@ impl StateCounts {
         self.0[state.index()] += 1;
     }
 
+    /// Pages in every state together.
     pub fn total(&self) -> u64 {
         self.0.iter().sum()
     }
 }
 
+/// How many page moves of one kind the store made since it started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TransitionCount {
+    /// The state the pages left.
     pub from: PageState,
+    /// The state they entered.
     pub to: PageState,
+    /// Why they moved.
     pub reason: Reason,
+    /// Pages moved (never 0 in a snapshot).
     pub count: u64,
 }
 
+/// One tier's size and use, as it reports them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TierStats {
+    /// Device, host or NVMe.
     pub kind: TierKind,
+    /// The implementation's name (`host-arena`, `emulated`, ...).
     pub backend: &'static str,
+    /// The tier stands in for absent hardware (a device tier in host memory).
     pub emulated: bool,
+    /// The tier's size in bytes.
     pub capacity_bytes: u64,
+    /// Bytes reserved by live slots, alignment padding included.
     pub used_bytes: u64,
+    /// Live slots (page copies and summaries held in the tier).
     pub slots: u64,
 }
 
@@ -154,6 +172,9 @@ impl TierStats {
     }
 }
 
+/// The statistics `GetStats` reports: the whole server's, or one tenant's
+/// (its sequences, pages and usage only: tiers and counters are left empty).
+/// Counters count since the store was opened.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StatsSnapshot {
     /// Whose view this is: one tenant's, or (`None`) the whole server's.
@@ -161,32 +182,46 @@ pub struct StatsSnapshot {
     /// Metadata charged, and the limit it is charged against (the server's
     /// budget, or the tenant's quota; `None`: no limit).
     pub metadata_bytes: u64,
+    /// The limit `metadata_bytes` is charged against, in bytes.
     pub metadata_limit_bytes: Option<u64>,
     /// In a tenant's view: what it holds and may hold.
     pub usage: Option<Usage>,
+    /// The configured tiers: device, host memory, and NVMe if there is one.
     pub tiers: Vec<TierStats>,
     /// Logical pages of all live sequences by state.
     pub pages: StateCounts,
+    /// Live sequences (not dropped).
     pub sequences: u64,
     /// Distinct physical pages (shared pages count once).
     pub physical_pages: u64,
+    /// Page moves by (from, to, reason); kinds never made are left out.
     pub transitions: Vec<TransitionCount>,
+    /// New physical pages stored by puts and appends (shared ones not counted).
     pub pages_written: u64,
     /// Page writes that found the page already stored under its prefix hash.
     pub pages_shared: u64,
+    /// K and V bytes received by puts and appends.
     pub bytes_written: u64,
+    /// Page bytes selections and fetches copied into their callers' buffers.
     pub bytes_read: u64,
+    /// Tokens appended, counted once per lane written (tokens × KV heads).
     pub tokens_appended: u64,
     /// Selected pages made hot, by where they came from.
     pub swapped_from_host: u64,
+    /// Selected pages made hot from NVMe.
     pub swapped_from_nvme: u64,
     /// Pages a prefetch made hot; of those, used by a later selection while
     /// still hot, and demoted or freed first.
     pub prefetch_issued: u64,
+    /// Prefetched pages a later selection used while still hot.
     pub prefetch_used: u64,
+    /// Prefetched pages demoted or freed before any selection used them.
     pub prefetch_wasted: u64,
+    /// Leases held now: selections' pages pinned until released or expired.
     pub leases: u64,
+    /// NVMe copies that failed their CRC32C check or their read.
     pub integrity_failures: u64,
+    /// Pages the host cache migrated to NVMe to make room.
     pub pages_migrated: u64,
     /// Bytes copied between tiers, as (from, to, bytes), pairs with none
     /// left out.
@@ -222,24 +257,33 @@ impl StatsSnapshot {
 /// here (this is the sequence's view), and once in the tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TierBytes {
+    /// Bytes of hot copies in the device tier.
     pub device: u64,
+    /// Bytes in host memory: page copies and summaries.
     pub host: u64,
+    /// Bytes of page copies on NVMe.
     pub nvme: u64,
 }
 
+/// What `GetSequence` reports about one sequence.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SequenceInfo {
+    /// The KV cache shape it was created with.
     pub layout: Layout,
     /// Positions present in every lane.
     pub tokens: u64,
     /// Positions present in the longest lane (lanes differ while writers of
     /// different layers or head ranges are mid-step).
     pub max_tokens: u64,
+    /// Logical pages of every lane by state.
     pub pages: StateCounts,
+    /// Bytes it holds per tier.
     pub bytes: TierBytes,
     /// Pages whose physical page other sequences also use.
     pub shared_pages: u64,
+    /// Bytes of its pages' digests (min and max keys), resident in host memory.
     pub digest_bytes: u64,
+    /// Entries in its prefix hash chain (one per full page, as created).
     pub prefix_hashes: u64,
     /// Gone pages by the reason they went (lost on restart, integrity, ...).
     pub gone_by_reason: Vec<(Reason, u64)>,

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! Locks with ranks: every lock of the store and the server is one of
 //! these, made with its [`Rank`], and [`Rank`]'s order is the only order in
 //! which a thread may hold two of them. In debug builds (and so in every
@@ -33,6 +34,8 @@ pub struct Mutex<T> {
 }
 
 impl<T> Mutex<T> {
+    /// A mutex holding `value`, taken at `rank` in the lock order; `const`, so it can be a
+    /// `static`.
     pub const fn new(rank: Rank, value: T) -> Self {
         Self {
             rank,
@@ -60,6 +63,7 @@ impl<T> Mutex<T> {
         Some(MutexGuard { inner, _held: held })
     }
 
+    /// The rank it was made with: its place in the lock order.
     pub fn rank(&self) -> Rank {
         self.rank
     }
@@ -94,6 +98,8 @@ pub struct RwLock<T> {
 }
 
 impl<T> RwLock<T> {
+    /// A reader-writer lock holding `value`, taken at `rank` in the lock order (read or write
+    /// alike); `const`, so it can be a `static`.
     pub const fn new(rank: Rank, value: T) -> Self {
         Self {
             rank,
@@ -101,6 +107,8 @@ impl<T> RwLock<T> {
         }
     }
 
+    /// Read-locks it, waiting while a writer holds it; panics in debug builds when `rank` is out
+    /// of order.
     pub fn read(&self) -> RwLockReadGuard<'_, T> {
         let held = Held::take(self.rank);
         RwLockReadGuard {
@@ -121,6 +129,8 @@ impl<T> RwLock<T> {
         Some(RwLockReadGuard { inner, _held: held })
     }
 
+    /// Write-locks it, waiting for every reader and writer to leave; panics in debug builds when
+    /// `rank` is out of order.
     pub fn write(&self) -> RwLockWriteGuard<'_, T> {
         let held = Held::take(self.rank);
         RwLockWriteGuard {
@@ -170,10 +180,13 @@ impl<T> DerefMut for RwLockWriteGuard<'_, T> {
 pub struct Condvar(std::sync::Condvar);
 
 impl Condvar {
+    /// A condition variable with no waiters; `const`, so it can be a `static`.
     pub const fn new() -> Self {
         Self(std::sync::Condvar::new())
     }
 
+    /// Unlocks the guard's mutex and sleeps until notified (or woken spuriously: callers recheck
+    /// their condition), then locks it again. The rank stays held throughout.
     pub fn wait<'a, T>(&self, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
         let MutexGuard { inner, _held } = guard;
         MutexGuard {
@@ -189,10 +202,12 @@ impl Condvar {
         (MutexGuard { inner, _held }, result.timed_out())
     }
 
+    /// Wakes one thread waiting on it, if any.
     pub fn notify_one(&self) {
         self.0.notify_one();
     }
 
+    /// Wakes every thread waiting on it.
     pub fn notify_all(&self) {
         self.0.notify_all();
     }

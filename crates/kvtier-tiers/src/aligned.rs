@@ -10,6 +10,8 @@ use std::ptr::NonNull;
 /// Alignment of every [`AlignedBuf`], and the unit of direct I/O.
 pub const IO_ALIGN: usize = 4096;
 
+/// An owned heap buffer whose start and capacity are multiples of [`IO_ALIGN`], zeroed at
+/// allocation. It derefs to its first `len()` bytes; direct I/O may use the whole capacity.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
@@ -45,10 +47,12 @@ impl AlignedBuf {
         self.len
     }
 
+    /// True when no bytes are in use; the capacity is still at least one block.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// Bytes allocated: a multiple of [`IO_ALIGN`], at least one block and at least `len()`.
     pub fn capacity(&self) -> usize {
         self.capacity
     }

@@ -14,6 +14,9 @@ use crate::{ExtentAllocator, Slot, Tier, TierError, TierKind};
 /// aliasing slowdowns between slots.
 const GRANULE: u64 = 64;
 
+/// A tier in one anonymous host-memory mapping of exactly its capacity, carved into 64-byte
+/// aligned slots: the host tier ([`ArenaTier::host`]) or, without a GPU, the emulated device
+/// tier ([`ArenaTier::emulated_device`]). Its bytes do not survive the process.
 #[derive(Debug)]
 pub struct ArenaTier {
     kind: TierKind,

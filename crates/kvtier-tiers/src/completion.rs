@@ -62,6 +62,9 @@ fn lock<T>(shared: &Shared<T>) -> std::sync::MutexGuard<'_, State<T>> {
 }
 
 impl<T> Completer<T> {
+    /// Delivers `value` and wakes whoever waits (a blocked thread or a task). A `Completer`
+    /// dropped without this reports [`Abandoned`] instead; if the consumer is gone, the value is
+    /// simply dropped.
     pub fn complete(mut self, value: T) {
         if let Some(shared) = self.shared.take() {
             let waker = {

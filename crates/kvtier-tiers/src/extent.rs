@@ -8,6 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use crate::{TierError, TierKind};
 
+/// Carves one tier's capacity into [`Slot`]s, best fit, coalescing neighbours on free. Pure
+/// bookkeeping behind one mutex; shared as an `Arc` because every slot frees itself through it.
 #[derive(Debug)]
 pub struct ExtentAllocator {
     tier: TierKind,
@@ -57,14 +59,18 @@ impl ExtentAllocator {
         })
     }
 
+    /// The capacity in bytes as given to [`ExtentAllocator::new`]; only whole granules of it are
+    /// handed out.
     pub fn capacity(&self) -> u64 {
         self.capacity
     }
 
+    /// Bytes reserved by live slots, each rounded up to the granule.
     pub fn used(&self) -> u64 {
         self.lock().used
     }
 
+    /// Number of live slots (allocated and not yet dropped).
     pub fn live(&self) -> u64 {
         self.lock().live
     }
@@ -75,6 +81,9 @@ impl ExtentAllocator {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Reserves `len` bytes (rounded up to the granule) from the smallest free extent that holds
+    /// them. Errors: [`TierError::ZeroLength`] for `len == 0`; [`TierError::Full`] when no free
+    /// extent is large enough.
     pub fn allocate(self: &Arc<Self>, len: u64) -> Result<Slot, TierError> {
         if len == 0 {
             return Err(TierError::ZeroLength);
@@ -179,6 +188,8 @@ impl Slot {
         self.len
     }
 
+    /// True when the usable length is zero, which an allocator never issues (it refuses zero
+    /// lengths).
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

@@ -21,6 +21,8 @@ pub struct Faults {
 }
 
 impl Faults {
+    /// Nothing broken (`writes_left` at `u64::MAX`; `Faults::default()` has 0, so every write
+    /// fails), shared so a test can switch faults on later.
     pub fn none() -> Arc<Self> {
         Arc::new(Self {
             writes_left: AtomicU64::new(u64::MAX),
@@ -29,6 +31,8 @@ impl Faults {
     }
 }
 
+/// Wraps a tier and fails its operations as its [`Faults`] say, passing everything else (and
+/// every label) through to the inner tier.
 #[derive(Debug)]
 pub struct FaultyTier<T> {
     inner: T,
@@ -36,6 +40,7 @@ pub struct FaultyTier<T> {
 }
 
 impl<T: Tier> FaultyTier<T> {
+    /// Wraps `inner`, breaking what `faults` says whenever it says so.
     pub fn new(inner: T, faults: Arc<Faults>) -> Self {
         Self { inner, faults }
     }

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! Storage tiers. Every tier hands out [`Slot`]s (byte extents under an exact
 //! capacity) and moves bytes in and out of them; the store decides what goes
 //! where. Backends: [`ArenaTier`] (host memory; also the emulated device) and
@@ -39,8 +40,11 @@ pub enum TierKind {
 }
 
 impl TierKind {
+    /// Every kind, from the hottest (`Device`) to the coldest (`Nvme`).
     pub const ALL: [TierKind; 3] = [TierKind::Device, TierKind::Host, TierKind::Nvme];
 
+    /// The lowercase name (`device`, `host`, `nvme`) shown in stats and logs; also what
+    /// `Display` prints.
     pub const fn name(self) -> &'static str {
         match self {
             TierKind::Device => "device",
@@ -56,37 +60,78 @@ impl fmt::Display for TierKind {
     }
 }
 
+/// Why a tier refused or failed an operation. Sizes and offsets are in bytes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TierError {
+    /// No free extent is large enough for the request. `free` may still exceed `requested`
+    /// when the free bytes are fragmented; `largest_free` says how much one slot can get.
     #[error(
         "{tier} tier is full: {requested} bytes requested, {free} of {capacity} bytes free \
          (largest free extent {largest_free})"
     )]
     Full {
+        /// The tier that refused.
         tier: TierKind,
+        /// Bytes asked for, before rounding up to the tier's granule.
         requested: u64,
+        /// Free bytes in all (the usable capacity less what live slots reserve).
         free: u64,
+        /// The longest single free extent in bytes; 0 when nothing is free.
         largest_free: u64,
+        /// The tier's capacity in bytes.
         capacity: u64,
     },
+    /// A slot of zero bytes was requested.
     #[error("a slot must be at least one byte long")]
     ZeroLength,
+    /// The slot was issued by another tier instance than the one asked to use it.
     #[error("the slot was allocated by another tier")]
     ForeignSlot,
+    /// A range that does not lie within the slot (`offset + len` past its end, or overflowing).
+    /// Owned-buffer calls also report a buffer too small for its slot this way, with `offset` 0
+    /// and `len` the buffer's size.
     #[error("bytes {offset}..{end} are outside the {slot_len}-byte slot", end = offset + len)]
-    OutOfBounds { offset: u64, len: u64, slot_len: u64 },
+    OutOfBounds {
+        /// Start of the refused range, in bytes from the start of the slot.
+        offset: u64,
+        /// Length of the refused range in bytes.
+        len: u64,
+        /// The slot's usable length in bytes.
+        slot_len: u64,
+    },
+    /// The tier's backing memory or file could not be set up: mapping or allocating it,
+    /// opening, locking or sizing the file, or starting its I/O engine.
     #[error("cannot reserve {bytes} bytes for the {tier} tier: {reason}")]
-    Reserve { tier: TierKind, bytes: u64, reason: String },
+    Reserve {
+        /// The tier being set up.
+        tier: TierKind,
+        /// The capacity asked for, in bytes.
+        bytes: u64,
+        /// What went wrong, as text.
+        reason: String,
+    },
+    /// A transfer or sync failed in the backend (the kernel, the I/O engine, the CUDA driver).
     #[error("{op} at byte {offset} failed: {message}")]
     Io {
+        /// The operation that failed: `read`, `write`, `fdatasync`, `cuda`.
         op: &'static str,
+        /// Byte offset in the tier (its file, for the NVMe tier) where it failed; 0 when the
+        /// operation has none (a sync, a CUDA call).
         offset: u64,
         /// The OS error number (ENOSPC, EIO, ...), when there is one.
         errno: Option<i32>,
+        /// The error as text.
         message: String,
     },
+    /// A claim ([`Tier::claim`]) named bytes that are not all free, or an offset that is not a
+    /// multiple of the tier's granule.
     #[error("bytes {offset}..{end} are already in use", end = offset + len)]
-    InUse { offset: u64, len: u64 },
+    InUse {
+        /// Start of the claimed extent in bytes.
+        offset: u64,
+        /// Length of the claimed extent in bytes, rounded up to the granule.
+        len: u64,
+    },
 }
 
 impl TierError {
@@ -100,15 +145,20 @@ impl TierError {
 /// `len()` = the slot's length) and whether it worked.
 #[derive(Debug)]
 pub struct ReadDone {
+    /// The buffer passed in; when the read succeeded, its `len()` bytes are the slot's.
     pub buf: AlignedBuf,
+    /// Whether the read worked; on an error the buffer's bytes mean nothing.
     pub result: Result<(), TierError>,
 }
 
 /// An owned-buffer write, finished: the slot and buffer back.
 #[derive(Debug)]
 pub struct WriteDone {
+    /// The slot written, handed back to its owner.
     pub slot: Slot,
+    /// The buffer written from, back for reuse.
     pub buf: AlignedBuf,
+    /// Whether the write worked; on an error the slot's bytes are not to be trusted.
     pub result: Result<(), TierError>,
 }
 
@@ -119,6 +169,7 @@ pub struct WriteDone {
 /// checker rules out a read racing a write of the same bytes, and slots never
 /// overlap. Dropping a slot returns its bytes to the tier.
 pub trait Tier: Send + Sync + fmt::Debug {
+    /// The level of the hierarchy this tier serves.
     fn kind(&self) -> TierKind;
     /// Implementation name as shown in stats and logs (`host-arena`, `emulated`).
     fn backend(&self) -> &'static str;
@@ -127,6 +178,7 @@ pub trait Tier: Send + Sync + fmt::Debug {
     fn emulated(&self) -> bool;
     /// The allocator that carves this tier's capacity into slots.
     fn allocator(&self) -> &Arc<ExtentAllocator>;
+    /// The tier's exact byte budget: live slots never reserve more ([`Tier::used_bytes`]).
     fn capacity_bytes(&self) -> u64 {
         self.allocator().capacity()
     }

@@ -15,12 +15,26 @@ use std::time::{Duration, Instant, SystemTime};
 /// store being dropped on a background thread) before calling it taken.
 pub const LOCK_WAIT: Duration = Duration::from_secs(2);
 
+/// Why [`LockFile::acquire`] failed.
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
+    /// Another process, or another open file of this one, held the lock for the whole wait.
     #[error("{path} is in use by another process ({holder}); stop it, or give this one other files")]
-    Held { path: PathBuf, holder: String },
+    Held {
+        /// The lock file.
+        path: PathBuf,
+        /// The holder's description as it wrote it (`pid ...: command, since date`), or
+        /// `holder unknown` when the file says nothing.
+        holder: String,
+    },
+    /// Opening, locking or writing the lock file failed.
     #[error("cannot lock {path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
+    Io {
+        /// The lock file.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
 }
 
 /// Takes an exclusive lock on `file`, retrying for up to `wait`; false if
@@ -54,6 +68,10 @@ pub struct LockFile {
 }
 
 impl LockFile {
+    /// Opens (creating it if needed) `path` and takes an exclusive `flock` on it, retrying for up
+    /// to `wait` (see [`LOCK_WAIT`]), then writes this process's description into it. Errors:
+    /// [`LockError::Held`] when it is still held after `wait`, [`LockError::Io`] when the file
+    /// cannot be opened, locked or written.
     pub fn acquire(path: &Path, wait: Duration) -> Result<Self, LockError> {
         let io = |source| LockError::Io {
             path: path.to_owned(),

@@ -19,14 +19,22 @@ pub enum Allocator {
     /// when every layer has the same number of heads; otherwise the shares
     /// are scaled to the total). A `beta` below 1 would invert the pyramid
     /// and counts as 1, i.e. uniform.
-    Pyramid { beta: f64 },
+    Pyramid {
+        /// Ratio of the mean per-lane budget to the last layer's; below 1
+        /// counts as 1.
+        beta: f64,
+    },
     /// Ada-KV (Feng et al. 2024): each layer gets its uniform share; within
     /// a layer that budget goes to the pages with the highest (normalised)
     /// scores across all its heads, after each head gets at least
     /// `floor * layer budget / heads` pages (Ada-KV's safeguard, alpha 0.2 in
     /// its experiments). Protected pages outrank every score, taken round
     /// robin across heads by priority.
-    Ada { floor: f64 },
+    Ada {
+        /// Share of an even split of the layer budget that each head is
+        /// guaranteed; clamped to `0..=1` (NaN counts as 0).
+        floor: f64,
+    },
 }
 
 impl Allocator {

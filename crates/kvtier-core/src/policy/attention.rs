@@ -7,8 +7,12 @@
 /// A key row and the consecutive tokens it stands for.
 #[derive(Debug, Clone, Copy)]
 pub struct KeyRow<'a> {
+    /// Position of the first token the row stands for.
     pub first_token: usize,
+    /// Consecutive tokens it stands for: 1 for an original key, a summary
+    /// row's count otherwise.
     pub count: usize,
+    /// The key, `head_dim` values.
     pub key: &'a [f32],
 }
 

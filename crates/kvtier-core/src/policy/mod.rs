@@ -28,29 +28,44 @@ pub use stats::TokenStats;
 pub enum PolicyError {
     /// The scorer reads [`TokenStats`] and the lane had none.
     #[error("{scorer} needs the lane's attention statistics, and none were given")]
-    MissingStats { scorer: &'static str },
+    MissingStats {
+        /// The scorer's name ([`Scorer::name`]).
+        scorer: &'static str,
+    },
     /// The scorer reads [`LaneInput::observed`] and it was not given.
     #[error("{scorer} needs the observed queries' attention per token, and none was given")]
-    MissingObserved { scorer: &'static str },
+    MissingObserved {
+        /// The scorer's name ([`Scorer::name`]).
+        scorer: &'static str,
+    },
     /// The statistics outlive a truncation of the lane.
     #[error(
         "{scorer}: attention statistics cover {stats} tokens but the lane has {tokens} (truncate them with the lane)"
     )]
     StatsTooLong {
+        /// The scorer's name ([`Scorer::name`]).
         scorer: &'static str,
+        /// Tokens the statistics cover ([`TokenStats::tokens`]).
         stats: usize,
+        /// Tokens in the lane.
         tokens: usize,
     },
     /// The observed attention is not one value per token of the lane.
     #[error("{scorer}: observed attention covers {observed} tokens but the lane has {tokens}")]
     ObservedLength {
+        /// The scorer's name ([`Scorer::name`]).
         scorer: &'static str,
+        /// Values given in [`LaneInput::observed`].
         observed: usize,
+        /// Tokens in the lane.
         tokens: usize,
     },
     /// SnapKV's pooling needs a centre token.
     #[error("the pooling kernel must be odd, got {kernel}")]
-    EvenKernel { kernel: u32 },
+    EvenKernel {
+        /// The kernel width asked for, in tokens.
+        kernel: u32,
+    },
     /// A lane of zero-token pages.
     #[error("the page size must be positive")]
     ZeroPageSize,

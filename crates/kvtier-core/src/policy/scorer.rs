@@ -44,13 +44,21 @@ pub enum Scorer {
     /// the budget. At page granularity the sinks are the pages holding them
     /// (protected) and recency is the score (page index + 1, not normalised),
     /// so any budget keeps the sink pages plus the newest pages.
-    Streaming { sink_tokens: u32 },
+    Streaming {
+        /// Leading tokens kept as attention sinks.
+        sink_tokens: u32,
+    },
     /// H2O (Zhang et al. 2023): heavy hitters by accumulated attention (decay
     /// is [`super::TokenStats::record`]'s) plus a recent window, half the budget each
     /// in the paper (`Window::Fraction(0.5)`). `normalize` divides a token's
     /// score by the queries that could see it, which removes the bias toward
     /// early tokens (off in the paper). A heavy-hitter token keeps its page.
-    H2o { window: Window, normalize: bool },
+    H2o {
+        /// The recent window, protected.
+        window: Window,
+        /// Divide each token's accumulated attention by the queries that saw it.
+        normalize: bool,
+    },
     /// SnapKV (Li et al. 2024), one-shot at the end of prefill: `observed` is
     /// the attention of the last `window_tokens` queries summed per token;
     /// the prefix before that window is scored after 1-D pooling of `kernel`
@@ -59,18 +67,28 @@ pub enum Scorer {
     /// and Ada-KV (`w32_k7_maxpool`); the reference code's fallbacks are
     /// kernel 5 with average pooling.
     SnapKv {
+        /// The observation window: `observed` comes from the last
+        /// `window_tokens` queries, whose own tokens are protected.
         window_tokens: u32,
+        /// Pooling width in tokens; must be odd.
         kernel: u32,
+        /// How the pooling combines a token's neighbourhood.
         pooling: Pooling,
     },
     /// TOVA (Oren et al. 2024): the last query's attention alone, so no recent
     /// window in the reference (`Window::Tokens(0)`).
-    Tova { window: Window },
+    Tova {
+        /// The recent window, protected.
+        window: Window,
+    },
     /// Scissorhands (Liu et al. 2023): how often each token was important
     /// (at least its query's mean weight) over the history window, see
     /// [`super::TokenStats::persistence`], plus a recent window. Counts are summed
     /// per page and not normalised.
-    Scissorhands { window: Window },
+    Scissorhands {
+        /// The recent window, protected.
+        window: Window,
+    },
     /// max-mass: the pages with the largest attention mass for the given
     /// queries (`observed`), nothing protected; pair it with
     /// [`super::dropped_mass`] to report what the kept set misses.

@@ -13,7 +13,10 @@ pub enum PolicyAction {
     /// → gone.
     Evict,
     /// → summary of `rows` rows.
-    Summarize { rows: u32 },
+    Summarize {
+        /// Summary rows per page (clamped to `1..=` the page's valid rows).
+        rows: u32,
+    },
     /// hot → cold: nothing is lost.
     Offload(ColdTier),
 }
@@ -41,6 +44,7 @@ impl PolicyAction {
 /// When a policy runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Trigger {
+    /// Once, when applied; never registered.
     Now,
     /// At each layer's first append (the end of prefill).
     AfterPrefill,
@@ -51,12 +55,17 @@ pub enum Trigger {
 /// A policy and its budget, as registered or applied.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicySpec {
+    /// First model layer the policy covers, 0-based.
     pub layer_start: u32,
+    /// Model layers it covers from `layer_start`.
     pub layer_count: u32,
+    /// How each lane's pages are scored.
     pub scorer: Scorer,
+    /// How the total budget is split over the lanes.
     pub allocator: Allocator,
     /// Tokens kept per (layer, KV head) on average, rounded up to pages.
     pub budget_tokens: u32,
+    /// What happens to the pages not kept.
     pub action: PolicyAction,
 }
 
@@ -64,12 +73,15 @@ pub struct PolicySpec {
 /// layer had grown when it last ran.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RegisteredPolicy {
+    /// The policy and its budget.
     pub spec: PolicySpec,
+    /// When it runs.
     pub trigger: Trigger,
     ran_at: BTreeMap<u32, u64>,
 }
 
 impl RegisteredPolicy {
+    /// A registered policy that has not yet run on any layer.
     pub fn new(spec: PolicySpec, trigger: Trigger) -> Self {
         Self {
             spec,

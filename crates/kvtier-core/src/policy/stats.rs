@@ -139,14 +139,14 @@ impl TokenStats {
         counts
     }
 
-    /// Sets how many recent queries [`TokenStats::persistence`] counts over,
-    /// forgetting the oldest beyond it. 0 makes every count 0.
     /// Heap bytes each position adds: its accumulated weight, count and
     /// last weight, and one bit per remembered query.
     pub fn bytes_per_token(&self) -> usize {
         std::mem::size_of::<f64>() + std::mem::size_of::<u32>() + std::mem::size_of::<f32>() + self.history.div_ceil(8)
     }
 
+    /// Sets how many recent queries [`TokenStats::persistence`] counts over,
+    /// forgetting the oldest beyond it. 0 makes every count 0.
     pub fn set_history(&mut self, history: usize) {
         self.history = history;
         while self.important.len() > history {

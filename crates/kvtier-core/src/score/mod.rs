@@ -21,7 +21,9 @@ use crate::DType;
 /// Which kernel [`score_column`] uses on this machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
+    /// Portable scalar code; runs everywhere.
     Scalar,
+    /// 8 lanes with AVX2 and F16C (x86-64).
     Avx2,
     /// 16 lanes: ~30 % more digest bytes per second than AVX2 on one core
     /// of this project's EPYC VMs, and a decode step's rank ~20 % faster.
@@ -64,6 +66,7 @@ impl Kernel {
         run
     }
 
+    /// Lower-case name (`scalar`, `avx2`, `avx512`), for logs and benchmarks.
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Scalar => "scalar",

@@ -13,12 +13,12 @@
 //! A tenant's page bytes per tier are counted as its pages' slots come and
 //! go; a quota on one refuses the allocation that would pass it.
 
-use kvtier_sync::{Mutex, Rank};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvtier_core::{SequenceKey, TenantId};
+use kvtier_sync::{Mutex, Rank};
 use kvtier_tiers::{Slot, TierKind};
 
 use crate::{StoreError, StoreResult};
@@ -26,10 +26,15 @@ use crate::{StoreError, StoreResult};
 /// What one tenant may hold. `None`: no limit of that kind.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Quota {
+    /// Live sequences the tenant may hold at once.
     pub sequences: Option<u64>,
+    /// Resident metadata of the tenant's sequences, in bytes.
     pub metadata_bytes: Option<u64>,
+    /// Page bytes in the device tier (slots as reserved, granule rounding included).
     pub device_bytes: Option<u64>,
+    /// Page bytes in host memory, counted like `device_bytes`.
     pub host_bytes: Option<u64>,
+    /// Page bytes on NVMe, counted like `device_bytes`.
     pub nvme_bytes: Option<u64>,
 }
 
@@ -50,6 +55,7 @@ pub struct Limits {
     pub metadata_bytes: u64,
     /// The quota of a tenant not named in `tenants`.
     pub default_quota: Quota,
+    /// Quotas of named tenants, in place of `default_quota`.
     pub tenants: BTreeMap<TenantId, Quota>,
 }
 
@@ -69,9 +75,13 @@ impl Default for Limits {
 pub struct OverLimit {
     /// `the server's metadata` or `tenant "a"'s host bytes`.
     pub holder: String,
+    /// What the numbers count: `bytes` or `sequences`.
     pub unit: &'static str,
+    /// What the holder held before the request, in `unit`.
     pub used: u64,
+    /// What the request needed on top of `used`, in `unit`.
     pub asked: u64,
+    /// The limit it would pass, in `unit`.
     pub limit: u64,
     /// The configuration key that sets the limit.
     pub setting: &'static str,
@@ -116,10 +126,13 @@ pub(crate) struct Account {
 /// A tenant's usage, as statistics report it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {
+    /// Live sequences the tenant holds.
     pub sequences: u64,
+    /// Resident metadata charged to the tenant, in bytes.
     pub metadata_bytes: u64,
     /// Page bytes per tier, indexed like `TierKind::ALL`.
     pub tier_bytes: [u64; 3],
+    /// The quota the tenant is held to (its own, or the default).
     pub quota: Quota,
 }
 

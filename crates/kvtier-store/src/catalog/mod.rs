@@ -12,13 +12,13 @@ mod sequence;
 #[cfg(test)]
 mod tests;
 
-use kvtier_sync::{Mutex, Rank, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use kvtier_core::{Layout, LogicalPage, PageTableError, PhysicalPages, SequenceKey, TenantId};
+use kvtier_sync::{Mutex, Rank, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub use sequence::HeadRange;
 pub(crate) use sequence::{Sequence, Target};

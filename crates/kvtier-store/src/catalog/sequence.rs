@@ -47,11 +47,14 @@ pub(crate) struct Target {
 /// A range of KV heads, `start..start + count`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadRange {
+    /// The first KV head.
     pub start: u32,
+    /// How many KV heads; checked against the layout by each operation.
     pub count: u32,
 }
 
 impl HeadRange {
+    /// Every KV head of `layout`.
     pub fn all(layout: &Layout) -> Self {
         Self {
             start: 0,

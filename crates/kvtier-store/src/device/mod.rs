@@ -16,11 +16,11 @@ mod swapin;
 mod tests;
 mod workers;
 
-use kvtier_sync::{Mutex, Rank};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use kvtier_core::Reason;
+use kvtier_sync::{Mutex, Rank};
 use kvtier_tiers::{Slot, Tier, TierError, TierKind};
 
 pub use swapin::SwapReport;

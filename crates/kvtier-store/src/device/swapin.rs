@@ -21,13 +21,18 @@ use crate::{StoreError, StoreResult};
 /// Where the pages of one swap-in came from, and what it cost.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SwapReport {
+    /// Pages that were hot already: nothing to copy.
     pub already_hot: u32,
+    /// Pages made hot from their copy in host memory.
     pub from_host: u32,
+    /// Pages made hot from NVMe (read in one batch).
     pub from_nvme: u32,
     /// Could not be made hot: no device room left that was not pinned, or
     /// the page's bytes were lost.
     pub not_hot: u32,
+    /// Microseconds the host copies took.
     pub host_micros: u64,
+    /// Microseconds the NVMe reads and their copies took.
     pub nvme_micros: u64,
 }
 

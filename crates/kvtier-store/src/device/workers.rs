@@ -1,9 +1,10 @@
 //! Background workers: swap-ins that outlived their call's deadline, and
 //! prefetches, which always run after the demand jobs waiting.
 
-use kvtier_sync::{Condvar, Mutex, Rank};
 use std::collections::VecDeque;
 use std::sync::Arc;
+
+use kvtier_sync::{Condvar, Mutex, Rank};
 
 type Job = Box<dyn FnOnce() + Send>;
 

@@ -6,8 +6,9 @@
 //! then never holds two meanings for one id: a stale record about a freed
 //! page can never be mistaken for a record about a new one.
 
-use kvtier_sync::{Mutex, Rank};
 use std::ops::Range;
+
+use kvtier_sync::{Mutex, Rank};
 
 use super::record::Record;
 use super::{Manifest, ManifestError};

@@ -1,12 +1,12 @@
 //! The open manifest file: records buffered by writers, written in groups,
 //! and rewritten as a checkpoint when the file has grown.
 
-use kvtier_sync::{Mutex, Rank};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use kvtier_sync::{Mutex, Rank};
 use kvtier_tiers::{Slot, Tier};
 
 use super::record::{FORMAT_VERSION, Record, frame, frame_into};

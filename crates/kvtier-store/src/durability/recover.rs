@@ -18,9 +18,11 @@ use crate::page::{NvmeCopy, PageRef, PhysPage, Placement, StorePage, SummaryPage
 /// What a restart found.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Recovered {
+    /// Sequences rebuilt from the manifest.
     pub sequences: u64,
     /// Pages back with their bytes (on NVMe).
     pub pages: u64,
+    /// Summaries back (in host memory).
     pub summaries: u64,
     /// Pages that were only in memory.
     pub lost_on_restart: u64,

@@ -13,11 +13,11 @@
 #[cfg(test)]
 mod tests;
 
-use kvtier_sync::{Mutex, MutexGuard, Rank};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_core::Reason;
+use kvtier_sync::{Mutex, MutexGuard, Rank};
 use kvtier_tiers::{Slot, Tier, TierError, TierKind};
 
 use crate::accounts::Account;

@@ -1,8 +1,9 @@
 //! The least-recently-used order of a cache's pages (the host cache's, the
 //! device's), and taking victims out of it.
 
-use kvtier_sync::Mutex;
 use std::sync::{Arc, Weak};
+
+use kvtier_sync::Mutex;
 
 use super::PhysPage;
 use crate::accounts::Account;

@@ -7,11 +7,11 @@ mod pins;
 mod placement;
 mod rows;
 
-use kvtier_sync::{Rank, RwLock};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use kvtier_core::{Lane, Layout, LogicalPage, PageState, PhysId, Reason, TenantId};
+use kvtier_sync::{Rank, RwLock};
 use kvtier_tiers::Slot;
 
 pub(crate) use lru::{LruVictims, PageLru, touch_lru};

@@ -23,9 +23,14 @@ use crate::page::state_of;
 use crate::reader::Reader;
 use crate::{StoreError, StoreResult};
 
+/// What a policy applied now did, summed over its lanes (all zero for a
+/// policy only registered).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct PolicyOutcome {
+    /// Candidate pages left as they were: within the budget, or leased when
+    /// the action is an offload.
     pub kept: u64,
+    /// Pages the action was applied to (evicted, summarised or offloaded).
     pub changed: u64,
     /// With queries: their mean attention mass on the pages acted on.
     pub dropped_mass: Option<f64>,

@@ -39,7 +39,12 @@ pub enum PageContent<B = Vec<u8>> {
     Original(B),
     /// `counts.len()` summary rows, K then V, each standing for `counts[i]`
     /// tokens.
-    Summary { counts: Vec<u32>, kv: B },
+    Summary {
+        /// Per summary row, the tokens it stands for.
+        counts: Vec<u32>,
+        /// The summary rows' bytes, laid out like original rows.
+        kv: B,
+    },
     /// No bytes; why they are gone.
     Gone(Reason),
 }

@@ -14,10 +14,14 @@ use crate::reader::{PageContent, room_for};
 use crate::stats::Counters;
 use crate::{StoreError, StoreResult};
 
+/// A FetchPages request: which pages of one layer to read back.
 #[derive(Debug, Clone, Copy)]
 pub struct FetchPages<'a> {
+    /// The layer to read.
     pub layer: u32,
+    /// The KV heads to read, one lane each.
     pub heads: HeadRange,
+    /// Which pages of each head's lane.
     pub pages: PageList<'a>,
     /// Also return each page's digest.
     pub with_digests: bool,
@@ -57,11 +61,15 @@ impl<'a> PageList<'a> {
 /// [`PageBuf`] the read filled.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FetchedPage<B = Vec<u8>> {
+    /// The KV head whose lane the page is in.
     pub kv_head: u32,
+    /// The page's number in its lane.
     pub page: u32,
+    /// The page's state when it was read.
     pub state: PageState,
     /// Valid token rows of the page (the last page may be partial).
     pub rows: u32,
+    /// Its original rows, its summary, or why it is gone.
     pub content: PageContent<B>,
     /// The page's key digest (min row, then max row), when asked for.
     pub digest: Option<Vec<u8>>,
@@ -95,7 +103,11 @@ pub type FetchedChunk = (Vec<FetchedPage<Range<usize>>>, Option<FetchCursor>);
 /// `index`-th page of its list.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FetchCursor {
+    /// The head's position in the request's range (0: its first head), not
+    /// its KV head number.
     pub head: usize,
+    /// The position in that head's page list (or its page number, for
+    /// [`PageList::All`]).
     pub index: usize,
 }
 

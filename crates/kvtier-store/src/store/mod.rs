@@ -80,6 +80,8 @@ use crate::{StoreError, StoreResult};
 pub struct StoreConfig {
     /// Device tier capacity. Emulated in host memory when no GPU is present.
     pub device_bytes: u64,
+    /// Host tier capacity in bytes: cold pages (and, inclusive, hot pages'
+    /// host copies) and summaries.
     pub host_bytes: u64,
     /// New pages also get a device copy (demoting LRU hot pages for room);
     /// off, they start cold and become hot only on demand.
@@ -128,12 +130,18 @@ impl Default for StoreConfig {
     }
 }
 
+/// How the device tier caches host memory (see [`StoreConfig::device_cache`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceCache {
+    /// A hot page keeps its host copy: demotion frees the device slot only.
     Inclusive,
+    /// A hot page gives its host copy up: host memory holds only cold pages,
+    /// and demotion copies the page back down.
     Exclusive,
 }
 
+/// The tiered KV-cache store: sequences and their pages over the device,
+/// host and NVMe tiers, and every operation of the API on them.
 #[derive(Debug)]
 pub struct Store {
     config: StoreConfig,
@@ -342,6 +350,8 @@ impl Store {
         &self.counters.latency
     }
 
+    /// The whole server's statistics: tiers, pages by state, metadata
+    /// against its budget, and every counter.
     pub fn stats(&self) -> StatsSnapshot {
         let (sequences, pages) = self.count_pages(|_| true);
         let tiers = [Some(self.device.tier()), Some(self.host.tier()), self.durable.nvme()];
@@ -392,6 +402,7 @@ impl Store {
         (sequences, pages)
     }
 
+    /// The configuration the store was opened with.
     pub fn config(&self) -> &StoreConfig {
         &self.config
     }

@@ -10,27 +10,39 @@ use crate::catalog::{HeadRange, Sequence};
 use crate::policy::{PolicyOutcome, decide, ensure_attention};
 use crate::{StoreError, StoreResult};
 
+/// An ApplyPolicy request: a policy to apply now or to register.
 #[derive(Debug, Clone, Copy)]
 pub struct ApplyPolicy<'a> {
+    /// The policy, its layers, budget and action.
     pub spec: &'a PolicySpec,
     /// Queries whose attention the store computes over the stored keys (and
     /// records), `[layer][n][num_query_heads][head_dim]` for the spec's
     /// layers in order (each layer has its own queries); may be empty.
     pub queries: &'a [f32],
+    /// `Now` applies it; any other trigger registers it to run after appends
+    /// (and then takes no queries).
     pub trigger: Trigger,
 }
 
 /// Weights one report gives per KV head, heads one after another.
 #[derive(Debug, Clone, Copy)]
 pub enum AttentionWeights<'a> {
+    /// One weight per token, from the layer's first token on (at most the
+    /// layer's length).
     Tokens(&'a [f32]),
+    /// One weight per page, spread evenly over the page's tokens.
     Pages(&'a [f32]),
 }
 
+/// A ReportAttention request: one query's attention, as a worker computed
+/// it, for the policies that score by observed attention (H2O and the like).
 #[derive(Debug, Clone, Copy)]
 pub struct ReportAttention<'a> {
+    /// The layer the attention was computed in.
     pub layer: u32,
+    /// The KV heads the weights cover, in order.
     pub heads: HeadRange,
+    /// The weights: finite, non-negative, the same number for every head.
     pub weights: AttentionWeights<'a>,
     /// H2O's decay ρ in (0, 1]; `None` is 1.
     pub decay: Option<f64>,

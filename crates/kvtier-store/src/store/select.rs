@@ -22,14 +22,22 @@ use crate::page_buf::PageBuf;
 use crate::stats::Counters;
 use crate::{StoreError, StoreResult};
 
+/// A SelectPages request: one layer's queries, and what to do with the
+/// pages they choose.
 #[derive(Debug, Clone, Copy)]
 pub struct SelectPages<'a> {
+    /// The layer to select in.
     pub layer: u32,
+    /// The KV heads to select for, one lane each.
     pub heads: HeadRange,
     /// Post-RoPE queries of the query heads of `heads` (GQA group after
     /// group), `[query head][head_dim]`.
     pub queries: &'a [f32],
+    /// Pages to choose per lane (per query head, without aggregation), sinks
+    /// and window included.
     pub budget: Budget,
+    /// How a GQA group's query heads score one page: max, mean, or one
+    /// selection per query head.
     pub aggregation: Aggregation,
     /// How pages are ranked: mode, candidates, softmax scale, top-p.
     pub ranking: Ranking,
@@ -79,8 +87,10 @@ pub enum Miss {
     NoRoom,
 }
 
+/// One chosen page.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SelectedPage {
+    /// The page's number in its lane.
     pub page: u32,
     /// The score the page was ranked by, aggregated over the group (or one
     /// query head's): `U` (quest), the cuboid's score, or the estimated
@@ -89,13 +99,18 @@ pub struct SelectedPage {
     pub bound: f32,
     /// After the swap-in, if one was asked for.
     pub state: PageState,
+    /// Why the page is still cold after the swap-in asked for; `None` when
+    /// no swap-in was asked for or the page is not cold.
     pub miss: Option<Miss>,
 }
 
 /// The choice for one KV head (or one query head, without aggregation).
 #[derive(Debug, Clone, PartialEq)]
 pub struct HeadSelection {
+    /// The KV head whose lane the pages are in.
     pub kv_head: u32,
+    /// With [`Aggregation::PerQueryHead`], the query head that chose; `None`
+    /// when the group's heads were aggregated.
     pub query_head: Option<u32>,
     /// In position order. Gone pages are listed (never served with data).
     pub pages: Vec<SelectedPage>,
@@ -107,6 +122,8 @@ pub struct HeadSelection {
 /// [`PageBuf`] the selection read them into.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Selection<B = Vec<u8>> {
+    /// The choice per KV head (per query head, without aggregation), in
+    /// head order.
     pub heads: Vec<HeadSelection>,
     /// With `with_data`: every selected page that is not gone, once per
     /// (KV head, page), by KV head then position.
@@ -114,6 +131,7 @@ pub struct Selection<B = Vec<u8>> {
     /// Pages scored (lane pages × KV heads) and the index bytes read
     /// (digests, and sketch rows).
     pub pages_scored: u64,
+    /// Index bytes the scoring read: digests, and sketch rows.
     pub digest_bytes: u64,
     /// What the swap-in did (zeros without one, or past its deadline).
     pub swap: SwapReport,
@@ -125,6 +143,7 @@ pub struct Selection<B = Vec<u8>> {
     pub prefetch_queued: u32,
     /// The lease pinning the selected pages, and when it expires.
     pub lease: Option<(u64, Instant)>,
+    /// Where the call spent its time.
     pub timing: SelectTiming,
     /// The mode that ranked.
     pub mode: Mode,

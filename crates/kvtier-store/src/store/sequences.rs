@@ -16,7 +16,10 @@ use crate::{StoreError, StoreResult};
 /// A new sequence and how many leading pages it shares with earlier ones.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Created {
+    /// Leading pages per lane attached from earlier sequences (shared, not
+    /// copied); 0 without a prefix hash chain or a match.
     pub attached_pages: u64,
+    /// The new sequence, as `GetSequence` describes it.
     pub info: SequenceInfo,
 }
 
@@ -126,6 +129,8 @@ impl Store {
         self.catalog.write(key, |_| Ok(f()))
     }
 
+    /// Describes sequence `key`: its layout, length, pages by state and bytes
+    /// per tier.
     pub fn sequence_info(&self, key: &SequenceKey) -> StoreResult<SequenceInfo> {
         self.catalog.read(key, |seq| Ok(self.info_of(seq)))
     }

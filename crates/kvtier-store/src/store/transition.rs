@@ -15,29 +15,46 @@ use crate::host::MigrationTime;
 use crate::page::{PhysPage, SummaryPage, state_of};
 use crate::{StoreError, StoreResult};
 
+/// A SetPageState request: one action for the same pages of every lane of
+/// some layers and KV heads.
 #[derive(Debug, Clone, Copy)]
 pub struct SetPageState<'a> {
+    /// The first layer.
     pub layer_start: u32,
+    /// How many layers from `layer_start` (layers sharing one KV name their
+    /// lane once).
     pub layer_count: u32,
+    /// The KV heads of each layer.
     pub heads: HeadRange,
+    /// Which pages of each lane.
     pub pages: PageSelection<'a>,
+    /// The move to make: offload, migrate, swap in, summarize or evict.
     pub action: Action,
     /// Rows per summary (`Summarize` only), clamped to each page's tokens.
     pub summary_rows: u32,
+    /// Why, as the transition counters record it.
     pub reason: Reason,
 }
 
+/// The pages of each lane a transition names.
 #[derive(Debug, Clone, Copy)]
 pub enum PageSelection<'a> {
     /// Pages `first..first + count` of every lane; `count == 0` means through
     /// the end of each lane.
-    Range { first: u32, count: u32 },
+    Range {
+        /// The first page.
+        first: u32,
+        /// How many pages; 0: all from `first` on.
+        count: u32,
+    },
     /// These pages of every lane.
     List(&'a [u32]),
 }
 
+/// What a transition did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TransitionOutcome {
+    /// Pages the action was applied to, over all lanes named.
     pub pages: u64,
 }
 

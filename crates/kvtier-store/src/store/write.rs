@@ -27,8 +27,12 @@ use crate::{StoreError, StoreResult};
 /// of every lane in the range (a page boundary).
 #[derive(Debug, Clone, Copy)]
 pub struct PutPages<'a> {
+    /// The layer written (a shared-KV group's layers write one lane).
     pub layer: u32,
+    /// The KV heads written, one lane each.
     pub heads: HeadRange,
+    /// The page the write starts at: every lane in the range must hold
+    /// exactly `first_page` full pages.
     pub first_page: u32,
     /// Tokens covered; all pages are full except possibly the last.
     pub num_tokens: u32,
@@ -38,8 +42,10 @@ pub struct PutPages<'a> {
     pub persist: bool,
 }
 
+/// What a put stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PutOutcome {
+    /// New pages stored, over all lanes.
     pub pages_written: u64,
     /// Pages found already stored under their prefix hash: shared, not written.
     pub pages_shared: u64,
@@ -51,8 +57,11 @@ pub struct PutOutcome {
 /// lane in the range.
 #[derive(Debug, Clone, Copy)]
 pub struct AppendTokens<'a> {
+    /// The layer written (a shared-KV group's layers write one lane).
     pub layer: u32,
+    /// The KV heads written; every lane in the range must hold the same tokens.
     pub heads: HeadRange,
+    /// Tokens appended to each lane.
     pub num_tokens: u32,
     /// Per head (head-major): K rows `[num_tokens][head_dim]`, then V rows.
     pub kv: &'a [u8],
@@ -62,13 +71,17 @@ pub struct AppendTokens<'a> {
     pub persist: bool,
 }
 
+/// What an append did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AppendOutcome {
     /// Tokens in each written lane afterwards.
     pub tokens: u64,
+    /// New pages the append started, over all lanes (filling a partial last
+    /// page opens none).
     pub pages_opened: u64,
     /// What the acknowledgement guarantees.
     pub durability: Acknowledged,
+    /// Where the call spent its time.
     pub timing: AppendTiming,
 }
 
@@ -194,6 +207,9 @@ struct Published {
 }
 
 impl Store {
+    /// Writes whole pages at the end of the lanes (PutPages), sharing each
+    /// full page already stored under its prefix hash. A refused write
+    /// changes nothing; a failed persist leaves the pages written.
     pub fn put_pages(&self, key: &SequenceKey, req: PutPages<'_>) -> StoreResult<PutOutcome> {
         self.catalog.write(key, |seq| self.put_locked(seq, req))
     }
@@ -241,6 +257,9 @@ impl Store {
         self.publish(seq, batch, planned)
     }
 
+    /// Appends decode tokens to the lanes (AppendTokens): the partial last
+    /// page is filled first, then new pages are opened; a registered policy
+    /// may run afterwards. A refused append changes nothing.
     pub fn append_tokens(&self, key: &SequenceKey, req: AppendTokens<'_>) -> StoreResult<AppendOutcome> {
         let start = Instant::now();
         let mut appended = self.catalog.write(key, |seq| {

@@ -22,14 +22,21 @@ use crate::{AlignedBuf, ExtentAllocator, IO_ALIGN, ReadDone, Slot, Tier, TierErr
 pub enum EngineChoice {
     /// io_uring if this process may use it, else psync (with a log line).
     Auto,
+    /// io_uring; [`NvmeTier::open`] fails if this process may not use it.
     Uring,
+    /// `pread`/`pwrite` on a pool of threads, one per unit of queue depth; works everywhere.
     Psync,
 }
 
+/// How to open an [`NvmeTier`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NvmeConfig {
+    /// The backing file or block device. A missing file is created, and a shorter one grown to
+    /// the capacity; existing bytes are kept.
     pub path: PathBuf,
+    /// Bytes to use, rounded down to a multiple of [`IO_ALIGN`].
     pub capacity: u64,
+    /// Which I/O engine moves the bytes.
     pub engine: EngineChoice,
     /// Operations in flight at once.
     pub queue_depth: u32,
@@ -44,6 +51,10 @@ enum Engine {
     Psync(psync::Psync),
 }
 
+/// A tier in a file or block device, opened with `O_DIRECT` (unless configured off) and
+/// locked against other processes, with 4 KiB aligned slots. I/O goes through io_uring or
+/// `pread`/`pwrite` threads ([`EngineChoice`]). Bytes survive a restart: recovery takes its
+/// slots back with [`Tier::claim`].
 #[derive(Debug)]
 pub struct NvmeTier {
     allocator: Arc<ExtentAllocator>,
@@ -126,6 +137,7 @@ impl NvmeTier {
         uring::probe().map_err(|e| e.to_string())
     }
 
+    /// The configuration it was opened with.
     pub fn config(&self) -> &NvmeConfig {
         &self.config
     }

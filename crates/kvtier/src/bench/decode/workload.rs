@@ -24,7 +24,7 @@ fn mix(mut x: u64) -> u64 {
 #[derive(Debug)]
 pub(crate) struct RealKv {
     tokens: usize,
-    /// Per dataset layer: (q [H][T][d], k [KV][T][d], v [KV][T][d]) as f32.
+    /// Per dataset layer: (q `[H][T][d]`, k `[KV][T][d]`, v `[KV][T][d]`) as f32.
     layers: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
 }
 
