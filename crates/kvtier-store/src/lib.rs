@@ -33,7 +33,7 @@ pub use access_trace::{
 };
 pub use accounts::{Limits, OverLimit, Quota, Usage};
 pub use catalog::HeadRange;
-pub use device::SwapReport;
+pub use device::{DevicePolicy, SwapReport};
 pub use durability::{Acknowledged, Durability, Recovered};
 pub use error::{ManifestError, StoreError, StoreResult};
 pub use histogram::{Histogram, HistogramSnapshot, LATENCY_BOUNDS};

@@ -9,7 +9,7 @@ use kvtier_tiers::faults::{Faults, FaultyTier};
 use kvtier_tiers::{ArenaTier, EngineChoice, NvmeConfig, NvmeTier, Tier};
 
 use crate::accounts::{Account, Accounts, Limits};
-use crate::device::HotSet;
+use crate::device::{DevicePolicy, HotSet};
 use crate::durability::Durable;
 use crate::host::HostCache;
 use crate::page::{PhysPage, Placement};
@@ -49,6 +49,11 @@ pub(crate) struct Parts {
 
 impl Parts {
     pub(crate) fn new(device_pages: u64, host_pages: u64, exclusive: bool) -> Self {
+        Self::with_policy(device_pages, host_pages, exclusive, DevicePolicy::Lru)
+    }
+
+    /// [`Parts::new`] with the device under `policy`.
+    pub(crate) fn with_policy(device_pages: u64, host_pages: u64, exclusive: bool, policy: DevicePolicy) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let nvme = NvmeTier::open(NvmeConfig {
             path: dir.path().join("nvme.data"),
@@ -68,7 +73,7 @@ impl Parts {
         Self {
             durable: Durable::new(None, 0, [&device, &host], Some(nvme), Arc::clone(&counters)),
             host: HostCache::new(host, 0.9, 0.8),
-            device: HotSet::new(device, exclusive, Arc::clone(&counters)),
+            device: HotSet::new(device, exclusive, policy, Arc::clone(&counters)),
             counters,
             accounts,
             owner,

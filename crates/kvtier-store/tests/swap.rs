@@ -516,3 +516,78 @@ fn a_cut_selection_prefetches_only_its_next_pages() {
         assert_eq!(sel.prefetch_queued, want, "{mode}: after {chosen} chosen");
     }
 }
+
+/// A decode loop (every layer selected in order, step after step) on a
+/// device of half one step's pages: LRU evicts every page before its next
+/// use and serves no hit; the loop policy keeps a resident subset of the
+/// pages chosen most and streams the next layer's last choice ahead.
+#[test]
+fn on_the_decode_loop_the_loop_policy_hits_where_lru_never_does() {
+    const LAYERS: u32 = 4;
+    const PER_LAYER: usize = 8;
+    let run = |policy: kvtier_store::DevicePolicy| {
+        let layout = Layout::new(LayoutSpec {
+            num_layers: LAYERS,
+            ..layout().spec().clone()
+        })
+        .unwrap();
+        let store = Arc::new(
+            Store::with_tiers(
+                Arc::new(ArenaTier::emulated_device(8 * PAGE_BYTES).unwrap()),
+                Arc::new(ArenaTier::host(4 << 20).unwrap()),
+                None,
+                StoreConfig {
+                    cache_writes_on_device: false,
+                    device_policy: policy,
+                    ..StoreConfig::default()
+                },
+            )
+            .unwrap(),
+        );
+        store.create_sequence(key(), layout, vec![]).unwrap();
+        for layer in 0..LAYERS {
+            for p in 0..PER_LAYER {
+                let kv = page_data(p);
+                let put = PutPages {
+                    layer,
+                    heads: HeadRange { start: 0, count: 1 },
+                    first_page: p as u32,
+                    num_tokens: PAGE as u32,
+                    kv: &kv,
+                    persist: false,
+                };
+                store.put_pages(&key(), put).unwrap();
+            }
+        }
+        // The same query every step: each layer chooses the same 4 pages,
+        // 16 a step on a device of 8.
+        let q = query(&[1, 2, 3, 4]);
+        let (mut hits, mut asked, mut prefetched) = (0, 0, 0);
+        for step in 0..8 {
+            for layer in 0..LAYERS {
+                let req = SelectPages {
+                    layer,
+                    swap_in: true,
+                    ..select(&q, 4)
+                };
+                let sel = store.select_pages(&key(), req).unwrap();
+                prefetched += sel.prefetch_queued;
+                if step >= 2 {
+                    hits += sel.swap.already_hot;
+                    asked += 4;
+                }
+                // The next layer's prefetch lands before it is asked for,
+                // as it would while this layer's attention runs.
+                store.wait_idle();
+            }
+        }
+        (hits, asked, prefetched)
+    };
+    let (lru, asked, _) = run(kvtier_store::DevicePolicy::Lru);
+    assert_eq!(lru, 0, "LRU's worst case");
+    let (hits, _, prefetched) = run(kvtier_store::DevicePolicy::Loop);
+    assert!(prefetched > 0, "the next layer is streamed ahead");
+    // The stream region holds this layer's 4 pages and the next layer's,
+    // brought up while this one is served: every selection hits.
+    assert_eq!(hits, asked);
+}

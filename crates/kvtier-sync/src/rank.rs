@@ -32,8 +32,12 @@ pub enum Rank {
     // Leaves: held alone for one update, nothing taken under them.
     /// The host cache's LRU (`page/lru.rs`).
     HostLru,
-    /// The device cache's LRU.
+    /// The device cache's LRU (the loop policy's stream region).
     DeviceLru,
+    /// The loop policy's resident subset (`device/policy.rs`).
+    DeviceResident,
+    /// The loop policy's last selection per (sequence, layer).
+    DeviceLastChosen,
     /// The tenants' accounts (`accounts/`).
     Tenants,
     /// Page leases (`lease.rs`).

@@ -139,6 +139,8 @@ pub(crate) struct TierFileConfig {
     pub(crate) swap_in_path: Option<String>,
     /// `inclusive` or `exclusive`.
     pub(crate) device_cache: Option<String>,
+    /// `lru` or `loop`.
+    pub(crate) device_policy: Option<String>,
 }
 
 /// The metadata budget and tenants' quotas.

@@ -9,7 +9,9 @@ use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use kvtier_cuda::{CudaDeviceTier, PinnedHostTier, SwapPath};
 use kvtier_server::{BoundServer, ServerConfig, TlsFiles};
-use kvtier_store::{DeviceCache, Durability, EngineChoice, NvmeConfig, Store, StoreConfig, Tier, TraceConfig};
+use kvtier_store::{
+    DeviceCache, DevicePolicy, Durability, EngineChoice, NvmeConfig, Store, StoreConfig, Tier, TraceConfig,
+};
 
 use crate::cluster::{ClusterArgs, Listening, node_config};
 use crate::config::{
@@ -36,6 +38,11 @@ pub(crate) struct ServeArgs {
     /// Host tier capacity, e.g. 8GiB [default: 1/4 of available memory, at most 8GiB].
     #[arg(long, value_name = "SIZE")]
     host_bytes: Option<ByteSize>,
+    /// Which hot page the device demotes for room: lru, or loop (a resident
+    /// subset of the most reused pages plus a stream region that layer-ahead
+    /// prefetches fill) [default: lru].
+    #[arg(long, value_name = "POLICY")]
+    device_policy: Option<DevicePolicy>,
     /// NVMe tier capacity; 0 disables it [default: 1/4 of the free space, at most 16GiB].
     #[arg(long, value_name = "SIZE")]
     nvme_bytes: Option<ByteSize>,
@@ -244,6 +251,13 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             Some(other) => bail!("device_cache: {other:?} is not one of inclusive, exclusive"),
         },
         limits: file.limits.limits(args.metadata_bytes)?,
+        device_policy: match args.device_policy {
+            Some(policy) => policy,
+            None => match file.tiers.device_policy.as_deref() {
+                None => DevicePolicy::default(),
+                Some(name) => name.parse().map_err(|e| anyhow::anyhow!("device_policy: {e}"))?,
+            },
+        },
     };
     let data_dir = args
         .data_dir

@@ -187,3 +187,38 @@ fn serve_refuses_to_listen_off_loopback_unprotected() {
         "the refusal names the address and the flag:\n{stderr}"
     );
 }
+
+/// A device policy that does not exist is refused before anything starts,
+/// naming the flag or key and the policies there are.
+#[test]
+fn serve_names_an_unknown_device_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("kvtier.toml");
+    std::fs::write(&config, "[tiers]\ndevice_policy = \"fifo\"\n").unwrap();
+    for (args, names) in [
+        (vec!["--device-policy", "fifo"], "--device-policy"),
+        (vec!["--config", config.to_str().unwrap()], "device_policy"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .arg("serve")
+            .args(&args)
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "off",
+                "--nvme-bytes",
+                "0",
+            ])
+            .args(["--data-dir", dir.path().to_str().unwrap()])
+            .stdout(Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "it started with {args:?}:\n{stderr}");
+        assert!(
+            stderr.contains(names) && stderr.contains("lru") && stderr.contains("loop"),
+            "the refusal names {names} and the policies:\n{stderr}"
+        );
+    }
+}

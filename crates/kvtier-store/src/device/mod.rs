@@ -11,6 +11,7 @@
 //! Locks: the LRU is held only to update or pop one entry, never while a
 //! page's placement lock is taken.
 
+mod policy;
 mod swapin;
 #[cfg(test)]
 mod tests;
@@ -23,6 +24,7 @@ use kvtier_core::Reason;
 use kvtier_sync::{Mutex, Rank};
 use kvtier_tiers::{Slot, Tier, TierError, TierKind};
 
+pub use policy::DevicePolicy;
 pub use swapin::SwapReport;
 pub(crate) use workers::Workers;
 
@@ -31,6 +33,7 @@ use crate::accounts::Account;
 use crate::host::HostCache;
 use crate::page::{LruVictims, PageLru, PhysPage, touch_lru};
 use crate::stats::Counters;
+use policy::{Admitted, LastChosen, Resident, Reuse};
 
 /// How many of a tenant's least recently used hot pages one scan of the LRU
 /// collects when the tenant is past its device quota.
@@ -39,19 +42,35 @@ const DEMOTION_CANDIDATES: usize = 64;
 #[derive(Debug)]
 pub(crate) struct HotSet {
     tier: Arc<dyn Tier>,
+    /// Hot pages that may be demoted, least recently used first: every hot
+    /// page under `Lru`, the stream region under `Loop`.
     lru: PageLru,
     /// A swap-in moves the page instead of copying it.
     exclusive: bool,
+    policy: DevicePolicy,
+    /// The loop policy's resident subset (empty under `Lru`).
+    resident: Mutex<Resident>,
+    reuse: Reuse,
+    /// The loop policy's last selection of each (sequence, layer).
+    last_chosen: Mutex<LastChosen>,
     workers: Arc<Workers>,
     counters: Arc<Counters>,
 }
 
 impl HotSet {
-    pub(crate) fn new(tier: Arc<dyn Tier>, exclusive: bool, counters: Arc<Counters>) -> Self {
+    pub(crate) fn new(tier: Arc<dyn Tier>, exclusive: bool, policy: DevicePolicy, counters: Arc<Counters>) -> Self {
+        let resident = match policy {
+            DevicePolicy::Lru => 0,
+            DevicePolicy::Loop => tier.capacity_bytes(),
+        };
         Self {
             tier,
             lru: Mutex::new(Rank::DeviceLru, lru::LruCache::unbounded()),
             exclusive,
+            policy,
+            resident: Mutex::new(Rank::DeviceResident, Resident::new(resident)),
+            reuse: Reuse::default(),
+            last_chosen: Mutex::new(Rank::DeviceLastChosen, LastChosen::new()),
             workers: Workers::start(2),
             counters,
         }
@@ -70,12 +89,24 @@ impl HotSet {
     /// device quota (refused when none is left), anyone's while the device
     /// is full. Demotion only drops the device copy (the backing copy
     /// stays), so nothing is lost.
-    pub(crate) fn allocate(&self, len: u64, host: &HostCache, owner: &Arc<Account>) -> StoreResult<Slot> {
-        while !owner.fits(TierKind::Device, len) && self.demote_lru(host, Some(owner)) {}
+    ///
+    /// Under the loop policy a resident page is demoted only when no other
+    /// is left, and only when `take_resident` (an explicit swap-in; a
+    /// selection's misses beyond the stream region stay cold and are read
+    /// from where they are, so the subset keeps hitting).
+    pub(crate) fn allocate(
+        &self,
+        len: u64,
+        host: &HostCache,
+        owner: &Arc<Account>,
+        take_resident: bool,
+    ) -> StoreResult<Slot> {
+        let demote = |owner| self.demote_lru(host, owner) || (take_resident && self.demote_resident(host, owner));
+        while !owner.fits(TierKind::Device, len) && demote(Some(owner)) {}
         owner.slot(TierKind::Device, len, false, || {
             loop {
                 match self.tier.allocate(len) {
-                    Err(TierError::Full { .. }) if self.demote_lru(host, None) => continue,
+                    Err(TierError::Full { .. }) if demote(None) => continue,
                     other => return other,
                 }
             }
@@ -98,22 +129,10 @@ impl HotSet {
                 pinned.push((id, weak));
                 continue;
             }
-            // Demotion may not drop the only copy: a page held only on the
-            // device (exclusive caching) is copied down to host first.
-            if page.place.read().backing_tier().is_none() && !self.copy_down(&page, host) {
-                pinned.push((id, weak)); // no host room now; keep it hot
-                continue;
-            }
-            let mut place = page.place.write();
-            if page.pinned() {
-                continue; // pinned since: it stays hot
-            }
-            if let Some((change, slot)) = place.drop_device() {
-                drop(place);
-                drop(slot);
-                self.counters.counted(change.from, change.to, Reason::CapacityPressure);
-                self.note_wasted(&page);
-                break true;
+            match self.demote(&page, host) {
+                Demotion::Done => break true,
+                Demotion::KeptHot => pinned.push((id, weak)),
+                Demotion::Gone => {}
             }
         };
         // Pinned pages keep their place at the least recently used end.
@@ -123,6 +142,54 @@ impl HotSet {
             lru.demote(&id);
         }
         demoted
+    }
+
+    /// The lowest-scored resident page (of `owner`, if given) that is not
+    /// pinned, demoted; false when none is left.
+    fn demote_resident(&self, host: &HostCache, owner: Option<&Arc<Account>>) -> bool {
+        let mut kept = Vec::new();
+        let demoted = loop {
+            let Some((_, weak)) = self.resident.lock().pop_lowest() else {
+                break false;
+            };
+            let Some(page) = weak.upgrade() else { continue };
+            if page.pinned() || owner.is_some_and(|o| !page.owned_by(o)) {
+                kept.push(page);
+                continue;
+            }
+            match self.demote(&page, host) {
+                Demotion::Done => break true,
+                Demotion::KeptHot => kept.push(page),
+                Demotion::Gone => {}
+            }
+        };
+        let mut resident = self.resident.lock();
+        for page in &kept {
+            let _ = resident.admit(page, self.reuse.score(page));
+        }
+        demoted
+    }
+
+    /// Drops `page`'s device copy, after copying a device-only page down:
+    /// demotion may not drop the only copy.
+    fn demote(&self, page: &Arc<PhysPage>, host: &HostCache) -> Demotion {
+        if page.place.read().backing_tier().is_none() && !self.copy_down(page, host) {
+            return Demotion::KeptHot; // no host room now
+        }
+        let mut place = page.place.write();
+        if page.pinned() {
+            return Demotion::KeptHot; // pinned since
+        }
+        match place.drop_device() {
+            Some((change, slot)) => {
+                drop(place);
+                drop(slot);
+                self.counters.counted(change.from, change.to, Reason::CapacityPressure);
+                self.note_wasted(page);
+                Demotion::Done
+            }
+            None => Demotion::Gone,
+        }
     }
 
     /// Gives a device-only page a host copy; false if there is no host room
@@ -158,15 +225,108 @@ impl HotSet {
         }
     }
 
-    /// Marks pages as just used on the device.
+    /// Marks pages as just used on the device (a resident page has no
+    /// place in the LRU: it is not a candidate).
     pub(crate) fn touch<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
-        touch_lru(&self.lru, pages);
+        match self.policy {
+            DevicePolicy::Lru => touch_lru(&self.lru, pages),
+            DevicePolicy::Loop => {
+                let streamed: Vec<&Arc<PhysPage>> = {
+                    let resident = self.resident.lock();
+                    pages.into_iter().filter(|p| !resident.contains(p.id)).collect()
+                };
+                touch_lru(&self.lru, streamed);
+            }
+        }
     }
 
-    pub(crate) fn forget(&self, page_ids: impl IntoIterator<Item = u64>) {
-        let mut lru = self.lru.lock();
-        for id in page_ids {
-            lru.pop(&id);
+    /// Forgets freed pages and pages no longer hot.
+    pub(crate) fn forget(&self, page_ids: impl IntoIterator<Item = u64> + Clone) {
+        {
+            let mut lru = self.lru.lock();
+            for id in page_ids.clone() {
+                lru.pop(&id);
+            }
+        }
+        if self.policy == DevicePolicy::Loop {
+            let mut resident = self.resident.lock();
+            for id in page_ids {
+                resident.remove(id);
+            }
+        }
+    }
+
+    /// A selection chose `pages` (its swap-in, if any, comes after): the
+    /// loop policy counts each once and considers the hot ones for the
+    /// resident subset.
+    pub(crate) fn selected(&self, pages: &[Arc<PhysPage>]) {
+        if self.policy != DevicePolicy::Loop {
+            return;
+        }
+        for page in pages {
+            self.reuse.count(page);
+        }
+        let bytes = pages.iter().map(|p| p.layout.page_bytes() as u64).sum();
+        let left = self.resident.lock().fit_stream(bytes);
+        let left: Vec<Arc<PhysPage>> = left.iter().filter_map(std::sync::Weak::upgrade).collect();
+        touch_lru(&self.lru, left.iter());
+        let hot: Vec<&Arc<PhysPage>> = pages.iter().filter(|p| p.place.read().device().is_some()).collect();
+        self.admit(hot);
+    }
+
+    /// Considers hot `pages` for the resident subset: an admitted page
+    /// leaves the LRU, a displaced one rejoins it (still hot).
+    fn admit<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
+        let (mut joined, mut left) = (Vec::new(), Vec::new());
+        {
+            let mut resident = self.resident.lock();
+            for page in pages {
+                match resident.admit(page, self.reuse.score(page)) {
+                    Admitted::Yes => joined.push(page.id),
+                    Admitted::Displaced(id, weak) => {
+                        joined.push(page.id);
+                        left.extend(weak.upgrade().filter(|_| id != page.id));
+                    }
+                    Admitted::No => {}
+                }
+            }
+        }
+        {
+            let mut lru = self.lru.lock();
+            for id in joined {
+                lru.pop(&id);
+            }
+        }
+        touch_lru(&self.lru, left.iter());
+    }
+
+    /// The loop policy's layer-ahead list: records what (`key`, `layer`)
+    /// chose and returns what the next layer chose last time (the layer
+    /// after the last wraps to 0, the next step's first), so that the
+    /// caller can prefetch it. Empty under `Lru`.
+    pub(crate) fn chosen_ahead(
+        &self,
+        key: &kvtier_core::SequenceKey,
+        layer: u32,
+        layers: u32,
+        chosen: &[Arc<PhysPage>],
+    ) -> Vec<Arc<PhysPage>> {
+        if self.policy != DevicePolicy::Loop {
+            return Vec::new();
+        }
+        let next = (layer + 1) % layers.max(1);
+        let mut last = self.last_chosen.lock();
+        last.insert((key.clone(), layer), chosen.iter().map(Arc::downgrade).collect());
+        last.get(&(key.clone(), next))
+            .map(|pages| pages.iter().filter_map(std::sync::Weak::upgrade).collect())
+            .unwrap_or_default()
+    }
+
+    /// Forgets a dropped sequence's layer-ahead lists.
+    pub(crate) fn forget_sequence(&self, key: &kvtier_core::SequenceKey, layers: u32) {
+        let mut last = self.last_chosen.lock();
+        for layer in 0..layers {
+            last.remove(&(key.clone(), layer));
         }
     }
 
@@ -185,4 +345,14 @@ impl HotSet {
             Counters::add(&self.counters.prefetch_wasted, 1);
         }
     }
+}
+
+/// What demoting one page did.
+enum Demotion {
+    /// Its device copy is gone; the device has room.
+    Done,
+    /// It stays hot (pinned, or a device-only page with no host room).
+    KeptHot,
+    /// It had no device copy any more.
+    Gone,
 }

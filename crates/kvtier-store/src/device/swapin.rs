@@ -47,9 +47,12 @@ impl HotSet {
     /// keeps them pinned): the rest stay cold, counted as not hot.
     pub(crate) fn make_hot(&self, pages: &[Arc<PhysPage>], reason: Reason, reader: &Reader<'_>) -> SwapReport {
         let (mut report, sources) = self.sources(pages);
-        let (host_slots, short) = self.reserve(&sources.from_host, reader.host);
+        // Under the loop policy only an explicit swap-in takes a resident
+        // page's room: on a loop, keeping the subset is what hits.
+        let take_resident = reason == Reason::Explicit;
+        let (host_slots, short) = self.reserve(&sources.from_host, reader.host, take_resident);
         let nvme_slots = match short {
-            None => self.reserve(&sources.from_nvme, reader.host).0,
+            None => self.reserve(&sources.from_nvme, reader.host, take_resident).0,
             Some(_) => Vec::new(),
         };
         self.swap(sources, host_slots, nvme_slots, reason, reader, &mut report);
@@ -76,11 +79,11 @@ impl HotSet {
             }));
         }
         let (mut report, sources) = self.sources(pages);
-        let host_slots = match self.reserve(&sources.from_host, reader.host) {
+        let host_slots = match self.reserve(&sources.from_host, reader.host, true) {
             (slots, None) => slots,
             (_, Some(e)) => return Err(e),
         };
-        let nvme_slots = match self.reserve(&sources.from_nvme, reader.host) {
+        let nvme_slots = match self.reserve(&sources.from_nvme, reader.host, true) {
             (slots, None) => slots,
             (_, Some(e)) => return Err(e),
         };
@@ -109,10 +112,15 @@ impl HotSet {
 
     /// Device slots for `pages`, in order, until one cannot be had (then
     /// its error too).
-    fn reserve(&self, pages: &[Arc<PhysPage>], host: &HostCache) -> (Vec<Slot>, Option<StoreError>) {
+    fn reserve(
+        &self,
+        pages: &[Arc<PhysPage>],
+        host: &HostCache,
+        take_resident: bool,
+    ) -> (Vec<Slot>, Option<StoreError>) {
         let mut slots = Vec::with_capacity(pages.len());
         for page in pages {
-            match self.allocate(page.layout.page_bytes() as u64, host, page.owner()) {
+            match self.allocate(page.layout.page_bytes() as u64, host, page.owner(), take_resident) {
                 Ok(slot) => slots.push(slot),
                 Err(e) => return (slots, Some(e)),
             }
@@ -215,6 +223,9 @@ impl HotSet {
         }
         let moved = hot.len() as u32;
         self.touch(&hot);
+        if self.policy == super::DevicePolicy::Loop {
+            self.admit(hot.iter());
+        }
         moved
     }
 

@@ -97,3 +97,72 @@ fn an_exclusive_cache_moves_pages_up_and_copies_them_back_down() {
         "a's bytes came back down whole"
     );
 }
+
+/// Hits over passes 2.. of a loop over `pages` pages, one page a
+/// selection (no layer-ahead prefetch: selections made on the hot set
+/// directly), on a device of 8 pages under `policy`.
+fn loop_hits(policy: super::DevicePolicy, pages: u64) -> (u32, u32) {
+    let parts = Parts::with_policy(8, 64, false, policy);
+    let all: Vec<_> = (0..pages).map(|id| parts.page(id)).collect();
+    let (mut hits, mut asked) = (0, 0);
+    for pass in 0..10 {
+        for group in all.chunks(1) {
+            parts.device.selected(group);
+            let report = parts.device.make_hot(group, Reason::Demand, &parts.reader());
+            if pass >= 2 {
+                hits += report.already_hot;
+                asked += group.len() as u32;
+            }
+        }
+    }
+    (hits, asked)
+}
+
+#[test]
+fn on_a_loop_longer_than_the_device_lru_keeps_nothing_and_loop_keeps_a_subset() {
+    let (lru, asked) = loop_hits(super::DevicePolicy::Lru, 32);
+    assert_eq!(lru, 0, "LRU's worst case: every page goes before its next use");
+    let (kept, _) = loop_hits(super::DevicePolicy::Loop, 32);
+    // The stream region keeps 2 pages (twice a selection); the resident
+    // subset's 6 hit on every pass: 6 of 32.
+    let ratio = f64::from(kept) / f64::from(asked);
+    assert!(
+        ratio >= 0.9 * 6.0 / 32.0,
+        "hit ratio {ratio} from {kept} hits of {asked}"
+    );
+    // A loop that fits is served from the device either way.
+    let (lru, asked) = loop_hits(super::DevicePolicy::Lru, 8);
+    let (kept, _) = loop_hits(super::DevicePolicy::Loop, 8);
+    assert_eq!((lru, kept), (asked, asked));
+}
+
+#[test]
+fn only_an_explicit_swap_in_takes_a_resident_pages_room() {
+    let parts = Parts::with_policy(5, 64, false, super::DevicePolicy::Loop);
+    let pages: Vec<_> = (0..8).map(|id| parts.page(id)).collect();
+    // Pages 0..3 are chosen often, one a selection: resident (3 of the 5
+    // device pages; the stream region keeps 2).
+    for _ in 0..3 {
+        for page in &pages[..3] {
+            let one = [Arc::clone(page)];
+            parts.device.selected(&one);
+            parts.device.make_hot(&one, Reason::Demand, &parts.reader());
+        }
+    }
+    parts.device.make_hot(&pages[3..5], Reason::Demand, &parts.reader());
+    let _pinned = Pins::new(pages[3..5].to_vec());
+    // The stream region's pages are pinned: a prefetch finds no room.
+    let report = parts.device.make_hot(&pages[5..7], Reason::Prefetch, &parts.reader());
+    assert_eq!((report.from_host, report.not_hot), (0, 2));
+    assert!(pages[..5].iter().all(|p| state(p) == PageState::Hot));
+    // Nor does a selection's swap-in: its miss stays cold.
+    let report = parts.device.make_hot(&pages[7..8], Reason::Demand, &parts.reader());
+    assert_eq!((report.from_host, report.not_hot), (0, 1));
+    // An explicit swap-in takes the lowest resident page's room.
+    let report = parts
+        .device
+        .make_all_hot(&pages[7..8], Reason::Explicit, &parts.reader())
+        .unwrap();
+    assert_eq!(report.from_host, 1);
+    assert_eq!(pages[..3].iter().filter(|p| state(p) == PageState::Hot).count(), 2);
+}

@@ -8,7 +8,7 @@ mod placement;
 mod rows;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use kvtier_core::{Lane, Layout, LogicalPage, PageState, PhysId, Reason, TenantId};
 use kvtier_sync::{Rank, RwLock};
@@ -39,6 +39,9 @@ pub(crate) struct PhysPage {
     pub(crate) pins: AtomicU32,
     /// Promoted by a prefetch and not yet used by a selection.
     pub(crate) prefetched: AtomicBool,
+    /// How often selections chose the page, aged (the device's loop policy
+    /// packs an epoch and a count here: `device/policy.rs`).
+    pub(crate) reuse: AtomicU64,
     /// Its metadata, charged to the tenant whose quotas its slots count
     /// against too (pages are shared only within a tenant).
     charge: PageCharge,
@@ -59,6 +62,7 @@ impl PhysPage {
             place: RwLock::new(Rank::Placement, place),
             pins: AtomicU32::new(0),
             prefetched: AtomicBool::new(false),
+            reuse: AtomicU64::new(0),
             charge,
         }
     }

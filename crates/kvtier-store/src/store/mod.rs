@@ -66,7 +66,7 @@ pub use write::{AppendOutcome, AppendTiming, AppendTokens, PutOutcome, PutPages}
 use crate::access_trace::AccessTrace;
 use crate::accounts::{Accounts, Limits};
 use crate::catalog::Catalog;
-use crate::device::HotSet;
+use crate::device::{DevicePolicy, HotSet};
 use crate::durability::{Durability, Durable, Image, Manifest};
 use crate::host::HostCache;
 use crate::lease::Leases;
@@ -109,6 +109,8 @@ pub struct StoreConfig {
     pub checkpoint_bytes: u64,
     /// The metadata budget and per-tenant quotas.
     pub limits: Limits,
+    /// Which hot page the device demotes when it needs room.
+    pub device_policy: DevicePolicy,
 }
 
 impl Default for StoreConfig {
@@ -126,6 +128,7 @@ impl Default for StoreConfig {
             manifest_path: None,
             checkpoint_bytes: 64 << 20,
             limits: Limits::default(),
+            device_policy: DevicePolicy::default(),
         }
     }
 }
@@ -255,7 +258,7 @@ impl Store {
         let exclusive = config.device_cache == DeviceCache::Exclusive;
         let store = Arc::new(Self {
             host: HostCache::new(host, config.host_high_watermark, config.host_low_watermark),
-            device: HotSet::new(device, exclusive, Arc::clone(&counters)),
+            device: HotSet::new(device, exclusive, config.device_policy, Arc::clone(&counters)),
             catalog: Catalog::default(),
             durable,
             leases: Leases::default(),

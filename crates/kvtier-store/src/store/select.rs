@@ -297,8 +297,20 @@ impl Store {
         let chosen: Vec<Arc<PhysPage>> = ranked.chosen.values().cloned().collect();
         let tiers = tracer.as_ref().map(|_| tiers_of(&ranked.chosen));
         self.device.note_used(&chosen);
+        self.device.selected(&chosen);
         if req.swap_in {
             (out.swap, out.past_deadline) = self.swap_in_for(chosen.clone(), req.deadline);
+        }
+        // The loop policy streams ahead: what the next layer chose last
+        // step is brought up while this layer is served.
+        let ahead: Vec<Arc<PhysPage>> = self
+            .device
+            .chosen_ahead(&seq.key, req.layer, seq.layout.num_layers(), &chosen)
+            .into_iter()
+            .filter(|p| p.place.read().state() != PageState::Hot)
+            .collect();
+        if !ahead.is_empty() {
+            out.prefetch_queued += self.prefetch(ahead);
         }
         if req.prefetch_pages > 0 {
             let next: Vec<Arc<PhysPage>> = ranked
@@ -308,7 +320,7 @@ impl Store {
                 .map(|(_, p)| p)
                 .filter(|p| p.place.read().state() != PageState::Hot)
                 .collect();
-            out.prefetch_queued = self.prefetch(next);
+            out.prefetch_queued += self.prefetch(next);
         }
         if let Some(ttl) = req.lease {
             out.lease = Some(self.leases.grant(&seq.key.tenant, chosen, ttl));

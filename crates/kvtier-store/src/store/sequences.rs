@@ -87,6 +87,7 @@ impl Store {
             tracer.dropped();
         }
         self.catalog.remove(key);
+        self.device.forget_sequence(key, seq.layout.num_layers());
         self.release_pages(&mut seq);
         drop(seq);
         tracing::info!(sequence = %key, "sequence dropped");

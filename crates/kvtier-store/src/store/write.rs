@@ -413,7 +413,7 @@ impl Store {
         for i in (0..per_lane).rev() {
             for h in 0..batch.lanes.len() {
                 if let Some(Planned::New(page)) = planned.get_mut(h * per_lane + i) {
-                    match self.device.allocate(len, &self.host, &batch.owner) {
+                    match self.device.allocate(len, &self.host, &batch.owner, false) {
                         Ok(slot) => page.device_slot = Some(slot),
                         Err(_) => return,
                     }

@@ -74,6 +74,15 @@ pub(crate) struct DecodeArgs {
     /// In-process server: device tier as a share of the working set.
     #[arg(long, default_value_t = 0.25)]
     device_fraction: f64,
+    /// In-process server: device tier as a share of one decode step's
+    /// working set (the pages one step's selections touch over all layers
+    /// and sequences); overrides --device-fraction.
+    #[arg(long)]
+    device_step_fraction: Option<f64>,
+    /// In-process server: which hot page the device demotes for room (lru or
+    /// loop).
+    #[arg(long, default_value_t = kvtier_store::DevicePolicy::Lru)]
+    device_policy: kvtier_store::DevicePolicy,
     /// In-process server: host tier as a share of the working set (below 1,
     /// the rest lives on NVMe).
     #[arg(long, default_value_t = 1.0)]
@@ -318,7 +327,7 @@ fn quantile_us(steps: &[run::Step], q: f64) -> u64 {
 fn print_table(r: &Report) {
     let c = &r.config;
     println!(
-        "kvtier bench decode  {} ({} layers, {}/{} heads, d {}, {})  context {}  budget {} pages ({})  {} seq × {} steps  device {:.0}%  host {:.0}%  queries {}{}",
+        "kvtier bench decode  {} ({} layers, {}/{} heads, d {}, {})  context {}  budget {} pages ({})  {} seq × {} steps  device {} ({})  host {:.0}%  queries {}{}",
         c.shape.name,
         c.shape.layers,
         c.shape.kv_heads,
@@ -330,7 +339,11 @@ fn print_table(r: &Report) {
         c.mode,
         c.sequences,
         c.steps,
-        100.0 * c.device_fraction,
+        match c.device_step_fraction {
+            Some(f) => format!("{:.0}% of a step", 100.0 * f),
+            None => format!("{:.0}%", 100.0 * c.device_fraction),
+        },
+        c.device_policy,
         100.0 * c.host_fraction,
         c.queries,
         if r.emulated_device { "  [device EMULATED]" } else { "" }
@@ -545,6 +558,8 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         sequences: a.sequences,
         steps: a.steps,
         device_fraction: a.device_fraction,
+        device_step_fraction: a.device_step_fraction,
+        device_policy: a.device_policy,
         host_fraction: a.host_fraction,
         queries: a.queries.clone(),
         source,
@@ -656,11 +671,16 @@ fn with_param(args: &DecodeArgs, name: &str, value: &str) -> anyhow::Result<Deco
     };
     match name {
         "device_fraction" => a.device_fraction = f()?,
+        "device_step_fraction" => a.device_step_fraction = Some(f()?),
+        "device_policy" => a.device_policy = value.parse().map_err(|e: String| anyhow::anyhow!("{name}: {e}"))?,
         "host_fraction" => a.host_fraction = f()?,
         "budget_pages" => a.budget_pages = value.parse()?,
         "drift" => a.drift = f()?,
         "sequences" => a.sequences = value.parse()?,
-        other => bail!("--sweep {other}: one of device_fraction, host_fraction, budget_pages, drift, sequences"),
+        other => bail!(
+            "--sweep {other}: one of device_fraction, device_step_fraction, device_policy, host_fraction, \
+             budget_pages, drift, sequences"
+        ),
     }
     Ok(a)
 }

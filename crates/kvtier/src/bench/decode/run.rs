@@ -34,6 +34,10 @@ pub(crate) struct RunConfig {
     /// Tier sizes as shares of the working set (the prefilled KV of all
     /// sequences) for the in-process server; NVMe gets the rest (and room).
     pub(crate) device_fraction: f64,
+    /// The device as a share of one step's working set instead.
+    pub(crate) device_step_fraction: Option<f64>,
+    #[serde(serialize_with = "policy_name")]
+    pub(crate) device_policy: kvtier_store::DevicePolicy,
     pub(crate) host_fraction: f64,
     pub(crate) queries: String,
     #[serde(skip)]
@@ -199,8 +203,15 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
         .tempdir_in(".")
         .context("a scratch directory")?;
     let host = ((working_set as f64 * cfg.host_fraction) as u64).max(64 * s.page_bytes() as u64);
+    // One step's selections: every lane's budget (the newest page too).
+    let step_set = lanes * u64::from(cfg.budget_pages) * s.page_bytes() as u64;
+    let device_bytes = match cfg.device_step_fraction {
+        Some(f) => (step_set as f64 * f) as u64,
+        None => (working_set as f64 * cfg.device_fraction) as u64,
+    };
     let config = StoreConfig {
-        device_bytes: (working_set as f64 * cfg.device_fraction) as u64,
+        device_bytes,
+        device_policy: cfg.device_policy,
         host_bytes: host,
         cache_writes_on_device: true,
         nvme: (cfg.host_fraction < 1.0).then(|| NvmeConfig {
@@ -564,4 +575,8 @@ pub(crate) fn histogram(values: impl Iterator<Item = u64>) -> Histogram<u64> {
 
 fn mode_name<S: serde::Serializer>(mode: &Mode, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(mode.name())
+}
+
+fn policy_name<S: serde::Serializer>(policy: &kvtier_store::DevicePolicy, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(policy.name())
 }

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The device policy on the decode loop: device miss ratio and step p50/p99
+# for `lru` and `loop` at device sizes of 1/4, 1/2 and 1x one decode step's
+# working set (the pages one step's selections touch over all layers), in
+# one run, on the emulated device. Presets: smollm2-135m with synthetic
+# drifting queries, the realkv dataset (when built: data/realkv/make.sh),
+# and llama3-8b at 32K context.
+# Writes bench/results/loop-policy.md and .jsonl.
+# Usage: bench/loop-policy.sh [path/to/kvtier]   (STEPS=N steps per run, default 48;
+# REALKV=DIR the realkv dataset, default data/realkv/small)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-}
+if [ -z "$bin" ]; then
+  cargo build --release --locked -q -p kvtier
+  bin=target/release/kvtier
+fi
+out=bench/results
+jsonl=$out/loop-policy.jsonl
+: > "$jsonl"
+steps=${STEPS:-48}
+realkv=${REALKV:-data/realkv/small}
+presets=("synthetic|--preset smollm2-135m --context 4096 --queries synthetic --drift 0.1")
+if [ -f "$realkv/meta.json" ]; then
+  presets+=("realkv|--preset smollm2-135m --context 4096 --queries realkv:$realkv")
+fi
+presets+=("llama3-8b 32K|--preset llama3-8b --context 32768 --queries synthetic --drift 0.1")
+for preset in "${presets[@]}"; do
+  name=${preset%%|*}
+  flags=${preset#*|}
+  for size in 0.25 0.5 1; do
+    for policy in lru loop; do
+      # shellcheck disable=SC2086
+      "$bin" bench decode $flags --steps "$steps" --device-step-fraction "$size" --device-policy "$policy" \
+        --out target/loop-policy-run --json |
+        python3 -c "import json,sys; r=json.load(sys.stdin); r['preset']='$name'; print(json.dumps(r))" >> "$jsonl"
+    done
+  done
+done
+{
+  echo "# The device policy on the decode loop"
+  echo
+  echo "- command: \`bench/loop-policy.sh\` (each row: \`kvtier bench decode <preset flags> --steps $steps --device-step-fraction F --device-policy P --json\`)"
+  echo "- machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(free -g | awk '/Mem:/{print $2" GiB"}'); $(uname -r)"
+  echo "- date: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD)"
+  echo "- device: EMULATED in host memory (no GPU here); host tier holds the whole context; budget 32 pages per KV head"
+  echo "  (sinks 1, window 1), two-stage ranking. Device size: F × one step's working set (every lane's budget)."
+  echo "- miss ratio: selected pages not hot when selected; loop/lru: the loop policy's value over LRU's, same preset"
+  echo "  and size."
+  echo
+  echo "| preset | device / step | policy | device miss ratio | step p50 ms | step p99 ms | p99 loop/lru | prefetch issued | prefetch used |"
+  echo "|---|---:|---|---:|---:|---:|---:|---:|---:|"
+  python3 - "$jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+lru = {(r['preset'], r['config']['device_step_fraction']): r for r in rows if r['config']['device_policy'] == 'lru'}
+for r in rows:
+    c = r['config']
+    base = lru[(r['preset'], c['device_step_fraction'])]
+    ratio = r['step_p99_us'] / base['step_p99_us'] if base['step_p99_us'] else float('nan')
+    p = r.get('prefetch', {})
+    print(f"| {r['preset']} | {c['device_step_fraction']:g} | {c['device_policy']} | {r['device_miss_ratio']:.3f} | "
+          f"{r['step_p50_us']/1e3:.1f} | {r['step_p99_us']/1e3:.1f} | {ratio:.2f} | {p.get('issued', 0)} | {p.get('used', 0)} |")
+PY
+} > "$out/loop-policy.md"
+cat "$out/loop-policy.md"
