@@ -3,7 +3,8 @@
 # for `lru` and `loop` at device sizes of 1/4, 1/2 and 1x one decode step's
 # working set (the pages one step's selections touch over all layers), in
 # one run, on the emulated device. Presets: smollm2-135m with synthetic
-# drifting queries, the realkv dataset (when built: data/realkv/make.sh),
+# drifting queries, the realkv dataset (its 2048 positions: context 1984;
+# when built: data/realkv/make.sh),
 # and llama3-8b at 32K context.
 # Writes bench/results/loop-policy.md and .jsonl.
 # Usage: bench/loop-policy.sh [path/to/kvtier]   (STEPS=N steps per run, default 48;
@@ -22,7 +23,7 @@ steps=${STEPS:-48}
 realkv=${REALKV:-data/realkv/small}
 presets=("synthetic|--preset smollm2-135m --context 4096 --queries synthetic --drift 0.1")
 if [ -f "$realkv/meta.json" ]; then
-  presets+=("realkv|--preset smollm2-135m --context 4096 --queries realkv:$realkv")
+  presets+=("realkv|--preset smollm2-135m --context 1984 --queries realkv:$realkv")
 fi
 presets+=("llama3-8b 32K|--preset llama3-8b --context 32768 --queries synthetic --drift 0.1")
 for preset in "${presets[@]}"; do

@@ -60,6 +60,23 @@ fn page_data(p: usize) -> Vec<u8> {
     [k, v].concat()
 }
 
+/// Writes pages `0..pages` of `layer`'s one KV head, page `p` holding
+/// `page_data(p)`.
+fn put_layer(store: &Store, layer: u32, pages: usize) {
+    for p in 0..pages {
+        let kv = page_data(p);
+        let put = PutPages {
+            layer,
+            heads: HeadRange { start: 0, count: 1 },
+            first_page: p as u32,
+            num_tokens: PAGE as u32,
+            kv: &kv,
+            persist: false,
+        };
+        store.put_pages(&key(), put).unwrap();
+    }
+}
+
 /// A store over emulated device, host and a (possibly slowed) NVMe tier,
 /// holding `pages` pages.
 fn store(dir: &std::path::Path, device_pages: u64, pages: usize) -> (Arc<Store>, Arc<Faults>) {
@@ -85,18 +102,7 @@ fn store(dir: &std::path::Path, device_pages: u64, pages: usize) -> (Arc<Store>,
     )
     .unwrap();
     store.create_sequence(key(), layout(), vec![]).unwrap();
-    for p in 0..pages {
-        let kv = page_data(p);
-        let put = PutPages {
-            layer: 0,
-            heads: HeadRange { start: 0, count: 1 },
-            first_page: p as u32,
-            num_tokens: PAGE as u32,
-            kv: &kv,
-            persist: false,
-        };
-        store.put_pages(&key(), put).unwrap();
-    }
+    put_layer(&store, 0, pages);
     (store, faults)
 }
 
@@ -350,18 +356,7 @@ fn exclusive_caching_moves_pages_up_and_back_down_without_loss() {
     )
     .unwrap();
     store.create_sequence(key(), layout(), vec![]).unwrap();
-    for p in 0..8 {
-        let kv = page_data(p);
-        let put = PutPages {
-            layer: 0,
-            heads: HeadRange { start: 0, count: 1 },
-            first_page: p as u32,
-            num_tokens: PAGE as u32,
-            kv: &kv,
-            persist: false,
-        };
-        store.put_pages(&key(), put).unwrap();
-    }
+    put_layer(&store, 0, 8);
     let host_used = |s: &Store| s.stats().tiers[1].used_bytes;
     assert_eq!(host_used(&store), 8 * PAGE_BYTES);
     // Swapping in 4 pages moves them: the host keeps only the 4 cold ones.
@@ -425,18 +420,7 @@ fn an_explicit_swap_in_moves_pages_like_a_selection_does() {
     )
     .unwrap();
     store.create_sequence(key(), layout(), vec![]).unwrap();
-    for p in 0..8 {
-        let kv = page_data(p);
-        let put = PutPages {
-            layer: 0,
-            heads: HeadRange { start: 0, count: 1 },
-            first_page: p as u32,
-            num_tokens: PAGE as u32,
-            kv: &kv,
-            persist: false,
-        };
-        store.put_pages(&key(), put).unwrap();
-    }
+    put_layer(&store, 0, 8);
     let host_used = |s: &Store| s.stats().tiers[1].used_bytes;
     assert_eq!(host_used(&store), 8 * PAGE_BYTES);
     let before = store.stats();
@@ -546,18 +530,7 @@ fn on_the_decode_loop_the_loop_policy_hits_where_lru_never_does() {
         );
         store.create_sequence(key(), layout, vec![]).unwrap();
         for layer in 0..LAYERS {
-            for p in 0..PER_LAYER {
-                let kv = page_data(p);
-                let put = PutPages {
-                    layer,
-                    heads: HeadRange { start: 0, count: 1 },
-                    first_page: p as u32,
-                    num_tokens: PAGE as u32,
-                    kv: &kv,
-                    persist: false,
-                };
-                store.put_pages(&key(), put).unwrap();
-            }
+            put_layer(&store, layer, PER_LAYER);
         }
         // The same query every step: each layer chooses the same 4 pages,
         // 16 a step on a device of 8.
