@@ -316,10 +316,19 @@ fn env(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
+/// Half the time under each device policy (the loop policy's resident
+/// subset and layer-ahead prefetches move pages their own way).
 #[test]
 fn concurrent_operations_on_tiny_tiers_neither_hang_nor_fail_nor_corrupt() {
     let secs = env("KVTIER_STRESS_SECS", 30);
     let threads = env("KVTIER_STRESS_THREADS", 8) as usize;
+    for policy in kvtier_store::DevicePolicy::ALL {
+        stress_under(policy, secs.div_ceil(2), threads);
+    }
+}
+
+fn stress_under(policy: kvtier_store::DevicePolicy, secs: u64, threads: usize) {
+    println!("device policy {policy}");
     let dir = tempfile::tempdir().unwrap();
     let store = Store::new(StoreConfig {
         // A handful of pages per tier: every operation moves pages.
@@ -338,6 +347,7 @@ fn concurrent_operations_on_tiny_tiers_neither_hang_nor_fail_nor_corrupt() {
             direct: true,
         }),
         checkpoint_bytes: 1,
+        device_policy: policy,
         ..StoreConfig::default()
     })
     .unwrap();

@@ -163,10 +163,8 @@ impl HotSet {
                 Demotion::Gone => {}
             }
         };
-        let mut resident = self.resident.lock();
-        for page in &kept {
-            let _ = resident.admit(page, self.reuse.score(page));
-        }
+        // Back in the subset (a page they displace rejoins the LRU).
+        self.admit(kept.iter());
         demoted
     }
 
@@ -270,7 +268,16 @@ impl HotSet {
         let left = self.resident.lock().fit_stream(bytes);
         let left: Vec<Arc<PhysPage>> = left.iter().filter_map(std::sync::Weak::upgrade).collect();
         touch_lru(&self.lru, left.iter());
-        let hot: Vec<&Arc<PhysPage>> = pages.iter().filter(|p| p.place.read().device().is_some()).collect();
+        let (hot, cold): (Vec<&Arc<PhysPage>>, Vec<&Arc<PhysPage>>) =
+            pages.iter().partition(|p| p.place.read().device().is_some());
+        // A member that lost its device copy in a race with a demotion
+        // (admitted as it left the LRU) gives its place back here.
+        {
+            let mut resident = self.resident.lock();
+            for page in cold {
+                resident.remove(page.id);
+            }
+        }
         self.admit(hot);
     }
 
