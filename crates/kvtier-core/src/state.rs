@@ -69,6 +69,19 @@ pub struct IllegalTransition {
     pub action: Action,
 }
 
+impl Action {
+    /// Every action, each cold tier apart.
+    pub const ALL: [Action; 7] = [
+        Action::Offload(ColdTier::Host),
+        Action::Offload(ColdTier::Nvme),
+        Action::SwapIn,
+        Action::Migrate(ColdTier::Host),
+        Action::Migrate(ColdTier::Nvme),
+        Action::Summarize,
+        Action::Evict,
+    ];
+}
+
 impl PageState {
     /// Number of distinct states when cold is split by tier; see [`Self::index`].
     pub const COUNT: usize = 5;
@@ -204,16 +217,6 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const ACTIONS: [Action; 7] = [
-        Action::Offload(ColdTier::Host),
-        Action::Offload(ColdTier::Nvme),
-        Action::SwapIn,
-        Action::Migrate(ColdTier::Host),
-        Action::Migrate(ColdTier::Nvme),
-        Action::Summarize,
-        Action::Evict,
-    ];
-
     /// docs/CONCEPTS.md §2 written out as the list of allowed (from, to) edges,
     /// independently of `apply`.
     fn allowed(from: PageState, to: PageState) -> bool {
@@ -241,7 +244,7 @@ mod tests {
     fn every_allowed_edge_is_reachable_by_exactly_one_action() {
         for from in PageState::ALL {
             for to in PageState::ALL {
-                let ways = ACTIONS.iter().filter(|a| from.apply(**a) == Ok(to)).count();
+                let ways = Action::ALL.iter().filter(|a| from.apply(**a) == Ok(to)).count();
                 assert_eq!(ways, usize::from(allowed(from, to)), "{from} -> {to}");
             }
         }
@@ -260,12 +263,12 @@ mod tests {
         #[test]
         fn runs_of_actions_follow_the_machine(
             start in 0..PageState::COUNT,
-            actions in proptest::collection::vec(0..ACTIONS.len(), 0..64),
+            actions in proptest::collection::vec(0..Action::ALL.len(), 0..64),
         ) {
             let mut state = PageState::ALL[start];
             for a in actions {
                 let before = state;
-                match before.apply(ACTIONS[a]) {
+                match before.apply(Action::ALL[a]) {
                     Ok(next) => {
                         prop_assert!(allowed(before, next));
                         prop_assert!(before != PageState::Gone);

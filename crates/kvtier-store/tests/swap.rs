@@ -119,19 +119,62 @@ fn set(store: &Store, action: Action, pages: &[u32]) -> Result<(), StoreError> {
     store.set_page_state(&key(), req).map(drop)
 }
 
-fn states(store: &Store) -> Vec<PageState> {
+fn fetch_all(store: &Store) -> Vec<kvtier_store::FetchedPage> {
     let req = FetchPages {
         layer: 0,
         heads: HeadRange { start: 0, count: 1 },
         pages: PageList::All,
         with_digests: false,
     };
+    store.fetch_pages(&key(), req).unwrap()
+}
+
+fn states(store: &Store) -> Vec<PageState> {
+    fetch_all(store).into_iter().map(|p| p.state).collect()
+}
+
+/// Every page reads back whole; exactly the pages `hot` names are hot.
+fn assert_whole(store: &Store, hot: impl Fn(u32) -> bool) {
+    for p in fetch_all(store) {
+        assert_eq!(
+            p.content,
+            PageContent::Original(page_data(p.page as usize)),
+            "page {}",
+            p.page
+        );
+        assert_eq!(p.state == PageState::Hot, hot(p.page), "page {} {:?}", p.page, p.state);
+    }
+}
+
+/// 8 pages written to host memory only, under an exclusive device cache
+/// of 4 pages (with an NVMe tier and its manifest in `dir`, if given).
+fn exclusive_store(dir: Option<&std::path::Path>) -> Arc<Store> {
+    let nvme = dir.map(|d| {
+        let nvme = NvmeTier::open(NvmeConfig {
+            path: d.join("nvme.data"),
+            capacity: 4 << 20,
+            engine: EngineChoice::Auto,
+            queue_depth: 8,
+            direct: true,
+        })
+        .unwrap();
+        Arc::new(FaultyTier::new(nvme, Faults::none())) as Arc<dyn kvtier_store::Tier>
+    });
+    let store = Store::with_tiers(
+        Arc::new(ArenaTier::emulated_device(4 * PAGE_BYTES).unwrap()),
+        Arc::new(ArenaTier::host(4 << 20).unwrap()),
+        nvme,
+        StoreConfig {
+            manifest_path: dir.map(|d| d.join("manifest")),
+            cache_writes_on_device: false,
+            device_cache: kvtier_store::DeviceCache::Exclusive,
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    store.create_sequence(key(), layout(), vec![]).unwrap();
+    put_layer(&store, 0, 8);
     store
-        .fetch_pages(&key(), req)
-        .unwrap()
-        .into_iter()
-        .map(|p| p.state)
-        .collect()
 }
 
 fn query(dims: &[usize]) -> Vec<f32> {
@@ -334,29 +377,7 @@ fn prefetch_counters_follow_a_drifting_workload() {
 #[test]
 fn exclusive_caching_moves_pages_up_and_back_down_without_loss() {
     let dir = tempfile::tempdir().unwrap();
-    let faults = Faults::none();
-    let nvme = NvmeTier::open(NvmeConfig {
-        path: dir.path().join("nvme.data"),
-        capacity: 4 << 20,
-        engine: EngineChoice::Auto,
-        queue_depth: 8,
-        direct: true,
-    })
-    .unwrap();
-    let store = Store::with_tiers(
-        Arc::new(ArenaTier::emulated_device(4 * PAGE_BYTES).unwrap()),
-        Arc::new(ArenaTier::host(4 << 20).unwrap()),
-        Some(Arc::new(FaultyTier::new(nvme, faults))),
-        StoreConfig {
-            manifest_path: Some(dir.path().join("manifest")),
-            cache_writes_on_device: false,
-            device_cache: kvtier_store::DeviceCache::Exclusive,
-            ..StoreConfig::default()
-        },
-    )
-    .unwrap();
-    store.create_sequence(key(), layout(), vec![]).unwrap();
-    put_layer(&store, 0, 8);
+    let store = exclusive_store(Some(dir.path()));
     let host_used = |s: &Store| s.stats().tiers[1].used_bytes;
     assert_eq!(host_used(&store), 8 * PAGE_BYTES);
     // Swapping in 4 pages moves them: the host keeps only the 4 cold ones.
@@ -385,22 +406,7 @@ fn exclusive_caching_moves_pages_up_and_back_down_without_loss() {
         .unwrap();
     assert_eq!(sel.swap.from_host, 4);
     assert_eq!(host_used(&store), 4 * PAGE_BYTES);
-    let all = FetchPages {
-        layer: 0,
-        heads: HeadRange { start: 0, count: 1 },
-        pages: PageList::All,
-        with_digests: false,
-    };
-    for p in store.fetch_pages(&key(), all).unwrap() {
-        assert_eq!(
-            p.content,
-            PageContent::Original(page_data(p.page as usize)),
-            "page {}",
-            p.page
-        );
-        let hot = (4..8).contains(&p.page);
-        assert_eq!(p.state == PageState::Hot, hot, "page {} {:?}", p.page, p.state);
-    }
+    assert_whole(&store, |p| (4..8).contains(&p));
 }
 
 /// An explicit swap-in (SetPageState) and a selection's swap-in are one
@@ -408,19 +414,7 @@ fn exclusive_caching_moves_pages_up_and_back_down_without_loss() {
 /// keeps only cold pages, and both count the transition and the bytes moved.
 #[test]
 fn an_explicit_swap_in_moves_pages_like_a_selection_does() {
-    let store = Store::with_tiers(
-        Arc::new(ArenaTier::emulated_device(4 * PAGE_BYTES).unwrap()),
-        Arc::new(ArenaTier::host(4 << 20).unwrap()),
-        None,
-        StoreConfig {
-            cache_writes_on_device: false,
-            device_cache: kvtier_store::DeviceCache::Exclusive,
-            ..StoreConfig::default()
-        },
-    )
-    .unwrap();
-    store.create_sequence(key(), layout(), vec![]).unwrap();
-    put_layer(&store, 0, 8);
+    let store = exclusive_store(None);
     let host_used = |s: &Store| s.stats().tiers[1].used_bytes;
     assert_eq!(host_used(&store), 8 * PAGE_BYTES);
     let before = store.stats();
@@ -455,21 +449,7 @@ fn an_explicit_swap_in_moves_pages_like_a_selection_does() {
         .sum::<u64>();
     assert_eq!(swapped, 4, "counted once each");
     // Every page is still whole, the hot ones only on the device.
-    let all = FetchPages {
-        layer: 0,
-        heads: HeadRange { start: 0, count: 1 },
-        pages: PageList::All,
-        with_digests: false,
-    };
-    for p in store.fetch_pages(&key(), all).unwrap() {
-        assert_eq!(
-            p.content,
-            PageContent::Original(page_data(p.page as usize)),
-            "page {}",
-            p.page
-        );
-        assert_eq!(p.state == PageState::Hot, p.page < 4, "page {} {:?}", p.page, p.state);
-    }
+    assert_whole(&store, |p| p < 4);
 }
 
 /// A top-p selection stops short of its budget; its prefetch still takes

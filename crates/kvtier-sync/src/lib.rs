@@ -20,7 +20,6 @@ mod held;
 mod rank;
 
 use std::ops::{Deref, DerefMut};
-use std::time::Duration;
 
 pub use rank::Rank;
 
@@ -61,11 +60,6 @@ impl<T> Mutex<T> {
             Err(std::sync::TryLockError::WouldBlock) => return None,
         };
         Some(MutexGuard { inner, _held: held })
-    }
-
-    /// The rank it was made with: its place in the lock order.
-    pub fn rank(&self) -> Rank {
-        self.rank
     }
 }
 
@@ -193,13 +187,6 @@ impl Condvar {
             inner: self.0.wait(inner).unwrap_or_else(|p| p.into_inner()),
             _held,
         }
-    }
-
-    /// Waits at most `timeout`; true if it timed out.
-    pub fn wait_timeout<'a, T>(&self, guard: MutexGuard<'a, T>, timeout: Duration) -> (MutexGuard<'a, T>, bool) {
-        let MutexGuard { inner, _held } = guard;
-        let (inner, result) = self.0.wait_timeout(inner, timeout).unwrap_or_else(|p| p.into_inner());
-        (MutexGuard { inner, _held }, result.timed_out())
     }
 
     /// Wakes one thread waiting on it, if any.

@@ -161,27 +161,28 @@ async fn serve_with_defaults_answers_health_reflection_and_metrics() {
     assert!(log.contains("SIGTERM"), "{log}");
 }
 
+/// Runs `kvtier serve` with `args` (no metrics, no NVMe, data in `dir`),
+/// expecting it to refuse to start; its stderr.
+fn refused(dir: &std::path::Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .arg("serve")
+        .args(args)
+        .args(["--metrics-listen", "off", "--nvme-bytes", "0"])
+        .args(["--data-dir", dir.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "it started with {args:?}:\n{stderr}");
+    stderr
+}
+
 /// Off loopback without tokens and TLS, the binary refuses to start and
 /// says which flag allows it.
 #[test]
 fn serve_refuses_to_listen_off_loopback_unprotected() {
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args([
-            "serve",
-            "--listen",
-            "0.0.0.0:0",
-            "--metrics-listen",
-            "off",
-            "--nvme-bytes",
-            "0",
-        ])
-        .args(["--data-dir", dir.path().to_str().unwrap()])
-        .stdout(Stdio::null())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "it started:\n{stderr}");
+    let stderr = refused(dir.path(), &["--listen", "0.0.0.0:0"]);
     assert!(
         stderr.contains("--insecure") && stderr.contains("0.0.0.0"),
         "the refusal names the address and the flag:\n{stderr}"
@@ -196,26 +197,10 @@ fn serve_names_an_unknown_device_policy() {
     let config = dir.path().join("kvtier.toml");
     std::fs::write(&config, "[tiers]\ndevice_policy = \"fifo\"\n").unwrap();
     for (args, names) in [
-        (vec!["--device-policy", "fifo"], "--device-policy"),
-        (vec!["--config", config.to_str().unwrap()], "device_policy"),
+        (["--device-policy", "fifo"], "--device-policy"),
+        (["--config", config.to_str().unwrap()], "device_policy"),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-            .arg("serve")
-            .args(&args)
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "off",
-                "--nvme-bytes",
-                "0",
-            ])
-            .args(["--data-dir", dir.path().to_str().unwrap()])
-            .stdout(Stdio::null())
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "it started with {args:?}:\n{stderr}");
+        let stderr = refused(dir.path(), &args);
         assert!(
             stderr.contains(names) && stderr.contains("lru") && stderr.contains("loop"),
             "the refusal names {names} and the policies:\n{stderr}"

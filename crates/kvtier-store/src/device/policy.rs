@@ -87,21 +87,15 @@ impl Reuse {
         (self.selections.load(Ordering::Relaxed) / AGE_EVERY) as u32
     }
 
-    /// Counts a selection of `page`; its aged count.
-    pub(crate) fn count(&self, page: &PhysPage) -> u32 {
+    /// Counts a selection of `page`.
+    pub(crate) fn count(&self, page: &PhysPage) {
         self.selections.fetch_add(1, Ordering::Relaxed);
         let epoch = self.epoch();
-        let mut packed = page.reuse.load(Ordering::Relaxed);
-        loop {
-            let next = pack(epoch, aged(packed, epoch).saturating_add(1));
-            match page
-                .reuse
-                .compare_exchange_weak(packed, next, Ordering::Relaxed, Ordering::Relaxed)
-            {
-                Ok(_) => return (next & 0xffff_ffff) as u32,
-                Err(now) => packed = now,
-            }
-        }
+        // Aged and counted in one step: another selection's count may land
+        // between the load and the store.
+        let _ = page.reuse.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |packed| {
+            Some(pack(epoch, aged(packed, epoch).saturating_add(1)))
+        });
     }
 
     /// `page`'s aged count, without counting.

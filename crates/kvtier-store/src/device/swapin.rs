@@ -180,13 +180,7 @@ impl HotSet {
     /// Copies each page's bytes into its slot; returns how many became
     /// hot. Pages changed meanwhile, lost, or made hot by another path stay
     /// as they are (their slots are freed).
-    fn copy_to_device(
-        &self,
-        pages: &[Arc<PhysPage>],
-        mut slots: Vec<Slot>,
-        reason: Reason,
-        reader: &Reader<'_>,
-    ) -> u32 {
+    fn copy_to_device(&self, pages: &[Arc<PhysPage>], slots: Vec<Slot>, reason: Reason, reader: &Reader<'_>) -> u32 {
         let Some(layout) = pages.first().map(|p| Arc::clone(&p.layout)) else {
             return 0;
         };
@@ -202,7 +196,7 @@ impl HotSet {
         // Copy every readable page in one batch, then install the copies of
         // pages that did not change.
         let mut staged = Vec::with_capacity(pages.len());
-        for (((page, version), bytes), slot) in pages.iter().zip(versions).zip(originals).zip(slots.drain(..)) {
+        for (((page, version), bytes), slot) in pages.iter().zip(versions).zip(originals).zip(slots) {
             if let Some(bytes) = bytes {
                 staged.push((page, version, bytes, slot));
             }

@@ -82,17 +82,8 @@ fn check_change(change: Change, before: &Model, after: &Model) {
     assert_eq!(change.from, before.state(), "from");
     assert_eq!(change.to, after.state(), "to");
     if change.from != change.to {
-        let actions = [
-            Action::Offload(ColdTier::Host),
-            Action::Offload(ColdTier::Nvme),
-            Action::SwapIn,
-            Action::Migrate(ColdTier::Host),
-            Action::Migrate(ColdTier::Nvme),
-            Action::Summarize,
-            Action::Evict,
-        ];
         assert!(
-            actions.iter().any(|a| change.from.apply(*a) == Ok(change.to)),
+            Action::ALL.iter().any(|a| change.from.apply(*a) == Ok(change.to)),
             "{} -> {} is no transition of the state machine",
             change.from,
             change.to
