@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A real Prometheus (Debian's `prometheus` package) scrapes a running
 # release `kvtier serve` (tiny tiers, so decode steps miss to host and NVMe,
+# the loop device policy so that its regions and layer-ahead prefetches count,
 # pages migrate and checkpoints run) while `kvtier bench decode` drives it;
 # then every query of the Grafana dashboard
 # (docker/grafana/dashboards/kvtier.json) is run against that Prometheus and
@@ -15,7 +16,7 @@ kvtier=target/release/kvtier
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
 
-"$kvtier" serve --listen 127.0.0.1:50071 --metrics-listen 127.0.0.1:9471 --data-dir "$work/data" \
+"$kvtier" serve --listen 127.0.0.1:50071 --metrics-listen 127.0.0.1:9471 --data-dir "$work/data" --device-policy loop \
   --device-bytes 16MiB --host-bytes 48MiB --nvme-bytes 1GiB --checkpoint-bytes 1 --shm-socket off \
   > "$work/kvtier.log" 2>&1 &
 sed 's/kvtier:9464/127.0.0.1:9471/; s/scrape_interval: 5s/scrape_interval: 1s/' docker/prometheus.yml > "$work/prometheus.yml"

@@ -49,7 +49,11 @@ done
   echo "- miss ratio: selected pages not hot when selected; loop/lru: the loop policy's value over LRU's, same preset"
   echo "  and size."
   echo
-  echo "| preset | device / step | policy | device miss ratio | step p50 ms | step p99 ms | p99 loop/lru | prefetch issued | prefetch used |"
+  echo "- hits by region: of the selected pages, the share hot in the resident subset / in the stream region (the"
+  echo "  server's counters, kvtier_device_selected_pages_total); layer-ahead: pages the loop policy's layer-ahead"
+  echo "  prefetch made hot (issued), then selected while hot (used), or selected while still on their way (late)."
+  echo
+  echo "| preset | device / step | policy | device miss ratio | hits resident / stream | step p50 ms | step p99 ms | p99 loop/lru | layer-ahead issued / used / late |"
   echo "|---|---:|---|---:|---:|---:|---:|---:|---:|"
   python3 - "$jsonl" <<'PY'
 import json, sys
@@ -59,9 +63,12 @@ for r in rows:
     c = r['config']
     base = lru[(r['preset'], c['device_step_fraction'])]
     ratio = r['step_p99_us'] / base['step_p99_us'] if base['step_p99_us'] else float('nan')
-    p = r.get('prefetch', {})
+    a = r['prefetch']['layer_ahead']
+    d = r['device_regions']
+    chosen = max(1, d['resident'] + d['stream'] + d['misses'])
     print(f"| {r['preset']} | {c['device_step_fraction']:g} | {c['device_policy']} | {r['device_miss_ratio']:.3f} | "
-          f"{r['step_p50_us']/1e3:.1f} | {r['step_p99_us']/1e3:.1f} | {ratio:.2f} | {p.get('issued', 0)} | {p.get('used', 0)} |")
+          f"{d['resident']/chosen:.2f} / {d['stream']/chosen:.2f} | "
+          f"{r['step_p50_us']/1e3:.1f} | {r['step_p99_us']/1e3:.1f} | {ratio:.2f} | {a['issued']} / {a['used']} / {a['late']} |")
 PY
 } > "$out/loop-policy.md"
 cat "$out/loop-policy.md"

@@ -207,7 +207,8 @@ async fn metrics_cover_calls_swap_ins_nvme_selections_checkpoints_and_moves() {
         "kvtier_integrity_failures_total",
         "kvtier_pages_migrated_total",
         "kvtier_swapped_in_pages_total{source=\"nvme\"}",
-        "kvtier_prefetch_pages_total{outcome=\"issued\"}",
+        "kvtier_prefetch_pages_total{kind=\"asked\",outcome=\"issued\"}",
+        "kvtier_device_selected_pages_total{region=\"miss\"}",
         "kvtier_tier_moved_bytes_total{from=\"host\",to=\"nvme\"}",
         "kvtier_tier_moved_bytes_total{from=\"nvme\",to=\"device\"}",
     ] {

@@ -6,7 +6,8 @@ use kvtier_core::select::{Aggregation, Ownership, Scope, Shard, TopP};
 use kvtier_core::{Action, ColdTier, DType, LayerGroup, Layout, LayoutSpec, PageState, Reason, SequenceKey, wire};
 use kvtier_proto::v1 as pb;
 use kvtier_store::{
-    HeadRange, HeadSelection, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierKind, TransitionCount, Usage,
+    HeadRange, HeadSelection, PrefetchCounts, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierKind,
+    TransitionCount, Usage,
 };
 use tonic::Status;
 
@@ -253,13 +254,29 @@ pub(crate) fn stats_to_pb(s: &StatsSnapshot, (shm_regions, shm_region_bytes): (u
         tokens_appended: s.tokens_appended,
         swapped_from_host: s.swapped_from_host,
         swapped_from_nvme: s.swapped_from_nvme,
-        prefetch_issued: s.prefetch_issued,
-        prefetch_used: s.prefetch_used,
-        prefetch_wasted: s.prefetch_wasted,
+        prefetch_issued: s.prefetch.issued + s.layer_ahead.issued,
+        prefetch_used: s.prefetch.used + s.layer_ahead.used,
+        prefetch_wasted: s.prefetch.wasted + s.layer_ahead.wasted,
+        prefetch: Some(prefetch_to_pb(&s.prefetch)),
+        layer_ahead: Some(prefetch_to_pb(&s.layer_ahead)),
+        device_hits: Some(pb::DeviceHits {
+            resident: s.device_hits.resident,
+            stream: s.device_hits.stream,
+            misses: s.device_hits.misses,
+        }),
         leases: s.leases,
         metadata_bytes: s.metadata_bytes,
         metadata_limit_bytes: s.metadata_limit_bytes.unwrap_or(0),
         usage: s.usage.as_ref().map(usage_to_pb),
+    }
+}
+
+fn prefetch_to_pb(p: &PrefetchCounts) -> pb::PrefetchCounts {
+    pb::PrefetchCounts {
+        issued: p.issued,
+        used: p.used,
+        late: p.late,
+        wasted: p.wasted,
     }
 }
 

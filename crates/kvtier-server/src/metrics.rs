@@ -176,14 +176,32 @@ pub(crate) fn render(s: &StatsSnapshot) -> String {
             ("{source=\"nvme\"}".to_owned(), s.swapped_from_nvme),
         ],
     );
+    let prefetch: Vec<_> = [("asked", &s.prefetch), ("layer_ahead", &s.layer_ahead)]
+        .into_iter()
+        .flat_map(|(kind, p)| {
+            [
+                ("issued", p.issued),
+                ("used", p.used),
+                ("late", p.late),
+                ("wasted", p.wasted),
+            ]
+            .map(|(outcome, n)| (format!("{{kind=\"{kind}\",outcome=\"{outcome}\"}}"), n))
+        })
+        .collect();
     family(
         "kvtier_prefetch_pages_total",
         "counter",
-        "Pages prefetches made hot (issued), later selected while still hot (used), or demoted or freed first (wasted).",
+        "Pages prefetches made hot (issued), later selected while still hot (used), selected while still on their way (late), or demoted or freed first (wasted); by kind: asked by clients, or the loop device policy's layer-ahead.",
+        &prefetch,
+    );
+    family(
+        "kvtier_device_selected_pages_total",
+        "counter",
+        "Pages selections chose, by where the device had them: hot in the loop policy's resident subset, hot in the LRU-ordered stream region (every hot page under the lru policy), or not hot (miss).",
         &[
-            ("{outcome=\"issued\"}".to_owned(), s.prefetch_issued),
-            ("{outcome=\"used\"}".to_owned(), s.prefetch_used),
-            ("{outcome=\"wasted\"}".to_owned(), s.prefetch_wasted),
+            ("{region=\"resident\"}".to_owned(), s.device_hits.resident),
+            ("{region=\"stream\"}".to_owned(), s.device_hits.stream),
+            ("{region=\"miss\"}".to_owned(), s.device_hits.misses),
         ],
     );
     let moved: Vec<_> = s

@@ -43,7 +43,10 @@ pub use lease::{MAX_LEASE, random_id};
 pub use page_buf::PageBuf;
 pub use policy::PolicyOutcome;
 pub use reader::PageContent;
-pub use stats::{Latency, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats, TransitionCount};
+pub use stats::{
+    DeviceHits, Latency, PrefetchCounts, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats,
+    TransitionCount,
+};
 pub use store::{
     AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, Created, DeviceCache, FetchCursor,
     FetchPages, FetchedChunk, FetchedPage, HeadSelection, Miss, PageList, PageSelection, PutOutcome, PutPages,

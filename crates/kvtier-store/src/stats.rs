@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use kvtier_core::{Layout, PageState, Reason, TenantId};
 
 use crate::accounts::Usage;
+use crate::device::{PrefetchCounters, PrefetchKind};
 use crate::histogram::Histogram;
 use kvtier_tiers::{Tier, TierKind};
 
@@ -21,9 +22,14 @@ pub(crate) struct Counters {
     pub(crate) tokens_appended: AtomicU64,
     pub(crate) swapped_from_host: AtomicU64,
     pub(crate) swapped_from_nvme: AtomicU64,
-    pub(crate) prefetch_issued: AtomicU64,
-    pub(crate) prefetch_used: AtomicU64,
-    pub(crate) prefetch_wasted: AtomicU64,
+    /// What became of prefetches, by [`PrefetchKind::index`].
+    pub(crate) prefetch: [PrefetchCounters; PrefetchKind::COUNT],
+    /// Pages selections chose that were hot, in the device policy's
+    /// resident subset or its LRU-ordered stream region (every hot page
+    /// under `lru`); and those that were not.
+    pub(crate) device_hits_resident: AtomicU64,
+    pub(crate) device_hits_stream: AtomicU64,
+    pub(crate) device_misses: AtomicU64,
     /// NVMe copies that failed their CRC32C check or their read.
     pub(crate) integrity_failures: AtomicU64,
     /// Pages the host cache migrated to NVMe to make room.
@@ -210,13 +216,14 @@ pub struct StatsSnapshot {
     pub swapped_from_host: u64,
     /// Selected pages made hot from NVMe.
     pub swapped_from_nvme: u64,
-    /// Pages a prefetch made hot; of those, used by a later selection while
-    /// still hot, and demoted or freed first.
-    pub prefetch_issued: u64,
-    /// Prefetched pages a later selection used while still hot.
-    pub prefetch_used: u64,
-    /// Prefetched pages demoted or freed before any selection used them.
-    pub prefetch_wasted: u64,
+    /// What became of the prefetches clients asked for (pages ranked
+    /// next, speculative queries).
+    pub prefetch: PrefetchCounts,
+    /// What became of the loop device policy's layer-ahead prefetches.
+    pub layer_ahead: PrefetchCounts,
+    /// Pages selections chose (those that swap in or read data) that were
+    /// hot, by the device policy's region, and those that were not.
+    pub device_hits: DeviceHits,
     /// Leases held now: selections' pages pinned until released or expired.
     pub leases: u64,
     /// NVMe copies that failed their CRC32C check or their read.
@@ -238,9 +245,13 @@ impl StatsSnapshot {
         self.tokens_appended = c.tokens_appended.load(Relaxed);
         self.swapped_from_host = c.swapped_from_host.load(Relaxed);
         self.swapped_from_nvme = c.swapped_from_nvme.load(Relaxed);
-        self.prefetch_issued = c.prefetch_issued.load(Relaxed);
-        self.prefetch_used = c.prefetch_used.load(Relaxed);
-        self.prefetch_wasted = c.prefetch_wasted.load(Relaxed);
+        self.prefetch = PrefetchCounts::of(&c.prefetch[PrefetchKind::Asked.index()]);
+        self.layer_ahead = PrefetchCounts::of(&c.prefetch[PrefetchKind::LayerAhead.index()]);
+        self.device_hits = DeviceHits {
+            resident: c.device_hits_resident.load(Relaxed),
+            stream: c.device_hits_stream.load(Relaxed),
+            misses: c.device_misses.load(Relaxed),
+        };
         self.integrity_failures = c.integrity_failures.load(Relaxed);
         self.pages_migrated = c.pages_migrated.load(Relaxed);
         self.bytes_moved = TierKind::ALL
@@ -250,6 +261,45 @@ impl StatsSnapshot {
             .filter(|&(_, _, bytes)| bytes > 0)
             .collect();
     }
+}
+
+/// What became of the pages prefetches brought up, since the store opened.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefetchCounts {
+    /// Pages a prefetch made hot.
+    pub issued: u64,
+    /// ... that a later selection chose while still hot.
+    pub used: u64,
+    /// Pages a selection chose while their prefetch was still queued or
+    /// copying (the selection found them cold).
+    pub late: u64,
+    /// Pages a prefetch made hot that were demoted or freed before any
+    /// selection chose them.
+    pub wasted: u64,
+}
+
+impl PrefetchCounts {
+    fn of(c: &PrefetchCounters) -> Self {
+        Self {
+            issued: c.issued.load(Relaxed),
+            used: c.used.load(Relaxed),
+            late: c.late.load(Relaxed),
+            wasted: c.wasted.load(Relaxed),
+        }
+    }
+}
+
+/// Chosen pages the device held, by the device policy's region, and those
+/// it did not.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceHits {
+    /// Hot in the loop policy's resident subset.
+    pub resident: u64,
+    /// Hot in the LRU-ordered region: the loop policy's stream region, or
+    /// the whole device under `lru`.
+    pub stream: u64,
+    /// Not hot when chosen.
+    pub misses: u64,
 }
 
 /// Bytes one sequence holds per tier, each copy counted (a hot page also has

@@ -347,12 +347,12 @@ fn prefetch_counters_follow_a_drifting_workload() {
         store.wait_idle();
     }
     let s = store.stats();
-    assert!(s.prefetch_issued >= 8, "{s:?}");
+    assert!(s.prefetch.issued >= 8, "{s:?}");
     assert!(
-        s.prefetch_used >= 8,
+        s.prefetch.used >= 8,
         "prefetched pages were used by the next step: {s:?}"
     );
-    let wasted_before = s.prefetch_wasted;
+    let wasted_before = s.prefetch.wasted;
     // Jumps: each prediction is wrong, and under device pressure (8 device
     // pages for 40) what was prefetched is demoted unused.
     for step in 0..12 {
@@ -367,9 +367,9 @@ fn prefetch_counters_follow_a_drifting_workload() {
         store.wait_idle();
     }
     let after = store.stats();
-    assert!(after.prefetch_issued > s.prefetch_issued, "{after:?}");
+    assert!(after.prefetch.issued > s.prefetch.issued, "{after:?}");
     assert!(
-        after.prefetch_wasted > wasted_before,
+        after.prefetch.wasted > wasted_before,
         "abandoned predictions count as wasted: {after:?}"
     );
 }
@@ -515,7 +515,7 @@ fn on_the_decode_loop_the_loop_policy_hits_where_lru_never_does() {
         // The same query every step: each layer chooses the same 4 pages,
         // 16 a step on a device of 8.
         let q = query(&[1, 2, 3, 4]);
-        let (mut hits, mut asked, mut prefetched) = (0, 0, 0);
+        let (mut hits, mut asked, mut prefetched, mut all_hits) = (0, 0, 0, 0);
         for step in 0..8 {
             for layer in 0..LAYERS {
                 let req = SelectPages {
@@ -525,6 +525,7 @@ fn on_the_decode_loop_the_loop_policy_hits_where_lru_never_does() {
                 };
                 let sel = store.select_pages(&key(), req).unwrap();
                 prefetched += sel.prefetch_queued;
+                all_hits += u64::from(sel.swap.already_hot);
                 if step >= 2 {
                     hits += sel.swap.already_hot;
                     asked += 4;
@@ -534,13 +535,24 @@ fn on_the_decode_loop_the_loop_policy_hits_where_lru_never_does() {
                 store.wait_idle();
             }
         }
-        (hits, asked, prefetched)
+        // The store's own counts agree with what the selections found.
+        let s = store.stats();
+        let d = s.device_hits;
+        assert_eq!(d.resident + d.stream, all_hits, "{policy}: {d:?}");
+        assert_eq!(d.misses, 8 * u64::from(LAYERS) * 4 - all_hits, "{policy}: {d:?}");
+        (hits, asked, prefetched, s)
     };
-    let (lru, asked, _) = run(kvtier_store::DevicePolicy::Lru);
+    let (lru, asked, _, s) = run(kvtier_store::DevicePolicy::Lru);
     assert_eq!(lru, 0, "LRU's worst case");
-    let (hits, _, prefetched) = run(kvtier_store::DevicePolicy::Loop);
+    assert_eq!(s.layer_ahead, Default::default(), "no layer-ahead under LRU");
+    let (hits, _, prefetched, s) = run(kvtier_store::DevicePolicy::Loop);
     assert!(prefetched > 0, "the next layer is streamed ahead");
     // The stream region holds this layer's 4 pages and the next layer's,
-    // brought up while this one is served: every selection hits.
+    // brought up while this one is served: every selection hits, the
+    // prefetched pages used, none late (each landed before its layer).
     assert_eq!(hits, asked);
+    let ahead = s.layer_ahead;
+    assert!(ahead.issued > 0 && ahead.used > 0, "{ahead:?}");
+    assert_eq!(ahead.late, 0, "{ahead:?}");
+    assert!(ahead.used <= ahead.issued, "{ahead:?}");
 }

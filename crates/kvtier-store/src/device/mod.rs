@@ -1,7 +1,7 @@
 //! The device tier as a cache of the backing tiers: the hot set, which
 //! page to demote (LRU) when the device needs room, swap-in of selected
 //! pages in batches, the background workers that run late swap-ins and
-//! prefetches, and the accounting of prefetches.
+//! prefetches, and the accounting of hits, misses and prefetches.
 //!
 //! Inclusive by default: a hot page keeps its backing copy, so demotion
 //! only drops the device copy. Exclusive: a swap-in moves the page (its
@@ -11,6 +11,7 @@
 //! Locks: the LRU is held only to update or pop one entry, never while a
 //! page's placement lock is taken.
 
+mod accounting;
 mod policy;
 mod swapin;
 #[cfg(test)]
@@ -18,12 +19,12 @@ mod tests;
 mod workers;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use kvtier_core::Reason;
 use kvtier_sync::{Mutex, Rank};
 use kvtier_tiers::{Slot, Tier, TierError, TierKind};
 
+pub(crate) use accounting::{PrefetchCounters, PrefetchKind};
 pub use policy::DevicePolicy;
 pub use swapin::SwapReport;
 pub(crate) use workers::Workers;
@@ -334,22 +335,6 @@ impl HotSet {
         let mut last = self.last_chosen.lock();
         for layer in 0..layers {
             last.remove(&(key.clone(), layer));
-        }
-    }
-
-    /// Counts a selection's use of pages a prefetch brought up.
-    pub(crate) fn note_used(&self, pages: &[Arc<PhysPage>]) {
-        let used = pages
-            .iter()
-            .filter(|p| p.prefetched.swap(false, Ordering::AcqRel))
-            .count();
-        Counters::add(&self.counters.prefetch_used, used as u64);
-    }
-
-    /// Counts prefetched pages that left the device, or were freed, unused.
-    pub(crate) fn note_wasted(&self, page: &PhysPage) {
-        if page.prefetched.swap(false, Ordering::AcqRel) {
-            Counters::add(&self.counters.prefetch_wasted, 1);
         }
     }
 }

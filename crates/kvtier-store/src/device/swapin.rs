@@ -5,7 +5,6 @@
 //! is installed only into a page that did not change meanwhile.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use kvtier_core::Reason;
@@ -231,7 +230,7 @@ impl HotSet {
         drop(freed_host);
         self.counters.counted(change.from, change.to, reason);
         if reason == Reason::Prefetch {
-            page.prefetched.store(true, Ordering::Release);
+            self.mark_arrived(page);
         }
         true
     }

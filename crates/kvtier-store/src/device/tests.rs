@@ -100,29 +100,44 @@ fn an_exclusive_cache_moves_pages_up_and_copies_them_back_down() {
 
 /// Hits over passes 2.. of a loop over `pages` pages, one page a
 /// selection (no layer-ahead prefetch: selections made on the hot set
-/// directly), on a device of 8 pages under `policy`.
-fn loop_hits(policy: super::DevicePolicy, pages: u64) -> (u32, u32) {
+/// directly), on a device of 8 pages under `policy`. Checks that the
+/// device's own counts of hits by region and misses agree with what the
+/// swap-ins found, and returns the resident hits with them.
+fn loop_hits(policy: super::DevicePolicy, pages: u64) -> (u32, u32, u64) {
     let parts = Parts::with_policy(8, 64, false, policy);
     let all: Vec<_> = (0..pages).map(|id| parts.page(id)).collect();
-    let (mut hits, mut asked) = (0, 0);
+    let (mut hits, mut asked, mut all_hits) = (0, 0, 0);
     for pass in 0..10 {
         for group in all.chunks(1) {
+            parts.device.note_chosen(group);
             parts.device.selected(group);
             let report = parts.device.make_hot(group, Reason::Demand, &parts.reader());
+            all_hits += u64::from(report.already_hot);
             if pass >= 2 {
                 hits += report.already_hot;
                 asked += group.len() as u32;
             }
         }
     }
-    (hits, asked)
+    let c = &parts.counters;
+    let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+    let (resident, stream, misses) = (
+        load(&c.device_hits_resident),
+        load(&c.device_hits_stream),
+        load(&c.device_misses),
+    );
+    assert_eq!(resident + stream, all_hits, "{policy}: hits by region");
+    assert_eq!(misses, 10 * pages - all_hits, "{policy}: misses");
+    (hits, asked, resident)
 }
 
 #[test]
 fn on_a_loop_longer_than_the_device_lru_keeps_nothing_and_loop_keeps_a_subset() {
-    let (lru, asked) = loop_hits(super::DevicePolicy::Lru, 32);
+    let (lru, asked, resident) = loop_hits(super::DevicePolicy::Lru, 32);
     assert_eq!(lru, 0, "LRU's worst case: every page goes before its next use");
-    let (kept, _) = loop_hits(super::DevicePolicy::Loop, 32);
+    assert_eq!(resident, 0, "LRU has no resident region");
+    let (kept, _, resident) = loop_hits(super::DevicePolicy::Loop, 32);
+    assert!(resident >= u64::from(kept), "the loop's hits are the subset's");
     // The stream region keeps 2 pages (twice a selection); the resident
     // subset's 6 hit on every pass: 6 of 32.
     let ratio = f64::from(kept) / f64::from(asked);
@@ -131,8 +146,8 @@ fn on_a_loop_longer_than_the_device_lru_keeps_nothing_and_loop_keeps_a_subset() 
         "hit ratio {ratio} from {kept} hits of {asked}"
     );
     // A loop that fits is served from the device either way.
-    let (lru, asked) = loop_hits(super::DevicePolicy::Lru, 8);
-    let (kept, _) = loop_hits(super::DevicePolicy::Loop, 8);
+    let (lru, asked, _) = loop_hits(super::DevicePolicy::Lru, 8);
+    let (kept, ..) = loop_hits(super::DevicePolicy::Loop, 8);
     assert_eq!((lru, kept), (asked, asked));
 }
 
@@ -165,4 +180,49 @@ fn only_an_explicit_swap_in_takes_a_resident_pages_room() {
         .unwrap();
     assert_eq!(report.from_host, 1);
     assert_eq!(pages[..3].iter().filter(|p| state(p) == PageState::Hot).count(), 2);
+}
+
+#[test]
+fn a_prefetch_is_used_late_or_wasted_once_by_its_kind() {
+    use super::PrefetchKind::{Asked, LayerAhead};
+    let parts = Parts::new(2, 16, false);
+    let pages: Vec<_> = (1..=4).map(|id| parts.page(id)).collect();
+    let c = |kind: super::PrefetchKind| {
+        let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+        let p = &parts.counters.prefetch[kind.index()];
+        (load(&p.issued), load(&p.used), load(&p.late), load(&p.wasted))
+    };
+    let prefetch = |group: &[Arc<PhysPage>], kind| {
+        parts.device.mark_queued(group, kind);
+        let report = parts.device.make_hot(group, Reason::Prefetch, &parts.reader());
+        parts
+            .device
+            .prefetch_done(group, kind, u64::from(report.from_host + report.from_nvme));
+    };
+    // Made hot, then chosen: used, once.
+    prefetch(&pages[..1], LayerAhead);
+    parts.device.note_chosen(&pages[..1]);
+    parts.device.note_chosen(&pages[..1]);
+    assert_eq!(c(LayerAhead), (1, 1, 0, 0));
+    // Chosen while still queued: late; its arrival then counts for nothing.
+    parts.device.mark_queued(&pages[1..2], Asked);
+    parts.device.note_chosen(&pages[1..2]);
+    let report = parts.device.make_hot(&pages[1..2], Reason::Prefetch, &parts.reader());
+    parts
+        .device
+        .prefetch_done(&pages[1..2], Asked, u64::from(report.from_host));
+    parts.device.note_chosen(&pages[1..2]);
+    assert_eq!(c(Asked), (1, 0, 1, 0));
+    // Made hot, then demoted unchosen: wasted (the device holds 2 pages;
+    // the two after it push it out).
+    prefetch(&pages[2..3], Asked);
+    parts.device.make_hot(&pages[..2], Reason::Demand, &parts.reader());
+    parts.device.make_hot(&pages[3..4], Reason::Demand, &parts.reader());
+    assert_eq!(state(&pages[2]), PageState::Cold(ColdTier::Host));
+    assert_eq!(c(Asked), (2, 0, 1, 1));
+    // A prefetch that made nothing hot (already hot) leaves no mark: a
+    // later choice of the page is neither used nor late.
+    prefetch(&pages[3..4], LayerAhead);
+    parts.device.note_chosen(&pages[3..4]);
+    assert_eq!(c(LayerAhead), (1, 1, 0, 0));
 }

@@ -8,7 +8,7 @@ mod placement;
 mod rows;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 
 use kvtier_core::{Lane, Layout, LogicalPage, PageState, PhysId, Reason, TenantId};
 use kvtier_sync::{Rank, RwLock};
@@ -37,8 +37,9 @@ pub(crate) struct PhysPage {
     /// Holders that need the page to stay where it is (a swap-in in flight,
     /// a lease): a pinned page is never demoted, migrated or moved.
     pub(crate) pins: AtomicU32,
-    /// Promoted by a prefetch and not yet used by a selection.
-    pub(crate) prefetched: AtomicBool,
+    /// Where a prefetch of the page stands (queued, or made hot and not
+    /// used yet) and its kind: bits owned by `device/accounting.rs`.
+    pub(crate) prefetch: AtomicU8,
     /// How often selections chose the page, aged (the device's loop policy
     /// packs an epoch and a count here: `device/policy.rs`).
     pub(crate) reuse: AtomicU64,
@@ -61,7 +62,7 @@ impl PhysPage {
             index_entry,
             place: RwLock::new(Rank::Placement, place),
             pins: AtomicU32::new(0),
-            prefetched: AtomicBool::new(false),
+            prefetch: AtomicU8::new(0),
             reuse: AtomicU64::new(0),
             charge,
         }

@@ -16,7 +16,7 @@ use super::fetch::FetchedPage;
 use super::trace::tiers_of;
 use super::{Store, micros};
 use crate::catalog::{HeadRange, Sequence};
-use crate::device::SwapReport;
+use crate::device::{PrefetchKind, SwapReport};
 use crate::page::{PhysPage, Pins, StoreLane, state_of};
 use crate::page_buf::PageBuf;
 use crate::stats::Counters;
@@ -296,8 +296,12 @@ impl Store {
         out.timing.rank_us = micros(ranking.elapsed());
         let chosen: Vec<Arc<PhysPage>> = ranked.chosen.values().cloned().collect();
         let tiers = tracer.as_ref().map(|_| tiers_of(&ranked.chosen));
-        self.device.note_used(&chosen);
-        self.device.selected(&chosen);
+        // A use of the pages, counted once: a speculative selection (a
+        // prefetch query: no swap-in, no data) only looks.
+        if req.swap_in || req.with_data {
+            self.device.note_chosen(&chosen);
+            self.device.selected(&chosen);
+        }
         if req.swap_in {
             (out.swap, out.past_deadline) = self.swap_in_for(chosen.clone(), req.deadline);
         }
@@ -310,7 +314,7 @@ impl Store {
             .filter(|p| p.place.read().state() != PageState::Hot)
             .collect();
         if !ahead.is_empty() {
-            out.prefetch_queued += self.prefetch(ahead);
+            out.prefetch_queued += self.prefetch(ahead, PrefetchKind::LayerAhead);
         }
         if req.prefetch_pages > 0 {
             let next: Vec<Arc<PhysPage>> = ranked
@@ -320,7 +324,7 @@ impl Store {
                 .map(|(_, p)| p)
                 .filter(|p| p.place.read().state() != PageState::Hot)
                 .collect();
-            out.prefetch_queued += self.prefetch(next);
+            out.prefetch_queued += self.prefetch(next, PrefetchKind::Asked);
         }
         if let Some(ttl) = req.lease {
             out.lease = Some(self.leases.grant(&seq.key.tenant, chosen, ttl));
@@ -361,7 +365,7 @@ impl Store {
                     }
                 }
             }
-            Ok(selection.prefetch_queued + self.prefetch(pages.into_values().collect()))
+            Ok(selection.prefetch_queued + self.prefetch(pages.into_values().collect(), PrefetchKind::Asked))
         })
     }
 
@@ -395,19 +399,26 @@ impl Store {
     }
 
     /// Queues a background promotion of `pages`; returns how many.
-    fn prefetch(self: &Arc<Self>, pages: Vec<Arc<PhysPage>>) -> u32 {
+    fn prefetch(self: &Arc<Self>, pages: Vec<Arc<PhysPage>>, kind: PrefetchKind) -> u32 {
         if pages.is_empty() {
             return 0;
         }
         let count = pages.len() as u32;
-        let pins = Pins::new(pages);
+        self.device.mark_queued(&pages, kind);
+        let pins = Pins::new(pages.clone());
         let store = Arc::clone(self);
         let queued = self.device.workers().prefetch(Box::new(move || {
             let report = store.device.make_hot(pins.pages(), Reason::Prefetch, &store.reader());
             let moved = u64::from(report.from_host + report.from_nvme);
-            Counters::add(&store.counters.prefetch_issued, moved);
+            store.device.prefetch_done(pins.pages(), kind, moved);
         }));
-        if queued { count } else { 0 }
+        if queued {
+            count
+        } else {
+            // The backlog is full: nothing is on its way.
+            self.device.prefetch_done(&pages, kind, 0);
+            0
+        }
     }
 
     /// Reads every chosen (KV head, page) once, in head then position order;

@@ -189,10 +189,53 @@ struct BytesMoved {
     served: u64,
 }
 
+/// Prefetches' outcomes over the measured steps (the server's counters).
 #[derive(Debug, Serialize)]
 struct Prefetch {
+    /// The pages ranked next (`--prefetch-pages`).
+    asked: PrefetchOutcomes,
+    /// The loop device policy's layer-ahead prefetches.
+    layer_ahead: PrefetchOutcomes,
+}
+
+#[derive(Debug, Serialize)]
+struct PrefetchOutcomes {
     issued: u64,
     used: u64,
+    late: u64,
+    wasted: u64,
+}
+
+impl PrefetchOutcomes {
+    fn between(before: Option<&pb::PrefetchCounts>, after: Option<&pb::PrefetchCounts>) -> Self {
+        let (b, a) = (before.copied().unwrap_or_default(), after.copied().unwrap_or_default());
+        Self {
+            issued: a.issued - b.issued,
+            used: a.used - b.used,
+            late: a.late - b.late,
+            wasted: a.wasted - b.wasted,
+        }
+    }
+}
+
+/// The chosen pages the device held over the measured steps, by the
+/// device policy's region, as the server counted them.
+#[derive(Debug, Serialize)]
+struct DeviceRegions {
+    resident: u64,
+    stream: u64,
+    misses: u64,
+}
+
+impl DeviceRegions {
+    fn between(before: Option<&pb::DeviceHits>, after: Option<&pb::DeviceHits>) -> Self {
+        let (b, a) = (before.copied().unwrap_or_default(), after.copied().unwrap_or_default());
+        Self {
+            resident: a.resident - b.resident,
+            stream: a.stream - b.stream,
+            misses: a.misses - b.misses,
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -211,6 +254,7 @@ struct Report {
     classes: std::collections::BTreeMap<&'static str, ClassReport>,
     bytes_moved: BytesMoved,
     prefetch: Prefetch,
+    device_regions: DeviceRegions,
     read_fraction: f64,
     /// Pages selections asked to make hot that were not on the device, over
     /// all steps: what `kvtier tune` predicts.
@@ -304,9 +348,10 @@ fn report(cfg: RunConfig, m: &Measured) -> Report {
             served: m.steps.iter().map(|s| s.bytes).sum(),
         },
         prefetch: Prefetch {
-            issued: a.prefetch_issued - b.prefetch_issued,
-            used: a.prefetch_used - b.prefetch_used,
+            asked: PrefetchOutcomes::between(b.prefetch.as_ref(), a.prefetch.as_ref()),
+            layer_ahead: PrefetchOutcomes::between(b.layer_ahead.as_ref(), a.layer_ahead.as_ref()),
         },
+        device_regions: DeviceRegions::between(b.device_hits.as_ref(), a.device_hits.as_ref()),
         read_fraction: m.read_fraction,
         device_miss_ratio: m.steps.iter().map(|s| s.missed).sum::<u64>() as f64
             / m.steps.iter().map(|s| s.chosen).sum::<u64>().max(1) as f64,
@@ -382,7 +427,7 @@ fn print_table(r: &Report) {
     }
     let m = &r.bytes_moved;
     println!(
-        "{:.1} steps/s; device miss ratio {:.4}; moved host→device {:.1} MB, nvme→device {:.1} MB, host→nvme {:.1} MB; served {:.1} MB; read fraction {:.3}; prefetch issued {} used {}",
+        "{:.1} steps/s; device miss ratio {:.4}; moved host→device {:.1} MB, nvme→device {:.1} MB, host→nvme {:.1} MB; served {:.1} MB; read fraction {:.3}; prefetch issued {} used {}; layer-ahead issued {} used {} late {}; device hits resident {} stream {}",
         r.steps_per_s,
         r.device_miss_ratio,
         m.host_to_device as f64 / 1e6,
@@ -390,8 +435,13 @@ fn print_table(r: &Report) {
         m.host_to_nvme as f64 / 1e6,
         m.served as f64 / 1e6,
         r.read_fraction,
-        r.prefetch.issued,
-        r.prefetch.used
+        r.prefetch.asked.issued,
+        r.prefetch.asked.used,
+        r.prefetch.layer_ahead.issued,
+        r.prefetch.layer_ahead.used,
+        r.prefetch.layer_ahead.late,
+        r.device_regions.resident,
+        r.device_regions.stream
     );
 }
 

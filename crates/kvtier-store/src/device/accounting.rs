@@ -1,0 +1,135 @@
+//! What the device did for selections: the chosen pages it held, by the
+//! policy's region, and those it did not; and what became of each
+//! prefetch. A page carries one prefetch mark (`PhysPage::prefetch`) from
+//! the moment a prefetch is queued for it to the selection that uses it
+//! (used), finds it still on its way (late), or the demotion that drops it
+//! unused (wasted).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::HotSet;
+use crate::page::PhysPage;
+use crate::stats::Counters;
+
+/// Why a prefetch was queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PrefetchKind {
+    /// A client asked: the pages ranked next after a selection's, or those
+    /// a speculative query would select.
+    Asked,
+    /// The loop policy's layer-ahead prefetch: what the next layer chose
+    /// last time.
+    LayerAhead,
+}
+
+impl PrefetchKind {
+    pub(crate) const COUNT: usize = 2;
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Mark bits: queued (not hot yet), made hot by the prefetch (not used
+/// yet), and the layer-ahead kind (otherwise asked).
+const QUEUED: u8 = 1;
+const HOT: u8 = 2;
+const AHEAD: u8 = 4;
+
+fn kind_bit(kind: PrefetchKind) -> u8 {
+    match kind {
+        PrefetchKind::Asked => 0,
+        PrefetchKind::LayerAhead => AHEAD,
+    }
+}
+
+fn kind_of(mark: u8) -> PrefetchKind {
+    if mark & AHEAD == 0 {
+        PrefetchKind::Asked
+    } else {
+        PrefetchKind::LayerAhead
+    }
+}
+
+/// What became of prefetched pages, by kind.
+#[derive(Debug, Default)]
+pub(crate) struct PrefetchCounters {
+    /// Pages a prefetch made hot.
+    pub(crate) issued: AtomicU64,
+    /// ... that a selection then chose while still hot.
+    pub(crate) used: AtomicU64,
+    /// Pages a selection chose while their prefetch was still queued or
+    /// copying: the selection missed (or waited for a demand swap-in).
+    pub(crate) late: AtomicU64,
+    /// Pages a prefetch made hot that left the device, or were freed,
+    /// before any selection chose them.
+    pub(crate) wasted: AtomicU64,
+}
+
+impl HotSet {
+    /// A prefetch of `kind` is queued for `pages`.
+    pub(crate) fn mark_queued(&self, pages: &[Arc<PhysPage>], kind: PrefetchKind) {
+        for page in pages {
+            page.prefetch.store(QUEUED | kind_bit(kind), Ordering::Release);
+        }
+    }
+
+    /// A queued prefetch made `page` hot: marked for `used` or `wasted`,
+    /// unless a selection already counted it late.
+    pub(crate) fn mark_arrived(&self, page: &PhysPage) {
+        let _ = page.prefetch.fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| {
+            (m & QUEUED != 0).then_some(HOT | (m & AHEAD))
+        });
+    }
+
+    /// A prefetch of `kind` is done with `pages` (or was not queued):
+    /// `moved` of them became hot; those it did not make hot lose their mark.
+    pub(crate) fn prefetch_done(&self, pages: &[Arc<PhysPage>], kind: PrefetchKind, moved: u64) {
+        Counters::add(&self.counters.prefetch[kind.index()].issued, moved);
+        for page in pages {
+            let _ = page
+                .prefetch
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| (m & QUEUED != 0).then_some(0));
+        }
+    }
+
+    /// A selection chose `pages` (before its swap-in): counts each as a
+    /// hit of its region or a miss, and settles their prefetch marks.
+    pub(crate) fn note_chosen(&self, pages: &[Arc<PhysPage>]) {
+        let hot: Vec<bool> = pages.iter().map(|p| p.place.read().device().is_some()).collect();
+        let resident = {
+            let resident = self.resident.lock();
+            hot.iter()
+                .zip(pages)
+                .filter(|&(&hot, page)| hot && resident.contains(page.id))
+                .count() as u64
+        };
+        let hits = hot.iter().filter(|&&h| h).count() as u64;
+        Counters::add(&self.counters.device_hits_resident, resident);
+        Counters::add(&self.counters.device_hits_stream, hits - resident);
+        Counters::add(&self.counters.device_misses, pages.len() as u64 - hits);
+        for (page, hot) in pages.iter().zip(hot) {
+            let mark = page.prefetch.swap(0, Ordering::AcqRel);
+            let counters = &self.counters.prefetch[kind_of(mark).index()];
+            if hot && mark & HOT != 0 {
+                Counters::add(&counters.used, 1);
+            } else if !hot && mark & QUEUED != 0 {
+                Counters::add(&counters.late, 1);
+            }
+        }
+    }
+
+    /// Counts a prefetched page that left the device, or was freed, unused.
+    pub(crate) fn note_wasted(&self, page: &PhysPage) {
+        let mark = page.prefetch.load(Ordering::Acquire);
+        if mark & HOT != 0
+            && page
+                .prefetch
+                .compare_exchange(mark, 0, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            Counters::add(&self.counters.prefetch[kind_of(mark).index()].wasted, 1);
+        }
+    }
+}
