@@ -11,7 +11,7 @@ use kvtier_tiers::{ArenaTier, EngineChoice, NvmeConfig, NvmeTier, Tier};
 use crate::accounts::{Account, Accounts, Limits};
 use crate::device::{DevicePolicy, HotSet};
 use crate::durability::Durable;
-use crate::host::HostCache;
+use crate::host::{HostCache, HostPolicy};
 use crate::page::{PhysPage, Placement};
 use crate::reader::Reader;
 use crate::stats::Counters;
@@ -54,6 +54,21 @@ impl Parts {
 
     /// [`Parts::new`] with the device under `policy`.
     pub(crate) fn with_policy(device_pages: u64, host_pages: u64, exclusive: bool, policy: DevicePolicy) -> Self {
+        Self::with_policies(device_pages, host_pages, exclusive, policy, HostPolicy::Lru)
+    }
+
+    /// [`Parts::new`] with host memory under `policy`.
+    pub(crate) fn with_host_policy(device_pages: u64, host_pages: u64, policy: HostPolicy) -> Self {
+        Self::with_policies(device_pages, host_pages, false, DevicePolicy::Lru, policy)
+    }
+
+    fn with_policies(
+        device_pages: u64,
+        host_pages: u64,
+        exclusive: bool,
+        policy: DevicePolicy,
+        host_policy: HostPolicy,
+    ) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let nvme = NvmeTier::open(NvmeConfig {
             path: dir.path().join("nvme.data"),
@@ -72,7 +87,7 @@ impl Parts {
         let owner = accounts.account(&TenantId::parse("tenant", "t").expect("a tenant"));
         Self {
             durable: Durable::new(None, 0, [&device, &host], Some(nvme), Arc::clone(&counters)),
-            host: HostCache::new(host, 0.9, 0.8),
+            host: HostCache::new(host, host_policy, 0.9, 0.8),
             device: HotSet::new(device, exclusive, policy, Arc::clone(&counters)),
             counters,
             accounts,

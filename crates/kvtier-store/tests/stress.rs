@@ -33,8 +33,13 @@ const PAGE_BYTES: u64 = 2 * PAGE as u64 * DIM as u64 * 2;
 /// Sequences every thread reads, selects and moves; each thread appends to
 /// its own layer of them.
 const HOT: [&str; 2] = ["hot0", "hot1"];
-/// The sequence all threads create, write and drop under one another.
-const CHURNED: &str = "churn";
+/// The sequences all threads create, write and drop under one another.
+/// They share a hash chain over their first two pages, whose rows both
+/// write alike (`CHURNED_ROWS`'s): each attaches the other's pages when
+/// they are stored, so pages are shared and attached again.
+const CHURNED: [&str; 2] = ["churn-a", "churn-b"];
+/// Whose rows the churned sequences write.
+const CHURNED_ROWS: &str = "churn";
 /// No operation completing for this long is a hang.
 const STALL: Duration = Duration::from_secs(20);
 
@@ -137,18 +142,39 @@ fn heads() -> HeadRange {
 
 /// Writes positions `0..tokens` of every head of `layer`.
 fn put_from_start(store: &Store, name: &str, layer: u32, tokens: u64, persist: bool) -> Result<PutOutcome, StoreError> {
+    put_rows(store, name, name, layer, 0, tokens, persist)
+}
+
+/// Writes `rows_of`'s rows at positions `first_page · PAGE..tokens` of every
+/// head of `layer` of sequence `name`.
+fn put_rows(
+    store: &Store,
+    name: &str,
+    rows_of: &str,
+    layer: u32,
+    first_page: u32,
+    tokens: u64,
+    persist: bool,
+) -> Result<PutOutcome, StoreError> {
+    let from = u64::from(first_page * PAGE);
     let req = PutPages {
         layer,
         heads: heads(),
-        first_page: 0,
-        num_tokens: tokens as u32,
-        kv: &kv(name, layer, 0, tokens),
+        first_page,
+        num_tokens: tokens.saturating_sub(from) as u32,
+        kv: &kv(rows_of, layer, from, tokens),
         persist,
     };
     store.put_pages(&key(name), req)
 }
 
 fn fetch_and_check(shared: &Shared, name: &str, layer: u32) {
+    fetch_and_check_rows(shared, name, name, layer);
+}
+
+/// Reads every page of `layer` of `name` and checks them against
+/// `rows_of`'s rows.
+fn fetch_and_check_rows(shared: &Shared, name: &str, rows_of: &str, layer: u32) {
     let req = FetchPages {
         layer,
         heads: heads(),
@@ -158,7 +184,7 @@ fn fetch_and_check(shared: &Shared, name: &str, layer: u32) {
     if let Some(pages) = shared.answer("fetch", shared.store.fetch_pages(&key(name), req)) {
         for p in pages {
             if let PageContent::Original(bytes) = &p.content
-                && let Err(e) = check(name, layer, p.kv_head, p.page, p.rows, bytes)
+                && let Err(e) = check(rows_of, layer, p.kv_head, p.page, p.rows, bytes)
             {
                 shared.fail(e);
             }
@@ -261,11 +287,15 @@ fn policy(shared: &Shared, rng: &mut Rng, name: &str, action: PolicyAction) {
 /// threads churn: each step may find it created, half written or dropped by
 /// another.
 fn churn(shared: &Shared, rng: &mut Rng) {
-    let (store, name) = (&shared.store, CHURNED);
-    shared.answer("create", store.create_sequence(key(name), layout(), vec![]));
+    let (store, name) = (&shared.store, CHURNED[rng.below(2) as usize]);
+    let chain = vec![b"churn-0".to_vec(), b"churn-1".to_vec()];
+    let attached = shared
+        .answer("create", store.create_sequence(key(name), layout(), chain))
+        .map_or(0, |c| c.attached_pages as u32);
     let tokens = 1 + rng.below(24);
     for layer in 0..LAYERS {
-        shared.answer("put", put_from_start(store, name, layer, tokens, rng.chance(30)));
+        let put = put_rows(store, name, CHURNED_ROWS, layer, attached, tokens, rng.chance(30));
+        shared.answer("put", put);
     }
     let action = if rng.chance(50) {
         PolicyAction::Evict
@@ -273,7 +303,7 @@ fn churn(shared: &Shared, rng: &mut Rng) {
         PolicyAction::Summarize { rows: 1 }
     };
     policy(shared, rng, name, action);
-    fetch_and_check(shared, name, rng.below(u64::from(LAYERS)) as u32);
+    fetch_and_check_rows(shared, name, CHURNED_ROWS, rng.below(u64::from(LAYERS)) as u32);
     shared.answer("drop", store.drop_sequence(&key(name)));
 }
 
@@ -296,7 +326,7 @@ fn work(shared: Arc<Shared>, index: usize, hot_tokens: u64) {
             88..95 => "offload policy",
             _ => "churn",
         };
-        let on = if what == "churn" { CHURNED } else { name };
+        let on = if what == "churn" { "a churned sequence" } else { name };
         *shared.doing[index].lock().unwrap() = (format!("{what} on {on}"), Instant::now());
         match what {
             "fetch" => fetch_and_check(&shared, name, any_layer),
@@ -316,19 +346,28 @@ fn env(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-/// Half the time under each device policy (the loop policy's resident
-/// subset and layer-ahead prefetches move pages their own way).
+/// Half the time under the LRU policies, half under the others (the loop
+/// policy's resident subset and layer-ahead prefetches, the frequency
+/// policy's two queues, move pages their own way).
 #[test]
 fn concurrent_operations_on_tiny_tiers_neither_hang_nor_fail_nor_corrupt() {
+    use kvtier_store::{DevicePolicy, HostPolicy};
     let secs = env("KVTIER_STRESS_SECS", 30);
     let threads = env("KVTIER_STRESS_THREADS", 8) as usize;
-    for policy in kvtier_store::DevicePolicy::ALL {
-        stress_under(policy, secs.div_ceil(2), threads);
+    for policies in [
+        (DevicePolicy::Lru, HostPolicy::Lru),
+        (DevicePolicy::Loop, HostPolicy::Frequency),
+    ] {
+        stress_under(policies, secs.div_ceil(2), threads);
     }
 }
 
-fn stress_under(policy: kvtier_store::DevicePolicy, secs: u64, threads: usize) {
-    println!("device policy {policy}");
+fn stress_under(
+    (policy, host_policy): (kvtier_store::DevicePolicy, kvtier_store::HostPolicy),
+    secs: u64,
+    threads: usize,
+) {
+    println!("device policy {policy}, host policy {host_policy}");
     let dir = tempfile::tempdir().unwrap();
     let store = Store::new(StoreConfig {
         // A handful of pages per tier: every operation moves pages.
@@ -348,6 +387,7 @@ fn stress_under(policy: kvtier_store::DevicePolicy, secs: u64, threads: usize) {
         }),
         checkpoint_bytes: 1,
         device_policy: policy,
+        host_policy,
         ..StoreConfig::default()
     })
     .unwrap();
@@ -416,7 +456,7 @@ fn stress_under(policy: kvtier_store::DevicePolicy, secs: u64, threads: usize) {
     // Nothing leaks: once every sequence is dropped and the leases have
     // expired, every tier is empty.
     let store = &shared.store;
-    for name in HOT.into_iter().chain([CHURNED]) {
+    for name in HOT.into_iter().chain(CHURNED) {
         shared.answer("drop", store.drop_sequence(&key(name)));
     }
     store.checkpoint();

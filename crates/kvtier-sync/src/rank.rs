@@ -30,8 +30,12 @@ pub enum Rank {
     /// The journal's record buffer.
     JournalPending,
     // Leaves: held alone for one update, nothing taken under them.
-    /// The host cache's LRU (`page/lru.rs`).
+    /// The host cache's LRU (`page/lru.rs`): under the frequency policy,
+    /// its small queue.
     HostLru,
+    /// The host cache's main queue under the frequency policy
+    /// (`host/mod.rs`).
+    HostMain,
     /// The device cache's LRU (the loop policy's stream region).
     DeviceLru,
     /// The loop policy's resident subset (`device/policy.rs`).

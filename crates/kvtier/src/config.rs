@@ -141,6 +141,8 @@ pub(crate) struct TierFileConfig {
     pub(crate) device_cache: Option<String>,
     /// `lru` or `loop`.
     pub(crate) device_policy: Option<String>,
+    /// `lru` or `frequency`.
+    pub(crate) host_policy: Option<String>,
 }
 
 /// The metadata budget and tenants' quotas.

@@ -10,7 +10,7 @@ use clap::{Args, ValueEnum};
 use kvtier_cuda::{CudaDeviceTier, PinnedHostTier, SwapPath};
 use kvtier_server::{BoundServer, ServerConfig, TlsFiles};
 use kvtier_store::{
-    DeviceCache, DevicePolicy, Durability, EngineChoice, NvmeConfig, Store, StoreConfig, Tier, TraceConfig,
+    DeviceCache, DevicePolicy, Durability, EngineChoice, HostPolicy, NvmeConfig, Store, StoreConfig, Tier, TraceConfig,
 };
 
 use crate::cluster::{ClusterArgs, Listening, node_config};
@@ -43,6 +43,12 @@ pub(crate) struct ServeArgs {
     /// prefetches fill) [default: lru].
     #[arg(long, value_name = "POLICY")]
     device_policy: Option<DevicePolicy>,
+    /// Which host pages migrate to NVMe first: lru, or frequency (pages
+    /// more than one request attached, a shared prompt prefix, get a second
+    /// chance per extra request, so a burst of one-off prompts does not
+    /// push them out) [default: lru].
+    #[arg(long, value_name = "POLICY")]
+    host_policy: Option<HostPolicy>,
     /// NVMe tier capacity; 0 disables it [default: 1/4 of the free space, at most 16GiB].
     #[arg(long, value_name = "SIZE")]
     nvme_bytes: Option<ByteSize>,
@@ -251,13 +257,8 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             Some(other) => bail!("device_cache: {other:?} is not one of inclusive, exclusive"),
         },
         limits: file.limits.limits(args.metadata_bytes)?,
-        device_policy: match args.device_policy {
-            Some(policy) => policy,
-            None => match file.tiers.device_policy.as_deref() {
-                None => DevicePolicy::default(),
-                Some(name) => name.parse().map_err(|e| anyhow::anyhow!("device_policy: {e}"))?,
-            },
-        },
+        device_policy: policy(args.device_policy, file.tiers.device_policy.as_deref(), "device_policy")?,
+        host_policy: policy(args.host_policy, file.tiers.host_policy.as_deref(), "host_policy")?,
     };
     let data_dir = args
         .data_dir
@@ -420,5 +421,18 @@ async fn shutdown_signal() {
     tokio::select! {
         () = interrupt => tracing::info!("SIGINT: shutting down"),
         () = terminate => tracing::info!("SIGTERM: shutting down"),
+    }
+}
+
+/// A cache policy: the flag's, else the config file's `key`, else the default.
+fn policy<P: std::str::FromStr<Err = String> + Default>(
+    flag: Option<P>,
+    file: Option<&str>,
+    key: &str,
+) -> anyhow::Result<P> {
+    match (flag, file) {
+        (Some(policy), _) => Ok(policy),
+        (None, Some(name)) => name.parse().map_err(|e| anyhow::anyhow!("{key}: {e}")),
+        (None, None) => Ok(P::default()),
     }
 }

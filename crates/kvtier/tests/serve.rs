@@ -189,21 +189,25 @@ fn serve_refuses_to_listen_off_loopback_unprotected() {
     );
 }
 
-/// A device policy that does not exist is refused before anything starts,
+/// A cache policy that does not exist is refused before anything starts,
 /// naming the flag or key and the policies there are.
 #[test]
-fn serve_names_an_unknown_device_policy() {
+fn serve_names_an_unknown_cache_policy() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("kvtier.toml");
-    std::fs::write(&config, "[tiers]\ndevice_policy = \"fifo\"\n").unwrap();
-    for (args, names) in [
-        (["--device-policy", "fifo"], "--device-policy"),
-        (["--config", config.to_str().unwrap()], "device_policy"),
-    ] {
-        let stderr = refused(dir.path(), &args);
-        assert!(
-            stderr.contains(names) && stderr.contains("lru") && stderr.contains("loop"),
-            "the refusal names {names} and the policies:\n{stderr}"
-        );
+    for (tier, policies) in [("device", ["lru", "loop"]), ("host", ["lru", "frequency"])] {
+        let config = dir.path().join(format!("{tier}.toml"));
+        std::fs::write(&config, format!("[tiers]\n{tier}_policy = \"fifo\"\n")).unwrap();
+        let flag = format!("--{tier}-policy");
+        let key = format!("{tier}_policy");
+        for (args, names) in [
+            ([flag.as_str(), "fifo"], flag.as_str()),
+            (["--config", config.to_str().unwrap()], key.as_str()),
+        ] {
+            let stderr = refused(dir.path(), &args);
+            assert!(
+                stderr.contains(names) && policies.iter().all(|p| stderr.contains(p)),
+                "the refusal names {names} and the policies:\n{stderr}"
+            );
+        }
     }
 }

@@ -165,6 +165,7 @@ impl Catalog {
         let id = table.find(key)?;
         table.acquire(id).ok()?;
         let page = Arc::clone(table.get(id)?);
+        page.attached_again();
         Some(PageRef { id, page })
     }
 
@@ -178,6 +179,7 @@ impl Catalog {
             Err((PageTableError::KeyTaken(id), _)) => {
                 table.acquire(id).map_err(internal)?;
                 let page = Arc::clone(table.get(id).ok_or_else(|| internal(PageTableError::Unknown(id)))?);
+                page.attached_again();
                 Ok((PageRef { id, page }, true))
             }
             Err((e, _)) => Err(internal(e)),
@@ -196,9 +198,10 @@ impl Catalog {
         Ok(PageRef { id, page })
     }
 
-    /// Another reference to a registered page.
+    /// Another reference to a registered page (another sequence's).
     pub(crate) fn acquire(&self, r: &PageRef) -> StoreResult<PageRef> {
         self.pages.lock().acquire(r.id).map_err(internal)?;
+        r.page.attached_again();
         Ok(PageRef {
             id: r.id,
             page: Arc::clone(&r.page),
@@ -260,6 +263,7 @@ impl Catalog {
                 break;
             }
             for (lane, (id, page)) in found.into_iter().enumerate() {
+                page.attached_again();
                 let entry = page.index_entry.clone().unwrap_or_default();
                 seq.lanes[lane].push_known(LogicalPage::Physical(PageRef { id, page }), &entry);
             }

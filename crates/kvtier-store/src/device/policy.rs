@@ -22,8 +22,6 @@
 //!   not (a slow link, a drifting query).
 
 use std::collections::{BTreeSet, HashMap};
-use std::fmt;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
@@ -44,35 +42,7 @@ pub enum DevicePolicy {
     Loop,
 }
 
-impl DevicePolicy {
-    /// Every policy, for `--help` and reports.
-    pub const ALL: [DevicePolicy; 2] = [DevicePolicy::Lru, DevicePolicy::Loop];
-
-    /// The policy's name in configs and flags.
-    pub fn name(self) -> &'static str {
-        match self {
-            DevicePolicy::Lru => "lru",
-            DevicePolicy::Loop => "loop",
-        }
-    }
-}
-
-impl fmt::Display for DevicePolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for DevicePolicy {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| format!("{s:?} is not one of lru, loop"))
-    }
-}
+crate::named::named_choices!(DevicePolicy { Lru => "lru", Loop => "loop" });
 
 /// How often selections chose each page, aged: a page's count is packed
 /// with the epoch it was last updated in (high 32 bits), and halves once

@@ -10,6 +10,7 @@
 //! is held for a whole migration, so that a second allocation waits for
 //! the first one's room instead of finding its victims taken.
 
+mod policy;
 #[cfg(test)]
 mod tests;
 
@@ -24,9 +25,15 @@ use crate::accounts::Account;
 use crate::durability::{Durable, Keep};
 use crate::page::{LruVictims, PageLru, PhysPage, touch_lru};
 use crate::{StoreError, StoreResult};
+pub use policy::HostPolicy;
 
 /// Pages migrated per batch when making room in host memory.
 const MIGRATION_BATCH: usize = 64;
+
+/// Most main-queue pages one migration passes over for their second
+/// chances: past it, the least recent go whatever their chances (a bound
+/// on the work done under the migration lock when most pages have one).
+const MOST_PASSED_OVER: usize = 16 * MIGRATION_BATCH;
 
 /// Time a foreground call spent making host room: waiting for a migration
 /// already running, and migrating itself.
@@ -39,7 +46,14 @@ pub(crate) struct MigrationTime {
 #[derive(Debug)]
 pub(crate) struct HostCache {
     tier: Arc<dyn Tier>,
+    /// Host pages in line to migrate, least recently used first: all of
+    /// them under the LRU policy; under the frequency policy S3-FIFO's
+    /// small queue, where every page starts.
     lru: PageLru,
+    /// The frequency policy's main queue: pages that had a second chance
+    /// when their turn came in the small queue (empty under LRU).
+    main: PageLru,
+    policy: HostPolicy,
     migrating: Mutex<()>,
     /// Above this share of capacity the background migrates ...
     high: f64,
@@ -48,10 +62,12 @@ pub(crate) struct HostCache {
 }
 
 impl HostCache {
-    pub(crate) fn new(tier: Arc<dyn Tier>, high_watermark: f64, low_watermark: f64) -> Self {
+    pub(crate) fn new(tier: Arc<dyn Tier>, policy: HostPolicy, high_watermark: f64, low_watermark: f64) -> Self {
         Self {
             tier,
             lru: Mutex::new(Rank::HostLru, lru::LruCache::unbounded()),
+            main: Mutex::new(Rank::HostMain, lru::LruCache::unbounded()),
+            policy,
             migrating: Mutex::new(Rank::HostMigration, ()),
             high: high_watermark,
             low: low_watermark,
@@ -143,31 +159,17 @@ impl HostCache {
         _migrating: &MutexGuard<'_, ()>,
         owner: Option<&Arc<Account>>,
     ) -> StoreResult<usize> {
-        let mut victims = Vec::new();
-        let mut skipped = Vec::new();
-        let mut freed = 0u64;
-        let mut candidates = LruVictims::new(&self.lru, owner, 4 * MIGRATION_BATCH);
-        while (freed < bytes || victims.len() < MIGRATION_BATCH) && victims.len() < 4 * MIGRATION_BATCH {
-            let Some((_, weak)) = candidates.pop() else {
-                break;
-            };
-            let Some(page) = weak.upgrade() else { continue };
-            if page.pinned() {
-                skipped.push(page);
-                continue;
-            }
-            let place = page.place.read();
-            if let (Some(host), None) = (place.host(), place.lost()) {
-                freed += host.reserved();
-                drop(place);
-                victims.push(page);
-            }
-        }
+        let Chosen {
+            mut victims,
+            small,
+            main,
+        } = self.choose(bytes, owner);
         // Pages created together (one write, one lane's run) have adjacent
         // ids: allocating their NVMe slots in id order keeps them adjacent on
         // disk too, so the reads of a later step can run sequentially.
         victims.sort_by_key(|p| p.id);
-        self.touch(&skipped);
+        touch_lru(&self.lru, small.iter());
+        touch_lru(&self.main, main.iter());
         let moved = durable.write_copies(&victims, Keep::Nothing, Reason::CapacityPressure);
         // Pages that did not move keep their place in line.
         let kept: Vec<Arc<PhysPage>> = victims
@@ -181,17 +183,117 @@ impl HostCache {
         moved
     }
 
-    /// Marks pages as just used in host memory. Never called with a page's
-    /// placement lock held.
+    /// The pages to migrate for about `bytes` (at least one batch), taken
+    /// out of their queues, and those to put back at the most recent end
+    /// of each: pinned pages, and under the frequency policy the pages
+    /// passed over, into the main queue: the small queue's that hold a
+    /// second chance, and the main queue's that spent one.
+    fn choose(&self, bytes: u64, owner: Option<&Arc<Account>>) -> Chosen {
+        let mut chosen = Chosen::default();
+        let mut freed = 0u64;
+        let mut passed_over = Vec::new();
+        let wanted = |victims: &Vec<Arc<PhysPage>>, freed: u64| {
+            (freed < bytes || victims.len() < MIGRATION_BATCH) && victims.len() < 4 * MIGRATION_BATCH
+        };
+        for queue in self.queues_in_turn() {
+            let from_main = std::ptr::eq(queue, &self.main);
+            let mut candidates = LruVictims::new(queue, owner, 4 * MIGRATION_BATCH);
+            while wanted(&chosen.victims, freed) {
+                let Some((_, weak)) = candidates.pop() else { break };
+                let Some(page) = weak.upgrade() else { continue };
+                if page.pinned() {
+                    if from_main { &mut chosen.main } else { &mut chosen.small }.push(page);
+                    continue;
+                }
+                let place = page.place.read();
+                let (Some(host), None) = (place.host(), place.lost()) else {
+                    continue; // no host copy to migrate: out of line
+                };
+                let reserved = host.reserved();
+                drop(place);
+                let frequency = self.policy == HostPolicy::Frequency;
+                // Attached again: into the main queue (from the small one),
+                // or back to its most recent end for one chance (in it).
+                let deferred = frequency
+                    && passed_over.len() < MOST_PASSED_OVER
+                    && if from_main {
+                        page.spend_chance()
+                    } else {
+                        page.has_chance()
+                    };
+                if deferred {
+                    passed_over.push((page, reserved));
+                } else {
+                    freed += reserved;
+                    chosen.victims.push(page);
+                }
+            }
+        }
+        // Chances only reorder: when the room asked for is not found
+        // without them, the pages passed over go too, least recent first.
+        let mut passed_over = passed_over.into_iter();
+        while freed < bytes && chosen.victims.len() < 4 * MIGRATION_BATCH {
+            let Some((page, reserved)) = passed_over.next() else {
+                break;
+            };
+            freed += reserved;
+            chosen.victims.push(page);
+        }
+        chosen.main.extend(passed_over.map(|(page, _)| page));
+        chosen
+    }
+
+    /// The queues victims are taken from, in turn: under the frequency
+    /// policy the small queue first, unless the main queue holds more than
+    /// its share (S3-FIFO's 90%, in pages).
+    fn queues_in_turn(&self) -> Vec<&PageLru> {
+        match self.policy {
+            HostPolicy::Lru => vec![&self.lru],
+            HostPolicy::Frequency => {
+                let main = self.main.lock().len();
+                let small = self.lru.lock().len();
+                if main * 10 > (main + small) * 9 {
+                    vec![&self.main, &self.lru]
+                } else {
+                    vec![&self.lru, &self.main]
+                }
+            }
+        }
+    }
+
+    /// Marks pages as just used in host memory (in the main queue if they
+    /// are in it, else in the LRU). Never called with a page's placement
+    /// lock held.
     pub(crate) fn touch<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
-        touch_lru(&self.lru, pages);
+        match self.policy {
+            HostPolicy::Lru => touch_lru(&self.lru, pages),
+            HostPolicy::Frequency => {
+                let rest: Vec<&Arc<PhysPage>> = {
+                    let mut main = self.main.lock();
+                    pages.into_iter().filter(|p| main.get(&p.id).is_none()).collect()
+                };
+                touch_lru(&self.lru, rest);
+            }
+        }
     }
 
     /// Forgets freed pages.
-    pub(crate) fn forget(&self, ids: impl IntoIterator<Item = u64>) {
-        let mut lru = self.lru.lock();
-        for id in ids {
-            lru.pop(&id);
+    pub(crate) fn forget(&self, ids: impl IntoIterator<Item = u64> + Clone) {
+        for queue in [&self.lru, &self.main] {
+            let mut queue = queue.lock();
+            for id in ids.clone() {
+                queue.pop(&id);
+            }
         }
     }
+}
+
+/// What one migration takes and puts back (see [`HostCache::choose`]).
+#[derive(Default)]
+struct Chosen {
+    victims: Vec<Arc<PhysPage>>,
+    /// Back at the most recent end of the LRU (the small queue).
+    small: Vec<Arc<PhysPage>>,
+    /// Back at the most recent end of the main queue.
+    main: Vec<Arc<PhysPage>>,
 }

@@ -9,7 +9,7 @@ use kvtier_tiers::TierError;
 
 use super::MigrationTime;
 use crate::StoreError;
-use crate::page::Pins;
+use crate::page::{PhysPage, Pins};
 use crate::testing::{PAGE_BYTES, Parts};
 
 #[test]
@@ -69,4 +69,78 @@ fn without_room_to_migrate_to_a_full_host_is_refused() {
         "{refused:?}"
     );
     assert!(pages.iter().all(|p| p.place.read().host().is_some()));
+}
+
+/// 128 pages (0 the least recently used) in a full host under `policy`,
+/// pages `attached` attached by a second request, after one allocation.
+fn after_one_migration(policy: super::HostPolicy, attached: std::ops::Range<usize>) -> (Parts, Vec<Arc<PhysPage>>) {
+    let parts = Parts::with_host_policy(1, 128, policy);
+    let pages: Vec<_> = (0..128).map(|id| parts.page(id)).collect();
+    for page in &pages[attached] {
+        page.attached_again();
+    }
+    allocate_one(&parts);
+    (parts, pages)
+}
+
+fn allocate_one(parts: &Parts) {
+    parts
+        .host
+        .allocate(PAGE_BYTES, &parts.durable, &mut MigrationTime::default(), &parts.owner)
+        .expect("room made by migration");
+}
+
+fn in_host(pages: &[Arc<PhysPage>]) -> Vec<bool> {
+    pages.iter().map(|p| p.place.read().host().is_some()).collect()
+}
+
+#[test]
+fn under_the_frequency_policy_one_off_pages_migrate_before_pages_attached_again() {
+    use super::HostPolicy::{Frequency, Lru};
+    // The 16 least recently used pages are a prefix a second request
+    // attached; a batch of 64 migrates.
+    let (_, pages) = after_one_migration(Lru, 0..16);
+    assert!(
+        in_host(&pages)[..64].iter().all(|&h| !h),
+        "LRU: the prefix goes with the oldest"
+    );
+    let (parts, pages) = after_one_migration(Frequency, 0..16);
+    let kept = in_host(&pages);
+    assert!(kept[..16].iter().all(|&h| h), "the prefix moved to the main queue");
+    assert!(kept[16..80].iter().all(|&h| !h), "the next 64 go instead");
+    assert!(kept[80..].iter().all(|&h| h));
+    // A burst of one-off pages churns through the small queue alone.
+    for round in 0..4 {
+        let _burst: Vec<_> = (0..64).map(|id| parts.page(1000 * (round + 1) + id)).collect();
+        allocate_one(&parts);
+        assert!(in_host(&pages)[..16].iter().all(|&h| h), "round {round}");
+    }
+}
+
+#[test]
+fn a_main_queue_past_its_share_spends_chances_then_migrates_its_least_recent() {
+    // 120 of 128 pages attached again: they move to the main queue, the 8
+    // others migrate.
+    let (parts, pages) = after_one_migration(super::HostPolicy::Frequency, 0..120);
+    assert_eq!(in_host(&pages).iter().filter(|&&h| h).count(), 120);
+    // The main queue holds more than 90% of the pages: its turn first.
+    // Each spends its one chance, so the 8 new pages go instead ...
+    let first: Vec<_> = (1000..1008).map(|id| parts.page(id)).collect();
+    allocate_one(&parts);
+    assert!(in_host(&pages)[..120].iter().all(|&h| h));
+    assert!(in_host(&first).iter().all(|&h| !h));
+    // ... and at their next turn, with none left, the least recent go.
+    let _second: Vec<_> = (2000..2008).map(|id| parts.page(id)).collect();
+    allocate_one(&parts);
+    let kept = in_host(&pages);
+    assert!(kept[..64].iter().all(|&h| !h), "{kept:?}");
+    assert!(kept[64..120].iter().all(|&h| h), "{kept:?}");
+}
+
+#[test]
+fn chances_only_reorder_a_host_of_attached_pages_still_makes_room() {
+    let (_, pages) = after_one_migration(super::HostPolicy::Frequency, 0..128);
+    let kept = in_host(&pages);
+    assert_eq!(kept.iter().filter(|&&h| !h).count(), 1, "exactly the room asked for");
+    assert!(!kept[0], "the least recent goes");
 }

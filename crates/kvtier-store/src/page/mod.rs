@@ -21,6 +21,11 @@ pub(crate) use rows::{read_rows_into, rows_of, write_rows};
 
 use crate::accounts::{Account, PageCharge};
 
+/// Second chances a page can hold under the host's frequency policy:
+/// requests beyond the first that attached it, capped so that a prefix no
+/// longer used ages out in a few passes (S3-FIFO's two-bit frequency).
+const MAX_CHANCES: u8 = 3;
+
 /// The bytes of one page of one lane: K rows `[page_size][head_dim]` at
 /// offset 0, V rows at `page_size · row_bytes`. Partial pages use the same
 /// slot size so that appends fill them in place.
@@ -43,6 +48,10 @@ pub(crate) struct PhysPage {
     /// How often selections chose the page, aged (the device's loop policy
     /// packs an epoch and a count here: `device/policy.rs`).
     pub(crate) reuse: AtomicU64,
+    /// Requests beyond the first that attached the page, capped: the host's
+    /// frequency policy spends one each time the page's turn to migrate
+    /// comes (`host/policy.rs`).
+    chances: AtomicU8,
     /// Its metadata, charged to the tenant whose quotas its slots count
     /// against too (pages are shared only within a tenant).
     charge: PageCharge,
@@ -64,8 +73,29 @@ impl PhysPage {
             pins: AtomicU32::new(0),
             prefetch: AtomicU8::new(0),
             reuse: AtomicU64::new(0),
+            chances: AtomicU8::new(0),
             charge,
         }
+    }
+
+    /// Another request (sequence) took a reference to the page: one more
+    /// second chance, up to [`MAX_CHANCES`].
+    pub(crate) fn attached_again(&self) {
+        let _ = self.chances.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+            (c < MAX_CHANCES).then_some(c + 1)
+        });
+    }
+
+    /// Whether the page holds a second chance.
+    pub(crate) fn has_chance(&self) -> bool {
+        self.chances.load(Ordering::Relaxed) > 0
+    }
+
+    /// Spends one second chance; false when none was left.
+    pub(crate) fn spend_chance(&self) -> bool {
+        self.chances
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| c.checked_sub(1))
+            .is_ok()
     }
 
     /// The tenant the page belongs to.

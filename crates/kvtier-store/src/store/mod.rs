@@ -68,7 +68,7 @@ use crate::accounts::{Accounts, Limits};
 use crate::catalog::Catalog;
 use crate::device::{DevicePolicy, HotSet};
 use crate::durability::{Durability, Durable, Image, Manifest};
-use crate::host::HostCache;
+use crate::host::{HostCache, HostPolicy};
 use crate::lease::Leases;
 use crate::page::StorePage;
 use crate::reader::Reader;
@@ -111,6 +111,8 @@ pub struct StoreConfig {
     pub limits: Limits,
     /// Which hot page the device demotes when it needs room.
     pub device_policy: DevicePolicy,
+    /// Which host pages migrate to NVMe first when host memory needs room.
+    pub host_policy: HostPolicy,
 }
 
 impl Default for StoreConfig {
@@ -129,6 +131,7 @@ impl Default for StoreConfig {
             checkpoint_bytes: 64 << 20,
             limits: Limits::default(),
             device_policy: DevicePolicy::default(),
+            host_policy: HostPolicy::default(),
         }
     }
 }
@@ -257,7 +260,12 @@ impl Store {
         let durable = Durable::new(manifest, next_page_id, [&device, &host], nvme, Arc::clone(&counters));
         let exclusive = config.device_cache == DeviceCache::Exclusive;
         let store = Arc::new(Self {
-            host: HostCache::new(host, config.host_high_watermark, config.host_low_watermark),
+            host: HostCache::new(
+                host,
+                config.host_policy,
+                config.host_high_watermark,
+                config.host_low_watermark,
+            ),
             device: HotSet::new(device, exclusive, config.device_policy, Arc::clone(&counters)),
             catalog: Catalog::default(),
             durable,

@@ -1,6 +1,7 @@
 //! `kvtier bench`: measurements whose results go under `bench/results/`.
 //! Compare ratios measured in the same run; these machines are noisy.
 
+mod burst;
 mod cluster;
 pub(crate) mod decode;
 mod echo;
@@ -26,6 +27,8 @@ pub(crate) enum BenchCommand {
     Decode(Box<decode::DecodeArgs>),
     /// Replays a decode trace's page fetches through kvtier and, optionally, Redis.
     Fetch(fetch::FetchBenchArgs),
+    /// Two tenants: one's shared prompt prefix during the other's burst of one-off prompts, per host policy.
+    Burst(burst::BurstBenchArgs),
     /// A cluster of three nodes on loopback: routing cost against a direct connection, time to notice a lost node.
     Cluster(cluster::ClusterBenchArgs),
     /// Serves the bare tonic unary echo that `bench fetch` measures its floor with.
@@ -41,6 +44,7 @@ pub(crate) fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Fetch(args) => fetch::run(args),
         BenchCommand::Echo(args) => echo::run(args),
         BenchCommand::Cluster(args) => cluster::run(args),
+        BenchCommand::Burst(args) => burst::run(args),
     }
 }
 

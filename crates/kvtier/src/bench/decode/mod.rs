@@ -83,6 +83,10 @@ pub(crate) struct DecodeArgs {
     /// loop).
     #[arg(long, default_value_t = kvtier_store::DevicePolicy::Lru)]
     device_policy: kvtier_store::DevicePolicy,
+    /// In-process server: which host pages migrate to NVMe first (lru or
+    /// frequency).
+    #[arg(long, default_value_t = kvtier_store::HostPolicy::Lru)]
+    host_policy: kvtier_store::HostPolicy,
     /// In-process server: host tier as a share of the working set (below 1,
     /// the rest lives on NVMe).
     #[arg(long, default_value_t = 1.0)]
@@ -372,7 +376,7 @@ fn quantile_us(steps: &[run::Step], q: f64) -> u64 {
 fn print_table(r: &Report) {
     let c = &r.config;
     println!(
-        "kvtier bench decode  {} ({} layers, {}/{} heads, d {}, {})  context {}  budget {} pages ({})  {} seq × {} steps  device {} ({})  host {:.0}%  queries {}{}",
+        "kvtier bench decode  {} ({} layers, {}/{} heads, d {}, {})  context {}  budget {} pages ({})  {} seq × {} steps  device {} ({})  host {:.0}% ({})  queries {}{}",
         c.shape.name,
         c.shape.layers,
         c.shape.kv_heads,
@@ -390,6 +394,7 @@ fn print_table(r: &Report) {
         },
         c.device_policy,
         100.0 * c.host_fraction,
+        c.host_policy,
         c.queries,
         if r.emulated_device { "  [device EMULATED]" } else { "" }
     );
@@ -610,6 +615,7 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         device_fraction: a.device_fraction,
         device_step_fraction: a.device_step_fraction,
         device_policy: a.device_policy,
+        host_policy: a.host_policy,
         host_fraction: a.host_fraction,
         queries: a.queries.clone(),
         source,
@@ -723,13 +729,14 @@ fn with_param(args: &DecodeArgs, name: &str, value: &str) -> anyhow::Result<Deco
         "device_fraction" => a.device_fraction = f()?,
         "device_step_fraction" => a.device_step_fraction = Some(f()?),
         "device_policy" => a.device_policy = value.parse().map_err(|e: String| anyhow::anyhow!("{name}: {e}"))?,
+        "host_policy" => a.host_policy = value.parse().map_err(|e: String| anyhow::anyhow!("{name}: {e}"))?,
         "host_fraction" => a.host_fraction = f()?,
         "budget_pages" => a.budget_pages = value.parse()?,
         "drift" => a.drift = f()?,
         "sequences" => a.sequences = value.parse()?,
         other => bail!(
-            "--sweep {other}: one of device_fraction, device_step_fraction, device_policy, host_fraction, \
-             budget_pages, drift, sequences"
+            "--sweep {other}: one of device_fraction, device_step_fraction, device_policy, host_policy, \
+             host_fraction, budget_pages, drift, sequences"
         ),
     }
     Ok(a)

@@ -38,6 +38,8 @@ pub(crate) struct RunConfig {
     pub(crate) device_step_fraction: Option<f64>,
     #[serde(serialize_with = "policy_name")]
     pub(crate) device_policy: kvtier_store::DevicePolicy,
+    #[serde(serialize_with = "policy_name")]
+    pub(crate) host_policy: kvtier_store::HostPolicy,
     pub(crate) host_fraction: f64,
     pub(crate) queries: String,
     #[serde(skip)]
@@ -212,6 +214,7 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
     let config = StoreConfig {
         device_bytes,
         device_policy: cfg.device_policy,
+        host_policy: cfg.host_policy,
         host_bytes: host,
         cache_writes_on_device: true,
         nvme: (cfg.host_fraction < 1.0).then(|| NvmeConfig {
@@ -577,6 +580,6 @@ fn mode_name<S: serde::Serializer>(mode: &Mode, s: S) -> Result<S::Ok, S::Error>
     s.serialize_str(mode.name())
 }
 
-fn policy_name<S: serde::Serializer>(policy: &kvtier_store::DevicePolicy, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(policy.name())
+fn policy_name<S: serde::Serializer, P: std::fmt::Display>(policy: &P, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(policy)
 }

@@ -1,0 +1,265 @@
+//! `kvtier bench burst`: two tenants on one store. Tenant A serves
+//! requests that share one prompt prefix (attached through its hash
+//! chain, kept by a long-lived sequence); tenant B sends a burst of unique
+//! prompts whose KV stays stored. Between two of A's requests the burst
+//! writes more than host memory holds. Measured per host policy, in one
+//! run: the share of A's prefix pages each request finds in memory (not
+//! only on NVMe), before and during the burst, and what A's reads cost.
+//! In process (the policy is the store's, not the transport's), over a
+//! real NVMe file.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Args;
+use kvtier_core::{DType, Layout, LayoutSpec, PageState, SequenceKey};
+use kvtier_store::{FetchPages, HeadRange, HostPolicy, PageList, PutPages, Store, StoreConfig};
+use kvtier_tiers::{ArenaTier, EngineChoice, NvmeConfig, NvmeTier, Tier};
+use serde::Serialize;
+
+#[derive(Debug, Args)]
+pub(crate) struct BurstBenchArgs {
+    /// Host policies to compare, in one run.
+    #[arg(long = "host-policy", value_name = "POLICY", default_values_t = HostPolicy::ALL)]
+    policies: Vec<HostPolicy>,
+    /// Host memory, in pages of 4 KiB (16 tokens × 64 dims × 2 (K, V) × f16).
+    #[arg(long, default_value_t = 2048)]
+    host_pages: u64,
+    /// Pages of A's shared prefix per lane (2 layers × 2 KV heads).
+    #[arg(long, default_value_t = 64)]
+    prefix_pages: u32,
+    /// Pages of each of B's prompts per lane.
+    #[arg(long, default_value_t = 64)]
+    prompt_pages: u32,
+    /// B's prompts between two of A's requests during the burst.
+    #[arg(long, default_value_t = 12)]
+    burst: u32,
+    /// A's requests before the burst, and during it.
+    #[arg(long, default_value_t = 20)]
+    requests: u32,
+    /// Print one JSON object per policy.
+    #[arg(long)]
+    json: bool,
+}
+
+const LAYERS: u32 = 2;
+const KV_HEADS: u32 = 2;
+const PAGE_SIZE: u32 = 16;
+
+/// What one policy did.
+#[derive(Debug, Serialize)]
+struct Report {
+    host_policy: String,
+    host_bytes: u64,
+    /// Bytes B's burst writes between two of A's requests.
+    burst_bytes_per_request: u64,
+    /// Share of A's prefix pages its requests found in memory.
+    a_hit_ratio_before: f64,
+    a_hit_ratio_during: f64,
+    /// A request's read of its prefix, all layers (µs).
+    a_read_p50_us_before: u64,
+    a_read_p50_us_during: u64,
+    a_read_p99_us_during: u64,
+    /// Host pages migrated to NVMe over the run.
+    pages_migrated: u64,
+}
+
+pub(crate) fn run(args: BurstBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.host_pages > 0 && args.prefix_pages > 0 && args.prompt_pages > 0 && args.requests > 0,
+        "--host-pages, --prefix-pages, --prompt-pages and --requests must be positive"
+    );
+    for &policy in &args.policies {
+        let report = measure(&args, policy)?;
+        super::emit(args.json, &report, |r| {
+            format!(
+                "host policy {:<9}  A's prefix in memory: before {:.3}, during the burst {:.3}  \
+                 A's read p50 {} µs before, {} µs during (p99 {} µs)  pages migrated {}",
+                r.host_policy,
+                r.a_hit_ratio_before,
+                r.a_hit_ratio_during,
+                r.a_read_p50_us_before,
+                r.a_read_p50_us_during,
+                r.a_read_p99_us_during,
+                r.pages_migrated
+            )
+        })?;
+    }
+    Ok(())
+}
+
+fn layout() -> anyhow::Result<Layout> {
+    Ok(Layout::new(LayoutSpec {
+        num_layers: LAYERS,
+        num_kv_heads: KV_HEADS,
+        num_query_heads: KV_HEADS,
+        head_dim: 64,
+        dtype: DType::F16,
+        page_size: PAGE_SIZE,
+        layer_groups: vec![],
+    })?)
+}
+
+fn measure(args: &BurstBenchArgs, policy: HostPolicy) -> anyhow::Result<Report> {
+    let layout = layout()?;
+    let page_bytes = layout.page_bytes() as u64;
+    let dir = tempfile::tempdir()?;
+    let lanes = u64::from(LAYERS * KV_HEADS);
+    let total_prompts = u64::from(args.requests * args.burst);
+    let nvme_bytes =
+        2 * page_bytes * lanes * (u64::from(args.prefix_pages) + total_prompts * u64::from(args.prompt_pages));
+    let nvme: Arc<dyn Tier> = Arc::new(NvmeTier::open(NvmeConfig {
+        path: dir.path().join("nvme.data"),
+        capacity: nvme_bytes,
+        engine: EngineChoice::Auto,
+        queue_depth: 32,
+        direct: true,
+    })?);
+    let host_bytes = args.host_pages * page_bytes;
+    let store = Store::with_tiers(
+        Arc::new(ArenaTier::emulated_device(16 * page_bytes)?),
+        Arc::new(ArenaTier::host(host_bytes)?),
+        Some(nvme),
+        StoreConfig {
+            cache_writes_on_device: false,
+            manifest_path: Some(dir.path().join("manifest")),
+            host_policy: policy,
+            ..StoreConfig::default()
+        },
+    )?;
+    let prefix: Vec<Vec<u8>> = (0..args.prefix_pages)
+        .map(|p| format!("a-prefix-{p}").into_bytes())
+        .collect();
+    // A's system prompt, kept by a long-lived sequence.
+    let anchor = SequenceKey::parse("a", "system-prompt")?;
+    store.create_sequence(anchor.clone(), layout.clone(), prefix.clone())?;
+    put(&store, &anchor, &layout, args.prefix_pages)?;
+
+    let mut before = Vec::new();
+    for i in 0..args.requests {
+        before.push(a_request(&store, &layout, &prefix, &format!("before-{i}"))?);
+    }
+    let mut during = Vec::new();
+    for i in 0..args.requests {
+        for j in 0..args.burst {
+            let key = SequenceKey::parse("b", &format!("prompt-{i}-{j}"))?;
+            store.create_sequence(key.clone(), layout.clone(), vec![])?;
+            put(&store, &key, &layout, args.prompt_pages)?;
+        }
+        during.push(a_request(&store, &layout, &prefix, &format!("during-{i}"))?);
+    }
+    let ratio = |rs: &[(f64, u64)]| rs.iter().map(|r| r.0).sum::<f64>() / rs.len() as f64;
+    let quantile = |rs: &[(f64, u64)], q: f64| {
+        let mut us: Vec<u64> = rs.iter().map(|r| r.1).collect();
+        us.sort_unstable();
+        us[((q * us.len() as f64).ceil() as usize).clamp(1, us.len()) - 1]
+    };
+    Ok(Report {
+        host_policy: policy.to_string(),
+        host_bytes,
+        burst_bytes_per_request: u64::from(args.burst) * u64::from(args.prompt_pages) * lanes * page_bytes,
+        a_hit_ratio_before: ratio(&before),
+        a_hit_ratio_during: ratio(&during),
+        a_read_p50_us_before: quantile(&before, 0.5),
+        a_read_p50_us_during: quantile(&during, 0.5),
+        a_read_p99_us_during: quantile(&during, 0.99),
+        pages_migrated: store.stats().pages_migrated,
+    })
+}
+
+/// Writes `pages` full pages into every lane of `key`.
+fn put(store: &Store, key: &SequenceKey, layout: &Layout, pages: u32) -> anyhow::Result<()> {
+    let tokens = pages * PAGE_SIZE;
+    let row = layout.row_bytes();
+    // Per head: K rows then V rows of finite f16s (each high byte below
+    // 0x3C: an exponent short of infinity) that differ per sequence and layer.
+    let seed = key.to_string().len() as u8;
+    for layer in 0..LAYERS {
+        let kv: Vec<u8> = (0..KV_HEADS as usize * 2 * tokens as usize * row)
+            .map(|i| {
+                let b = (i as u8).wrapping_mul(31).wrapping_add(seed ^ layer as u8);
+                if i % 2 == 1 { b & 0x3B } else { b }
+            })
+            .collect();
+        store.put_pages(
+            key,
+            PutPages {
+                layer,
+                heads: HeadRange {
+                    start: 0,
+                    count: KV_HEADS,
+                },
+                first_page: 0,
+                num_tokens: tokens,
+                kv: &kv,
+                persist: false,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+/// One of A's requests: attaches the prefix, reads it (every layer), and
+/// ends. Returns the share of its pages found in memory and the read's µs.
+fn a_request(store: &Store, layout: &Layout, prefix: &[Vec<u8>], name: &str) -> anyhow::Result<(f64, u64)> {
+    let key = SequenceKey::parse("a", name)?;
+    let created = store.create_sequence(key.clone(), layout.clone(), prefix.to_vec())?;
+    anyhow::ensure!(
+        created.attached_pages == prefix.len() as u64,
+        "{key}: attached {} of the {} prefix pages",
+        created.attached_pages,
+        prefix.len()
+    );
+    let (mut in_memory, mut pages) = (0u64, 0u64);
+    let start = Instant::now();
+    for layer in 0..LAYERS {
+        let read = store.fetch_pages(
+            &key,
+            FetchPages {
+                layer,
+                heads: HeadRange {
+                    start: 0,
+                    count: KV_HEADS,
+                },
+                pages: PageList::All,
+                with_digests: false,
+            },
+        )?;
+        pages += read.len() as u64;
+        in_memory += read
+            .iter()
+            .filter(|p| matches!(p.state, PageState::Hot | PageState::Cold(kvtier_core::ColdTier::Host)))
+            .count() as u64;
+    }
+    let micros = start.elapsed().as_micros() as u64;
+    store.drop_sequence(&key)?;
+    Ok((in_memory as f64 / pages.max(1) as f64, micros))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The promise the frequency policy makes, at a small scale: B's burst
+    /// (6 prompts of 64 pages between two of A's requests, in a host of
+    /// 256) pushes A's prefix out under LRU, never under frequency.
+    #[test]
+    fn a_burst_of_one_off_prompts_keeps_another_tenants_prefix_only_under_frequency() {
+        let args = BurstBenchArgs {
+            policies: vec![],
+            host_pages: 256,
+            prefix_pages: 8,
+            prompt_pages: 16,
+            burst: 6,
+            requests: 5,
+            json: false,
+        };
+        let lru = measure(&args, HostPolicy::Lru).unwrap();
+        let frequency = measure(&args, HostPolicy::Frequency).unwrap();
+        for r in [&lru, &frequency] {
+            assert_eq!(r.a_hit_ratio_before, 1.0, "{r:?}");
+        }
+        assert!(lru.a_hit_ratio_during < 0.25, "{lru:?}");
+        assert_eq!(frequency.a_hit_ratio_during, 1.0, "{frequency:?}");
+    }
+}
