@@ -17,10 +17,13 @@ if [ -z "$bin" ]; then
 fi
 burst_command="kvtier bench burst --requests 40 --json"
 decode_command="kvtier bench decode --preset smollm2-135m --context 4096 --steps 96 --host-fraction 0.5 --json"
-burst=$("$bin" ${burst_command#kvtier })
-decode=""
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# shellcheck disable=SC2086
+"$bin" ${burst_command#kvtier } > "$work/burst.jsonl"
 for policy in lru frequency; do
-  decode+=$("$bin" ${decode_command#kvtier } --host-policy "$policy" --out target/tenant-burst-run)$'\n'
+  # shellcheck disable=SC2086
+  "$bin" ${decode_command#kvtier } --host-policy "$policy" --out target/tenant-burst-run >> "$work/decode.jsonl"
 done
 {
   echo "# A tenant's shared prefix during another tenant's burst, per host policy"
@@ -36,24 +39,24 @@ done
   echo
   echo "| host policy | A's prefix in memory, before | during B's burst | A's read p50 µs, before | during | p99 during | pages migrated |"
   echo "|---|---:|---:|---:|---:|---:|---:|"
-  printf '%s\n' "$burst" | python3 -c '
+  python3 - "$work/burst.jsonl" <<'PY'
 import json, sys
-for line in sys.stdin:
+for line in open(sys.argv[1]):
     r = json.loads(line)
-    print(f"| {r[\"host_policy\"]} | {r[\"a_hit_ratio_before\"]:.3f} | {r[\"a_hit_ratio_during\"]:.3f} | "
-          f"{r[\"a_read_p50_us_before\"]} | {r[\"a_read_p50_us_during\"]} | {r[\"a_read_p99_us_during\"]} | {r[\"pages_migrated\"]} |")
-'
+    print(f"| {r['host_policy']} | {r['a_hit_ratio_before']:.3f} | {r['a_hit_ratio_during']:.3f} | "
+          f"{r['a_read_p50_us_before']} | {r['a_read_p50_us_during']} | {r['a_read_p99_us_during']} | {r['pages_migrated']} |")
+PY
   echo
   echo "Nothing shared (one decode bench per policy, host memory at half the working set, device emulated):"
   echo
   echo "| host policy | device miss ratio | step p50 ms | step p99 ms | moved nvme→device MB |"
   echo "|---|---:|---:|---:|---:|"
-  printf '%s' "$decode" | python3 -c '
+  python3 - "$work/decode.jsonl" <<'PY'
 import json, sys
-for line in sys.stdin:
+for line in open(sys.argv[1]):
     r = json.loads(line)
-    print(f"| {r[\"config\"][\"host_policy\"]} | {r[\"device_miss_ratio\"]:.3f} | {r[\"step_p50_us\"]/1e3:.1f} | "
-          f"{r[\"step_p99_us\"]/1e3:.1f} | {r[\"bytes_moved\"][\"nvme_to_device\"]/1e6:.1f} |")
-'
+    print(f"| {r['config']['host_policy']} | {r['device_miss_ratio']:.3f} | {r['step_p50_us']/1e3:.1f} | "
+          f"{r['step_p99_us']/1e3:.1f} | {r['bytes_moved']['nvme_to_device']/1e6:.1f} |")
+PY
 } > bench/results/tenant-burst.md
 cat bench/results/tenant-burst.md
