@@ -74,7 +74,8 @@ version = subprocess.run(["prometheus", "--version"], capture_output=True, text=
 cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
 with open("bench/results/dashboard-check.md", "w") as out:
     out.write("# Every dashboard query returns data from a real Prometheus\n\n")
-    out.write("- command: `bench/dashboard-check.sh` (starts `target/release/kvtier serve` with a 16 MiB device, "
+    out.write("- command: `bench/dashboard-check.sh` (starts `target/release/kvtier serve` with a 16 MiB device "
+              "under `--device-policy loop`, "
               "48 MiB host and 1 GiB NVMe tier and `--checkpoint-bytes 1` (a checkpoint whenever the manifest has doubled), and Debian's Prometheus scraping "
               f"it every second; the workload: `{os.environ['COMMAND']}`)\n")
     out.write(f"- Prometheus: {version}\n")
