@@ -23,6 +23,7 @@ mod page_buf;
 mod policy;
 mod prefetch;
 mod reader;
+mod simulate;
 mod stats;
 mod store;
 #[cfg(test)]
@@ -45,6 +46,7 @@ pub use lease::{MAX_LEASE, random_id};
 pub use page_buf::PageBuf;
 pub use policy::PolicyOutcome;
 pub use reader::PageContent;
+pub use simulate::DeviceSimulation;
 pub use stats::{
     DeviceHits, Latency, PrefetchCounts, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats,
     TransitionCount,

@@ -556,3 +556,68 @@ fn on_the_decode_loop_the_loop_policy_hits_where_lru_never_does() {
     assert_eq!(ahead.late, 0, "{ahead:?}");
     assert!(ahead.used <= ahead.issued, "{ahead:?}");
 }
+
+/// The simulation `kvtier tune` predicts policies with serves a stream as
+/// the store does: the same writes and selections (a drifting query, so
+/// the loop policy's subset changes), each prefetch landed before the next
+/// selection, miss for miss, under every device policy.
+#[test]
+fn the_device_simulation_misses_what_the_store_misses() {
+    use kvtier_store::{DevicePolicy, DeviceSimulation};
+    const LAYERS: u32 = 4;
+    const PER_LAYER: usize = 12;
+    // Smaller than a step's 12 selected pages, about one, and larger.
+    for (policy, device_pages) in DevicePolicy::ALL.into_iter().flat_map(|p| [(p, 7), (p, 11), (p, 16)]) {
+        let layout = Layout::new(LayoutSpec {
+            num_layers: LAYERS,
+            ..layout().spec().clone()
+        })
+        .unwrap();
+        let store = Arc::new(
+            Store::with_tiers(
+                Arc::new(ArenaTier::emulated_device(device_pages * PAGE_BYTES).unwrap()),
+                Arc::new(ArenaTier::host(4 << 20).unwrap()),
+                None,
+                StoreConfig {
+                    device_policy: policy,
+                    ..StoreConfig::default()
+                },
+            )
+            .unwrap(),
+        );
+        let mut sim = DeviceSimulation::new(policy, device_pages, 64).unwrap();
+        store.create_sequence(key(), layout, vec![]).unwrap();
+        for layer in 0..LAYERS {
+            put_layer(&store, layer, PER_LAYER);
+            for p in 0..PER_LAYER as u32 {
+                sim.write((layer, p)).unwrap();
+            }
+        }
+        let mut missed = 0;
+        for step in 0..16 {
+            let q = query(&[step / 3, step / 3 + 1, (step * 5) % PER_LAYER]);
+            for layer in 0..LAYERS {
+                // With data, as the simulation assumes: reading a page
+                // from the device marks it used.
+                let req = SelectPages {
+                    layer,
+                    swap_in: true,
+                    with_data: true,
+                    ..select(&q, 3)
+                };
+                let sel = store.select_pages(&key(), req).unwrap();
+                let chosen = sel.heads[0].pages.iter().map(|p| (layer, p.page)).collect();
+                let by_store = u64::from(sel.swap.from_host + sel.swap.from_nvme + sel.swap.not_hot);
+                let by_simulation = sim.select(0, layer, LAYERS, chosen).unwrap();
+                let at = format!("{policy}, {device_pages} pages: step {step}, layer {layer}");
+                assert_eq!(by_simulation, by_store, "{at}");
+                missed += by_store;
+                store.wait_idle();
+            }
+        }
+        assert!(
+            missed > 0,
+            "{policy}, {device_pages} pages: the stream has misses to agree on"
+        );
+    }
+}

@@ -255,6 +255,32 @@ impl HotSet {
         }
     }
 
+    /// What a selection of `chosen` pages of (`key`, `layer`) does to the
+    /// device, in order: a use (`used`: not a speculative query) is counted
+    /// and considered for the resident subset, `swap_in` runs, and the
+    /// pages to prefetch for the next layer come back (what it chose last
+    /// time that is not hot: the loop policy's layer-ahead; none under
+    /// `Lru`). The store and the simulation both serve selections this way.
+    pub(crate) fn serve_selection<R>(
+        &self,
+        (key, layer, layers): (&kvtier_core::SequenceKey, u32, u32),
+        chosen: &[Arc<PhysPage>],
+        used: bool,
+        swap_in: impl FnOnce() -> R,
+    ) -> (R, Vec<Arc<PhysPage>>) {
+        if used {
+            self.note_chosen(chosen);
+            self.selected(chosen);
+        }
+        let swapped = swap_in();
+        let ahead = self
+            .chosen_ahead(key, layer, layers, chosen)
+            .into_iter()
+            .filter(|p| p.place.read().state() != kvtier_core::PageState::Hot)
+            .collect();
+        (swapped, ahead)
+    }
+
     /// A selection chose `pages` (its swap-in, if any, comes after): the
     /// loop policy counts each once and considers the hot ones for the
     /// resident subset.
@@ -312,7 +338,7 @@ impl HotSet {
     /// chose and returns what the next layer chose last time (the layer
     /// after the last wraps to 0, the next step's first), so that the
     /// caller can prefetch it. Empty under `Lru`.
-    pub(crate) fn chosen_ahead(
+    fn chosen_ahead(
         &self,
         key: &kvtier_core::SequenceKey,
         layer: u32,

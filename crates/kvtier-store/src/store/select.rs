@@ -297,22 +297,18 @@ impl Store {
         let chosen: Vec<Arc<PhysPage>> = ranked.chosen.values().cloned().collect();
         let tiers = tracer.as_ref().map(|_| tiers_of(&ranked.chosen));
         // A use of the pages, counted once: a speculative selection (a
-        // prefetch query: no swap-in, no data) only looks.
-        if req.swap_in || req.with_data {
-            self.device.note_chosen(&chosen);
-            self.device.selected(&chosen);
+        // prefetch query: no swap-in, no data) only looks. The loop policy
+        // streams ahead: what the next layer chose last step is brought up
+        // while this layer is served.
+        let (swapped, ahead) = self.device.serve_selection(
+            (&seq.key, req.layer, seq.layout.num_layers()),
+            &chosen,
+            req.swap_in || req.with_data,
+            || req.swap_in.then(|| self.swap_in_for(chosen.clone(), req.deadline)),
+        );
+        if let Some((swap, past_deadline)) = swapped {
+            (out.swap, out.past_deadline) = (swap, past_deadline);
         }
-        if req.swap_in {
-            (out.swap, out.past_deadline) = self.swap_in_for(chosen.clone(), req.deadline);
-        }
-        // The loop policy streams ahead: what the next layer chose last
-        // step is brought up while this layer is served.
-        let ahead: Vec<Arc<PhysPage>> = self
-            .device
-            .chosen_ahead(&seq.key, req.layer, seq.layout.num_layers(), &chosen)
-            .into_iter()
-            .filter(|p| p.place.read().state() != PageState::Hot)
-            .collect();
         if !ahead.is_empty() {
             out.prefetch_queued += self.prefetch(ahead, PrefetchKind::LayerAhead);
         }

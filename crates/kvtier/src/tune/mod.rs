@@ -15,6 +15,7 @@
 //! kept page keeps all its accesses and distances are scaled by the rate.
 
 mod latency;
+mod simulate;
 mod stack;
 
 use std::collections::HashMap;
@@ -28,7 +29,9 @@ use kvtier_core::hash::mix64;
 
 use crate::bench::plot::{Chart, Series};
 use crate::trace::{Event, Trace};
+use kvtier_store::DevicePolicy;
 use latency::{LatencyModel, Read};
+use simulate::{PolicyPoint, Stream};
 use stack::{MissCurve, StackDistances};
 
 #[derive(Debug, Args)]
@@ -62,6 +65,10 @@ pub(crate) struct TuneArgs {
     /// scaled back), for traces too large to replay whole.
     #[arg(long, default_value_t = 1.0)]
     sample: f64,
+    /// Device policies to predict for: lru (exact, from stack distances)
+    /// and loop (simulated on a miniature device).
+    #[arg(long = "device-policy", value_name = "POLICY", default_values_t = DevicePolicy::ALL)]
+    policies: Vec<DevicePolicy>,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -82,6 +89,21 @@ fn keeps((s, l, h, p): PageKey, rate: f64) -> bool {
         .iter()
         .fold(mix64(u64::from(s) ^ SEED), |x, &v| mix64(x ^ u64::from(v)));
     kvtier_core::hash::keeps(hash, rate)
+}
+
+/// The pages of `e` a replay at `rate` keeps, each with the tier the
+/// recording served it from.
+fn sampled_pages(e: &Event, rate: f64) -> Vec<(PageKey, Option<char>)> {
+    let (seq, layer) = (e.sequence as u32, e.access.layer);
+    e.access
+        .heads
+        .iter()
+        .flat_map(|h| {
+            let mut served = h.from.chars();
+            h.pages.iter().map(move |&p| ((seq, layer, h.head, p), served.next()))
+        })
+        .filter(|&(k, _)| keeps(k, rate))
+        .collect()
 }
 
 /// The access stream, replayed into each tier's stack distances.
@@ -142,19 +164,7 @@ struct Replayed {
 /// of `rate` (this replay's sampling; the recording's is in the header).
 fn replay(trace: &Trace, rate: f64) -> Replayed {
     let scale = 1.0 / (trace.header.sample * rate);
-    // Each kept page, with the tier the recording served it from.
-    let pages_of = |e: &Event| -> Vec<(PageKey, Option<char>)> {
-        let (seq, layer) = (e.sequence as u32, e.access.layer);
-        e.access
-            .heads
-            .iter()
-            .flat_map(|h| {
-                let mut served = h.from.chars();
-                h.pages.iter().map(move |&p| ((seq, layer, h.head, p), served.next()))
-            })
-            .filter(|&(k, _)| keeps(k, rate))
-            .collect()
-    };
+    let pages_of = |e: &Event| sampled_pages(e, rate);
     let events: usize = trace.events.iter().map(|e| pages_of(e).len()).sum();
     let mut r = Replay {
         device: StackDistances::new(events, scale),
@@ -262,6 +272,53 @@ struct Report {
     at: Vec<Point>,
     /// Without timings in the trace: none.
     latency: Option<LatencyReport>,
+    /// Device policies without an exact model, simulated: LRU's curve and
+    /// recommendation are `curve` and `device_bytes`.
+    simulated: Vec<SimulatedPolicy>,
+}
+
+/// A simulated device policy's curve and recommendation.
+#[derive(Debug, Serialize)]
+struct SimulatedPolicy {
+    policy: String,
+    /// The smallest size on the curve whose miss ratio is at most the target.
+    device_bytes: Option<u64>,
+    curve: Vec<PolicyPoint>,
+    /// At the `--device-fraction` sizes.
+    at: Vec<PolicyPoint>,
+}
+
+/// Each simulated policy of `policies` (all but LRU) at 1 % to 100 % of
+/// the working set, 10 sizes a decade, and at `at`.
+fn simulated(
+    trace: &Trace,
+    rate: f64,
+    policies: &[DevicePolicy],
+    working_set: u64,
+    target_miss: f64,
+    at: &[f64],
+) -> anyhow::Result<Vec<SimulatedPolicy>> {
+    let simulated: Vec<DevicePolicy> = policies.iter().copied().filter(|&p| p != DevicePolicy::Lru).collect();
+    if simulated.is_empty() {
+        return Ok(Vec::new());
+    }
+    let stream = Stream::of(trace, rate);
+    let sizes: Vec<f64> = (0..=20).map(|i| 10f64.powf(-2.0 + f64::from(i) / 10.0)).collect();
+    simulated
+        .into_iter()
+        .map(|policy| {
+            let curve = stream.curve(policy, working_set, &sizes)?;
+            Ok(SimulatedPolicy {
+                policy: policy.to_string(),
+                device_bytes: curve
+                    .iter()
+                    .find(|p| p.device_miss_ratio <= target_miss)
+                    .map(|p| p.bytes),
+                at: stream.curve(policy, working_set, at)?,
+                curve,
+            })
+        })
+        .collect()
 }
 
 pub(crate) fn run(args: TuneArgs) -> anyhow::Result<()> {
@@ -351,6 +408,14 @@ pub(crate) fn run(args: TuneArgs) -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?,
         curve,
         latency: latency_report,
+        simulated: simulated(
+            &trace,
+            args.sample,
+            &args.policies,
+            working_set,
+            args.target_miss,
+            &args.device_fraction,
+        )?,
     };
     plot(&report, &args.out)?;
     if args.json {
@@ -384,7 +449,10 @@ fn print_table(r: &Report, out: &std::path::Path) {
             100.0 * r.target_miss
         ),
     };
-    recommend("device tier", r.device_bytes);
+    recommend("device tier (lru)", r.device_bytes);
+    for s in &r.simulated {
+        recommend(&format!("device tier ({}, simulated)", s.policy), s.device_bytes);
+    }
     recommend("host tier", r.host_bytes);
     if let Some(l) = &r.latency {
         let us = |v: Option<f64>| v.map_or("unknown".to_owned(), |v| format!("{v:.1} µs"));
@@ -420,6 +488,18 @@ fn print_table(r: &Report, out: &std::path::Path) {
             ms(p.p99_ms)
         );
     }
+    for s in &r.simulated {
+        println!("device policy {} (simulated):", s.policy);
+        println!("{:>10} {:>12} {:>12}", "share", "bytes", "device miss");
+        for p in s.at.iter().chain(s.curve.iter().step_by(5)) {
+            println!(
+                "{:>9.1}% {:>12} {:>12.4}",
+                100.0 * p.fraction,
+                mib(p.bytes),
+                p.device_miss_ratio
+            );
+        }
+    }
     println!("plots: {}", out.display());
 }
 
@@ -433,9 +513,16 @@ fn plot(r: &Report, out: &std::path::Path) -> anyhow::Result<()> {
     };
     // Both tiers see the same accesses here, so one curve serves both;
     // draw the host's only where it differs.
-    let mut series = vec![line("device", |p| p.device_miss_ratio)];
+    let mut series = vec![line("device (lru)", |p| p.device_miss_ratio)];
     if r.curve.iter().any(|p| p.host_miss_ratio != p.device_miss_ratio) {
         series.push(line("host", |p| p.host_miss_ratio));
+    }
+    for s in &r.simulated {
+        series.push(Series {
+            name: format!("device ({}, simulated)", s.policy),
+            points: s.curve.iter().map(|p| (mib(p.bytes), p.device_miss_ratio)).collect(),
+            dots: true,
+        });
     }
     if let Some(b) = r.device_bytes {
         series.push(Series {
@@ -446,7 +533,7 @@ fn plot(r: &Report, out: &std::path::Path) -> anyhow::Result<()> {
     }
     Chart {
         title: format!(
-            "Selected pages missing an LRU tier, by its size ({} MiB working set)",
+            "Selected pages missing a tier, by its size and policy ({} MiB working set)",
             mib(r.working_set_bytes).round()
         ),
         x_label: "tier size (MiB)".into(),
@@ -582,6 +669,33 @@ mod tests {
             ..latency
         };
         assert!(with_costs.quantile_us(1.0, full, full).unwrap() < 1_000.0);
+    }
+
+    /// The simulation runs the store's own policy code: under LRU it must
+    /// agree with the stack-distance model, an independent one, whole and
+    /// sampled (a miniature device of a fifth of the size over a fifth of
+    /// the pages, against distances scaled by five: the same estimate).
+    #[test]
+    fn the_simulated_lru_agrees_with_the_stack_distances() {
+        let trace = skewed_trace(4000, 60_000);
+        let (exact, shards) = (replay(&trace, 1.0), replay(&trace, 0.2));
+        let (whole, mini) = (Stream::of(&trace, 1.0), Stream::of(&trace, 0.2));
+        let page_bytes = trace.shapes[0].page_bytes() as u64;
+        for pages in [200, 400, 800, 1600, 2800] {
+            let bytes = pages * page_bytes;
+            let want = exact.device.miss_ratio(bytes);
+            let got = whole.miss_ratio(DevicePolicy::Lru, bytes).unwrap();
+            assert!(
+                (want - got).abs() < 1e-9,
+                "{pages} pages: stack distances {want}, simulated {got}"
+            );
+            let want = shards.device.miss_ratio(bytes);
+            let got = mini.miss_ratio(DevicePolicy::Lru, bytes).unwrap();
+            assert!(
+                (want - got).abs() < 1e-9,
+                "{pages} pages, a fifth: scaled distances {want}, miniature {got}"
+            );
+        }
     }
 
     #[test]
