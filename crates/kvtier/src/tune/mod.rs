@@ -519,7 +519,7 @@ fn plot(r: &Report, out: &std::path::Path) -> anyhow::Result<()> {
     }
     for s in &r.simulated {
         series.push(Series {
-            name: format!("device ({}, simulated)", s.policy),
+            name: format!("device ({}, sim.)", s.policy),
             points: s.curve.iter().map(|p| (mib(p.bytes), p.device_miss_ratio)).collect(),
             dots: true,
         });
