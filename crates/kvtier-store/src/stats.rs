@@ -6,9 +6,42 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use kvtier_core::{Layout, PageState, Reason, TenantId};
 
 use crate::accounts::Usage;
-use crate::device::{PrefetchCounters, PrefetchKind};
 use crate::histogram::Histogram;
 use kvtier_tiers::{Tier, TierKind};
+
+/// Why a prefetch was queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PrefetchKind {
+    /// A client asked: the pages ranked next after a selection's, or those
+    /// a speculative query would select.
+    Asked,
+    /// The loop policy's layer-ahead prefetch: what the next layer chose
+    /// last time.
+    LayerAhead,
+}
+
+impl PrefetchKind {
+    pub(crate) const COUNT: usize = 2;
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// What became of prefetched pages, by kind.
+#[derive(Debug, Default)]
+pub(crate) struct PrefetchCounters {
+    /// Pages a prefetch made hot.
+    pub(crate) issued: AtomicU64,
+    /// ... that a selection then chose while still hot.
+    pub(crate) used: AtomicU64,
+    /// Pages a selection chose while their prefetch was still queued or
+    /// copying: the selection missed (or waited for a demand swap-in).
+    pub(crate) late: AtomicU64,
+    /// Pages a prefetch made hot that left the device, or were freed,
+    /// before any selection chose them.
+    pub(crate) wasted: AtomicU64,
+}
 
 /// Event counters, updated without locks.
 #[derive(Debug, Default)]

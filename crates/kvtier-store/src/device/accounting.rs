@@ -6,30 +6,11 @@
 //! unused (wasted).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use super::HotSet;
 use crate::page::PhysPage;
-use crate::stats::Counters;
-
-/// Why a prefetch was queued.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum PrefetchKind {
-    /// A client asked: the pages ranked next after a selection's, or those
-    /// a speculative query would select.
-    Asked,
-    /// The loop policy's layer-ahead prefetch: what the next layer chose
-    /// last time.
-    LayerAhead,
-}
-
-impl PrefetchKind {
-    pub(crate) const COUNT: usize = 2;
-
-    pub(crate) fn index(self) -> usize {
-        self as usize
-    }
-}
+use crate::stats::{Counters, PrefetchKind};
 
 /// Mark bits: queued (not hot yet), made hot by the prefetch (not used
 /// yet), and the layer-ahead kind (otherwise asked).
@@ -50,21 +31,6 @@ fn kind_of(mark: u8) -> PrefetchKind {
     } else {
         PrefetchKind::LayerAhead
     }
-}
-
-/// What became of prefetched pages, by kind.
-#[derive(Debug, Default)]
-pub(crate) struct PrefetchCounters {
-    /// Pages a prefetch made hot.
-    pub(crate) issued: AtomicU64,
-    /// ... that a selection then chose while still hot.
-    pub(crate) used: AtomicU64,
-    /// Pages a selection chose while their prefetch was still queued or
-    /// copying: the selection missed (or waited for a demand swap-in).
-    pub(crate) late: AtomicU64,
-    /// Pages a prefetch made hot that left the device, or were freed,
-    /// before any selection chose them.
-    pub(crate) wasted: AtomicU64,
 }
 
 impl HotSet {

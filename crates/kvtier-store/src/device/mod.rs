@@ -24,7 +24,6 @@ use kvtier_core::Reason;
 use kvtier_sync::{Mutex, Rank};
 use kvtier_tiers::{Slot, Tier, TierError, TierKind};
 
-pub(crate) use accounting::{PrefetchCounters, PrefetchKind};
 pub use policy::DevicePolicy;
 pub use swapin::SwapReport;
 pub(crate) use workers::Workers;

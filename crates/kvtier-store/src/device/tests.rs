@@ -184,10 +184,10 @@ fn only_an_explicit_swap_in_takes_a_resident_pages_room() {
 
 #[test]
 fn a_prefetch_is_used_late_or_wasted_once_by_its_kind() {
-    use super::PrefetchKind::{Asked, LayerAhead};
+    use crate::stats::PrefetchKind::{self, Asked, LayerAhead};
     let parts = Parts::new(2, 16, false);
     let pages: Vec<_> = (1..=4).map(|id| parts.page(id)).collect();
-    let c = |kind: super::PrefetchKind| {
+    let c = |kind: PrefetchKind| {
         let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
         let p = &parts.counters.prefetch[kind.index()];
         (load(&p.issued), load(&p.used), load(&p.late), load(&p.wasted))

@@ -16,10 +16,10 @@ use super::fetch::FetchedPage;
 use super::trace::tiers_of;
 use super::{Store, micros};
 use crate::catalog::{HeadRange, Sequence};
-use crate::device::{PrefetchKind, SwapReport};
+use crate::device::SwapReport;
 use crate::page::{PhysPage, Pins, StoreLane, state_of};
 use crate::page_buf::PageBuf;
-use crate::stats::Counters;
+use crate::stats::{Counters, PrefetchKind};
 use crate::{StoreError, StoreResult};
 
 /// A SelectPages request: one layer's queries, and what to do with the
