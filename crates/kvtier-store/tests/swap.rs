@@ -481,6 +481,25 @@ fn a_cut_selection_prefetches_only_its_next_pages() {
     }
 }
 
+/// A store with a device of `device_pages` pages (host memory for all) and
+/// `key()` created with `layers` layers of one KV head.
+fn layered_store(layers: u32, device_pages: u64, config: StoreConfig) -> Arc<Store> {
+    let layout = Layout::new(LayoutSpec {
+        num_layers: layers,
+        ..layout().spec().clone()
+    })
+    .unwrap();
+    let store = Store::with_tiers(
+        Arc::new(ArenaTier::emulated_device(device_pages * PAGE_BYTES).unwrap()),
+        Arc::new(ArenaTier::host(4 << 20).unwrap()),
+        None,
+        config,
+    )
+    .unwrap();
+    store.create_sequence(key(), layout, vec![]).unwrap();
+    store
+}
+
 /// A decode loop (every layer selected in order, step after step) on a
 /// device of half one step's pages: LRU evicts every page before its next
 /// use and serves no hit; the loop policy keeps a resident subset of the
@@ -490,25 +509,12 @@ fn on_the_decode_loop_the_loop_policy_hits_where_lru_never_does() {
     const LAYERS: u32 = 4;
     const PER_LAYER: usize = 8;
     let run = |policy: kvtier_store::DevicePolicy| {
-        let layout = Layout::new(LayoutSpec {
-            num_layers: LAYERS,
-            ..layout().spec().clone()
-        })
-        .unwrap();
-        let store = Arc::new(
-            Store::with_tiers(
-                Arc::new(ArenaTier::emulated_device(8 * PAGE_BYTES).unwrap()),
-                Arc::new(ArenaTier::host(4 << 20).unwrap()),
-                None,
-                StoreConfig {
-                    cache_writes_on_device: false,
-                    device_policy: policy,
-                    ..StoreConfig::default()
-                },
-            )
-            .unwrap(),
-        );
-        store.create_sequence(key(), layout, vec![]).unwrap();
+        let config = StoreConfig {
+            cache_writes_on_device: false,
+            device_policy: policy,
+            ..StoreConfig::default()
+        };
+        let store = layered_store(LAYERS, 8, config);
         for layer in 0..LAYERS {
             put_layer(&store, layer, PER_LAYER);
         }
@@ -568,25 +574,12 @@ fn the_device_simulation_misses_what_the_store_misses() {
     const PER_LAYER: usize = 12;
     // Smaller than a step's 12 selected pages, about one, and larger.
     for (policy, device_pages) in DevicePolicy::ALL.into_iter().flat_map(|p| [(p, 7), (p, 11), (p, 16)]) {
-        let layout = Layout::new(LayoutSpec {
-            num_layers: LAYERS,
-            ..layout().spec().clone()
-        })
-        .unwrap();
-        let store = Arc::new(
-            Store::with_tiers(
-                Arc::new(ArenaTier::emulated_device(device_pages * PAGE_BYTES).unwrap()),
-                Arc::new(ArenaTier::host(4 << 20).unwrap()),
-                None,
-                StoreConfig {
-                    device_policy: policy,
-                    ..StoreConfig::default()
-                },
-            )
-            .unwrap(),
-        );
+        let config = StoreConfig {
+            device_policy: policy,
+            ..StoreConfig::default()
+        };
+        let store = layered_store(LAYERS, device_pages, config);
         let mut sim = DeviceSimulation::new(policy, device_pages, 64).unwrap();
-        store.create_sequence(key(), layout, vec![]).unwrap();
         for layer in 0..LAYERS {
             put_layer(&store, layer, PER_LAYER);
             for p in 0..PER_LAYER as u32 {

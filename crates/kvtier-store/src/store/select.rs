@@ -309,6 +309,17 @@ impl Store {
         if let Some((swap, past_deadline)) = swapped {
             (out.swap, out.past_deadline) = (swap, past_deadline);
         }
+        if let Some(ttl) = req.lease {
+            out.lease = Some(self.leases.grant(&seq.key.tenant, chosen, ttl));
+        }
+        settle_states(seq, &lanes, &mut out.heads, req.swap_in.then_some(out.past_deadline));
+        if req.with_data {
+            let reading = Instant::now();
+            out.data = self.read_selected(seq, &lanes, &ranked.chosen, &out.heads, buf)?;
+            out.timing.read_us = micros(reading.elapsed());
+        }
+        // Prefetches start once the chosen pages are read (and marked used):
+        // started before, one could demote a page this layer is reading.
         if !ahead.is_empty() {
             out.prefetch_queued += self.prefetch(ahead, PrefetchKind::LayerAhead);
         }
@@ -321,15 +332,6 @@ impl Store {
                 .filter(|p| p.place.read().state() != PageState::Hot)
                 .collect();
             out.prefetch_queued += self.prefetch(next, PrefetchKind::Asked);
-        }
-        if let Some(ttl) = req.lease {
-            out.lease = Some(self.leases.grant(&seq.key.tenant, chosen, ttl));
-        }
-        settle_states(seq, &lanes, &mut out.heads, req.swap_in.then_some(out.past_deadline));
-        if req.with_data {
-            let reading = Instant::now();
-            out.data = self.read_selected(seq, &lanes, &ranked.chosen, &out.heads, buf)?;
-            out.timing.read_us = micros(reading.elapsed());
         }
         if let (Some(tracer), Some(tiers)) = (tracer, tiers) {
             let swap = req.swap_in.then_some(&out.swap);
