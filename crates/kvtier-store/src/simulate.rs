@@ -52,8 +52,9 @@ pub struct DeviceSimulation<K> {
 }
 
 impl<K: Eq + Hash> DeviceSimulation<K> {
-    /// A device of `device_pages` pages under `policy`, over host memory
-    /// of `host_pages` (every page that will be written or selected).
+    /// A device of `device_pages` pages (at least one) under `policy`,
+    /// over host memory of `host_pages` (every page that will be written
+    /// or selected).
     pub fn new(policy: DevicePolicy, device_pages: u64, host_pages: u64) -> StoreResult<Self> {
         let tier_error = StoreError::ResourceExhausted;
         let device: Arc<dyn Tier> =
@@ -76,7 +77,6 @@ impl<K: Eq + Hash> DeviceSimulation<K> {
         Ok(Self {
             durable: Durable::new(None, 0, [&device, &host], None, Arc::clone(&counters)),
             host: HostCache::new(host, HostPolicy::Lru, 1.0, 1.0),
-            // A zero-page device still needs a tier: it never has room.
             device: HotSet::new(device, false, policy, Arc::clone(&counters)),
             counters,
             accounts,

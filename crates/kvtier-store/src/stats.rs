@@ -31,7 +31,8 @@ impl PrefetchKind {
 /// What became of prefetched pages, by kind.
 #[derive(Debug, Default)]
 pub(crate) struct PrefetchCounters {
-    /// Pages a prefetch made hot.
+    /// Pages a prefetch made hot while still wanted (not yet found cold by
+    /// a selection: those are late).
     pub(crate) issued: AtomicU64,
     /// ... that a selection then chose while still hot.
     pub(crate) used: AtomicU64,
@@ -299,7 +300,8 @@ impl StatsSnapshot {
 /// What became of the pages prefetches brought up, since the store opened.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PrefetchCounts {
-    /// Pages a prefetch made hot.
+    /// Pages a prefetch made hot while still wanted (not already counted
+    /// late).
     pub issued: u64,
     /// ... that a later selection chose while still hot.
     pub used: u64,

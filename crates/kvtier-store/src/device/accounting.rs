@@ -34,26 +34,35 @@ fn kind_of(mark: u8) -> PrefetchKind {
 }
 
 impl HotSet {
-    /// A prefetch of `kind` is queued for `pages`.
-    pub(crate) fn mark_queued(&self, pages: &[Arc<PhysPage>], kind: PrefetchKind) {
-        for page in pages {
-            page.prefetch.store(QUEUED | kind_bit(kind), Ordering::Release);
+    /// A prefetch of `kind` is queued for `pages`: returns those it marked
+    /// (a page another prefetch marked keeps that one's mark).
+    pub(crate) fn mark_queued(&self, pages: &[Arc<PhysPage>], kind: PrefetchKind) -> Vec<Arc<PhysPage>> {
+        pages
+            .iter()
+            .filter(|p| {
+                p.prefetch
+                    .compare_exchange(0, QUEUED | kind_bit(kind), Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// A prefetch made `page` hot: issued, by its mark's kind, and marked
+    /// for `used` or `wasted` (unless a selection already settled it).
+    pub(crate) fn mark_arrived(&self, page: &PhysPage) {
+        let arrived = page.prefetch.fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| {
+            (m & QUEUED != 0).then_some(HOT | (m & AHEAD))
+        });
+        if let Ok(mark) = arrived {
+            Counters::add(&self.counters.prefetch[kind_of(mark).index()].issued, 1);
         }
     }
 
-    /// A queued prefetch made `page` hot: marked for `used` or `wasted`,
-    /// unless a selection already counted it late.
-    pub(crate) fn mark_arrived(&self, page: &PhysPage) {
-        let _ = page.prefetch.fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| {
-            (m & QUEUED != 0).then_some(HOT | (m & AHEAD))
-        });
-    }
-
-    /// A prefetch of `kind` is done with `pages` (or was not queued):
-    /// `moved` of them became hot; those it did not make hot lose their mark.
-    pub(crate) fn prefetch_done(&self, pages: &[Arc<PhysPage>], kind: PrefetchKind, moved: u64) {
-        Counters::add(&self.counters.prefetch[kind.index()].issued, moved);
-        for page in pages {
+    /// A prefetch is done with the pages it marked (`mark_queued`'s): those
+    /// it did not make hot lose their mark.
+    pub(crate) fn prefetch_done(&self, marked: &[Arc<PhysPage>]) {
+        for page in marked {
             let _ = page
                 .prefetch
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| (m & QUEUED != 0).then_some(0));
@@ -61,7 +70,10 @@ impl HotSet {
     }
 
     /// A selection chose `pages` (before its swap-in): counts each as a
-    /// hit of its region or a miss, and settles their prefetch marks.
+    /// hit of its region or a miss, and settles their prefetch marks: a
+    /// page a prefetch made hot is used (also when the prefetch installed
+    /// it and has yet to mark it: counted issued here, as its arrival will
+    /// find no mark), one still on its way is late.
     pub(crate) fn note_chosen(&self, pages: &[Arc<PhysPage>]) {
         let hot: Vec<bool> = pages.iter().map(|p| p.place.read().device().is_some()).collect();
         let resident = {
@@ -78,9 +90,12 @@ impl HotSet {
         for (page, hot) in pages.iter().zip(hot) {
             let mark = page.prefetch.swap(0, Ordering::AcqRel);
             let counters = &self.counters.prefetch[kind_of(mark).index()];
-            if hot && mark & HOT != 0 {
+            if mark & HOT != 0 {
                 Counters::add(&counters.used, 1);
-            } else if !hot && mark & QUEUED != 0 {
+            } else if mark & QUEUED != 0 && hot {
+                Counters::add(&counters.issued, 1);
+                Counters::add(&counters.used, 1);
+            } else if mark & QUEUED != 0 {
                 Counters::add(&counters.late, 1);
             }
         }

@@ -186,43 +186,47 @@ fn only_an_explicit_swap_in_takes_a_resident_pages_room() {
 fn a_prefetch_is_used_late_or_wasted_once_by_its_kind() {
     use crate::stats::PrefetchKind::{self, Asked, LayerAhead};
     let parts = Parts::new(2, 16, false);
-    let pages: Vec<_> = (1..=4).map(|id| parts.page(id)).collect();
+    let pages: Vec<_> = (1..=5).map(|id| parts.page(id)).collect();
     let c = |kind: PrefetchKind| {
         let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
         let p = &parts.counters.prefetch[kind.index()];
         (load(&p.issued), load(&p.used), load(&p.late), load(&p.wasted))
     };
     let prefetch = |group: &[Arc<PhysPage>], kind| {
-        parts.device.mark_queued(group, kind);
-        let report = parts.device.make_hot(group, Reason::Prefetch, &parts.reader());
-        parts
-            .device
-            .prefetch_done(group, kind, u64::from(report.from_host + report.from_nvme));
+        let marked = parts.device.mark_queued(group, kind);
+        parts.device.make_hot(group, Reason::Prefetch, &parts.reader());
+        parts.device.prefetch_done(&marked);
     };
-    // Made hot, then chosen: used, once.
+    // Made hot, then chosen: issued and used, once.
     prefetch(&pages[..1], LayerAhead);
     parts.device.note_chosen(&pages[..1]);
     parts.device.note_chosen(&pages[..1]);
     assert_eq!(c(LayerAhead), (1, 1, 0, 0));
     // Chosen while still queued: late; its arrival then counts for nothing.
-    parts.device.mark_queued(&pages[1..2], Asked);
+    let marked = parts.device.mark_queued(&pages[1..2], Asked);
     parts.device.note_chosen(&pages[1..2]);
-    let report = parts.device.make_hot(&pages[1..2], Reason::Prefetch, &parts.reader());
-    parts
-        .device
-        .prefetch_done(&pages[1..2], Asked, u64::from(report.from_host));
+    parts.device.make_hot(&pages[1..2], Reason::Prefetch, &parts.reader());
+    parts.device.prefetch_done(&marked);
     parts.device.note_chosen(&pages[1..2]);
-    assert_eq!(c(Asked), (1, 0, 1, 0));
+    assert_eq!(c(Asked), (0, 0, 1, 0));
     // Made hot, then demoted unchosen: wasted (the device holds 2 pages;
     // the two after it push it out).
     prefetch(&pages[2..3], Asked);
     parts.device.make_hot(&pages[..2], Reason::Demand, &parts.reader());
     parts.device.make_hot(&pages[3..4], Reason::Demand, &parts.reader());
     assert_eq!(state(&pages[2]), PageState::Cold(ColdTier::Host));
-    assert_eq!(c(Asked), (2, 0, 1, 1));
+    assert_eq!(c(Asked), (1, 0, 1, 1));
     // A prefetch that made nothing hot (already hot) leaves no mark: a
     // later choice of the page is neither used nor late.
     prefetch(&pages[3..4], LayerAhead);
     parts.device.note_chosen(&pages[3..4]);
     assert_eq!(c(LayerAhead), (1, 1, 0, 0));
+    // Two prefetches of one page: the first to queue it owns its mark, so
+    // the page counts once, for that kind, whichever job brings it up.
+    assert_eq!(parts.device.mark_queued(&pages[4..5], LayerAhead).len(), 1);
+    assert!(parts.device.mark_queued(&pages[4..5], Asked).is_empty());
+    parts.device.make_hot(&pages[4..5], Reason::Prefetch, &parts.reader());
+    parts.device.note_chosen(&pages[4..5]);
+    assert_eq!(c(LayerAhead), (2, 2, 0, 0));
+    assert_eq!(c(Asked), (1, 0, 1, 1));
 }

@@ -168,8 +168,18 @@ impl HostCache {
         // ids: allocating their NVMe slots in id order keeps them adjacent on
         // disk too, so the reads of a later step can run sequentially.
         victims.sort_by_key(|p| p.id);
+        // A page a reader touched while it was out of line is back in the
+        // small queue already: taken twice, it would be copied twice.
+        victims.dedup_by_key(|p| p.id);
         touch_lru(&self.lru, small.iter());
         touch_lru(&self.main, main.iter());
+        // ... and one moving to the main queue leaves the small one.
+        {
+            let mut small = self.lru.lock();
+            for page in &main {
+                small.pop(&page.id);
+            }
+        }
         let moved = durable.write_copies(&victims, Keep::Nothing, Reason::CapacityPressure);
         // Pages that did not move keep their place in line.
         let kept: Vec<Arc<PhysPage>> = victims
@@ -195,10 +205,17 @@ impl HostCache {
         let wanted = |victims: &Vec<Arc<PhysPage>>, freed: u64| {
             (freed < bytes || victims.len() < MIGRATION_BATCH) && victims.len() < 4 * MIGRATION_BATCH
         };
+        // Past the bound on pages passed over, the rest of the room comes
+        // from them, least recent first, with no more popped.
+        let mut capped = false;
         for queue in self.queues_in_turn() {
             let from_main = std::ptr::eq(queue, &self.main);
             let mut candidates = LruVictims::new(queue, owner, 4 * MIGRATION_BATCH);
             while wanted(&chosen.victims, freed) {
+                if passed_over.len() >= MOST_PASSED_OVER {
+                    capped = true;
+                    break;
+                }
                 let Some((_, weak)) = candidates.pop() else { break };
                 let Some(page) = weak.upgrade() else { continue };
                 if page.pinned() {
@@ -215,7 +232,6 @@ impl HostCache {
                 // Attached again: into the main queue (from the small one),
                 // or back to its most recent end for one chance (in it).
                 let deferred = frequency
-                    && passed_over.len() < MOST_PASSED_OVER
                     && if from_main {
                         page.spend_chance()
                     } else {
@@ -230,9 +246,14 @@ impl HostCache {
             }
         }
         // Chances only reorder: when the room asked for is not found
-        // without them, the pages passed over go too, least recent first.
+        // without them, the pages passed over go too, least recent first
+        // (and a whole batch, once capped).
         let mut passed_over = passed_over.into_iter();
-        while freed < bytes && chosen.victims.len() < 4 * MIGRATION_BATCH {
+        let more = |victims: &Vec<Arc<PhysPage>>, freed: u64| match capped {
+            true => wanted(victims, freed),
+            false => freed < bytes && victims.len() < 4 * MIGRATION_BATCH,
+        };
+        while more(&chosen.victims, freed) {
             let Some((page, reserved)) = passed_over.next() else {
                 break;
             };

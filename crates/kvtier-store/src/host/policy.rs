@@ -18,11 +18,11 @@
 //! at its turn there a page spends a second chance (one per request beyond
 //! the first, up to three) and goes back to the most recent end, and
 //! migrates when it has none left, so a prefix no longer used ages out.
-//! Chances stay with the page through a migration, so a frequent page read
-//! back from NVMe returns to the main queue at its next turn (S3-FIFO's
-//! ghost queue, without one). They only reorder: when the room asked for
-//! is not found without them, the pages passed over go too, least recent
-//! first, so no write is refused for them.
+//! A page read back from NVMe starts in the small queue again (there is no
+//! ghost queue): it returns to main when another request attaches it.
+//! Chances only reorder: when the room asked for is not found without
+//! them, the pages passed over go too, least recent first, so no write is
+//! refused for them.
 
 /// How host memory chooses the pages that migrate to NVMe.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -402,19 +402,19 @@ impl Store {
             return 0;
         }
         let count = pages.len() as u32;
-        self.device.mark_queued(&pages, kind);
-        let pins = Pins::new(pages.clone());
+        let marked = self.device.mark_queued(&pages, kind);
+        let pins = Pins::new(pages);
         let store = Arc::clone(self);
+        let unqueued = marked.clone();
         let queued = self.device.workers().prefetch(Box::new(move || {
-            let report = store.device.make_hot(pins.pages(), Reason::Prefetch, &store.reader());
-            let moved = u64::from(report.from_host + report.from_nvme);
-            store.device.prefetch_done(pins.pages(), kind, moved);
+            store.device.make_hot(pins.pages(), Reason::Prefetch, &store.reader());
+            store.device.prefetch_done(&marked);
         }));
         if queued {
             count
         } else {
             // The backlog is full: nothing is on its way.
-            self.device.prefetch_done(&pages, kind, 0);
+            self.device.prefetch_done(&unqueued);
             0
         }
     }

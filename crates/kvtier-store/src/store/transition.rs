@@ -248,6 +248,9 @@ impl Store {
             // Refused only for a page without a device copy (another path
             // dropped it meanwhile); counted by the caller.
             let dropped = page.place.write().drop_device();
+            if dropped.is_some() {
+                self.device.note_wasted(page);
+            }
             drop(dropped);
         }
         self.device.forget(pages.iter().map(|p| p.id));

@@ -172,7 +172,8 @@ fn put(store: &Store, key: &SequenceKey, layout: &Layout, pages: u32) -> anyhow:
     let tokens = pages * PAGE_SIZE;
     let row = layout.row_bytes();
     // Per head: K rows then V rows of finite f16s (each high byte below
-    // 0x3C: an exponent short of infinity) that differ per sequence and layer.
+    // 0x3C: an exponent short of infinity), seeded by the name's length
+    // and the layer (only A's prefix is shared, and it is written once).
     let seed = key.to_string().len() as u8;
     for layer in 0..LAYERS {
         let kv: Vec<u8> = (0..KV_HEADS as usize * 2 * tokens as usize * row)

@@ -77,6 +77,14 @@ impl Stream {
     /// The device miss ratio of `policy` on a device of `bytes`.
     pub(crate) fn miss_ratio(&self, policy: DevicePolicy, bytes: u64) -> anyhow::Result<f64> {
         let device_pages = (bytes as f64 * self.rate / self.page_bytes.max(1.0)).round() as u64;
+        if device_pages == 0 {
+            // No page fits: every selected page misses.
+            let selects = self
+                .events
+                .iter()
+                .any(|e| matches!(e, Step::Select { pages, .. } if !pages.is_empty()));
+            return Ok(if selects { 1.0 } else { 0.0 });
+        }
         let mut sim = DeviceSimulation::new(policy, device_pages, self.pages)?;
         let (mut missed, mut chosen) = (0u64, 0u64);
         for event in &self.events {
