@@ -159,13 +159,13 @@ impl Catalog {
         self.sequences.read().values().cloned().collect()
     }
 
-    /// A new reference to the page stored under `key`, if one is.
+    /// A new reference to the page stored under `key`, if one is (the
+    /// write that asks counts it as attached again once it publishes).
     pub(crate) fn share(&self, key: &ShareKey) -> Option<PageRef> {
         let mut table = self.pages.lock();
         let id = table.find(key)?;
         table.acquire(id).ok()?;
         let page = Arc::clone(table.get(id)?);
-        page.attached_again();
         Some(PageRef { id, page })
     }
 

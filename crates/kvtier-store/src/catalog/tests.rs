@@ -67,3 +67,21 @@ fn one_sequence_per_key_and_a_removed_one_is_not_found() {
     assert!(matches!(catalog.cell(&key), Err(StoreError::NotFound { .. })));
     assert!(!catalog.contains(&key));
 }
+
+/// A page gains a second chance (the host's frequency policy) from each
+/// further reference a request takes: a publish that finds the key taken
+/// counts; a share lookup alone does not (the write that asked counts it
+/// once it publishes, so a refused write leaves none).
+#[test]
+fn another_requests_reference_is_a_second_chance_a_lookup_is_not() {
+    let parts = Parts::new(1, 8, false);
+    let catalog = Catalog::default();
+    let (first, second) = (parts.page(1), parts.page(2));
+    catalog.publish(Arc::clone(&first), Some(share_key(&parts, 9))).unwrap();
+    assert!(!first.has_chance(), "the first reference is no second chance");
+    let looked_up = catalog.share(&share_key(&parts, 9)).expect("shared by key");
+    assert!(!first.has_chance(), "a lookup is not an attach");
+    let (_, shared) = catalog.publish(second, Some(share_key(&parts, 9))).unwrap();
+    assert!(shared && first.has_chance(), "a second writer's reference is");
+    drop(looked_up);
+}

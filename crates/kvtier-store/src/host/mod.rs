@@ -208,10 +208,17 @@ impl HostCache {
         // Past the bound on pages passed over, the rest of the room comes
         // from them, least recent first, with no more popped.
         let mut capped = false;
-        for queue in self.queues_in_turn() {
+        for (turn, queue) in self.queues_in_turn().into_iter().enumerate() {
             let from_main = std::ptr::eq(queue, &self.main);
             let mut candidates = LruVictims::new(queue, owner, 4 * MIGRATION_BATCH);
-            while wanted(&chosen.victims, freed) {
+            // A batch fills from the queue whose turn it is; the other gives
+            // only the room still asked for (a host of few batches would
+            // otherwise empty its main queue to fill one).
+            let more = |victims: &Vec<Arc<PhysPage>>, freed: u64| match turn {
+                0 => wanted(victims, freed),
+                _ => freed < bytes && victims.len() < 4 * MIGRATION_BATCH,
+            };
+            while more(&chosen.victims, freed) {
                 if passed_over.len() >= MOST_PASSED_OVER {
                     capped = true;
                     break;

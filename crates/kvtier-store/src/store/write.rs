@@ -499,7 +499,12 @@ impl Store {
             let lane = batch.lanes[h];
             let keys = batch.rows.keys(h, range.clone());
             let (r, shared) = match plan {
-                Planned::Shared(r) => (r, true),
+                // Another request uses the page: granted here, where the
+                // write can no longer be refused.
+                Planned::Shared(r) => {
+                    r.page.attached_again();
+                    (r, true)
+                }
                 Planned::New(page) => {
                     out.new_pages += 1;
                     let charge = seq.charge.split(cost::physical_page(&batch.layout, page.key.is_some()));
