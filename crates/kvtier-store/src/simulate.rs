@@ -51,7 +51,7 @@ pub struct DeviceSimulation<K> {
     sequences: HashMap<u64, SequenceKey>,
 }
 
-impl<K: Eq + Hash> DeviceSimulation<K> {
+impl<K: Eq + Hash + Clone> DeviceSimulation<K> {
     /// A device of `device_pages` pages (at least one) under `policy`,
     /// over host memory of `host_pages` (every page that will be written
     /// or selected).
@@ -110,14 +110,14 @@ impl<K: Eq + Hash> DeviceSimulation<K> {
     /// that swaps in, served as the store serves one, its layer-ahead
     /// prefetch landing at once. Returns how many of the pages were not on
     /// the device when selected (a page never written before is one).
-    pub fn select(&mut self, sequence: u64, layer: u32, layers: u32, keys: Vec<K>) -> StoreResult<u64> {
+    pub fn select(&mut self, sequence: u64, layer: u32, layers: u32, keys: &[K]) -> StoreResult<u64> {
         let mut chosen = Vec::with_capacity(keys.len());
         for key in keys {
-            let page = match self.pages.get(&key) {
+            let page = match self.pages.get(key) {
                 Some(page) => Arc::clone(page),
                 None => {
                     let page = self.new_page(None)?;
-                    self.pages.insert(key, Arc::clone(&page));
+                    self.pages.insert(key.clone(), Arc::clone(&page));
                     page
                 }
             };

@@ -599,9 +599,9 @@ fn the_device_simulation_misses_what_the_store_misses() {
                     ..select(&q, 3)
                 };
                 let sel = store.select_pages(&key(), req).unwrap();
-                let chosen = sel.heads[0].pages.iter().map(|p| (layer, p.page)).collect();
+                let chosen: Vec<_> = sel.heads[0].pages.iter().map(|p| (layer, p.page)).collect();
                 let by_store = u64::from(sel.swap.from_host + sel.swap.from_nvme + sel.swap.not_hot);
-                let by_simulation = sim.select(0, layer, LAYERS, chosen).unwrap();
+                let by_simulation = sim.select(0, layer, LAYERS, &chosen).unwrap();
                 let at = format!("{policy}, {device_pages} pages: step {step}, layer {layer}");
                 assert_eq!(by_simulation, by_store, "{at}");
                 missed += by_store;

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use super::HotSet;
+use super::{DevicePolicy, HotSet};
 use crate::page::PhysPage;
 use crate::stats::{Counters, PrefetchKind};
 
@@ -34,18 +34,22 @@ fn kind_of(mark: u8) -> PrefetchKind {
 }
 
 impl HotSet {
-    /// A prefetch of `kind` is queued for `pages`: returns those it marked
-    /// (a page another prefetch marked keeps that one's mark).
-    pub(crate) fn mark_queued(&self, pages: &[Arc<PhysPage>], kind: PrefetchKind) -> Vec<Arc<PhysPage>> {
-        pages
-            .iter()
-            .filter(|p| {
-                p.prefetch
-                    .compare_exchange(0, QUEUED | kind_bit(kind), Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-            })
-            .cloned()
-            .collect()
+    /// A prefetch of `kind` is queued for `pages`: marks those no other
+    /// prefetch marked. The marks it set are cleared, on pages it did not
+    /// make hot, when the returned value drops (after the prefetch ran, or
+    /// with a job the backlog refused).
+    pub(crate) fn mark_queued(&self, pages: &[Arc<PhysPage>], kind: PrefetchKind) -> QueuedMarks {
+        QueuedMarks(
+            pages
+                .iter()
+                .filter(|p| {
+                    p.prefetch
+                        .compare_exchange(0, QUEUED | kind_bit(kind), Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                })
+                .cloned()
+                .collect(),
+        )
     }
 
     /// A prefetch made `page` hot: issued, by its mark's kind, and marked
@@ -59,16 +63,6 @@ impl HotSet {
         }
     }
 
-    /// A prefetch is done with the pages it marked (`mark_queued`'s): those
-    /// it did not make hot lose their mark.
-    pub(crate) fn prefetch_done(&self, marked: &[Arc<PhysPage>]) {
-        for page in marked {
-            let _ = page
-                .prefetch
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| (m & QUEUED != 0).then_some(0));
-        }
-    }
-
     /// A selection chose `pages` (before its swap-in): counts each as a
     /// hit of its region or a miss, and settles their prefetch marks: a
     /// page a prefetch made hot is used (also when the prefetch installed
@@ -76,12 +70,15 @@ impl HotSet {
     /// find no mark), one still on its way is late.
     pub(crate) fn note_chosen(&self, pages: &[Arc<PhysPage>]) {
         let hot: Vec<bool> = pages.iter().map(|p| p.place.read().device().is_some()).collect();
-        let resident = {
-            let resident = self.resident.lock();
-            hot.iter()
-                .zip(pages)
-                .filter(|&(&hot, page)| hot && resident.contains(page.id))
-                .count() as u64
+        let resident = match self.policy {
+            DevicePolicy::Lru => 0,
+            DevicePolicy::Loop => {
+                let resident = self.resident.lock();
+                hot.iter()
+                    .zip(pages)
+                    .filter(|&(&hot, page)| hot && resident.contains(page.id))
+                    .count() as u64
+            }
         };
         let hits = hot.iter().filter(|&&h| h).count() as u64;
         Counters::add(&self.counters.device_hits_resident, resident);
@@ -111,6 +108,21 @@ impl HotSet {
                 .is_ok()
         {
             Counters::add(&self.counters.prefetch[kind_of(mark).index()].wasted, 1);
+        }
+    }
+}
+
+/// The prefetch marks one prefetch set (`HotSet::mark_queued`): dropped,
+/// those still queued (their page was not made hot) are cleared.
+#[derive(Debug)]
+pub(crate) struct QueuedMarks(pub(super) Vec<Arc<PhysPage>>);
+
+impl Drop for QueuedMarks {
+    fn drop(&mut self) {
+        for page in &self.0 {
+            let _ = page
+                .prefetch
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| (m & QUEUED != 0).then_some(0));
         }
     }
 }

@@ -193,9 +193,9 @@ fn a_prefetch_is_used_late_or_wasted_once_by_its_kind() {
         (load(&p.issued), load(&p.used), load(&p.late), load(&p.wasted))
     };
     let prefetch = |group: &[Arc<PhysPage>], kind| {
-        let marked = parts.device.mark_queued(group, kind);
+        let marks = parts.device.mark_queued(group, kind);
         parts.device.make_hot(group, Reason::Prefetch, &parts.reader());
-        parts.device.prefetch_done(&marked);
+        drop(marks);
     };
     // Made hot, then chosen: issued and used, once.
     prefetch(&pages[..1], LayerAhead);
@@ -203,10 +203,10 @@ fn a_prefetch_is_used_late_or_wasted_once_by_its_kind() {
     parts.device.note_chosen(&pages[..1]);
     assert_eq!(c(LayerAhead), (1, 1, 0, 0));
     // Chosen while still queued: late; its arrival then counts for nothing.
-    let marked = parts.device.mark_queued(&pages[1..2], Asked);
+    let marks = parts.device.mark_queued(&pages[1..2], Asked);
     parts.device.note_chosen(&pages[1..2]);
     parts.device.make_hot(&pages[1..2], Reason::Prefetch, &parts.reader());
-    parts.device.prefetch_done(&marked);
+    drop(marks);
     parts.device.note_chosen(&pages[1..2]);
     assert_eq!(c(Asked), (0, 0, 1, 0));
     // Made hot, then demoted unchosen: wasted (the device holds 2 pages;
@@ -223,8 +223,9 @@ fn a_prefetch_is_used_late_or_wasted_once_by_its_kind() {
     assert_eq!(c(LayerAhead), (1, 1, 0, 0));
     // Two prefetches of one page: the first to queue it owns its mark, so
     // the page counts once, for that kind, whichever job brings it up.
-    assert_eq!(parts.device.mark_queued(&pages[4..5], LayerAhead).len(), 1);
-    assert!(parts.device.mark_queued(&pages[4..5], Asked).is_empty());
+    let ahead = parts.device.mark_queued(&pages[4..5], LayerAhead);
+    assert_eq!(ahead.0.len(), 1);
+    assert!(parts.device.mark_queued(&pages[4..5], Asked).0.is_empty());
     parts.device.make_hot(&pages[4..5], Reason::Prefetch, &parts.reader());
     parts.device.note_chosen(&pages[4..5]);
     assert_eq!(c(LayerAhead), (2, 2, 0, 0));

@@ -208,6 +208,7 @@ impl HostCache {
         // Past the bound on pages passed over, the rest of the room comes
         // from them, least recent first, with no more popped.
         let mut capped = false;
+        let frequency = self.policy == HostPolicy::Frequency;
         for (turn, queue) in self.queues_in_turn().into_iter().enumerate() {
             let from_main = std::ptr::eq(queue, &self.main);
             let mut candidates = LruVictims::new(queue, owner, 4 * MIGRATION_BATCH);
@@ -235,7 +236,6 @@ impl HostCache {
                 };
                 let reserved = host.reserved();
                 drop(place);
-                let frequency = self.policy == HostPolicy::Frequency;
                 // Attached again: into the main queue (from the small one),
                 // or back to its most recent end for one chance (in it).
                 let deferred = frequency

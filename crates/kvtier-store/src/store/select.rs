@@ -402,21 +402,15 @@ impl Store {
             return 0;
         }
         let count = pages.len() as u32;
-        let marked = self.device.mark_queued(&pages, kind);
+        // Dropped with the job, run or refused: its unused marks go too.
+        let marks = self.device.mark_queued(&pages, kind);
         let pins = Pins::new(pages);
         let store = Arc::clone(self);
-        let unqueued = marked.clone();
         let queued = self.device.workers().prefetch(Box::new(move || {
             store.device.make_hot(pins.pages(), Reason::Prefetch, &store.reader());
-            store.device.prefetch_done(&marked);
+            drop(marks);
         }));
-        if queued {
-            count
-        } else {
-            // The backlog is full: nothing is on its way.
-            self.device.prefetch_done(&unqueued);
-            0
-        }
+        if queued { count } else { 0 }
     }
 
     /// Reads every chosen (KV head, page) once, in head then position order;

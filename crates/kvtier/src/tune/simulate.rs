@@ -25,6 +25,8 @@ pub(crate) struct PolicyPoint {
 /// each selection that swapped in, in order.
 pub(crate) struct Stream {
     events: Vec<Step>,
+    /// Pages the selections chose, over all of them.
+    selected: u64,
     /// Distinct pages sampled, and their mean size in bytes.
     pages: u64,
     page_bytes: f64,
@@ -66,8 +68,16 @@ impl Stream {
             }
         }
         let pages = seen.len() as u64;
+        let selected = events
+            .iter()
+            .map(|e| match e {
+                Step::Select { pages, .. } => pages.len() as u64,
+                Step::Write(_) => 0,
+            })
+            .sum();
         Self {
             events,
+            selected,
             pages,
             page_bytes: seen.values().sum::<u64>() as f64 / pages.max(1) as f64,
             rate: trace.header.sample * rate,
@@ -79,14 +89,10 @@ impl Stream {
         let device_pages = (bytes as f64 * self.rate / self.page_bytes.max(1.0)).round() as u64;
         if device_pages == 0 {
             // No page fits: every selected page misses.
-            let selects = self
-                .events
-                .iter()
-                .any(|e| matches!(e, Step::Select { pages, .. } if !pages.is_empty()));
-            return Ok(if selects { 1.0 } else { 0.0 });
+            return Ok(if self.selected > 0 { 1.0 } else { 0.0 });
         }
         let mut sim = DeviceSimulation::new(policy, device_pages, self.pages)?;
-        let (mut missed, mut chosen) = (0u64, 0u64);
+        let mut missed = 0u64;
         for event in &self.events {
             match event {
                 Step::Write(pages) => {
@@ -99,13 +105,10 @@ impl Stream {
                     layer,
                     layers,
                     pages,
-                } => {
-                    chosen += pages.len() as u64;
-                    missed += sim.select(*sequence, *layer, *layers, pages.clone())?;
-                }
+                } => missed += sim.select(*sequence, *layer, *layers, pages)?,
             }
         }
-        Ok(missed as f64 / chosen.max(1) as f64)
+        Ok(missed as f64 / self.selected.max(1) as f64)
     }
 
     /// `policy`'s miss ratio at each of `fractions` of `working_set`, the
