@@ -11,6 +11,7 @@ mod gate;
 mod inflight;
 mod membership;
 mod metrics;
+mod metrics_tls;
 mod responses;
 mod rpc_metrics;
 mod service;
@@ -46,7 +47,8 @@ pub struct ServerConfig {
     /// The gRPC address (`kvtier.v1`, health, reflection); port 0 picks a free port (read it back
     /// with [`BoundServer::grpc_addr`]). Off loopback it needs tokens and TLS unless `insecure`.
     pub listen: SocketAddr,
-    /// Prometheus `/metrics`; `None` disables it.
+    /// Prometheus `/metrics`; `None` disables it. Served over TLS where
+    /// `tls` is set, and only to an admin token where `auth` has tokens.
     pub metrics_listen: Option<SocketAddr>,
     /// Largest message accepted or sent, in bytes.
     pub max_message_bytes: usize,
@@ -111,10 +113,9 @@ impl Default for ServerConfig {
 
 impl ServerConfig {
     /// Refuses limits that cannot work, and to expose the store beyond this
-    /// machine unprotected (as
-    /// Redis's protected mode does): off loopback, the gRPC port needs
-    /// tokens and TLS, and the metrics port (which has neither) stays on
-    /// loopback, unless `insecure` says otherwise.
+    /// machine unprotected (as Redis's protected mode does): off loopback,
+    /// the gRPC port and the metrics port need tokens and TLS, unless
+    /// `insecure` says otherwise.
     fn check(&self) -> Result<(), ServerError> {
         if self.max_inflight_bytes / 2 < self.max_message_bytes || self.max_connections == 0 {
             return Err(ServerError::Config(format!(
@@ -138,10 +139,12 @@ impl ServerConfig {
                 why: missing.to_owned(),
             });
         }
-        match self.metrics_listen {
-            Some(addr) if !addr.ip().is_loopback() => Err(ServerError::Exposed {
+        // The metrics port serves under the gRPC port's TLS and tokens
+        // (an admin token), so it may leave loopback on the same terms.
+        match (self.metrics_listen, missing) {
+            (Some(addr), Some(missing)) if !addr.ip().is_loopback() => Err(ServerError::Exposed {
                 addr,
-                why: "the metrics endpoint has no authentication".to_owned(),
+                why: format!("{missing} (the metrics endpoint serves under the gRPC port's TLS and tokens)"),
             }),
             _ => Ok(()),
         }
@@ -200,6 +203,9 @@ pub enum ServerError {
     /// be read for the start-up log.)
     #[error("metrics server failed: {0}")]
     Metrics(std::io::Error),
+    /// The TLS identity does not parse for the metrics endpoint.
+    #[error("metrics TLS: {0}")]
+    MetricsTls(String),
     /// The reflection service could not be built from the file descriptor sets.
     #[error("reflection service: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
@@ -351,14 +357,33 @@ impl BoundServer {
             builder = builder.tls_config(tls_config(tls)?)?;
         }
 
-        let metrics = self.metrics.map(|listener| {
-            let router = metrics::router(Arc::clone(&self.store), rpc_metrics);
-            let stop = stopped(stop_rx.clone());
-            tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await })
-        });
+        let metrics_tls = match &self.config.tls {
+            Some(files) => {
+                let (cert, key) = read_tls(files)?;
+                Some(metrics_tls::server_config(&cert, &key).map_err(ServerError::MetricsTls)?)
+            }
+            None => None,
+        };
+        let metrics = match self.metrics {
+            Some(listener) => {
+                let router = metrics::router(Arc::clone(&self.store), rpc_metrics, self.config.auth.clone());
+                let stop = stopped(stop_rx.clone());
+                Some(match metrics_tls {
+                    Some(tls) => {
+                        let listener = metrics_tls::TlsListener::new(listener, tls).map_err(ServerError::Metrics)?;
+                        tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await })
+                    }
+                    None => {
+                        tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await })
+                    }
+                })
+            }
+            None => None,
+        };
+        let scheme = if self.config.tls.is_some() { "https" } else { "http" };
         tracing::info!(
             grpc = %self.grpc.local_addr().map_err(ServerError::Metrics)?,
-            metrics = %self.config.metrics_listen.map_or("off".to_owned(), |a| format!("http://{a}/metrics")),
+            metrics = %self.config.metrics_listen.map_or("off".to_owned(), |a| format!("{scheme}://{a}/metrics")),
             tls = self.config.tls.is_some(),
             auth = self.config.auth.enabled(),
             shm_socket = %self.config.shm_socket.as_ref().map_or("off".to_owned(), |p| p.display().to_string()),
@@ -404,7 +429,8 @@ impl BoundServer {
     }
 }
 
-fn tls_config(files: &TlsFiles) -> Result<tonic::transport::ServerTlsConfig, ServerError> {
+/// The certificate chain and key, as PEM.
+fn read_tls(files: &TlsFiles) -> Result<(Vec<u8>, Vec<u8>), ServerError> {
     let read = |what, path: &PathBuf| {
         std::fs::read(path).map_err(|source| ServerError::TlsFile {
             what,
@@ -412,6 +438,10 @@ fn tls_config(files: &TlsFiles) -> Result<tonic::transport::ServerTlsConfig, Ser
             source,
         })
     };
-    let identity = tonic::transport::Identity::from_pem(read("certificate", &files.cert)?, read("key", &files.key)?);
-    Ok(tonic::transport::ServerTlsConfig::new().identity(identity))
+    Ok((read("certificate", &files.cert)?, read("key", &files.key)?))
+}
+
+fn tls_config(files: &TlsFiles) -> Result<tonic::transport::ServerTlsConfig, ServerError> {
+    let (cert, key) = read_tls(files)?;
+    Ok(tonic::transport::ServerTlsConfig::new().identity(tonic::transport::Identity::from_pem(cert, key)))
 }

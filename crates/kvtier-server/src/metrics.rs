@@ -5,18 +5,35 @@
 use std::fmt::Write;
 use std::sync::Arc;
 
+use axum::http::{HeaderMap, StatusCode};
 use kvtier_core::PageState;
 use kvtier_store::{HistogramSnapshot, Latency, StatsSnapshot, Store};
 
+use crate::auth::Auth;
 use crate::rpc_metrics::RpcMetrics;
 
-pub(crate) fn router(store: Arc<Store>, rpc: Arc<RpcMetrics>) -> axum::Router {
+/// `/metrics`. Where the server has tokens, a scrape must carry an admin
+/// token (`authorization: Bearer <token>`): the statistics are server-wide,
+/// as `GetStats` without a tenant is.
+pub(crate) fn router(store: Arc<Store>, rpc: Arc<RpcMetrics>, auth: Auth) -> axum::Router {
     axum::Router::new().route(
         "/metrics",
-        axum::routing::get(move || {
+        axum::routing::get(move |headers: HeaderMap| {
             let store = Arc::clone(&store);
             let rpc = Arc::clone(&rpc);
+            let allowed = auth.caller(&headers).and_then(|caller| caller.check_admin("/metrics"));
             async move {
+                if let Err(status) = allowed {
+                    let code = match status.code() {
+                        tonic::Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+                        _ => StatusCode::FORBIDDEN,
+                    };
+                    return (
+                        code,
+                        [("content-type", "text/plain")],
+                        format!("{}\n", status.message()),
+                    );
+                }
                 let rendered = tokio::task::spawn_blocking(move || {
                     let mut out = render(&store.stats());
                     render_latency(&mut out, store.latency(), &rpc);
@@ -24,8 +41,12 @@ pub(crate) fn router(store: Arc<Store>, rpc: Arc<RpcMetrics>) -> axum::Router {
                 })
                 .await;
                 match rendered {
-                    Ok(text) => ([("content-type", "text/plain; version=0.0.4")], text),
-                    Err(e) => ([("content-type", "text/plain")], format!("stats failed: {e}\n")),
+                    Ok(text) => (StatusCode::OK, [("content-type", "text/plain; version=0.0.4")], text),
+                    Err(e) => (
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        [("content-type", "text/plain")],
+                        format!("stats failed: {e}\n"),
+                    ),
                 }
             }
         }),

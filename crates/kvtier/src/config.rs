@@ -205,6 +205,12 @@ pub(crate) struct TlsFileConfig {
     pub(crate) cert: PathBuf,
     /// PEM private key.
     pub(crate) key: PathBuf,
+    /// The authority (PEM) that `kvtier health --config` checks the
+    /// server's certificate against; default: `cert` itself (self-signed).
+    pub(crate) ca: Option<PathBuf>,
+    /// The name `kvtier health --config` expects the certificate to carry;
+    /// default: `localhost`.
+    pub(crate) domain: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -260,14 +266,6 @@ impl FileConfig {
     }
 }
 
-/// Bytes of memory the kernel says are available, if it says.
-pub(crate) fn available_memory() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
 /// The default metadata budget: the page index alone (digest and key
 /// sketches) is about a fifth of the KV bytes it indexes, wherever they
 /// are, so a quarter of what the host and NVMe tiers hold — but never more
@@ -279,11 +277,12 @@ pub(crate) fn default_metadata_bytes(host_bytes: u64, nvme_bytes: u64, available
         .max(1 << 30)
 }
 
-/// Default tier sizes for this machine: a quarter of available memory for the
-/// host tier (at most 8 GiB), a sixteenth for the emulated device (at most
-/// 1 GiB), so a default server never starves its host.
+/// Default tier sizes for this machine or container: a quarter of the
+/// available memory (under the cgroup's limit) for the host tier, at most
+/// 8 GiB, and a sixteenth for the emulated device, at most 1 GiB, so a
+/// default server never starves its host nor meets the OOM killer.
 pub(crate) fn default_tier_bytes() -> (u64, u64) {
-    let available = available_memory().unwrap_or(4 << 30);
+    let available = crate::memory::available_memory().unwrap_or(4 << 30);
     ((available / 16).min(1 << 30), (available / 4).min(8 << 30))
 }
 

@@ -14,14 +14,12 @@ use kvtier_store::{
 };
 
 use crate::cluster::{ClusterArgs, Listening, node_config};
-use crate::config::{
-    ByteSize, FileConfig, available_memory, default_metadata_bytes, default_nvme_bytes, default_tier_bytes,
-};
+use crate::config::{ByteSize, FileConfig, default_metadata_bytes, default_nvme_bytes, default_tier_bytes};
 
 #[derive(Debug, Args)]
 pub(crate) struct ServeArgs {
     /// TOML configuration file; flags override its values.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "KVTIER_CONFIG")]
     config: Option<PathBuf>,
     /// gRPC listen address [default: 127.0.0.1:50051].
     #[arg(long, value_name = "ADDR")]
@@ -32,10 +30,10 @@ pub(crate) struct ServeArgs {
     /// Directory for durable data [default: ./kvtier-data].
     #[arg(long, value_name = "DIR")]
     data_dir: Option<PathBuf>,
-    /// Device tier capacity, e.g. 1GiB [default: 1/16 of available memory, at most 1GiB].
+    /// Device tier capacity, e.g. 1GiB [default: 1/16 of available memory, within the cgroup limit, at most 1GiB].
     #[arg(long, value_name = "SIZE")]
     device_bytes: Option<ByteSize>,
-    /// Host tier capacity, e.g. 8GiB [default: 1/4 of available memory, at most 8GiB].
+    /// Host tier capacity, e.g. 8GiB [default: 1/4 of available memory, within the cgroup limit, at most 8GiB].
     #[arg(long, value_name = "SIZE")]
     host_bytes: Option<ByteSize>,
     /// Which hot page the device demotes for room: lru, or loop (a resident
@@ -171,11 +169,11 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let device_sized = sized(
         args.device_bytes.or(file.tiers.device_bytes),
-        "default: 1/16 of available memory, at most 1 GiB",
+        "default: 1/16 of available memory (the cgroup limit counts), at most 1 GiB",
     );
     let host_sized = sized(
         args.host_bytes.or(file.tiers.host_bytes),
-        "default: 1/4 of available memory, at most 8 GiB",
+        "default: 1/4 of available memory (the cgroup limit counts), at most 8 GiB",
     );
     let nvme_sized = sized(
         args.nvme_bytes.or(file.tiers.nvme_bytes),
@@ -311,8 +309,11 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         ..store
     };
     if !metadata_given {
-        store.limits.metadata_bytes =
-            default_metadata_bytes(store.host_bytes, nvme_bytes, available_memory().unwrap_or(4 << 30));
+        store.limits.metadata_bytes = default_metadata_bytes(
+            store.host_bytes,
+            nvme_bytes,
+            crate::memory::available_memory().unwrap_or(4 << 30),
+        );
     }
     let metadata_sized = sized(
         metadata_given.then_some(ByteSize(0)),
