@@ -6,6 +6,9 @@ mod cluster;
 mod config;
 mod eval;
 mod health;
+mod memory;
+#[cfg(test)]
+mod reference;
 mod serve;
 mod shape;
 mod trace;
