@@ -204,12 +204,99 @@ async fn a_server_refuses_to_listen_off_loopback_unprotected() {
         let store = Store::new(small_store()).unwrap();
         BoundServer::bind(store, exposed(config)).await.unwrap();
     }
-    // Metrics have no authentication: off loopback only when insecure.
-    let store = Store::new(small_store()).unwrap();
-    let config = ServerConfig {
+    // Metrics serve under the gRPC port's TLS and tokens: off loopback on
+    // the same terms.
+    let metrics_exposed = |config: ServerConfig| ServerConfig {
         metrics_listen: Some(([0, 0, 0, 0], 0).into()),
+        ..config
+    };
+    let store = Store::new(small_store()).unwrap();
+    let unprotected = ServerConfig {
+        tls: None,
         ..secure_config()
     };
-    let err = BoundServer::bind(store, config).await.unwrap_err();
-    assert!(err.to_string().contains("metrics"), "{err}");
+    let err = BoundServer::bind(store, metrics_exposed(unprotected))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("metrics") && err.to_string().contains("TLS"),
+        "{err}"
+    );
+    let store = Store::new(small_store()).unwrap();
+    BoundServer::bind(store, metrics_exposed(secure_config()))
+        .await
+        .unwrap();
+}
+
+/// One HTTP/1.1 GET of /metrics over TLS (checked against the test CA for
+/// `localhost`), with `token` as a bearer token; the status code.
+async fn scrape(addr: std::net::SocketAddr, token: Option<&str>) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+    let mut roots = RootCertStore::empty();
+    let ca = std::fs::read(tls_dir().join("ca.pem")).unwrap();
+    for cert in CertificateDer::pem_slice_iter(&ca) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let mut tls = connector
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+        .unwrap();
+    let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
+    let request = format!("GET /metrics HTTP/1.1\r\nhost: localhost\r\n{auth}connection: close\r\n\r\n");
+    tls.write_all(request.as_bytes()).await.unwrap();
+    let mut reply = String::new();
+    tls.read_to_string(&mut reply).await.unwrap();
+    let status = reply.split_whitespace().nth(1).unwrap().parse().unwrap();
+    if status == 200 {
+        assert!(reply.contains("kvtier_sequences"), "{reply}");
+    }
+    status
+}
+
+#[tokio::test]
+async fn metrics_serve_under_the_grpc_ports_tls_and_only_to_an_admin_token() {
+    let config = ServerConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        metrics_listen: Some(([127, 0, 0, 1], 0).into()),
+        ..secure_config()
+    };
+    let bound = BoundServer::bind(Store::new(small_store()).unwrap(), config)
+        .await
+        .unwrap();
+    let addr = bound.metrics_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(bound.serve(async {
+        let _ = stopped.await;
+    }));
+    assert_eq!(scrape(addr, None).await, 401);
+    assert_eq!(scrape(addr, Some("token-of-nobody-0123456789")).await, 401);
+    assert_eq!(scrape(addr, Some(TOKEN_A)).await, 403);
+    assert_eq!(scrape(addr, Some(ADMIN)).await, 200);
+    // Plaintext HTTP gets no metrics from a TLS port.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        tcp.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut reply = Vec::new();
+        let _ = tcp.read_to_end(&mut reply).await;
+        assert!(
+            !String::from_utf8_lossy(&reply).contains("kvtier_"),
+            "plaintext got metrics"
+        );
+    }
+    stop.send(()).unwrap();
+    serving.await.unwrap().unwrap();
 }

@@ -194,3 +194,49 @@ async fn a_second_server_on_the_same_data_directory_is_refused_and_changes_nothi
     assert_eq!(back[0].2, kv(&tokens(1..=4)));
     assert_eq!(back[1].2, kv(&[5, 6]));
 }
+
+/// What a restart keeps (docs/CONCEPTS.md, Guarantees): durable rows,
+/// bit-exact, now cold on NVMe. What it loses: which pages were hot,
+/// leases, statistics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_keeps_durable_rows_and_loses_residency_leases_and_statistics() {
+    for kill in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut server = Server::start(dir.path(), &[]);
+        let mut client = server.client().await.with_persist(true);
+        client.create_sequence("s", tiny(), vec![]).await.unwrap();
+        client
+            .put_pages("s", 0, 0..1, 0, 8, kv(&tokens(1..=8)).into())
+            .await
+            .unwrap();
+        let mut select = kvtier_client::SelectRequest::new(0, 0..1, vec![1.0; DIM], 2);
+        select.swap_in = true;
+        select.lease_ms = 600_000;
+        let chosen = client.select_pages("s", &select).await.unwrap();
+        let (lease, _) = chosen.lease.expect("a lease");
+        let before = client.get_sequence("s").await.unwrap();
+        assert_eq!(before.pages.unwrap().hot, 2, "kill: {kill}");
+        assert!(client.stats().await.unwrap().pages_written > 0);
+
+        server.stop(kill);
+        let mut server = Server::start(dir.path(), &[]);
+        let mut client = server.client().await;
+        let back = pages(&mut client, "s").await;
+        let bytes: Vec<Vec<u8>> = back.iter().map(|p| p.2.clone()).collect();
+        assert_eq!(bytes, [kv(&tokens(1..=4)), kv(&tokens(5..=8))], "kill: {kill}");
+        assert!(
+            back.iter().all(|p| p.1 == pb::PageState::Cold),
+            "kill: {kill}: no page is hot after a restart: {:?}",
+            back.iter().map(|p| p.1).collect::<Vec<_>>()
+        );
+        match client.release_lease(lease).await {
+            Err(kvtier_client::ClientError::Status(s)) => {
+                assert_eq!(s.code(), tonic::Code::NotFound, "kill: {kill}: {s}")
+            }
+            other => panic!("kill: {kill}: the lease outlived the restart: {other:?}"),
+        }
+        let stats = client.stats().await.unwrap();
+        assert_eq!((stats.pages_written, stats.bytes_written), (0, 0), "kill: {kill}");
+        drop(server);
+    }
+}
