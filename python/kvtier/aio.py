@@ -77,6 +77,7 @@ class AsyncClient(_Api):
         return ShmRegion(native, self._conn)
 
     async def close(self) -> None:
+        """Closes the connection (when the last client sharing it goes)."""
         self._conn = None  # type: ignore[assignment]
 
     async def __aenter__(self) -> "AsyncClient":

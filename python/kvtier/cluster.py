@@ -141,6 +141,7 @@ class Cluster:
             return fn(self.client(sequence_id))
 
     def drop(self, sequence_id: str) -> None:
+        """Drops the sequence on its owner and forgets where it was."""
         self.call(sequence_id, lambda c: c.drop(sequence_id))
         self._owners.pop(sequence_id, None)
 

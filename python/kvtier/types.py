@@ -33,6 +33,7 @@ class Layout:
             raise ValueError(f"dtype: {self.dtype!r} is not one of f32, f16, bf16")
 
     def to_proto(self) -> Dict[str, Any]:
+        """The `kvtier.v1.Layout` message, as a dict."""
         return {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
@@ -45,6 +46,7 @@ class Layout:
 
     @classmethod
     def from_proto(cls, m: Dict[str, Any]) -> "Layout":
+        """The layout a `kvtier.v1.Layout` message (as a dict) describes."""
         return cls(
             num_layers=m["num_layers"],
             num_kv_heads=m["num_kv_heads"],
@@ -57,6 +59,7 @@ class Layout:
 
     @property
     def queries_per_kv_head(self) -> int:
+        """Query heads sharing each KV head (the GQA group size)."""
         return self.num_query_heads // self.num_kv_heads
 
 
@@ -174,11 +177,13 @@ class ShmRegion:
 
     @property
     def id(self) -> int:
+        """The server's id of this region (what `ShmWindow`s name)."""
         self._registered()
         return self._id
 
     @property
     def size(self) -> int:
+        """The region's size in bytes."""
         self._registered()
         return self._size
 
@@ -227,6 +232,7 @@ class ShmWindow:
     length: int
 
     def to_proto(self) -> Dict[str, int]:
+        """The `kvtier.v1.ShmWindow` message, as a dict."""
         return {"region_id": self.region.id, "offset": self.offset, "length": self.length}
 
 
