@@ -52,39 +52,6 @@ command="$kvtier bench decode --addr http://127.0.0.1:50071 --context 4096 --ste
 $command --out "$work/bench" > "$work/bench.txt"
 sleep 3
 
-DASHBOARD=docker/grafana/dashboards/kvtier.json COMMAND="$command" python3 - <<'EOF'
-import json, math, os, subprocess, time, urllib.parse, urllib.request
-
-dashboard = json.load(open(os.environ["DASHBOARD"]))
-rows, empty = [], []
-for panel in dashboard["panels"]:
-    for target in panel["targets"]:
-        q = urllib.parse.urlencode({"query": target["expr"]})
-        reply = json.load(urllib.request.urlopen(f"http://127.0.0.1:9490/api/v1/query?{q}", timeout=10))
-        series = reply["data"]["result"]
-        finite = [s for s in series if math.isfinite(float(s["value"][1]))]
-        if not finite:
-            empty.append(panel["title"])
-        example = ", ".join(
-            f'{ {k: v for k, v in s["metric"].items() if k not in ("__name__", "job", "instance")} or ""} = {float(s["value"][1]):.4g}'
-            for s in finite[:3]
-        )
-        rows.append(f'| {panel["title"]} | `{target["expr"]}` | {len(series)} | {len(finite)} | {example} |')
-version = subprocess.run(["prometheus", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-with open("bench/results/dashboard-check.md", "w") as out:
-    out.write("# Every dashboard query returns data from a real Prometheus\n\n")
-    out.write("- command: `bench/dashboard-check.sh` (starts `target/release/kvtier serve` with a 16 MiB device "
-              "under `--device-policy loop`, "
-              "48 MiB host and 1 GiB NVMe tier and `--checkpoint-bytes 1` (a checkpoint whenever the manifest has doubled), and Debian's Prometheus scraping "
-              f"it every second; the workload: `{os.environ['COMMAND']}`)\n")
-    out.write(f"- Prometheus: {version}\n")
-    out.write(f"- machine: {os.cpu_count()} cores, {cpu}; no GPU (device tier emulated)\n")
-    out.write(f"- date: {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}\n\n")
-    out.write(f"{len(rows) - len(empty)} of {len(rows)} queries returned a finite value.\n\n")
-    out.write("| panel | query | series | finite | first values |\n|---|---|---:|---:|---|\n")
-    out.write("\n".join(rows) + "\n")
-print(open("bench/results/dashboard-check.md").read())
-if empty:
-    raise SystemExit(f"no data for: {empty}")
-EOF
+setup="\`bench/dashboard-check.sh\` (starts \`target/release/kvtier serve\` with a 16 MiB device under \`--device-policy loop\`, 48 MiB host and 1 GiB NVMe tier and \`--checkpoint-bytes 1\` (a checkpoint whenever the manifest has doubled), and Debian's Prometheus scraping it every second)"
+python3 bench/dashboard_queries.py http://127.0.0.1:9490 --out bench/results/dashboard-check.md \
+  --command "$command" --setup "$setup" --version "$(prometheus --version 2>&1 | awk 'NR == 1')"
