@@ -28,15 +28,26 @@ fn message_lines(prefix: &str, message: &DescriptorProto, out: &mut BTreeSet<Str
         let oneof = field
             .oneof_index
             .filter(|_| !field.proto3_optional())
-            .map_or(String::new(), |i| format!(" (oneof {})", message.oneof_decl[i as usize].name()));
-        out.insert(format!("field {name}.{} = {}: {label}{kind}{oneof}", field.name(), field.number()));
+            .map_or(String::new(), |i| {
+                format!(" (oneof {})", message.oneof_decl[i as usize].name())
+            });
+        out.insert(format!(
+            "field {name}.{} = {}: {label}{kind}{oneof}",
+            field.name(),
+            field.number()
+        ));
     }
     for nested in &message.nested_type {
         message_lines(&name, nested, out);
     }
     for e in &message.enum_type {
         for value in &e.value {
-            out.insert(format!("enum {name}.{}.{} = {}", e.name(), value.name(), value.number()));
+            out.insert(format!(
+                "enum {name}.{}.{} = {}",
+                e.name(),
+                value.name(),
+                value.number()
+            ));
         }
     }
 }
@@ -51,7 +62,12 @@ fn current() -> BTreeSet<String> {
         }
         for e in &file.enum_type {
             for value in &e.value {
-                out.insert(format!("enum {package}.{}.{} = {}", e.name(), value.name(), value.number()));
+                out.insert(format!(
+                    "enum {package}.{}.{} = {}",
+                    e.name(),
+                    value.name(),
+                    value.number()
+                ));
             }
         }
         for service in &file.service {
@@ -94,7 +110,11 @@ fn released_fields_enum_values_and_rpcs_never_change() {
         return;
     }
     if std::env::var_os("KVTIER_BLESS").is_some() {
-        let header: String = text.lines().take_while(|l| l.starts_with('#')).map(|l| format!("{l}\n")).collect();
+        let header: String = text
+            .lines()
+            .take_while(|l| l.starts_with('#'))
+            .map(|l| format!("{l}\n"))
+            .collect();
         let body: String = now.union(&released).map(|l| format!("{l}\n")).collect();
         std::fs::write(&path, header + &body).unwrap();
         return;

@@ -43,6 +43,19 @@ fn tokens(range: std::ops::RangeInclusive<u32>) -> Vec<u32> {
     range.collect()
 }
 
+/// A server on `dir` holding sequence "s": two full pages (tokens 1..=8),
+/// persisted; and a persisting client.
+async fn two_durable_pages(dir: &std::path::Path) -> (Server, Client) {
+    let mut server = Server::start(dir, &[]);
+    let mut client = server.client().await.with_persist(true);
+    client.create_sequence("s", tiny(), vec![]).await.unwrap();
+    client
+        .put_pages("s", 0, 0..1, 0, 8, kv(&tokens(1..=8)).into())
+        .await
+        .unwrap();
+    (server, client)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gone_page_at_a_checkpoint_never_hands_its_id_or_bytes_to_another_page() {
     let dir = tempfile::tempdir().unwrap();
@@ -128,13 +141,7 @@ async fn a_persist_makes_the_whole_lane_durable_memory_only_rows_before_it_inclu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_page_gone_for_a_failed_crc_stays_gone_for_that_reason_after_restarts() {
     let dir = tempfile::tempdir().unwrap();
-    let mut server = Server::start(dir.path(), &[]);
-    let mut client = server.client().await.with_persist(true);
-    client.create_sequence("s", tiny(), vec![]).await.unwrap();
-    client
-        .put_pages("s", 0, 0..1, 0, 8, kv(&tokens(1..=8)).into())
-        .await
-        .unwrap();
+    let (mut server, mut client) = two_durable_pages(dir.path()).await;
     // Only the NVMe copies remain; page 0's is the file's first extent.
     let to_nvme = actions::offload_to_nvme();
     client.set_page_state("s", 0..1, 0..1, 0..2, to_nvme).await.unwrap();
@@ -202,13 +209,7 @@ async fn a_second_server_on_the_same_data_directory_is_refused_and_changes_nothi
 async fn a_restart_keeps_durable_rows_and_loses_residency_leases_and_statistics() {
     for kill in [false, true] {
         let dir = tempfile::tempdir().unwrap();
-        let mut server = Server::start(dir.path(), &[]);
-        let mut client = server.client().await.with_persist(true);
-        client.create_sequence("s", tiny(), vec![]).await.unwrap();
-        client
-            .put_pages("s", 0, 0..1, 0, 8, kv(&tokens(1..=8)).into())
-            .await
-            .unwrap();
+        let (server, mut client) = two_durable_pages(dir.path()).await;
         let mut select = kvtier_client::SelectRequest::new(0, 0..1, vec![1.0; DIM], 2);
         select.swap_in = true;
         select.lease_ms = 600_000;
