@@ -11,7 +11,7 @@ use std::path::Path;
 
 use prost::Message;
 use prost_types::field_descriptor_proto::{Label, Type};
-use prost_types::{DescriptorProto, FileDescriptorSet};
+use prost_types::{DescriptorProto, EnumDescriptorProto, FileDescriptorSet};
 
 fn message_lines(prefix: &str, message: &DescriptorProto, out: &mut BTreeSet<String>) {
     let name = format!("{prefix}.{}", message.name());
@@ -41,14 +41,18 @@ fn message_lines(prefix: &str, message: &DescriptorProto, out: &mut BTreeSet<Str
         message_lines(&name, nested, out);
     }
     for e in &message.enum_type {
-        for value in &e.value {
-            out.insert(format!(
-                "enum {name}.{}.{} = {}",
-                e.name(),
-                value.name(),
-                value.number()
-            ));
-        }
+        enum_lines(&name, e, out);
+    }
+}
+
+fn enum_lines(prefix: &str, e: &EnumDescriptorProto, out: &mut BTreeSet<String>) {
+    for value in &e.value {
+        out.insert(format!(
+            "enum {prefix}.{}.{} = {}",
+            e.name(),
+            value.name(),
+            value.number()
+        ));
     }
 }
 
@@ -61,14 +65,7 @@ fn current() -> BTreeSet<String> {
             message_lines(&package, message, &mut out);
         }
         for e in &file.enum_type {
-            for value in &e.value {
-                out.insert(format!(
-                    "enum {package}.{}.{} = {}",
-                    e.name(),
-                    value.name(),
-                    value.number()
-                ));
-            }
+            enum_lines(&package, e, &mut out);
         }
         for service in &file.service {
             for m in &service.method {
