@@ -42,9 +42,9 @@ pub(crate) struct ClusterArgs {
 #[serde(deny_unknown_fields)]
 pub(crate) struct ClusterFileConfig {
     /// etcd endpoints.
-    etcd: Option<Vec<String>>,
+    pub(super) etcd: Option<Vec<String>>,
     node_id: Option<String>,
-    name: Option<String>,
+    pub(super) name: Option<String>,
     advertise: Option<String>,
     lease_ttl_secs: Option<u64>,
     grace_secs: Option<u64>,
@@ -72,7 +72,7 @@ pub(crate) fn node_config(
     file: ClusterFileConfig,
     at: &Listening,
 ) -> anyhow::Result<Option<NodeConfig>> {
-    let endpoints = match (args.etcd, file.etcd) {
+    let endpoints = match (args.etcd, &file.etcd) {
         (Some(list), _) => EtcdConfig::parse_endpoints(&list),
         (None, Some(list)) => EtcdConfig::parse_endpoints(&list.join(",")),
         (None, None) => return Ok(None),
@@ -80,13 +80,16 @@ pub(crate) fn node_config(
     if endpoints.is_empty() {
         bail!("etcd: no endpoint given");
     }
-    let Some(node_id) = args.node_id.or(file.node_id) else {
+    let Some(node_id) = args.node_id.or(file.node_id.clone()) else {
         bail!("node_id: required with --etcd (--node-id, or node_id in [cluster])");
     };
     check_name("node_id", &node_id)?;
-    let cluster = args.cluster.or(file.name).unwrap_or_else(|| DEFAULT_CLUSTER.to_owned());
+    let cluster = args
+        .cluster
+        .or(file.name.clone())
+        .unwrap_or_else(|| DEFAULT_CLUSTER.to_owned());
     check_name("cluster", &cluster)?;
-    let advertise = match args.advertise.or(file.advertise) {
+    let advertise = match args.advertise.or(file.advertise.clone()) {
         Some(url) => url,
         None if at.listen.ip().is_unspecified() => bail!(
             "advertise: required when listening on {} (--advertise URL: where other nodes and clients reach this one)",
@@ -99,19 +102,7 @@ pub(crate) fn node_config(
     if ttl == 0 || grace < ttl {
         bail!("lease_ttl_secs ({ttl}) must be at least 1 and grace_secs ({grace}) at least lease_ttl_secs");
     }
-    let mut etcd = EtcdConfig::new(endpoints);
-    etcd.cluster = cluster;
-    etcd.user = match (file.etcd_user, file.etcd_password) {
-        (Some(user), Some(password)) => Some((user, password)),
-        (None, None) => None,
-        _ => bail!("cluster.etcd_user and cluster.etcd_password: give both or neither"),
-    };
-    etcd.ca_pem = match file.etcd_ca {
-        Some(path) => {
-            Some(std::fs::read(&path).with_context(|| format!("cluster.etcd_ca: reading {}", path.display()))?)
-        }
-        None => None,
-    };
+    let etcd = etcd_access(endpoints, cluster, &file)?;
     Ok(Some(NodeConfig {
         etcd,
         node_id,
@@ -121,6 +112,30 @@ pub(crate) fn node_config(
         version: env!("CARGO_PKG_VERSION").to_owned(),
         capacity: TierBytes::default(),
     }))
+}
+
+/// How to reach etcd at `endpoints` for `cluster`: with the `[cluster]`
+/// table's credentials and CA, as nodes and `kvtier cluster status` alike
+/// are configured.
+pub(crate) fn etcd_access(
+    endpoints: Vec<String>,
+    cluster: String,
+    file: &ClusterFileConfig,
+) -> anyhow::Result<EtcdConfig> {
+    let mut etcd = EtcdConfig::new(endpoints);
+    etcd.cluster = cluster;
+    etcd.user = match (&file.etcd_user, &file.etcd_password) {
+        (Some(user), Some(password)) => Some((user.clone(), password.clone())),
+        (None, None) => None,
+        _ => bail!("cluster.etcd_user and cluster.etcd_password: give both or neither"),
+    };
+    etcd.ca_pem = match &file.etcd_ca {
+        Some(path) => {
+            Some(std::fs::read(path).with_context(|| format!("cluster.etcd_ca: reading {}", path.display()))?)
+        }
+        None => None,
+    };
+    Ok(etcd)
 }
 
 /// Node ids and cluster names go into etcd keys and gRPC metadata.

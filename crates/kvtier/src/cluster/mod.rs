@@ -5,6 +5,8 @@ mod join;
 
 pub(crate) use join::{ClusterArgs, ClusterFileConfig, Listening, node_config};
 
+use std::path::PathBuf;
+
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use kvtier_cluster::{DEFAULT_CLUSTER, EtcdConfig};
@@ -17,12 +19,17 @@ pub(crate) enum ClusterCommand {
 
 #[derive(Debug, Args)]
 pub(crate) struct StatusArgs {
-    /// The cluster's etcd (URL[,URL…]).
+    /// A node's TOML configuration: its `[cluster]` table gives etcd's
+    /// endpoints, the cluster's name and etcd's credentials and CA
+    /// (`etcd_user`, `etcd_password`, `etcd_ca`). Flags override it.
+    #[arg(long, value_name = "FILE", env = "KVTIER_CONFIG")]
+    config: Option<PathBuf>,
+    /// The cluster's etcd (URL[,URL…]) [default: the config's].
     #[arg(long, value_name = "URLS")]
-    etcd: String,
-    /// The cluster's name.
-    #[arg(long, value_name = "NAME", default_value = DEFAULT_CLUSTER)]
-    cluster: String,
+    etcd: Option<String>,
+    /// The cluster's name [default: the config's, else default].
+    #[arg(long, value_name = "NAME")]
+    cluster: Option<String>,
     /// JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -36,11 +43,27 @@ pub(crate) fn run(command: ClusterCommand) -> anyhow::Result<()> {
 }
 
 async fn status(args: StatusArgs) -> anyhow::Result<()> {
-    let mut config = EtcdConfig::new(EtcdConfig::parse_endpoints(&args.etcd));
-    config.cluster = args.cluster;
-    let status = kvtier_cluster::status(&config)
-        .await
-        .with_context(|| format!("reading cluster {:?} from etcd at {}", config.cluster, args.etcd))?;
+    let file = match &args.config {
+        Some(path) => crate::config::FileConfig::load(path)?.cluster,
+        None => ClusterFileConfig::default(),
+    };
+    let endpoints = match (args.etcd, &file.etcd) {
+        (Some(list), _) => EtcdConfig::parse_endpoints(&list),
+        (None, Some(list)) => EtcdConfig::parse_endpoints(&list.join(",")),
+        (None, None) => anyhow::bail!("etcd: give --etcd URLS, or a --config whose [cluster] names etcd"),
+    };
+    let cluster = args
+        .cluster
+        .or_else(|| file.name.clone())
+        .unwrap_or_else(|| DEFAULT_CLUSTER.to_owned());
+    let config = join::etcd_access(endpoints, cluster, &file)?;
+    let status = kvtier_cluster::status(&config).await.with_context(|| {
+        format!(
+            "reading cluster {:?} from etcd at {}",
+            config.cluster,
+            config.endpoints.join(",")
+        )
+    })?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&status)?);
         return Ok(());

@@ -14,6 +14,8 @@ pub struct Etcd {
     pub client_url: String,
     peer_url: String,
     initial_cluster: String,
+    /// Certificate and key (PEM) its client port serves TLS with.
+    tls: Option<(PathBuf, PathBuf)>,
 }
 
 fn free_port() -> u16 {
@@ -24,6 +26,24 @@ impl Etcd {
     /// A one-member etcd under `dir`, answering before this returns.
     pub fn start(dir: &Path) -> Self {
         Self::members(dir, 1).pop().unwrap()
+    }
+
+    /// A one-member etcd whose client port speaks only TLS with `cert` and
+    /// `key` (`https://` URL), answering before this returns.
+    pub fn start_tls(dir: &Path, cert: &Path, key: &Path) -> Self {
+        let (client, peer) = (free_port(), free_port());
+        let mut etcd = Self {
+            child: None,
+            name: "e0".to_owned(),
+            dir: dir.join("etcd-e0"),
+            client_url: format!("https://127.0.0.1:{client}"),
+            peer_url: format!("http://127.0.0.1:{peer}"),
+            initial_cluster: format!("e0=http://127.0.0.1:{peer}"),
+            tls: Some((cert.to_owned(), key.to_owned())),
+        };
+        etcd.spawn();
+        etcd.wait_ready();
+        etcd
     }
 
     /// A cluster of `n` members, all answering before this returns.
@@ -45,6 +65,7 @@ impl Etcd {
                 client_url: format!("http://127.0.0.1:{client}"),
                 peer_url: format!("http://127.0.0.1:{peer}"),
                 initial_cluster: initial_cluster.clone(),
+                tls: None,
             })
             .collect();
         for m in &mut members {
@@ -58,7 +79,11 @@ impl Etcd {
 
     fn spawn(&mut self) {
         let log = std::fs::File::create(self.dir.with_extension("log")).unwrap();
-        let child = Command::new("etcd")
+        let mut command = Command::new("etcd");
+        if let Some((cert, key)) = &self.tls {
+            command.arg("--cert-file").arg(cert).arg("--key-file").arg(key);
+        }
+        let child = command
             .args(["--name", &self.name])
             .args(["--data-dir", self.dir.to_str().unwrap()])
             .args(["--listen-client-urls", &self.client_url])
@@ -78,7 +103,7 @@ impl Etcd {
 
     /// Waits until the member answers `/health`'s TCP port.
     fn wait_ready(&self) {
-        let addr = self.client_url.trim_start_matches("http://").to_owned();
+        let addr = self.client_url.split_once("://").map_or("", |(_, a)| a).to_owned();
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::net::TcpStream::connect(&addr).is_err() {
             assert!(
