@@ -300,3 +300,64 @@ async fn metrics_serve_under_the_grpc_ports_tls_and_only_to_an_admin_token() {
     stop.send(()).unwrap();
     serving.await.unwrap().unwrap();
 }
+
+/// A plaintext scrape's status code, or `None` when the server closed the
+/// connection without answering.
+async fn scrape_plain(addr: std::net::SocketAddr) -> Option<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .ok()?;
+    let mut reply = String::new();
+    tcp.read_to_string(&mut reply).await.ok()?;
+    reply.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[tokio::test]
+async fn slow_metrics_clients_neither_block_scrapes_nor_hold_up_a_shutdown() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let config = ServerConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        metrics_listen: Some(([127, 0, 0, 1], 0).into()),
+        ..ServerConfig::default()
+    };
+    let bound = BoundServer::bind(Store::new(small_store()).unwrap(), config)
+        .await
+        .unwrap();
+    let addr = bound.metrics_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(bound.serve(async {
+        let _ = stopped.await;
+    }));
+    // A client in the middle of its request, and others that say nothing,
+    // up to the connection limit less one.
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+    let mut idle = Vec::new();
+    for _ in 0..30 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    // The last slot still serves a scrape.
+    assert_eq!(scrape_plain(addr).await, Some(200));
+    // With every slot held (once the scrape's connection is gone), a new
+    // connection is closed unanswered.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let _last = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut beyond = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(std::time::Duration::from_secs(20), beyond.read(&mut byte)).await;
+    assert!(
+        matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+        "a connection past the limit was kept: {read:?}"
+    );
+    // A shutdown does not wait for the slow client (whose connection would
+    // live 30 s): the watchdog is far below that.
+    stop.send(()).unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(20), serving)
+        .await
+        .expect("the shutdown waited for a slow metrics client")
+        .unwrap()
+        .unwrap();
+    drop((slow, idle));
+}

@@ -11,7 +11,7 @@ mod gate;
 mod inflight;
 mod membership;
 mod metrics;
-mod metrics_tls;
+mod metrics_listener;
 mod responses;
 mod rpc_metrics;
 mod service;
@@ -82,6 +82,9 @@ pub struct ServerConfig {
 /// worker's back-to-back calls costs tens of microseconds on VMs, and
 /// polling stops by itself where calls come further apart.
 pub const DEFAULT_SHM_POLL: Duration = Duration::from_micros(50);
+
+/// How long a shutdown waits for scrapes in flight.
+const METRICS_DRAIN: Duration = Duration::from_secs(2);
 
 /// The server's TLS identity, read when [`BoundServer::serve`] starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -360,23 +363,19 @@ impl BoundServer {
         let metrics_tls = match &self.config.tls {
             Some(files) => {
                 let (cert, key) = read_tls(files)?;
-                Some(metrics_tls::server_config(&cert, &key).map_err(ServerError::MetricsTls)?)
+                Some(metrics_listener::tls_config(&cert, &key).map_err(ServerError::MetricsTls)?)
             }
             None => None,
         };
         let metrics = match self.metrics {
             Some(listener) => {
                 let router = metrics::router(Arc::clone(&self.store), rpc_metrics, self.config.auth.clone());
+                let listener =
+                    metrics_listener::MetricsListener::new(listener, metrics_tls).map_err(ServerError::Metrics)?;
                 let stop = stopped(stop_rx.clone());
-                Some(match metrics_tls {
-                    Some(tls) => {
-                        let listener = metrics_tls::TlsListener::new(listener, tls).map_err(ServerError::Metrics)?;
-                        tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await })
-                    }
-                    None => {
-                        tokio::spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await })
-                    }
-                })
+                Some(tokio::spawn(async move {
+                    axum::serve(listener, router).with_graceful_shutdown(stop).await
+                }))
             }
             None => None,
         };
@@ -407,10 +406,16 @@ impl BoundServer {
             .add_service(kvtier)
             .serve_with_incoming_shutdown(conn::incoming(self.grpc, self.config.max_connections), stopped(stop_rx))
             .await?;
-        if let Some(metrics) = metrics {
-            match metrics.await {
-                Ok(result) => result.map_err(ServerError::Metrics)?,
-                Err(e) => tracing::warn!(error = %e, "metrics task ended abnormally"),
+        if let Some(mut metrics) = metrics {
+            // A scrape in flight gets a moment to finish; a client that
+            // holds its connection open does not hold up the shutdown.
+            match tokio::time::timeout(METRICS_DRAIN, &mut metrics).await {
+                Ok(Ok(result)) => result.map_err(ServerError::Metrics)?,
+                Ok(Err(e)) => tracing::warn!(error = %e, "metrics task ended abnormally"),
+                Err(_) => {
+                    tracing::info!("metrics: connections still open after {METRICS_DRAIN:?}; closed");
+                    metrics.abort();
+                }
             }
         }
         // Its connections' threads hold the store until they are ended.

@@ -24,13 +24,14 @@ pub(crate) fn router(store: Arc<Store>, rpc: Arc<RpcMetrics>, auth: Auth) -> axu
             let allowed = auth.caller(&headers).and_then(|caller| caller.check_admin("/metrics"));
             async move {
                 if let Err(status) = allowed {
-                    let code = match status.code() {
-                        tonic::Code::Unauthenticated => StatusCode::UNAUTHORIZED,
-                        _ => StatusCode::FORBIDDEN,
+                    // 401 says how to authenticate (RFC 9110 §11.6.1).
+                    let (code, challenge) = match status.code() {
+                        tonic::Code::Unauthenticated => (StatusCode::UNAUTHORIZED, "Bearer"),
+                        _ => (StatusCode::FORBIDDEN, "Bearer error=\"insufficient_scope\""),
                     };
                     return (
                         code,
-                        [("content-type", "text/plain")],
+                        [("content-type", "text/plain"), ("www-authenticate", challenge)],
                         format!("{}\n", status.message()),
                     );
                 }
@@ -41,10 +42,17 @@ pub(crate) fn router(store: Arc<Store>, rpc: Arc<RpcMetrics>, auth: Auth) -> axu
                 })
                 .await;
                 match rendered {
-                    Ok(text) => (StatusCode::OK, [("content-type", "text/plain; version=0.0.4")], text),
+                    Ok(text) => (
+                        StatusCode::OK,
+                        [
+                            ("content-type", "text/plain; version=0.0.4"),
+                            ("cache-control", "no-store"),
+                        ],
+                        text,
+                    ),
                     Err(e) => (
                         StatusCode::INTERNAL_SERVER_ERROR,
-                        [("content-type", "text/plain")],
+                        [("content-type", "text/plain"), ("cache-control", "no-store")],
                         format!("stats failed: {e}\n"),
                     ),
                 }
