@@ -15,7 +15,9 @@
 #   quay.io/coreos/etcd:v3.4.23  that + Debian's etcd-server (3.4.23) as
 #                             /usr/local/bin/etcd, as the upstream image
 #
-# Each stand-in carries the label kvtier.stand-in saying what it holds.
+# Each stand-in carries the label kvtier.stand-in saying what it holds;
+# `docker rmi` them to use the real images once a registry is reachable
+# (an engine that can pull needs none of this: `docker pull` the tags).
 # Needs root (debootstrap), debootstrap and a Debian mirror.
 set -euo pipefail
 
@@ -75,6 +77,17 @@ if have rust:1.89-bookworm; then
 else
   sysroot=$(rustc --print sysroot)
   version=$(rustc --version)
+  # The workspace needs 1.89; a toolchain of its own (rustup's), not a
+  # distribution's spread over /usr.
+  read -r major minor < <(rustc --version | awk '{ split($2, v, "."); print v[1], v[2] }')
+  if [ "$major" -lt 1 ] || { [ "$major" -eq 1 ] && [ "$minor" -lt 89 ]; }; then
+    echo "build-bases: $version is older than the 1.89 the workspace needs" >&2
+    exit 1
+  fi
+  if [ "$sysroot" = /usr ] || [ ! -x "$sysroot/bin/cargo" ]; then
+    echo "build-bases: the toolchain at $sysroot is not a self-contained one (install it with rustup)" >&2
+    exit 1
+  fi
   # The upstream image's layout: toolchain under /usr/local, cargo's home
   # /usr/local/cargo on PATH. The toolchain is copied without its docs.
   context=$(mktemp -d)

@@ -71,6 +71,21 @@ stop_cleanly() {
 
 published() { docker port "$1" "$2" | awk -F: 'NR == 1 { print $NF }'; }
 
+# Loopback ports nothing listens on now, for the compose files' published
+# ports (their defaults, 2379 and 50051.., may be taken on a CI machine).
+free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+export KVTIER_PORT KVTIER_PORT_1 KVTIER_PORT_2 KVTIER_PORT_3 KVTIER_ETCD_PORT PROMETHEUS_PORT
+KVTIER_PORT=$(free_port) PROMETHEUS_PORT=$(free_port) KVTIER_ETCD_PORT=$(free_port)
+KVTIER_PORT_1=$(free_port) KVTIER_PORT_2=$(free_port) KVTIER_PORT_3=$(free_port)
+
+# The one container of a compose service, running or not.
+service_id() {
+  local id
+  id=$(compose "$@" 2>/dev/null | awk 'NR == 1')
+  [ -n "$id" ] || { echo "docker: no container for: compose $*" >&2; return 1; }
+  echo "$id"
+}
+
 echo "docker: engine $(docker version --format '{{.Server.Version}}'), $(compose version | awk 'NR == 1')"
 bash docker/build-bases.sh
 start=$(date +%s)
@@ -84,14 +99,22 @@ echo "docker: image kvtier built in $(($(date +%s) - start)) s, $((size / 100000
 echo "::: docker 1: the image's own configuration, under a 2 GiB memory limit"
 docker run -d --name kvtier-ci -m 2g -p 127.0.0.1::50051 -p 127.0.0.1::9464 kvtier >/dev/null
 wait_healthy kvtier-ci kvtier-ci
-docker logs kvtier-ci 2>&1 | grep -o 'device=[0-9.]* [KMG]iB\|host=[0-9.]* [KMG]iB' | paste -sd ' ' | sed 's/^/docker: tiers sized under -m 2g: /'
-# A quarter of what the cgroup leaves: at most 512 MiB, never the host's.
-docker logs kvtier-ci 2>&1 | grep -q 'host=\(5[01][0-9]\|[1-4][0-9][0-9]\)\.[0-9] MiB' || {
-  echo "docker: the host tier does not follow the 2 GiB limit" >&2
+sized=$(docker logs kvtier-ci 2>&1 | grep -o 'device=[0-9.]* [KMG]iB\|host=[0-9.]* [KMG]iB' | paste -sd ' ' || true)
+echo "docker: tiers sized under -m 2g: ${sized:-(no startup line found)}"
+# A quarter of what the cgroup leaves (at most 512 MiB), where a quarter of
+# this machine's available memory would be more: the limit, not the host.
+host_quarter_mib=$(awk '/MemAvailable/ { print int($2 / 1024 / 4) }' /proc/meminfo)
+if [ "$host_quarter_mib" -le 512 ]; then
+  echo "docker: this machine has too little memory to tell the cgroup limit from its own" >&2
+  exit 1
+fi
+echo "$sized" | grep -q 'host=\(5[01][0-9]\|[1-4][0-9][0-9]\)\.[0-9] MiB' || {
+  echo "docker: the host tier does not follow the 2 GiB limit (a quarter of the host would be $host_quarter_mib MiB)" >&2
   exit 1
 }
 "$python" docker/roundtrip.py server "http://127.0.0.1:$(published kvtier-ci 50051)" | sed 's/^/docker: /'
-series=$(curl -sf "http://127.0.0.1:$(published kvtier-ci 9464)/metrics" | grep -c '^kvtier_')
+series=$(curl -sf "http://127.0.0.1:$(published kvtier-ci 9464)/metrics" | grep -c '^kvtier_' || true)
+[ "${series:-0}" -gt 0 ] || { echo "docker: /metrics served no kvtier_ sample" >&2; exit 1; }
 echo "docker: /metrics served $series kvtier_ samples"
 stop_cleanly kvtier-ci kvtier-ci
 
@@ -117,13 +140,13 @@ stop_cleanly kvtier-ci-secure kvtier-ci-secure
 echo "::: docker 3: compose.yaml's kvtier and Prometheus; every dashboard query"
 metrics_project=(-p kvtier-ci-metrics -f docker/compose.yaml -f docker/compose.ci.yaml)
 compose "${metrics_project[@]}" up -d kvtier prometheus 2>&1 | sed 's/^/compose: /'
-kvtier_id=$(compose "${metrics_project[@]}" ps -q kvtier)
+kvtier_id=$(service_id "${metrics_project[@]}" ps -a -q kvtier)
 wait_healthy "$kvtier_id" "compose kvtier"
 "$python" - <<'PY'
-import json, time, urllib.request
+import json, os, time, urllib.request
 for _ in range(120):
     try:
-        up = json.load(urllib.request.urlopen("http://127.0.0.1:9090/api/v1/query?query=up", timeout=2))
+        up = json.load(urllib.request.urlopen(f"http://127.0.0.1:{os.environ['PROMETHEUS_PORT']}/api/v1/query?query=up", timeout=2))
         if any(r["value"][1] == "1" for r in up["data"]["result"]):
             print("docker: Prometheus scrapes kvtier (up == 1)")
             break
@@ -138,17 +161,17 @@ docker exec "$kvtier_id" $workload --out /tmp/bench >/dev/null
 echo "docker: workload in the container: $workload"
 # Two scrapes (every 5 s) after the workload, so every rate has its samples.
 sleep 12
-"$python" bench/dashboard_queries.py http://127.0.0.1:9090 | sed 's/^/docker: /'
+"$python" bench/dashboard_queries.py "http://127.0.0.1:$PROMETHEUS_PORT" | sed 's/^/docker: /'
 compose "${metrics_project[@]}" down -v >/dev/null 2>&1
 
 echo "::: docker 4: compose.cluster.yaml (3 etcd members, 3 kvtier nodes)"
 cluster_project=(-p kvtier-ci-cluster -f docker/compose.cluster.yaml)
 compose "${cluster_project[@]}" up -d 2>&1 | sed 's/^/compose: /'
 for node in kvtier1 kvtier2 kvtier3; do
-  wait_healthy "$(compose "${cluster_project[@]}" ps -q $node)" "cluster $node"
+  wait_healthy "$(service_id "${cluster_project[@]}" ps -a -q $node)" "cluster $node"
 done
 etcd=http://etcd1:2379,http://etcd2:2379,http://etcd3:2379
-docker exec "$(compose "${cluster_project[@]}" ps -q kvtier1)" kvtier cluster status --etcd "$etcd" --json >"$work/status.json"
+docker exec "$(service_id "${cluster_project[@]}" ps -a -q kvtier1)" kvtier cluster status --etcd "$etcd" --json >"$work/status.json"
 "$python" - "$work/status.json" <<'PY'
 import json, sys
 status = json.load(open(sys.argv[1]))
@@ -158,6 +181,6 @@ print(f"docker: cluster status: nodes {nodes}, etcd endpoints healthy {len(healt
 if sorted(nodes) != ["kvtier1", "kvtier2", "kvtier3"] or set(nodes.values()) != {"serving"} or len(healthy) != 3:
     raise SystemExit("docker: the cluster is not three serving nodes over three healthy etcd members")
 PY
-"$python" docker/roundtrip.py cluster http://127.0.0.1:50051 3 | sed 's/^/docker: /'
+"$python" docker/roundtrip.py cluster "http://127.0.0.1:$KVTIER_PORT_1" 3 | sed 's/^/docker: /'
 compose "${cluster_project[@]}" down -v >/dev/null 2>&1
 echo "docker: ok"

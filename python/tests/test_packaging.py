@@ -52,6 +52,9 @@ def test_the_api_reference_is_generated_from_the_docstrings() -> None:
     import api_reference
 
     committed = (ROOT / "python" / "API.md").read_text()
+    python = f"Python {sys.version_info[0]}.{sys.version_info[1]} "
+    if python not in committed.split("\n\n")[1]:
+        pytest.skip(f"python/API.md was generated under another Python than {python}(signatures differ)")
     assert committed == api_reference.generate(), (
         "python/API.md is not what the docstrings generate: python python/tools/api_reference.py > python/API.md"
     )

@@ -51,8 +51,9 @@ def members(cls: type) -> list:
 def generate() -> str:
     parts = [
         "# kvtier Python API\n\n",
-        "Generated from the docstrings by `python/tools/api_reference.py`; `tests/test_packaging.py` fails when this "
-        "file and the package disagree. Do not edit by hand.\n\n",
+        "Generated from the docstrings by `python/tools/api_reference.py` under "
+        f"Python {sys.version_info[0]}.{sys.version_info[1]} (signatures print differently on others); "
+        "`tests/test_packaging.py` fails when this file and the package disagree. Do not edit by hand.\n\n",
         doc(kvtier),
     ]
     for name in sorted(kvtier.__all__, key=str.lower):

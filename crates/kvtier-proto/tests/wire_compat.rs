@@ -85,6 +85,49 @@ fn current() -> BTreeSet<String> {
     out
 }
 
+/// The lines of `proto/kvtier/v1/wire.txt` as every commit of this
+/// checkout's history had them; empty outside a git checkout.
+fn committed_lines(root: &Path) -> BTreeSet<String> {
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(root)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+    };
+    let mut lines = BTreeSet::new();
+    let commits = git(&["log", "--format=%H", "--", "proto/kvtier/v1/wire.txt"]).unwrap_or_default();
+    for commit in commits.lines() {
+        let text = git(&["show", &format!("{commit}:proto/kvtier/v1/wire.txt")]).unwrap_or_default();
+        lines.extend(
+            text.lines()
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(str::to_owned),
+        );
+    }
+    lines
+}
+
+#[test]
+fn no_line_ever_committed_to_wire_txt_is_gone_from_it() {
+    // wire.txt is edited by the same hands as the proto: a field removed
+    // from both would pass the test below. Its history cannot be edited.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let text = std::fs::read_to_string(root.join("proto/kvtier/v1/wire.txt")).unwrap();
+    let now: BTreeSet<&str> = text.lines().collect();
+    let gone: Vec<_> = committed_lines(&root)
+        .into_iter()
+        .filter(|l| !now.contains(l.as_str()))
+        .collect();
+    assert!(
+        gone.is_empty(),
+        "lines once released in wire.txt are gone from it: {gone:#?}"
+    );
+}
+
 #[test]
 fn released_fields_enum_values_and_rpcs_never_change() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto/kvtier/v1/wire.txt");

@@ -270,17 +270,17 @@ impl FileConfig {
 /// sketches) is about a fifth of the KV bytes it indexes, wherever they
 /// are, so a quarter of what the host and NVMe tiers hold — but never more
 /// than half the memory available (a huge NVMe tier must not disarm the
-/// limit), and at least 1 GiB.
+/// limit), and at least 1 GiB where that much is available.
 pub(crate) fn default_metadata_bytes(host_bytes: u64, nvme_bytes: u64, available: u64) -> u64 {
     (host_bytes.saturating_add(nvme_bytes) / 4)
-        .min(available / 2)
         .max(1 << 30)
+        .min(available / 2)
 }
 
 /// Default tier sizes for this machine or container: a quarter of the
 /// available memory (under the cgroup's limit) for the host tier, at most
 /// 8 GiB, and a sixteenth for the emulated device, at most 1 GiB, so a
-/// default server never starves its host nor meets the OOM killer.
+/// default server leaves most of its machine or container to others.
 pub(crate) fn default_tier_bytes() -> (u64, u64) {
     let available = crate::memory::available_memory().unwrap_or(4 << 30);
     ((available / 16).min(1 << 30), (available / 4).min(8 << 30))
@@ -317,8 +317,9 @@ mod tests {
         assert_eq!(default_metadata_bytes(8 * GIB, 16 * GIB, 64 * GIB), 6 * GIB);
         // Never more than half of what is available...
         assert_eq!(default_metadata_bytes(8 * GIB, 4096 * GIB, 64 * GIB), 32 * GIB);
-        // ...and never under 1 GiB.
-        assert_eq!(default_metadata_bytes(GIB, GIB, GIB), GIB);
+        // ...and at least 1 GiB, where memory allows (a container limit).
+        assert_eq!(default_metadata_bytes(GIB, GIB, 4 * GIB), GIB);
+        assert_eq!(default_metadata_bytes(GIB, GIB, GIB), GIB / 2);
     }
 
     #[test]

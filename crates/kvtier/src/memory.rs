@@ -32,8 +32,9 @@ fn mem_available(meminfo: &str) -> Option<u64> {
 /// process, under the cgroup mount `root`: v2 (`memory.max`,
 /// `memory.current`) or v1 (`memory/memory.limit_in_bytes`,
 /// `memory.usage_in_bytes`). Each is looked for at the process's own
-/// cgroup path and at the mount's root, which is the container's own cgroup
-/// inside a container. `None`: no limit found.
+/// cgroup path, every path above it, and the mount's root, which is the
+/// container's own cgroup inside a container. Usage counts the page cache,
+/// so the room is on the safe side. `None`: no limit found.
 fn cgroup_room(proc_self_cgroup: &str, root: &Path) -> Option<u64> {
     let mut dirs: Vec<(PathBuf, &str, &str)> = Vec::new();
     for line in proc_self_cgroup.lines() {
@@ -41,15 +42,23 @@ fn cgroup_room(proc_self_cgroup: &str, root: &Path) -> Option<u64> {
         let (Some(_), Some(controllers), Some(path)) = (fields.next(), fields.next(), fields.next()) else {
             continue;
         };
-        let relative = path.trim_start_matches('/');
-        if controllers.is_empty() {
-            dirs.push((root.join(relative), "memory.max", "memory.current"));
-        } else if controllers.split(',').any(|c| c == "memory") {
-            dirs.push((
-                root.join("memory").join(relative),
-                "memory.limit_in_bytes",
-                "memory.usage_in_bytes",
-            ));
+        // The process's cgroup and every one above it: a parent's limit
+        // (a systemd slice, a pod) binds as much as its own.
+        let mut relative = Path::new(path.trim_start_matches('/'));
+        loop {
+            if controllers.is_empty() {
+                dirs.push((root.join(relative), "memory.max", "memory.current"));
+            } else if controllers.split(',').any(|c| c == "memory") {
+                dirs.push((
+                    root.join("memory").join(relative),
+                    "memory.limit_in_bytes",
+                    "memory.usage_in_bytes",
+                ));
+            }
+            match relative.parent() {
+                Some(parent) => relative = parent,
+                None => break,
+            }
         }
     }
     dirs.push((root.to_path_buf(), "memory.max", "memory.current"));
@@ -89,6 +98,15 @@ mod tests {
         write(&root.path().join("kvtier.service"), "memory.max", "2147483648\n");
         write(&root.path().join("kvtier.service"), "memory.current", "1073741824\n");
         assert_eq!(cgroup_room("0::/kvtier.service\n", root.path()), Some(1 << 30));
+    }
+
+    #[test]
+    fn a_parents_limit_binds_its_children() {
+        let root = tempfile::tempdir().unwrap();
+        write(&root.path().join("pods.slice"), "memory.max", "1000\n");
+        write(&root.path().join("pods.slice"), "memory.current", "100\n");
+        write(&root.path().join("pods.slice/kvtier"), "memory.max", "max\n");
+        assert_eq!(cgroup_room("0::/pods.slice/kvtier\n", root.path()), Some(900));
     }
 
     #[test]

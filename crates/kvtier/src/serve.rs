@@ -74,7 +74,7 @@ pub(crate) struct ServeArgs {
     /// Resident metadata of all sequences (lanes, page tables, page index:
     /// digests and key sketches, about a fifth of the KV bytes; statistics);
     /// more is refused with RESOURCE_EXHAUSTED [default: a quarter of the
-    /// host and NVMe tiers, at most half the available memory, at least 1GiB].
+    /// host and NVMe tiers, at least 1GiB, at most half the available memory].
     #[arg(long, value_name = "SIZE")]
     metadata_bytes: Option<ByteSize>,
     /// Request and response bytes held at once over all calls: a request
@@ -317,7 +317,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     let metadata_sized = sized(
         metadata_given.then_some(ByteSize(0)),
-        "default: 1/4 of host + NVMe, at most 1/2 of available memory, at least 1 GiB",
+        "default: 1/4 of host + NVMe, at least 1 GiB, at most 1/2 of available memory",
     );
     tracing::info!(
         config = %args.config.as_ref().map_or("none (embedded defaults and flags)".into(), |p| p.display().to_string()),
