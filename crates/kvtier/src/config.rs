@@ -277,12 +277,18 @@ pub(crate) fn default_metadata_bytes(host_bytes: u64, nvme_bytes: u64, available
         .min(available / 2)
 }
 
+/// The default in-flight budget: 1 GiB, or an eighth of the memory
+/// available (a small container's), but always room for one request and
+/// one response of the largest message.
+pub(crate) fn default_inflight_bytes(max_message_bytes: u64, available: u64) -> u64 {
+    (1u64 << 30).min(available / 8).max(2 * max_message_bytes)
+}
+
 /// Default tier sizes for this machine or container: a quarter of the
 /// available memory (under the cgroup's limit) for the host tier, at most
 /// 8 GiB, and a sixteenth for the emulated device, at most 1 GiB, so a
 /// default server leaves most of its machine or container to others.
-pub(crate) fn default_tier_bytes() -> (u64, u64) {
-    let available = crate::memory::available_memory().unwrap_or(4 << 30);
+pub(crate) fn default_tier_bytes(available: u64) -> (u64, u64) {
     ((available / 16).min(1 << 30), (available / 4).min(8 << 30))
 }
 
@@ -309,6 +315,14 @@ fn free_space(dir: &Path) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_inflight_budget_shrinks_with_memory_but_holds_two_messages() {
+        const MIB: u64 = 1 << 20;
+        assert_eq!(default_inflight_bytes(64 * MIB, 64 * 1024 * MIB), 1024 * MIB);
+        assert_eq!(default_inflight_bytes(64 * MIB, 2048 * MIB), 256 * MIB);
+        assert_eq!(default_inflight_bytes(64 * MIB, 512 * MIB), 128 * MIB);
+    }
 
     #[test]
     fn the_default_metadata_budget_follows_the_tiers_within_memory() {

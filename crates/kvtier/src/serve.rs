@@ -14,7 +14,9 @@ use kvtier_store::{
 };
 
 use crate::cluster::{ClusterArgs, Listening, node_config};
-use crate::config::{ByteSize, FileConfig, default_metadata_bytes, default_nvme_bytes, default_tier_bytes};
+use crate::config::{
+    ByteSize, FileConfig, default_inflight_bytes, default_metadata_bytes, default_nvme_bytes, default_tier_bytes,
+};
 
 #[derive(Debug, Args)]
 pub(crate) struct ServeArgs {
@@ -79,7 +81,7 @@ pub(crate) struct ServeArgs {
     metadata_bytes: Option<ByteSize>,
     /// Request and response bytes held at once over all calls: a request
     /// past it is refused with RESOURCE_EXHAUSTED, a response waits for room
-    /// [default: 1GiB].
+    /// [default: 1GiB, at most 1/8 of available memory, at least two messages].
     #[arg(long, value_name = "SIZE")]
     max_inflight_bytes: Option<ByteSize>,
     /// Open connections at once; more are closed as they arrive [default: 256].
@@ -161,7 +163,9 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let cluster_file = std::mem::take(&mut file.cluster);
     let defaults = ServerConfig::default();
-    let (default_device, default_host) = default_tier_bytes();
+    // What this machine or container leaves for the server, read once.
+    let available = crate::memory::available_memory().unwrap_or(4 << 30);
+    let (default_device, default_host) = default_tier_bytes(available);
     // How each tier was sized, for the startup line.
     let sized = |given: Option<ByteSize>, default: &'static str| match given {
         Some(_) => "as configured",
@@ -179,20 +183,22 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.nvme_bytes.or(file.tiers.nvme_bytes),
         "default: 1/4 of the free disk, at most 16 GiB, sparse",
     );
+    let max_message_bytes = args
+        .max_message_bytes
+        .or(file.max_message_bytes)
+        .map_or(defaults.max_message_bytes, |b| b.0 as usize);
+    let max_inflight_bytes =
+        args.max_inflight_bytes
+            .or(file.max_inflight_bytes)
+            .map_or_else(|| default_inflight_bytes(max_message_bytes as u64, available), |b| b.0) as usize;
     let mut server = ServerConfig {
         listen: args.listen.or(file.listen).unwrap_or(defaults.listen),
         metrics_listen: match args.metrics_listen.or(file.metrics_listen) {
             Some(value) => parse_metrics(&value)?,
             None => defaults.metrics_listen,
         },
-        max_message_bytes: args
-            .max_message_bytes
-            .or(file.max_message_bytes)
-            .map_or(defaults.max_message_bytes, |b| b.0 as usize),
-        max_inflight_bytes: args
-            .max_inflight_bytes
-            .or(file.max_inflight_bytes)
-            .map_or(defaults.max_inflight_bytes, |b| b.0 as usize),
+        max_message_bytes,
+        max_inflight_bytes,
         max_connections: args
             .max_connections
             .or(file.max_connections)
@@ -309,11 +315,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         ..store
     };
     if !metadata_given {
-        store.limits.metadata_bytes = default_metadata_bytes(
-            store.host_bytes,
-            nvme_bytes,
-            crate::memory::available_memory().unwrap_or(4 << 30),
-        );
+        store.limits.metadata_bytes = default_metadata_bytes(store.host_bytes, nvme_bytes, available);
     }
     let metadata_sized = sized(
         metadata_given.then_some(ByteSize(0)),
