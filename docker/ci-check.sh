@@ -27,7 +27,7 @@ compose() {
 }
 work=$(mktemp -d)
 cleanup() {
-  docker rm -f kvtier-ci kvtier-ci-secure >/dev/null 2>&1 || true
+  docker rm -f -v kvtier-ci kvtier-ci-secure >/dev/null 2>&1 || true
   compose -p kvtier-ci-metrics -f docker/compose.yaml -f docker/compose.ci.yaml down -v >/dev/null 2>&1 || true
   compose -p kvtier-ci-cluster -f docker/compose.cluster.yaml down -v >/dev/null 2>&1 || true
   rm -rf "$work"
