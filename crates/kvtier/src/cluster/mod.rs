@@ -42,9 +42,22 @@ pub(crate) fn run(command: ClusterCommand) -> anyhow::Result<()> {
     }
 }
 
+/// The `[cluster]` table of a node's configuration file; the rest of the
+/// file is the server's, and not read here.
+fn node_file(path: &std::path::Path) -> anyhow::Result<ClusterFileConfig> {
+    #[derive(serde::Deserialize)]
+    struct NodeFile {
+        #[serde(default)]
+        cluster: ClusterFileConfig,
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+    let file: NodeFile = toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))?;
+    Ok(file.cluster)
+}
+
 async fn status(args: StatusArgs) -> anyhow::Result<()> {
     let file = match &args.config {
-        Some(path) => crate::config::FileConfig::load(path)?.cluster,
+        Some(path) => node_file(path)?,
         None => ClusterFileConfig::default(),
     };
     let endpoints = match (args.etcd, &file.etcd) {
