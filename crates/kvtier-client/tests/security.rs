@@ -264,13 +264,15 @@ async fn scrape(addr: std::net::SocketAddr, token: Option<&str>) -> u16 {
     status
 }
 
-#[tokio::test]
-async fn metrics_serve_under_the_grpc_ports_tls_and_only_to_an_admin_token() {
-    let config = ServerConfig {
-        listen: ([127, 0, 0, 1], 0).into(),
-        metrics_listen: Some(([127, 0, 0, 1], 0).into()),
-        ..secure_config()
-    };
+/// A server of `config` serving until `stop` is sent: its metrics address,
+/// the stop, and the serving task.
+async fn serve_metrics(
+    config: ServerConfig,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), ServerError>>,
+) {
     let bound = BoundServer::bind(Store::new(small_store()).unwrap(), config)
         .await
         .unwrap();
@@ -279,6 +281,17 @@ async fn metrics_serve_under_the_grpc_ports_tls_and_only_to_an_admin_token() {
     let serving = tokio::spawn(bound.serve(async {
         let _ = stopped.await;
     }));
+    (addr, stop, serving)
+}
+
+#[tokio::test]
+async fn metrics_serve_under_the_grpc_ports_tls_and_only_to_an_admin_token() {
+    let config = ServerConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        metrics_listen: Some(([127, 0, 0, 1], 0).into()),
+        ..secure_config()
+    };
+    let (addr, stop, serving) = serve_metrics(config).await;
     assert_eq!(scrape(addr, None).await, 401);
     assert_eq!(scrape(addr, Some("token-of-nobody-0123456789")).await, 401);
     assert_eq!(scrape(addr, Some(TOKEN_A)).await, 403);
@@ -322,14 +335,7 @@ async fn slow_metrics_clients_neither_block_scrapes_nor_hold_up_a_shutdown() {
         metrics_listen: Some(([127, 0, 0, 1], 0).into()),
         ..ServerConfig::default()
     };
-    let bound = BoundServer::bind(Store::new(small_store()).unwrap(), config)
-        .await
-        .unwrap();
-    let addr = bound.metrics_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(bound.serve(async {
-        let _ = stopped.await;
-    }));
+    let (addr, stop, serving) = serve_metrics(config).await;
     // A client in the middle of its request, and others that say nothing,
     // up to the connection limit less one.
     let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
