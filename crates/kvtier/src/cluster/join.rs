@@ -42,9 +42,9 @@ pub(crate) struct ClusterArgs {
 #[serde(deny_unknown_fields)]
 pub(crate) struct ClusterFileConfig {
     /// etcd endpoints.
-    pub(super) etcd: Option<Vec<String>>,
+    etcd: Option<Vec<String>>,
     node_id: Option<String>,
-    pub(super) name: Option<String>,
+    name: Option<String>,
     advertise: Option<String>,
     lease_ttl_secs: Option<u64>,
     grace_secs: Option<u64>,
@@ -72,10 +72,8 @@ pub(crate) fn node_config(
     file: ClusterFileConfig,
     at: &Listening,
 ) -> anyhow::Result<Option<NodeConfig>> {
-    let endpoints = match (args.etcd, &file.etcd) {
-        (Some(list), _) => EtcdConfig::parse_endpoints(&list),
-        (None, Some(list)) => EtcdConfig::parse_endpoints(&list.join(",")),
-        (None, None) => return Ok(None),
+    let Some(endpoints) = file.endpoints(args.etcd) else {
+        return Ok(None);
     };
     if endpoints.is_empty() {
         bail!("etcd: no endpoint given");
@@ -84,10 +82,7 @@ pub(crate) fn node_config(
         bail!("node_id: required with --etcd (--node-id, or node_id in [cluster])");
     };
     check_name("node_id", &node_id)?;
-    let cluster = args
-        .cluster
-        .or(file.name.clone())
-        .unwrap_or_else(|| DEFAULT_CLUSTER.to_owned());
+    let cluster = file.name(args.cluster);
     check_name("cluster", &cluster)?;
     let advertise = match args.advertise.or(file.advertise.clone()) {
         Some(url) => url,
@@ -112,6 +107,23 @@ pub(crate) fn node_config(
         version: env!("CARGO_PKG_VERSION").to_owned(),
         capacity: TierBytes::default(),
     }))
+}
+
+impl ClusterFileConfig {
+    /// etcd's endpoints: the flag's (`URL[,URL…]`), else the table's.
+    pub(crate) fn endpoints(&self, flag: Option<String>) -> Option<Vec<String>> {
+        match (flag, &self.etcd) {
+            (Some(list), _) => Some(EtcdConfig::parse_endpoints(&list)),
+            (None, Some(list)) => Some(EtcdConfig::parse_endpoints(&list.join(","))),
+            (None, None) => None,
+        }
+    }
+
+    /// The cluster's name: the flag's, else the table's, else the default.
+    pub(crate) fn name(&self, flag: Option<String>) -> String {
+        flag.or_else(|| self.name.clone())
+            .unwrap_or_else(|| DEFAULT_CLUSTER.to_owned())
+    }
 }
 
 /// How to reach etcd at `endpoints` for `cluster`: with the `[cluster]`

@@ -9,7 +9,6 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use kvtier_cluster::{DEFAULT_CLUSTER, EtcdConfig};
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum ClusterCommand {
@@ -60,16 +59,10 @@ async fn status(args: StatusArgs) -> anyhow::Result<()> {
         Some(path) => node_file(path)?,
         None => ClusterFileConfig::default(),
     };
-    let endpoints = match (args.etcd, &file.etcd) {
-        (Some(list), _) => EtcdConfig::parse_endpoints(&list),
-        (None, Some(list)) => EtcdConfig::parse_endpoints(&list.join(",")),
-        (None, None) => anyhow::bail!("etcd: give --etcd URLS, or a --config whose [cluster] names etcd"),
+    let Some(endpoints) = file.endpoints(args.etcd) else {
+        anyhow::bail!("etcd: give --etcd URLS, or a --config whose [cluster] names etcd");
     };
-    let cluster = args
-        .cluster
-        .or_else(|| file.name.clone())
-        .unwrap_or_else(|| DEFAULT_CLUSTER.to_owned());
-    let config = join::etcd_access(endpoints, cluster, &file)?;
+    let config = join::etcd_access(endpoints, file.name(args.cluster), &file)?;
     let status = kvtier_cluster::status(&config).await.with_context(|| {
         format!(
             "reading cluster {:?} from etcd at {}",
