@@ -101,14 +101,20 @@ async fn metrics_cover_calls_swap_ins_nvme_selections_checkpoints_and_moves() {
     for (i, q) in queries.iter_mut().enumerate() {
         *q = (i as f32 * 0.37).sin();
     }
-    // Selections with swap-in: from NVMe and host the first time, hot the next.
+    // Selections with swap-in: from NVMe the first time, hot the next.
     let mut req = SelectRequest::new(0, 0..1, queries, 3);
     req.swap_in = true;
     req.prefetch_pages = 2;
-    for _ in 0..2 {
-        client.select_pages("s", &req).await.unwrap();
-    }
+    client.select_pages("s", &req).await.unwrap();
+    let chosen = client.select_pages("s", &req).await.unwrap();
     store.wait_idle();
+    // Then from host: one chosen page is sent there first, so the swap-in
+    // from host does not hang on which pages background migration left.
+    let first = chosen.heads[0].pages[0].page;
+    client
+        .set_page_state("s", 0..1, 0..1, first..first + 1, actions::offload_to_host())
+        .await
+        .unwrap();
     let chosen = client.select_pages("s", &req).await.unwrap();
     // A selection answered at its deadline, before NVMe could deliver its
     // pages (sent there first, and each read slowed to 200 ms).
