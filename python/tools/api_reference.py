@@ -1,7 +1,8 @@
 """Writes the Python API reference (python/API.md) from the package's
 docstrings and signatures: every name in `kvtier.__all__`, the public
-methods and properties of its classes, and the exceptions of
-`kvtier.errors`.
+methods and properties of its classes, the exceptions of `kvtier.errors`,
+and `kvtier.transformers` (so it runs where the `transformers` extra is
+installed).
 
     python python/tools/api_reference.py > python/API.md
 
@@ -33,8 +34,10 @@ def members(cls: type) -> list:
     share their calls through a base class), each once, the most derived
     definition winning."""
     seen = {}
+    # Only kvtier's own: KVTierCache inherits transformers' Cache API.
     for klass in reversed(cls.__mro__[:-1]):
-        seen.update(klass.__dict__)
+        if klass.__module__.startswith("kvtier"):
+            seen.update(klass.__dict__)
     out = []
     for name, value in seen.items():
         if name.startswith("_"):
@@ -72,7 +75,22 @@ def generate() -> str:
             parts.append(f"## `kvtier.{name}{signature(obj)}`\n\n" + doc(obj))
         elif name != "__version__":
             parts.append(f"## `kvtier.{name}`\n\n`{obj!r}`\n\n")
+    parts.append(transformers_section())
     return "".join(parts).rstrip() + "\n"
+
+
+def transformers_section() -> str:
+    """`kvtier.transformers` (the `transformers` extra: needs torch)."""
+    from kvtier import transformers
+
+    parts = ["## `kvtier.transformers`\n\n" + doc(transformers)]
+    for name in transformers.__all__:
+        obj = getattr(transformers, name)
+        parts.append(f"### `kvtier.transformers.{name}{signature(obj)}`\n\n" + doc(obj))
+        if inspect.isclass(obj):
+            for title, member in members(obj):
+                parts.append(f"#### {title}\n\n" + doc(member))
+    return "".join(parts)
 
 
 if __name__ == "__main__":

