@@ -36,36 +36,13 @@ import kvtier
 from kvtier.transformers import KVTierCache
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "smollm2"))
+from decode import start_server  # noqa: E402  (the numpy example's, which starts `kvtier serve`)
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 BUDGETS = ["1/16", "1/8", "1/4"]
 #: label -> KVTierCache options (streaming: sinks and the window only).
 MODES = {"default": {}, "quest": {"mode": "quest"}, "streaming": {}}
-
-
-def start_server(data_dir: str) -> Tuple[subprocess.Popen, str, str]:
-    binary = os.environ.get("KVTIER_BIN") or next(
-        str(p) for p in (ROOT / "target/release/kvtier", ROOT / "target/debug/kvtier") if p.exists()
-    )
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [binary, "serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "off", "--data-dir", data_dir],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    address = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            kvtier.Client(address).stats()
-            return proc, address, os.path.join(data_dir, "shm.sock")
-        except kvtier.errors.Unavailable:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("kvtier serve did not start")
 
 
 def load():
@@ -134,13 +111,15 @@ def step_costs(client, model, tokenizer, region, prompt_tokens: int, steps: int)
         with torch.no_grad():
             out = model(ids[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
-            step_s, kvtier_s, calls = [], [], []
+            step_s, kvtier_s, calls, background = [], [], [], []
             for _ in range(steps):
-                k0, c0, t0 = cache.kvtier_seconds, sum(cache.calls.values()), time.perf_counter()
+                k0, t0 = cache.kvtier_seconds, time.perf_counter()
+                c0, b0 = sum(cache.calls.values()), cache.calls.get("append", 0)
                 token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
                 step_s.append(time.perf_counter() - t0)
                 kvtier_s.append(cache.kvtier_seconds - k0)
                 calls.append(sum(cache.calls.values()) - c0)
+                background.append(cache.calls.get("append", 0) - b0 if cache.budget is not None else 0)
         cache.close()
         rows.append(
             {
@@ -150,6 +129,7 @@ def step_costs(client, model, tokenizer, region, prompt_tokens: int, steps: int)
                 "kvtier_ms_p50": float(np.median(kvtier_s) * 1e3),
                 "kvtier_ms_p99": float(np.percentile(kvtier_s, 99) * 1e3),
                 "calls_per_step": float(np.median(calls)),
+                "background_calls_per_step": float(np.median(background)),
             }
         )
     base.close()
@@ -272,15 +252,21 @@ def report(r: dict, a) -> str:
         f"The floor: one page of one head fetched over the region's socket, p50 {r['floor_us']['shm']:.0f} µs"
         f" (over gRPC {r['floor_us']['grpc']:.0f} µs), same run.",
         "",
-        "| budget | plane | step ms p50 | kvtier ms p50 | kvtier ms p99 | calls/step | kvtier µs per layer | ÷ floor |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "*kvtier ms* is the time the model waited for kvtier in a step: its calls, and any background append still",
+        "running when its layer came round again; *calls/step* counts both, *of them in the background* the appends",
+        "sent after a budgeted layer's selection. *÷ floor* is kvtier µs per layer over the floor; the target is 2.",
+        "",
+        "| budget | plane | step ms p50 | kvtier ms p50 | kvtier ms p99 | calls/step | of them in the background"
+        " | kvtier µs per layer | ÷ floor |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     layers = 30
     for s in r["steps"]:
         per_layer = s["kvtier_ms_p50"] * 1e3 / layers
         lines.append(
             f"| {s['budget']} | {s['plane']} | {s['step_ms_p50']:.1f} | {s['kvtier_ms_p50']:.1f} | {s['kvtier_ms_p99']:.1f}"
-            f" | {s['calls_per_step']:.0f} | {per_layer:.0f} | {per_layer / r['floor_us']['shm']:.1f} |"
+            f" | {s['calls_per_step']:.0f} | {s['background_calls_per_step']:.0f} | {per_layer:.0f}"
+            f" | {per_layer / r['floor_us']['shm']:.1f} |"
         )
     lines += ["", "## Passkey retrieval", ""]
     depths = sorted({k["depth"] for k in r["passkey"]})

@@ -162,10 +162,15 @@ class KVTierLayer(CacheLayerMixin):
         return k.unsqueeze(0), v.unsqueeze(0)
 
     def settle(self) -> None:
-        """Waits for the layer's background append (raising its error)."""
+        """Waits for the layer's background append (raising its error);
+        the wait counts in the cache's ``kvtier_seconds``."""
         if self.appending is not None:
             appending, self.appending = self.appending, None
-            appending.result()
+            start = time.perf_counter()
+            try:
+                appending.result()
+            finally:
+                self.cache.kvtier_seconds += time.perf_counter() - start
 
     def attend(
         self,
@@ -294,8 +299,9 @@ class KVTierCache(Cache):
         #: Tokens of the prompt found stored and attached (whole pages).
         self.attached_tokens = int(created.get("attached_pages", 0)) * page_size
         #: Calls made to kvtier by kind (append, put, fetch, select), the
-        #: seconds they took, and the tokens this cache prefilled (not
-        #: attached).
+        #: seconds the model waited for kvtier (calls, and background
+        #: appends not yet done when needed), and the tokens this cache
+        #: prefilled (not attached).
         self.calls: Dict[str, int] = {}
         self.kvtier_seconds = 0.0
         self.prefilled_tokens = 0
@@ -372,10 +378,12 @@ class KVTierCache(Cache):
 
     def _append_later(self, layer: KVTierLayer, position: int, k: np.ndarray, v: np.ndarray) -> Future:
         """Appends one decode token in the background (the call's time is
-        not counted in ``kvtier_seconds``: it overlaps the model's work)."""
+        not counted in ``kvtier_seconds``: it overlaps the model's work).
+        Over gRPC, not the region: a region's calls run one at a time, and
+        the next layer's selection would queue behind it."""
         self.calls["append"] = self.calls.get("append", 0) + 1
         return self._appender.submit(
-            self.client.append, self.sequence_id, layer.index, k, v, position=position, shm=self.shm
+            self.client.append, self.sequence_id, layer.index, k, v, position=position
         )
 
     def _select(self, layer: KVTierLayer, stored: int, queries: torch.Tensor, scaling: float):

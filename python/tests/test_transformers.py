@@ -148,6 +148,31 @@ def test_a_small_budget_attends_over_the_selection_only(model_and_tokenizer, cli
     assert torch.equal(ours.logits[0], reference.logits[0])
 
 
+@pytest.mark.parametrize("options", [{"mode": "quest"}, {"mode": "two_stage", "top_p": 0.5, "min_pages": 2}])
+def test_modes_and_top_p_reach_the_selection(model_and_tokenizer, client, options, monkeypatch):
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT * 3)
+    seen = []
+    select = client.select
+
+    def spy(*args, **kw):
+        reply = select(*args, **kw)
+        seen.append((kw["mode"], kw["top_p"], [len(h.pages) for h in reply.heads]))
+        return reply
+
+    monkeypatch.setattr(client, "select", spy)
+    with KVTierCache(client, 6, model=model, **options) as cache:
+        generate(model, ids, cache, new_tokens=3)
+    assert len(seen) == 2 * model.config.num_hidden_layers
+    assert all(mode == options["mode"] and top_p == options.get("top_p", 0.0) for mode, top_p, _ in seen)
+    # Sinks and window always; a top-p budget may stop short of 6 pages,
+    # and heads may differ (each attends over its own).
+    counts = [n for _, _, pages in seen for n in pages]
+    assert all(2 <= n <= 6 for n in counts)
+    if "top_p" not in options:
+        assert set(counts) == {6}
+
+
 def test_a_fractional_budget_grows_with_the_context(model_and_tokenizer, client):
     model, _ = model_and_tokenizer
     cache = KVTierCache(client, 0.25, model=model, sink_pages=1, window_pages=1)
