@@ -278,6 +278,11 @@ def report(r: dict, a) -> str:
             row = next(k for k in r["passkey"] if k["depth"] == d and k.get("budget") == label and k.get("mode") == mode)
             cells.append(("found" if row["found"] else "missed") + f" ({row['answer'][:12]!r})")
         lines.append(f"| {label} | {mode} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "*dense* is the model with every page: where it misses (SmolLM2-135M near the end of an 8K prompt), no",
+        "budget can be expected to find the key.",
+    ]
     prefill = [k for k in r["passkey"] if "prefill_s" in k]
     reuse = [k for k in r["passkey"] if k.get("budget") == "dense"]
     lines += [
