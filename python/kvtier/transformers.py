@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from .client import Client
+from .client import MAX_MESSAGE_BYTES, Client
 from .types import Layout, ShmRegion, ShmWindow
 
 __all__ = ["KVTierCache", "install_attention", "prompt_hashes"]
@@ -78,6 +78,18 @@ def prompt_hashes(prompt_ids: Sequence[int], page_size: int, model_key: str) -> 
     return hashes
 
 
+def _model_key(model: Any, layout: Layout) -> str:
+    """What prompt hashes are namespaced by: the model's name, type and
+    page dtype, and a fingerprint of its weights (first and last
+    parameters), so that two quantizations or revisions never share K/V."""
+    config = model.config
+    digest = hashlib.sha256()
+    params = list(model.parameters())
+    for p in (params[0], params[-1]):
+        digest.update(p.detach().flatten()[:4096].to("cpu", torch.float32).numpy().tobytes())
+    return f"{getattr(config, '_name_or_path', '')}:{config.model_type}:{layout.dtype}:{digest.hexdigest()[:32]}"
+
+
 def _eager_of(module: torch.nn.Module):
     """The model's own eager attention (each modeling file defines one)."""
     forward = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
@@ -116,6 +128,8 @@ def install_attention(model: Any) -> str:
         AttentionInterface.register(name, _kvtier_attention(current))
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
     model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise ValueError(f"model: {type(model).__name__} cannot switch its attention to {name} at runtime")
     return name
 
 
@@ -124,7 +138,7 @@ class KVTierLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, cache: "KVTierCache", index: int, tokens: int):
+    def __init__(self, cache: "KVTierCache", index: int, tokens: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.cache = cache
         self.index = index
@@ -134,22 +148,32 @@ class KVTierLayer(CacheLayerMixin):
         #: A budgeted decode step's append, sent in the background once the
         #: step's selection is made: the layer's next call waits for it.
         self.appending: Optional[Future] = None
+        #: A budgeted decode step tagged its token and its attention has not
+        #: come through kvtier's attention function (yet).
+        self.tagged = False
+        # Never holds K/V itself: initialized from the start.
+        self.dtype, self.device = dtype, device
+        self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: Optional[Dict[str, Any]] = None
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states)
         cache = self.cache
         cache._check_batch(key_states)
         self.settle()
+        position = (cache_kwargs or {}).get("cache_position")
+        if position is not None and int(position[0]) != self.tokens:
+            raise ValueError(
+                f"cache_position: starts at {int(position[0])}, but layer {self.index} holds {self.tokens} tokens"
+                " (a KVTierCache only grows: rewrites and restarts are not supported)"
+            )
         before = self.tokens
         count = key_states.shape[-2]
-        if cache.budget is not None and count == 1:
+        if cache.budget is not None and count == 1 and before > cache.attached_tokens:
+            self.tagged = True
             # A decode step: the attention function selects with the query
             # over what kvtier holds, adds this token, then stores it.
             key_states._kvtier_layer = self
@@ -164,6 +188,11 @@ class KVTierLayer(CacheLayerMixin):
     def settle(self) -> None:
         """Waits for the layer's background append (raising its error);
         the wait counts in the cache's ``kvtier_seconds``."""
+        if self.tagged:
+            raise RuntimeError(
+                f"layer {self.index}: the last step's attention did not go through kvtier's attention function"
+                f" (the model's attention is {self.cache.model_config._attn_implementation!r}): its token is lost"
+            )
         if self.appending is not None:
             appending, self.appending = self.appending, None
             start = time.perf_counter()
@@ -189,17 +218,21 @@ class KVTierLayer(CacheLayerMixin):
             if not bool(allowed[..., : self.tokens].all()):
                 raise ValueError("attention_mask: masked positions (padding) are not supported with a budget")
         cache = self.cache
+        self.tagged = False
         stored = self.tokens - 1
-        selection = cache._select(self, stored, query[0, :, 0, :], scaling) if stored else None
+        try:
+            selection = cache._select(self, stored, query[0, :, 0, :], scaling)
+        except BaseException:
+            self.tokens = stored
+            raise
         self.appending = cache._append_later(self, stored, _numpy(key[0]), _numpy(value[0]))
         groups = query.shape[1] // cache.layout.num_kv_heads
         outputs = []
         for head in range(cache.layout.num_kv_heads):
             k, v = key[0, head], value[0, head]
-            if selection is not None:
-                old_k, old_v, _ = selection.gather(head)
-                k = torch.cat([_tensor(np.ascontiguousarray(old_k), query.dtype), k])
-                v = torch.cat([_tensor(np.ascontiguousarray(old_v), query.dtype), v])
+            old_k, old_v, _ = selection.gather(head)
+            k = torch.cat([_tensor(np.ascontiguousarray(old_k), query.dtype).to(query.device), k])
+            v = torch.cat([_tensor(np.ascontiguousarray(old_v), query.dtype).to(query.device), v])
             k, v = k[None, None], v[None, None]
             q = query[:, head * groups : (head + 1) * groups]
             outputs.append(
@@ -227,6 +260,12 @@ class KVTierLayer(CacheLayerMixin):
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("KVTierCache: crop (assisted generation) is not supported")
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("KVTierCache: one sequence, batch size 1 (no batch expansion)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("KVTierCache: one sequence, batch size 1 (no batch selection)")
+
 
 class KVTierCache(Cache):
     """A transformers ``Cache`` backed by one kvtier sequence.
@@ -240,9 +279,13 @@ class KVTierCache(Cache):
     ``model``: the model (its config gives the layout; its attention
     becomes ``kvtier_sdpa``/``kvtier_eager``). ``prompt_ids``: the
     prompt's token ids, whose leading pages are attached where already
-    stored and published for later prompts. ``shm``: a registered region
+    stored and published for later prompts: they must be the ids the model
+    runs on (a hash is a promise, to every later prompt of the tenant, that
+    its page holds those tokens' K/V). ``shm``: a registered region
     of ``client`` to read pages through. Batch size 1; beam search,
-    sliding-window layers and padding under a budget are refused.
+    sliding-window layers, per-query-head aggregation, rewriting stored
+    positions and padding under a budget are refused. A model on a GPU gets
+    its K/V through host memory (untested: no GPU here).
     """
 
     def __init__(
@@ -275,7 +318,10 @@ class KVTierCache(Cache):
             (isinstance(budget, int) and budget >= 1) or (isinstance(budget, float) and 0 < budget < 1)
         ):
             raise ValueError(f"budget: {budget!r}; None, pages (an int >= 1) or a fraction in (0, 1)")
+        if aggregation == "per_query_head":
+            raise ValueError("aggregation: per_query_head selects per query head; a KV head's K/V serve its whole group")
         install_attention(model)
+        self.model_config = model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.layout = Layout(
@@ -293,7 +339,7 @@ class KVTierCache(Cache):
         }
         self.shm = shm
         self.sequence_id = sequence_id or f"hf-{uuid.uuid4().hex}"
-        key = model_key or f"{getattr(config, '_name_or_path', '')}:{config.model_type}:{self.layout.dtype}"
+        key = model_key or _model_key(model, self.layout)
         hashes = prompt_hashes(prompt_ids, page_size, key) if prompt_ids is not None else []
         created = client.create(self.sequence_id, self.layout, hashes)
         #: Tokens of the prompt found stored and attached (whole pages).
@@ -307,8 +353,12 @@ class KVTierCache(Cache):
         self.prefilled_tokens = 0
         # One thread: the background appends of decode steps, in order.
         self._appender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-append")
+        self._closed = False
         super().__init__(
-            layers=[KVTierLayer(self, i, self.attached_tokens) for i in range(config.num_hidden_layers)]
+            layers=[
+                KVTierLayer(self, i, self.attached_tokens, model.dtype, model.device)
+                for i in range(config.num_hidden_layers)
+            ]
         )
 
     # kvtier calls, each counted
@@ -345,10 +395,17 @@ class KVTierCache(Cache):
                 position=layer.tokens,
                 shm=self.shm,
             )
-        if count > fill:
-            first_page = (layer.tokens + fill) // page
-            self._call(self.client.put, self.sequence_id, layer.index, k[:, fill:], v[:, fill:], first_page=first_page)
-        if layer.index == 0 and count > 1:
+        # Whole pages, as many per call as fit in a message.
+        token_bytes = 2 * k.nbytes // count
+        per_call = max(1, (MAX_MESSAGE_BYTES // 2) // (token_bytes * page)) * page
+        for start in range(fill, count, per_call):
+            end = min(start + per_call, count)
+            first_page = (layer.tokens + start) // page
+            self._call(
+                self.client.put, self.sequence_id, layer.index, k[:, start:end], v[:, start:end], first_page=first_page
+            )
+        # A prompt's tokens: a forward of several, or the first after what was attached.
+        if layer.index == 0 and (count > 1 or layer.tokens == self.attached_tokens):
             self.prefilled_tokens += count
         layer.tokens += count
 
@@ -366,12 +423,12 @@ class KVTierCache(Cache):
             vs[p.kv_head].append(p.v)
         k = np.stack([np.concatenate(h) for h in ks])
         v = np.stack([np.concatenate(h) for h in vs])
-        return _tensor(k, layer.dtype), _tensor(v, layer.dtype)
+        return _tensor(k, layer.dtype).to(layer.device), _tensor(v, layer.dtype).to(layer.device)
 
     def budget_pages(self, tokens: int) -> int:
         """Pages per KV head a decode step attends over at ``tokens``."""
         pages = -(-tokens // self.layout.page_size)
-        floor = self.sink_pages + self.window_pages + 1
+        floor = max(1, self.sink_pages + self.window_pages)
         if isinstance(self.budget, float):
             return max(floor, math.ceil(self.budget * pages))
         return max(floor, int(self.budget))
@@ -407,7 +464,11 @@ class KVTierCache(Cache):
             layer.settle()
 
     def close(self) -> None:
-        """Drops the sequence (pages another sequence shares stay)."""
+        """Waits for the background appends, then drops the sequence (pages
+        another sequence shares stay); a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.flush()
         finally:
@@ -417,5 +478,15 @@ class KVTierCache(Cache):
     def __enter__(self) -> "KVTierCache":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        try:
+            self.close()
+        except Exception:
+            if kind is None:
+                raise  # else the error in flight is the one to see
+
+    def __getitem__(self, layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError("KVTierCache keeps K/V in kvtier: read them with client.fetch(cache.sequence_id, layer)")
+
+    def __iter__(self):
+        raise NotImplementedError("KVTierCache keeps K/V in kvtier: read them with client.fetch(cache.sequence_id, layer)")

@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs python/transformers-env/env.sh (torch, transformers)")
 transformers = pytest.importorskip("transformers")
 
+import kvtier.transformers as kvtier_transformers  # noqa: E402
 from kvtier.transformers import KVTierCache  # noqa: E402
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,9 +87,10 @@ def test_sampling_draws_the_same_tokens_as_dynamic_cache(model_and_tokenizer, cl
     model, tokenizer = model_and_tokenizer
     ids = ids_of(tokenizer, TEXT)
     runs = []
-    for cache in (transformers.DynamicCache(), KVTierCache(client, model=model)):
-        torch.manual_seed(7)
-        runs.append(generate(model, ids, cache, do_sample=True, temperature=0.9, top_k=40))
+    with KVTierCache(client, model=model) as ours:
+        for cache in (transformers.DynamicCache(), ours):
+            torch.manual_seed(7)
+            runs.append(generate(model, ids, cache, do_sample=True, temperature=0.9, top_k=40))
     assert_identical(runs[1], runs[0])
 
 
@@ -98,7 +100,8 @@ def test_chunked_prefill_then_decode_equals_dynamic_cache(model_and_tokenizer, c
     # Chunks that start mid-page: appended to fill the page, the rest put.
     cuts = [0, 21, 38, ids.shape[1]]
     logits = []
-    for cache in (transformers.DynamicCache(), KVTierCache(client, model=model)):
+    ours = KVTierCache(client, model=model)
+    for cache in (transformers.DynamicCache(), ours):
         out = []
         with torch.no_grad():
             for a, b in zip(cuts, cuts[1:]):
@@ -109,6 +112,8 @@ def test_chunked_prefill_then_decode_equals_dynamic_cache(model_and_tokenizer, c
                 out.append(step)
                 token = step[:, -1:].argmax(-1)
         logits.append(out)
+    assert ours.calls["append"] >= 2 and ours.calls["put"] >= 2
+    ours.close()
     for a, b in zip(*logits):
         assert torch.equal(a, b), (a - b).abs().max()
 
@@ -133,7 +138,6 @@ def test_a_small_budget_attends_over_the_selection_only(model_and_tokenizer, cli
     before = int(client.stats()["bytes_read"])
     with KVTierCache(client, 3, model=model, sink_pages=1, window_pages=1) as cache:
         ours = generate(model, ids, cache, new_tokens=4)
-        assert cache.budget_pages(ids.shape[1]) == 3
         # One selection per layer per decode step (the first token is the
         # prefill's), and no layer read whole.
         assert cache.calls["select"] == 3 * layers and "fetch" not in cache.calls
@@ -175,9 +179,8 @@ def test_modes_and_top_p_reach_the_selection(model_and_tokenizer, client, option
 
 def test_a_fractional_budget_grows_with_the_context(model_and_tokenizer, client):
     model, _ = model_and_tokenizer
-    cache = KVTierCache(client, 0.25, model=model, sink_pages=1, window_pages=1)
-    assert [cache.budget_pages(t) for t in (16, 160, 1600)] == [3, 3, 25]
-    cache.close()
+    with KVTierCache(client, 0.25, model=model, sink_pages=1, window_pages=1) as cache:
+        assert [cache.budget_pages(t) for t in (16, 160, 1600)] == [2, 3, 25]
 
 
 def test_a_shared_prompt_prefix_is_attached_not_prefilled(model_and_tokenizer, client):
@@ -191,12 +194,11 @@ def test_a_shared_prompt_prefix_is_attached_not_prefilled(model_and_tokenizer, c
         assert a.attached_tokens == 0
         generate(model, first, a, new_tokens=2)
         assert a.prefilled_tokens == first.shape[1]
-        b = KVTierCache(client, model=model, prompt_ids=second[0].tolist())
-        assert b.attached_tokens == shared // 16 * 16 > 0
-        ours = generate(model, second, b, new_tokens=8)
-        assert b.prefilled_tokens == second.shape[1] - b.attached_tokens
-        assert int(client.info(b.sequence_id)["shared_pages"]) > 0
-        b.close()
+        with KVTierCache(client, model=model, prompt_ids=second[0].tolist()) as b:
+            assert b.attached_tokens == shared // 16 * 16 > 0
+            ours = generate(model, second, b, new_tokens=8)
+            assert b.prefilled_tokens == second.shape[1] - b.attached_tokens
+            assert int(client.info(b.sequence_id)["shared_pages"]) > 0
     reference = generate(model, second, transformers.DynamicCache(), new_tokens=8)
     assert torch.equal(ours.sequences, reference.sequences)
     for x, y in zip(ours.logits, reference.logits):
@@ -216,6 +218,43 @@ def test_what_it_cannot_do_is_refused_clearly(model_and_tokenizer, client):
     with KVTierCache(client, model=model) as cache:
         with pytest.raises(ValueError, match="one beam"):
             generate(model, ids, cache, num_beams=2)
+    with pytest.raises(ValueError, match="per_query_head"):
+        KVTierCache(client, 4, model=model, aggregation="per_query_head")
+    # Run again from the start on a cache that holds the prompt: refused,
+    # not written over what is stored.
+    with KVTierCache(client, model=model) as cache:
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            with pytest.raises(ValueError, match="cache_position: starts at 0"):
+                model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(ids.shape[1]))
+        with pytest.raises(NotImplementedError, match="client.fetch"):
+            cache[0]
+
+
+def test_a_step_whose_attention_bypassed_kvtier_is_an_error_not_a_lost_token(model_and_tokenizer, client):
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT)
+    cache = KVTierCache(client, 4, model=model)
+    # Switched back behind the cache's back: the tagged token would be lost.
+    model.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(RuntimeError, match="did not go through kvtier"):
+            generate(model, ids, cache, new_tokens=3)
+    finally:
+        with pytest.raises(RuntimeError, match="did not go through kvtier"):
+            cache.close()
+
+
+def test_a_long_prefill_is_put_in_messages_that_fit(model_and_tokenizer, client, monkeypatch):
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT * 2)
+    # Two pages of f32 K and V per put at most (3 heads x 16 tokens x 64 x 4 B x 2 = 24 KiB a page).
+    monkeypatch.setattr(kvtier_transformers, "MAX_MESSAGE_BYTES", 4 * 24 * 1024)
+    reference = generate(model, ids, transformers.DynamicCache())
+    with KVTierCache(client, model=model) as cache:
+        ours = generate(model, ids, cache)
+        assert cache.calls["put"] >= model.config.num_hidden_layers * (ids.shape[1] // 32)
+    assert_identical(ours, reference)
 
 
 def test_the_readme_transformers_example_runs(model_and_tokenizer, server):
