@@ -577,12 +577,20 @@ async fn a_tenants_token_learns_nothing_of_another_tenants_sequences() {
         .unwrap()
         .with_tenant("b");
     b.wait_for_serving(2, Duration::from_secs(60)).await.unwrap();
-    // Tenant b's sequences, one on each node.
+    // Tenant b's sequences, one on each node. With a 2 s lease a loaded
+    // machine can drop a node from the view for a moment (every create then
+    // places on the other): keep creating, pausing, until both hold one.
     let mut on = std::collections::BTreeMap::new();
-    for i in 0..16 {
+    for i in 0..256 {
         let seq = format!("secret{i}");
         let (placed, _) = b.create_sequence(&seq, tiny(), vec![]).await.unwrap();
         on.entry(placed.node_id).or_insert(seq);
+        if on.len() == 2 {
+            break;
+        }
+        if i % 16 == 15 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
     assert_eq!(on.len(), 2, "{on:?}");
     // Tenant a asks every node about each: PERMISSION_DENIED everywhere,
