@@ -37,7 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from .client import MAX_MESSAGE_BYTES, Client
-from .types import Layout, ShmRegion, ShmWindow
+from .types import Layout, ShmRegion, ShmWindow, gather
 
 __all__ = ["KVTierCache", "install_attention", "prompt_hashes"]
 
@@ -231,8 +231,8 @@ class KVTierLayer(CacheLayerMixin):
         for head in range(cache.layout.num_kv_heads):
             k, v = key[0, head], value[0, head]
             old_k, old_v, _ = selection.gather(head)
-            k = torch.cat([_tensor(np.ascontiguousarray(old_k), query.dtype).to(query.device), k])
-            v = torch.cat([_tensor(np.ascontiguousarray(old_v), query.dtype).to(query.device), v])
+            k = torch.cat([_tensor(old_k, query.dtype).to(query.device), k])
+            v = torch.cat([_tensor(old_v, query.dtype).to(query.device), v])
             k, v = k[None, None], v[None, None]
             q = query[:, head * groups : (head + 1) * groups]
             outputs.append(
@@ -413,16 +413,12 @@ class KVTierCache(Cache):
         """Every stored token of the layer, ``[kv_heads, tokens, head_dim]``."""
         layer.settle()
         pages = self._call(self.client.fetch, self.sequence_id, layer.index, shm=self.shm)
-        heads = self.layout.num_kv_heads
-        ks: List[List[np.ndarray]] = [[] for _ in range(heads)]
-        vs: List[List[np.ndarray]] = [[] for _ in range(heads)]
-        for p in sorted(pages, key=lambda p: (p.kv_head, p.page)):
+        for p in pages:
             if p.state not in ("hot", "cold"):
                 raise RuntimeError(f"layer {layer.index} KV head {p.kv_head} page {p.page} is {p.state}")
-            ks[p.kv_head].append(p.k)
-            vs[p.kv_head].append(p.v)
-        k = np.stack([np.concatenate(h) for h in ks])
-        v = np.stack([np.concatenate(h) for h in vs])
+        heads = [gather(pages, h)[:2] for h in range(self.layout.num_kv_heads)]
+        k = np.stack([k for k, _ in heads])
+        v = np.stack([v for _, v in heads])
         return _tensor(k, layer.dtype).to(layer.device), _tensor(v, layer.dtype).to(layer.device)
 
     def budget_pages(self, tokens: int) -> int:

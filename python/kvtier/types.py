@@ -132,10 +132,16 @@ class Selection:
     def gather(self, kv_head: int) -> Tuple[np.ndarray, np.ndarray, List[Page]]:
         """The data pages of ``kv_head`` in position order, their K and V
         concatenated: ``(k [rows, head_dim], v, pages)``."""
-        pages = sorted((p for p in self.pages if p.kv_head == kv_head), key=lambda p: p.page)
-        if not pages:
-            raise LookupError(f"kv_head: no page of KV head {kv_head} in this selection")
-        return np.concatenate([p.k for p in pages]), np.concatenate([p.v for p in pages]), pages
+        return gather(self.pages, kv_head)
+
+
+def gather(pages: Sequence[Page], kv_head: int) -> Tuple[np.ndarray, np.ndarray, List[Page]]:
+    """The pages of ``kv_head`` among ``pages`` in position order, their K
+    and V concatenated: ``(k [rows, head_dim], v, pages)``."""
+    mine = sorted((p for p in pages if p.kv_head == kv_head), key=lambda p: p.page)
+    if not mine:
+        raise LookupError(f"kv_head: no page of KV head {kv_head} among these pages")
+    return np.concatenate([p.k for p in mine]), np.concatenate([p.v for p in mine]), mine
 
 
 class ShmRegion:
