@@ -13,8 +13,10 @@
 #      packaged anywhere this machine reaches: left out), a decode workload,
 #      then every dashboard query against that Prometheus;
 #   4. `compose up` of compose.cluster.yaml (3 etcd members, 3 kvtier nodes):
-#      all nodes serving in `kvtier cluster status`, and a round trip
-#      through kvtier.Cluster that reaches every node.
+#      all nodes serving in `kvtier cluster status`, a round trip through
+#      kvtier.Cluster that reaches every node, then `kvtier cluster drain`
+#      of kvtier3 between the containers: its container stops by itself,
+#      and its sequence reads back bit-exact from another node.
 # Lines starting "docker:" are the record. Needs the Python package in
 # $PYTHON's environment (python/test.sh makes target/python-venv).
 set -euo pipefail
@@ -181,6 +183,15 @@ print(f"docker: cluster status: nodes {nodes}, etcd endpoints healthy {len(healt
 if sorted(nodes) != ["kvtier1", "kvtier2", "kvtier3"] or set(nodes.values()) != {"serving"} or len(healthy) != 3:
     raise SystemExit("docker: the cluster is not three serving nodes over three healthy etcd members")
 PY
-"$python" docker/roundtrip.py cluster "http://127.0.0.1:$KVTIER_PORT_1" 3 | sed 's/^/docker: /'
+"$python" docker/roundtrip.py cluster "http://127.0.0.1:$KVTIER_PORT_1" 3 --keep | tee "$work/kept.txt" | sed 's/^/docker: /'
+kept=$(sed -n 's/.*(kept \(.*\))$/\1/p' "$work/kept.txt" | tr -d ',')
+node3=$(service_id "${cluster_project[@]}" ps -a -q kvtier3)
+docker exec "$(service_id "${cluster_project[@]}" ps -a -q kvtier1)" kvtier cluster drain kvtier3 --etcd "$etcd" | sed 's/^/docker: drain: /'
+for _ in $(seq 1 60); do [ "$(docker inspect -f '{{.State.Running}}' "$node3")" = false ] && break; sleep 1; done
+[ "$(docker inspect -f '{{.State.Running}} {{.State.ExitCode}}' "$node3")" = "false 0" ] \
+  || { docker logs "$node3" 2>&1 | tail -20; echo "docker: kvtier3 did not stop cleanly after its drain" >&2; exit 1; }
+echo "docker: kvtier3's container stopped by itself (exit 0) after its drain"
+# shellcheck disable=SC2086 # one argument per kept node:sequence
+"$python" docker/roundtrip.py moved "http://127.0.0.1:$KVTIER_PORT_1" kvtier3 $kept
 compose "${cluster_project[@]}" down -v >/dev/null 2>&1
 echo "docker: ok"

@@ -1,13 +1,16 @@
 """A client's round trip into kvtier running in containers, from the host.
 
     python docker/roundtrip.py server ADDR [--token T --ca FILE]
-    python docker/roundtrip.py cluster ADDR [NODES]
+    python docker/roundtrip.py cluster ADDR [NODES] [--keep]
+    python docker/roundtrip.py moved ADDR DRAINED NODE:SEQUENCE...
 
 `server`: create a sequence, put a layer's prefill, fetch it back bit-exact,
 select a decode step's pages, drop it. `cluster`: the same through
 `kvtier.Cluster` (membership learnt from the node at ADDR), for enough
-sequences that each of the NODES members owns at least one. Prints one line
-per check; exits non-zero on any difference.
+sequences that each of the NODES members owns at least one (with
+`--keep`, one per node stays). `moved`: after DRAINED was drained, each kept
+sequence reads back bit-exact from another node. Prints one line per check;
+exits non-zero on any difference.
 """
 
 import argparse
@@ -61,12 +64,43 @@ def cluster(args: argparse.Namespace) -> None:
         sys.exit(f"sequences landed on {sorted(owners)} only, {args.nodes} nodes expected")
     for i, (node, seq) in enumerate(sorted(owners.items())):
         check(c.client(seq), seq, 10 + i)
+    if args.keep:
+        # One sequence per node stays, for `moved` after a drain.
+        kept = set(owners.values())
+        for i in range(64):
+            if f"roundtrip-{i}" not in kept:
+                try:
+                    c.drop(f"roundtrip-{i}")
+                except kvtier.errors.NotFound:
+                    pass
+        print(f"cluster round trip through {args.addr}: each of {sorted(owners)} owns and serves a sequence: ok "
+              f"(kept {', '.join(f'{n}:{s}' for n, s in sorted(owners.items()))})")
+        return
     for i in range(64):
         try:
             c.drop(f"roundtrip-{i}")
         except kvtier.errors.NotFound:
             pass
     print(f"cluster round trip through {args.addr}: each of {sorted(owners)} owns and serves a sequence: ok")
+
+
+def moved(args: argparse.Namespace) -> None:
+    """After a drain: every kept sequence reads back bit-exact from a node
+    other than the drained one."""
+    c = kvtier.Cluster([args.addr])
+    for i, item in enumerate(sorted(args.kept)):
+        node, seq = item.split(":")
+        k, v = kv(10 + i, 10), kv(11 + i, 10)
+        pages = c.call(seq, lambda client: client.fetch(seq, 1))
+        for head in range(2):
+            got_k = np.concatenate([p.k for p in pages if p.kv_head == head])
+            got_v = np.concatenate([p.v for p in pages if p.kv_head == head])
+            if not (np.array_equal(got_k, k[head]) and np.array_equal(got_v, v[head])):
+                sys.exit(f"{seq} (was on {node}): rows differ after the drain (kv head {head})")
+        owner = c.client(seq).call("GetCluster", {})["node_id"]
+        if owner == args.drained:
+            sys.exit(f"{seq} is still on the drained node {owner}")
+        print(f"docker: {seq} (was on {node}) served bit-exact by {owner} after the drain")
 
 
 def main() -> None:
@@ -79,8 +113,13 @@ def main() -> None:
     many = sub.add_parser("cluster")
     many.add_argument("addr")
     many.add_argument("nodes", type=int, nargs="?", default=3)
+    many.add_argument("--keep", action="store_true", help="keep one sequence per node and print them")
+    after = sub.add_parser("moved")
+    after.add_argument("addr")
+    after.add_argument("drained")
+    after.add_argument("kept", nargs="+", help="node:sequence, as cluster --keep printed them")
     args = parser.parse_args()
-    server(args) if args.mode == "server" else cluster(args)
+    {"server": server, "cluster": cluster, "moved": moved}[args.mode](args)
 
 
 if __name__ == "__main__":

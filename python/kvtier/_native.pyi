@@ -8,6 +8,8 @@ def placement(
     nodes: List[Tuple[str, float]], tenant: str, sequence_id: str, first_hash: Optional[bytes] = None
 ) -> List[int]: ...
 
+def select_partitioned(parts: List[Tuple["Connection", str, int, int, int]], request: Any) -> List[Any]: ...
+
 class Connection:
     def __init__(
         self,

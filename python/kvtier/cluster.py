@@ -5,7 +5,10 @@ later call to the sequence's owner.
 Placement is kvtier's own rule (weighted rendezvous hashing, computed by
 the native module exactly as the nodes compute it): the tenant and the
 first prefix hash when a sequence has a hash chain, else the tenant and
-the sequence id, over the serving nodes.
+the sequence id, over the serving nodes. A context-parallel group's shards
+are placed by the group's name, shard ``r`` on the r-th node of its
+ranking, and a selection over the group fans out to them and merges
+exactly (the Rust client's merge, through the native module).
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import copy
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 from . import errors
-from ._native import placement
-from .client import Client, _hash
+from ._native import placement, select_partitioned
+from .client import Client, _hash, _heads, _queries
 from .types import Layout
 
 T = TypeVar("T")
@@ -69,14 +72,16 @@ class Cluster:
             return self.nodes
         raise errors.Unavailable(f"no node answered GetCluster (tried {', '.join(tried)}): {last}")
 
-    def _placed(self, sequence_id: str, prefix_hashes: Sequence[bytes] = ()) -> Dict[str, Any]:
+    def _placed(self, sequence_id: str, prefix_hashes: Sequence[bytes] = (), rank: int = 0) -> Dict[str, Any]:
+        """The node of the rank-th place in the key's ranking (a group's
+        shard ``rank``; 0: the owner), wrapping when fewer nodes serve."""
         serving = [n for n in self.nodes if n["state"] == "serving"]
         weights = [(n["node_id"], float(n["capacity"]["host"] + n["capacity"]["nvme"])) for n in serving]
         first = _hash(prefix_hashes[0]) if prefix_hashes else None
         ranked = placement(weights, self.tenant, sequence_id, first)
         if not ranked:
             raise errors.Unavailable("no node of the cluster is serving")
-        return serving[ranked[0]]
+        return serving[ranked[rank % len(ranked)]]
 
     def owner(self, sequence_id: str, prefix_hashes: Sequence[bytes] = ()) -> Dict[str, Any]:
         """The node placement gives a sequence (its record from GetCluster)."""
@@ -94,17 +99,95 @@ class Cluster:
         and ``addr``."""
         hashes = [_hash(h) for h in prefix_hashes]
         node = self._placed(sequence_id, hashes)
+        return self._create_at(node, sequence_id, lambda c: c.create(sequence_id, layout, hashes))
+
+    def _create_at(self, node: Dict[str, Any], sequence_id: str, create: Callable[[Client], Dict[str, Any]]) -> Dict[str, Any]:
         target = (node["node_id"], node["addr"])
         try:
-            created = self._node_client(target[1]).create(sequence_id, layout, hashes)
+            created = create(self._node_client(target[1]))
         except errors.FailedPrecondition as e:
             if e.owner is None:
                 raise
             target = e.owner
             self.refresh()
-            created = self._node_client(target[1]).create(sequence_id, layout, hashes)
+            created = create(self._node_client(target[1]))
         self._owners[sequence_id] = (target[1], int(created.get("incarnation", 0)))
         return dict(created, node_id=target[0], addr=target[1])
+
+    @staticmethod
+    def shard_id(group: str, rank: int) -> str:
+        """The sequence id of shard ``rank`` of context-parallel group ``group``."""
+        return f"{group}.cp{rank}"
+
+    def create_group(
+        self, group: str, world: int, layout: Layout, prefix_hashes: Iterable[bytes] = ()
+    ) -> List[Dict[str, Any]]:
+        """Creates the ``world`` shards of context-parallel group ``group``,
+        shard ``r`` (:meth:`shard_id`) on the r-th node of the group's
+        placement (distinct nodes while as many serve): each holds its
+        rank's block of positions, shard 0 the first. The create responses,
+        with each node's ``node_id`` and ``addr``, in rank order."""
+        hashes = [_hash(h) for h in prefix_hashes]
+        created = []
+        for rank in range(world):
+            sid = self.shard_id(group, rank)
+            request = {
+                "tenant": self.tenant,
+                "sequence_id": sid,
+                "layout": layout.to_proto(),
+                "prefix_hashes": hashes,
+                "group": {"name": group, "rank": rank, "world": world},
+            }
+            node = self._placed(group, hashes, rank)
+            created.append(self._create_at(node, sid, lambda c: c.call("CreateSequence", request)))
+        return created
+
+    def select_group(
+        self,
+        group: str,
+        world: int,
+        layer: int,
+        queries: Any,
+        budget_pages: int,
+        *,
+        kv_heads: Any = None,
+        sink_pages: int = 0,
+        window_pages: int = 0,
+        aggregation: str = "max",
+        mode: str = "quest",
+    ) -> List[Dict[str, Any]]:
+        """The exact selection over the whole group: each shard's node
+        ranks its block (shard ``r`` holding the r-th block of pages, as
+        the shards hold them now), and the answers merge into what one node
+        holding every page would choose, per KV head (``HeadSelection``
+        dicts, global page numbers). Scores must compare across nodes:
+        ``"quest"`` or ``"cuboid"``."""
+        parts = []
+        first_page = 0
+        layout = None
+        for rank in range(world):
+            sid = self.shard_id(group, rank)
+            client = self.client(sid)
+            info = client.info(sid)
+            layout = info["layout"]
+            pages = -(-int(info["max_tokens"]) // int(layout["page_size"]))
+            parts.append((client._conn, sid, first_page, pages, client.incarnation or 0))
+            first_page += pages
+        assert layout is not None, "world: at least 1"
+        start, count = _heads(kv_heads, int(layout["num_kv_heads"]))
+        request = {
+            "tenant": self.tenant,
+            "layer": layer,
+            "kv_head_start": start,
+            "kv_head_count": count,
+            "queries": _queries(queries),
+            "budget_pages": budget_pages,
+            "sink_pages": sink_pages,
+            "window_pages": window_pages,
+            "aggregation": aggregation,
+            "mode": mode,
+        }
+        return select_partitioned(parts, request)
 
     def client(self, sequence_id: str) -> Client:
         """The client of the node that owns the sequence, its calls meant for
@@ -146,14 +229,29 @@ class Cluster:
         self._owners.pop(sequence_id, None)
 
     def lookup(self, layout: Layout, prefix_hashes: Iterable[bytes]) -> Tuple[Dict[str, Any], int]:
-        """The node a prompt's hash chain places on, and how many of its
-        leading pages are stored there: a create with the chain attaches
-        them, and the worker recomputes only the rest."""
+        """Where a prompt's leading pages are stored anywhere in the cluster,
+        and how many, so a worker recomputes only the rest: the node its
+        first hash places on is asked first (a create with the chain goes
+        there and attaches them); unless it holds the whole chain, every
+        other serving node too (after a join the pages stay where they were
+        until a rebalance). The node holding the most answers, placement's
+        on ties."""
         hashes = [_hash(h) for h in prefix_hashes]
         if not hashes:
             return self._placed(""), 0
-        node = self._placed("", hashes)
-        reply = self._node_client(node["addr"]).call(
-            "LookupPrefix", {"tenant": self.tenant, "layout": layout.to_proto(), "prefix_hashes": hashes}
-        )
-        return node, int(reply["pages"])
+        request = {"tenant": self.tenant, "layout": layout.to_proto(), "prefix_hashes": hashes}
+        owner = self._placed("", hashes)
+        best = (owner, int(self._node_client(owner["addr"]).call("LookupPrefix", request)["pages"]))
+        if best[1] < len(hashes):
+            others = sorted(
+                (n for n in self.nodes if n["state"] == "serving" and n["node_id"] != owner["node_id"]),
+                key=lambda n: n["node_id"],
+            )
+            for node in others:
+                try:
+                    pages = int(self._node_client(node["addr"]).call("LookupPrefix", request)["pages"])
+                except (errors.Unavailable, errors.DeadlineExceeded):
+                    continue  # a node that cannot answer holds nothing usable
+                if pages > best[1]:
+                    best = (node, pages)
+        return best

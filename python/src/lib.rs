@@ -6,6 +6,7 @@
 //! asyncio client).
 
 mod codec;
+mod partitioned;
 mod reflect;
 
 use std::os::fd::AsRawFd;
@@ -521,6 +522,7 @@ fn placement(nodes: Vec<(String, f64)>, tenant: &str, sequence_id: &str, first_h
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(placement, m)?)?;
+    m.add_function(wrap_pyfunction!(partitioned::select_partitioned, m)?)?;
     m.add_class::<Connection>()?;
     m.add_class::<Region>()?;
     m.add_class::<Pending>()?;

@@ -1,7 +1,10 @@
 """kvtier.Cluster against a real etcd and three real nodes: placement that
 agrees with the nodes' (each create is accepted where the Python client
-computed it), refusals that name the owner, routed round trips, and
-prefix lookups; a standalone server has no cluster to report."""
+computed it), refusals that name the owner, routed round trips, prefix
+lookups (also of a prompt stored away from its placement), and a
+context-parallel group on distinct nodes whose merged selection equals one
+node's over the whole sequence; a standalone server has no cluster to
+report."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import pytest
 
 import kvtier
 from conftest import Server, free_port, start, stop
+from kvtier._native import placement
 
 LAYOUT = kvtier.Layout(num_layers=2, num_kv_heads=2, num_query_heads=4, head_dim=8, dtype="f32", page_size=4)
 
@@ -124,6 +128,67 @@ def test_lookup_finds_a_prompts_stored_pages(cluster: kvtier.Cluster) -> None:
     assert (node["node_id"], pages) == (first["node_id"], 2)
     second = cluster.create("prompt-b", LAYOUT, hashes)
     assert (second["node_id"], int(second["attached_pages"])) == (first["node_id"], 2)
+
+
+def test_a_groups_shards_land_on_distinct_nodes_and_select_as_one_sequence(cluster: kvtier.Cluster) -> None:
+    created = cluster.create_group("grp", 3, LAYOUT)
+    assert len({c["node_id"] for c in created}) == 3, created
+    rng = np.random.default_rng(5)
+    k, v = rng.standard_normal((2, 3 * 16, 8)).astype(np.float32), rng.standard_normal((2, 3 * 16, 8)).astype(np.float32)
+    for rank in range(3):
+        sid = kvtier.Cluster.shard_id("grp", rank)
+        block = slice(rank * 16, (rank + 1) * 16)  # 4 pages per shard
+        cluster.call(sid, lambda c: c.put(sid, 1, k[:, block], v[:, block]))
+    cluster.create("grp-whole", LAYOUT)
+    cluster.call("grp-whole", lambda c: c.put("grp-whole", 1, k, v))
+    q = rng.standard_normal((4, 8)).astype(np.float32)
+    for budget, sinks, window in [(5, 1, 1), (12, 0, 0), (3, 1, 2)]:
+        merged = cluster.select_group("grp", 3, 1, q, budget, sink_pages=sinks, window_pages=window)
+        whole = cluster.call(
+            "grp-whole",
+            lambda c: c.select("grp-whole", 1, q, budget, sink_pages=sinks, window_pages=window, mode="quest",
+                               include_data=False),
+        )
+        got = [[(p["page"], p["bound"]) for p in h["pages"]] for h in merged]
+        want = [[(p.page, p.bound) for p in h.pages] for h in whole.heads]
+        assert got == want, (budget, sinks, window)
+
+
+def test_a_lookup_finds_a_prompt_on_its_old_node_after_a_join(tmp_path_factory, etcd: str) -> None:
+    # A cluster of its own on the same etcd, which a third node joins.
+    def node(name: str) -> Server:
+        data = tmp_path_factory.mktemp(name) / "data"
+        return start(data, "--etcd", etcd, "--cluster", "py-join", "--node-id", name, "--lease-ttl-secs", "2")
+
+    servers = [node("j0"), node("j1")]
+    try:
+        c = kvtier.Cluster([servers[0].address])
+        deadline = time.monotonic() + 30
+        while sum(n["state"] == "serving" for n in c.nodes) < 2:
+            assert time.monotonic() < deadline, c.nodes
+            time.sleep(0.1)
+            c.refresh()
+        # A prompt whose first hash three equal nodes place on j2.
+        weight = float(c.nodes[0]["capacity"]["host"] + c.nodes[0]["capacity"]["nvme"])
+        three = [("j0", weight), ("j1", weight), ("j2", weight)]
+        first = next(h for h in (f"joined-{i}".encode() for i in range(256)) if placement(three, "", "", h)[0] == 2)
+        hashes = [first, b"joined-page-1"]
+        before = c.create("pj", LAYOUT, hashes)
+        for layer in range(2):
+            c.call("pj", lambda cl: cl.put("pj", layer, kv(3, 8), kv(3, 8) + 0.5))  # two full pages
+        assert (c.lookup(LAYOUT, hashes)[0]["node_id"], c.lookup(LAYOUT, hashes)[1]) == (before["node_id"], 2)
+        servers.append(node("j2"))
+        deadline = time.monotonic() + 30
+        while sum(n["state"] == "serving" for n in c.nodes) < 3:
+            assert time.monotonic() < deadline, c.nodes
+            time.sleep(0.1)
+            c.refresh()
+        assert c.owner("", hashes)["node_id"] == "j2"
+        node_found, pages = c.lookup(LAYOUT, hashes)
+        assert (node_found["node_id"], pages) == (before["node_id"], 2)
+    finally:
+        for s in servers:
+            stop(s)
 
 
 def test_a_standalone_server_is_in_no_cluster(tmp_path: Path) -> None:

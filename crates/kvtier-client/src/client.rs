@@ -260,13 +260,46 @@ impl Client {
         layout: pb::Layout,
         prefix_hashes: Vec<Bytes>,
     ) -> Result<pb::CreateSequenceResponse> {
+        self.create_in_group(sequence_id, layout, prefix_hashes, None).await
+    }
+
+    /// As [`Client::create_sequence`], for shard `group.rank` of a
+    /// context-parallel group: in a cluster, a node creates it only where
+    /// the group's placement puts that rank (`kvtier_client::Cluster`
+    /// creates a group's shards on distinct nodes).
+    pub async fn create_in_group(
+        &mut self,
+        sequence_id: &str,
+        layout: pb::Layout,
+        prefix_hashes: Vec<Bytes>,
+        group: Option<pb::PlacementGroup>,
+    ) -> Result<pb::CreateSequenceResponse> {
         let req = pb::CreateSequenceRequest {
             tenant: self.tenant.clone(),
             sequence_id: sequence_id.to_owned(),
             layout: Some(layout),
             prefix_hashes,
+            group,
         };
         Ok(self.inner.create_sequence(self.request(req)).await?.into_inner())
+    }
+
+    /// Asks the node to move its sequences to their placement
+    /// (`DrainNode`, admin): every one, then it leaves, or with `stay` only
+    /// those placed elsewhere. Each sequence's move as it ends, then the
+    /// totals.
+    pub async fn drain_node(
+        &mut self,
+        node_id: &str,
+        parallel: u32,
+        stay: bool,
+    ) -> Result<tonic::Streaming<pb::DrainProgress>> {
+        let req = pb::DrainNodeRequest {
+            node_id: node_id.to_owned(),
+            parallel,
+            stay,
+        };
+        Ok(self.inner.drain_node(self.request(req)).await?.into_inner())
     }
 
     /// How many leading pages of a hash chain this server holds for the
@@ -709,6 +742,38 @@ impl SelectRequest {
             min_pages: 0,
         }
     }
+
+    /// The request a `SelectPagesRequest` message makes (what
+    /// [`Client::select_pages`] sends, read back; its tenant and sequence
+    /// are the client's): for callers that have the message, such as the
+    /// Python package's merge of a partitioned selection.
+    pub fn from_message(m: &pb::SelectPagesRequest) -> Self {
+        Self {
+            layer: m.layer,
+            kv_heads: m.kv_head_start..m.kv_head_start.saturating_add(m.kv_head_count),
+            queries: m
+                .queries
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            budget_pages: m.budget_pages,
+            sink_pages: m.sink_pages,
+            window_pages: m.window_pages,
+            aggregation: pb::Aggregation::try_from(m.aggregation).unwrap_or(pb::Aggregation::Unspecified),
+            shard: m.shard,
+            include_data: m.include_data,
+            swap_in: m.swap_in,
+            deadline: (m.deadline_us > 0).then(|| std::time::Duration::from_micros(u64::from(m.deadline_us))),
+            prefetch_pages: m.prefetch_pages,
+            lease_ms: m.lease_ms,
+            shm: m.shm,
+            mode: pb::SelectionMode::try_from(m.mode).unwrap_or_default(),
+            candidates: m.candidates,
+            softmax_scale: m.softmax_scale,
+            top_p: m.top_p,
+            min_pages: m.min_pages,
+        }
+    }
 }
 
 /// A selection's answer, collected from all of its response messages.
@@ -798,5 +863,40 @@ pub mod actions {
     /// Hot, cold or summary → gone, for good.
     pub fn evict() -> Action {
         Action::Evict(pb::Evict {})
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_select_request_reads_back_from_the_message_it_sends() {
+        let client = Client::from_channel(Endpoint::from_static("http://127.0.0.1:1").connect_lazy());
+        let req = SelectRequest {
+            sink_pages: 1,
+            window_pages: 2,
+            aggregation: pb::Aggregation::Mean,
+            shard: Some(pb::ContextShard {
+                rank: 1,
+                world: 2,
+                ownership: pb::Ownership::Strided as i32,
+                scope: pb::Scope::Global as i32,
+            }),
+            include_data: true,
+            swap_in: true,
+            deadline: Some(std::time::Duration::from_micros(250)),
+            prefetch_pages: 3,
+            lease_ms: 40,
+            mode: pb::SelectionMode::Cuboid,
+            candidates: 8,
+            softmax_scale: 0.5,
+            top_p: 0.9,
+            min_pages: 2,
+            ..SelectRequest::new(4, 1..3, vec![1.5, -2.0, 0.25, 8.0], 7)
+        };
+        let message = client.select_message("s", &req);
+        let back = SelectRequest::from_message(&message);
+        assert_eq!(back, req);
     }
 }

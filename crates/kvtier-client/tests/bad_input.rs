@@ -77,6 +77,15 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
         sequence_id: id.into(),
         layout,
         prefix_hashes: hashes,
+        group: None,
+    };
+    let grouped = |rank: u32, world: u32, name: &str| pb::CreateSequenceRequest {
+        group: Some(pb::PlacementGroup {
+            name: name.into(),
+            rank,
+            world,
+        }),
+        ..create(Some(layout()), "g", vec![])
     };
     let with = |f: fn(&mut pb::Layout)| {
         let mut l = layout();
@@ -85,6 +94,10 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
     };
     let cases: Vec<(pb::CreateSequenceRequest, Code, &str)> = vec![
         (create(None, "n", vec![]), Code::InvalidArgument, "layout:"),
+        (grouped(2, 2, "g"), Code::InvalidArgument, "group.rank:"),
+        (grouped(0, 0, "g"), Code::InvalidArgument, "group.world:"),
+        (grouped(0, 5000, "g"), Code::InvalidArgument, "group.world:"),
+        (grouped(0, 2, ""), Code::InvalidArgument, "group.name:"),
         (
             create(with(|l| l.dtype = 0), "n", vec![]),
             Code::InvalidArgument,

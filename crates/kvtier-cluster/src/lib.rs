@@ -12,6 +12,7 @@
 //! - [`View`] and [`follow`]: the members as a client routes by.
 
 mod etcd;
+mod handover;
 mod keys;
 mod node;
 mod record;
@@ -20,13 +21,14 @@ mod status;
 mod view;
 
 pub use etcd::{DEFAULT_CLUSTER, EtcdConfig};
+pub use handover::{Kept, Ownership};
 pub use keys::Keys;
 pub use kvtier_core::placement::{INCARNATION, OWNER_ADDR, OWNER_NODE};
 pub use node::{Health, JoinError, Joined, LocalSequences, Node, NodeConfig};
-pub use record::{NodeRecord, NodeState, OwnerRecord, TierBytes};
+pub use record::{Group, NodeRecord, NodeState, OwnerRecord, TierBytes};
 pub use refusal::Refusal;
 pub use status::{ClusterStatus, EndpointHealth, NodeStatus, status};
-pub use view::View;
+pub use view::{View, placement};
 
 use std::sync::Arc;
 

@@ -28,7 +28,7 @@ use tokio::sync::watch;
 
 use crate::etcd::EtcdConfig;
 use crate::keys::Keys;
-use crate::record::{NodeRecord, NodeState, OwnerRecord, TierBytes};
+use crate::record::{Group, NodeRecord, NodeState, OwnerRecord, TierBytes};
 use crate::refusal::Refusal;
 use crate::view::{self, View};
 
@@ -41,6 +41,9 @@ pub struct NodeConfig {
     pub node_id: String,
     /// The URL other nodes and clients reach this node's gRPC service at.
     pub advertise: String,
+    /// The URL other nodes reach it at, where that differs (`None`:
+    /// `advertise`).
+    pub peer_advertise: Option<String>,
     /// The membership lease: a node silent this long is out.
     pub ttl: Duration,
     /// How long a node that is out keeps its sequences.
@@ -74,20 +77,20 @@ pub enum Health {
 }
 
 #[derive(Debug)]
-struct Leases {
-    membership: i64,
-    grace: i64,
+pub(crate) struct Leases {
+    pub(crate) membership: i64,
+    pub(crate) grace: i64,
 }
 
 /// A node in a cluster.
 pub struct Node {
-    config: NodeConfig,
-    keys: Keys,
-    etcd: etcd_client::Client,
+    pub(crate) config: NodeConfig,
+    pub(crate) keys: Keys,
+    pub(crate) etcd: etcd_client::Client,
     local: Arc<dyn LocalSequences>,
     view: watch::Receiver<Arc<View>>,
-    state: Mutex<NodeState>,
-    leases: Mutex<Leases>,
+    pub(crate) state: Mutex<NodeState>,
+    pub(crate) leases: Mutex<Leases>,
     /// When the last grace-lease renewal that etcd answered was sent.
     renewed: Mutex<Instant>,
     health: watch::Sender<Health>,
@@ -96,7 +99,7 @@ pub struct Node {
     /// record's, cached: calls are checked against it).
     owned: Mutex<HashMap<SequenceKey, u64>>,
     /// Set by [`Node::leave`]: the leases are no longer renewed.
-    left: AtomicBool,
+    pub(crate) left: AtomicBool,
 }
 
 impl std::fmt::Debug for Node {
@@ -220,6 +223,11 @@ impl Node {
         &self.config.etcd.cluster
     }
 
+    /// The membership as it changes.
+    pub(crate) fn view_receiver(&self) -> watch::Receiver<Arc<View>> {
+        self.view.clone()
+    }
+
     /// The cluster's members as this node last saw them.
     pub fn view(&self) -> Arc<View> {
         Arc::clone(&self.view.borrow())
@@ -235,6 +243,7 @@ impl Node {
         NodeRecord {
             node_id: self.config.node_id.clone(),
             addr: self.config.advertise.clone(),
+            peer_addr: self.config.peer_advertise.clone(),
             state,
             version: self.config.version.clone(),
             capacity: self.config.capacity,
@@ -301,7 +310,7 @@ impl Node {
         }
     }
 
-    async fn set_state(&self, state: NodeState) -> Result<(), etcd_client::Error> {
+    pub(crate) async fn set_state(&self, state: NodeState) -> Result<(), etcd_client::Error> {
         *self.state.lock() = state;
         self.register(false).await.map(|_| ())
     }
@@ -373,7 +382,7 @@ impl Node {
             }
         }
         for key in unclaimed {
-            let (record, incarnation) = self.owner_record();
+            let (record, incarnation) = self.owner_record(None);
             let k = self.keys.sequence(&key);
             let claimed = etcd
                 .txn(
@@ -396,11 +405,12 @@ impl Node {
     }
 
     /// A new ownership record naming this node, and its incarnation.
-    fn owner_record(&self) -> (Vec<u8>, u64) {
+    fn owner_record(&self, group: Option<Group>) -> (Vec<u8>, u64) {
         let record = OwnerRecord {
             node_id: self.config.node_id.clone(),
             // Never 0, which means "standalone" on the wire.
             incarnation: kvtier_core::hash::mix64(self.incarnations.fetch_add(1, Ordering::Relaxed)).max(1),
+            group,
         };
         (
             serde_json::to_vec(&record).expect("an owner record serialises"),
@@ -408,12 +418,17 @@ impl Node {
         )
     }
 
-    fn own(&self, key: &SequenceKey, incarnation: u64) {
+    pub(crate) fn own(&self, key: &SequenceKey, incarnation: u64) {
         self.owned.lock().insert(key.clone(), incarnation);
     }
 
-    fn disown(&self, key: &SequenceKey) {
+    pub(crate) fn disown(&self, key: &SequenceKey) {
         self.owned.lock().remove(key);
+    }
+
+    /// The sequences this node owns, as of now.
+    pub fn owned(&self) -> Vec<SequenceKey> {
+        self.owned.lock().keys().cloned().collect()
     }
 
     /// The incarnation of a sequence this node owns.
@@ -539,25 +554,28 @@ impl Node {
 
     /// Claims a sequence about to be created here: placement must put it on
     /// this node (in this node's current view), and no other node may own
-    /// the id, unless that node stayed out past its grace.
+    /// the id, unless that node stayed out past its grace. `group`: the
+    /// context-parallel group it is a shard of (`placement` ranks it).
     /// Returns the claimed incarnation.
-    pub async fn claim(&self, key: &SequenceKey, placement: PlacementKey<'_>) -> Result<u64, Refusal> {
+    pub async fn claim(
+        &self,
+        key: &SequenceKey,
+        placement: (PlacementKey<'_>, u32),
+        group: Option<Group>,
+    ) -> Result<u64, Refusal> {
         self.check_serving()?;
         let unavailable = |why: String| Refusal::Unavailable {
             this: self.config.node_id.clone(),
             what: "create a sequence",
             why,
         };
-        let state = *self.state.lock();
-        if state != NodeState::Serving {
-            return Err(unavailable(format!("it is {}", state.as_str())));
-        }
         let view = self.view();
         if !view.current {
             return Err(unavailable("its membership view is stale (etcd unreachable)".into()));
         }
+        // A draining node is out of placement: the client is sent on.
         let owner = view
-            .owner(placement)
+            .placed(placement)
             .ok_or_else(|| unavailable("no node is serving".into()))?;
         if owner.node_id != self.config.node_id {
             return Err(Refusal::Elsewhere {
@@ -568,10 +586,14 @@ impl Node {
                 this: self.config.node_id.clone(),
             });
         }
+        let state = *self.state.lock();
+        if state != NodeState::Serving {
+            return Err(unavailable(format!("it is {}", state.as_str())));
+        }
         let etcd_down = |e: etcd_client::Error| unavailable(format!("etcd: {e}"));
         let mut etcd = self.etcd.clone();
         let k = self.keys.sequence(key);
-        let (record, incarnation) = self.owner_record();
+        let (record, incarnation) = self.owner_record(group);
         let done = etcd
             .txn(
                 Txn::new()
@@ -713,7 +735,9 @@ impl Node {
     /// Leaves the cluster: revokes the membership lease. The grace lease
     /// runs on, so a restart within the grace keeps the node's sequences.
     pub async fn leave(&self) {
-        self.left.store(true, Ordering::Release);
+        if self.left.swap(true, Ordering::AcqRel) {
+            return; // left already (a drain that emptied the node)
+        }
         let lease = self.leases.lock().membership;
         match self.etcd.clone().lease_revoke(lease).await {
             Ok(_) => tracing::info!(node = %self.config.node_id, "left the cluster"),

@@ -49,6 +49,10 @@ pub struct NodeRecord {
     /// Where clients and other nodes reach its gRPC service
     /// (`http://host:port` or `https://…`).
     pub addr: String,
+    /// Where other nodes reach it instead, when that differs from `addr`
+    /// (containers whose published ports clients use).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_addr: Option<String>,
     /// Its part in the cluster; placement counts only serving nodes.
     pub state: NodeState,
     /// kvtier's version.
@@ -67,17 +71,41 @@ impl NodeRecord {
     pub fn weight(&self) -> f64 {
         (self.capacity.host + self.capacity.nvme) as f64
     }
+
+    /// Where another node reaches this one.
+    pub fn peer_addr(&self) -> &str {
+        self.peer_addr.as_deref().unwrap_or(&self.addr)
+    }
 }
 
 /// `seqs/<tenant>/<sequence id, hex>`, with no lease: the node that owns the
 /// sequence. Written by a transaction that requires the key to be absent
-/// (or its owner past its grace), so a sequence has one owner at a time.
+/// (or its owner past its grace), so a sequence has one owner at a time;
+/// a move rewrites it for the new owner, at the revision the old one read.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OwnerRecord {
     /// The owner's node id.
     pub node_id: String,
     /// Random per creation: a read never mixes two creations of one id.
     pub incarnation: u64,
+    /// The context-parallel group the sequence is a shard of, which places
+    /// it (kept so that a move places it as its create did).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<Group>,
+}
+
+/// A shard of a context-parallel group: the group's shards share a
+/// placement key (the group's name, or the first prefix hash), and shard
+/// `rank` goes to the rank-th node of its ranking, so shards land on
+/// distinct nodes while there are as many.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Group {
+    /// The group's name, unique within the tenant.
+    pub name: String,
+    /// This shard's rank, below `world`.
+    pub rank: u32,
+    /// Shards in the group.
+    pub world: u32,
 }
 
 #[cfg(test)]
@@ -89,6 +117,7 @@ mod tests {
         let node = NodeRecord {
             node_id: "n1".into(),
             addr: "http://127.0.0.1:1".into(),
+            peer_addr: None,
             state: NodeState::Draining,
             version: "0.1.0".into(),
             capacity: TierBytes {

@@ -71,6 +71,17 @@ pub enum Refusal {
         /// Why not.
         why: String,
     },
+    /// FAILED_PRECONDITION: a move cannot hand the sequence over (the
+    /// ownership record changed since the move began, say).
+    #[error("sequence {sequence} cannot move to node {this}: {why}")]
+    NotHandedOver {
+        /// The sequence's id.
+        sequence: String,
+        /// The receiving node.
+        this: String,
+        /// Why not.
+        why: String,
+    },
     /// UNAVAILABLE: the node lost etcd for half its grace period; the
     /// cluster may give its sequences to others, so it serves none.
     #[error(

@@ -10,7 +10,7 @@ use kvtier_core::placement::{self, Candidate, PlacementKey};
 use tokio::sync::watch;
 
 use crate::keys::Keys;
-use crate::record::{NodeRecord, NodeState};
+use crate::record::{Group, NodeRecord, NodeState};
 
 /// The members at one revision.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -57,8 +57,32 @@ impl View {
         self.ranking(key).into_iter().next()
     }
 
+    /// The node that placement gives a sequence: the owner of its key, or
+    /// for shard `rank` of a context-parallel group the rank-th node of the
+    /// key's ranking (wrapping when fewer nodes serve).
+    pub fn placed(&self, (key, rank): (PlacementKey<'_>, u32)) -> Option<&NodeRecord> {
+        let ranking = self.ranking(key);
+        (!ranking.is_empty()).then(|| ranking[rank as usize % ranking.len()])
+    }
+
     fn apply(&mut self, record: NodeRecord) {
         self.members.insert(record.node_id.clone(), record);
+    }
+}
+
+/// What places a sequence, and its rank in the key's ranking: a shard of a
+/// context-parallel group is placed by the group's name (or the first
+/// prefix hash) at its rank; any other sequence by its id (or the first
+/// prefix hash) at rank 0.
+pub fn placement<'a>(
+    tenant: &'a str,
+    sequence_id: &'a str,
+    prefix_hashes: &'a [impl AsRef<[u8]>],
+    group: Option<&'a Group>,
+) -> (PlacementKey<'a>, u32) {
+    match group {
+        Some(g) => (PlacementKey::of(tenant, &g.name, prefix_hashes), g.rank),
+        None => (PlacementKey::of(tenant, sequence_id, prefix_hashes), 0),
     }
 }
 
@@ -176,6 +200,7 @@ mod tests {
         NodeRecord {
             node_id: id.into(),
             addr: format!("http://{id}"),
+            peer_addr: None,
             state,
             version: "test".into(),
             capacity: TierBytes {
@@ -202,6 +227,39 @@ mod tests {
             assert_eq!(view.owner(key).unwrap().node_id, "a");
             assert_eq!(view.ranking(key).len(), 1);
         }
+        // A group's shards go to distinct nodes while there are as many.
+        view.apply(node("d", NodeState::Serving, 1));
+        view.apply(node("e", NodeState::Serving, 1));
+        let shards: std::collections::BTreeSet<&str> = (0..3)
+            .map(|rank| {
+                let g = Group {
+                    name: "g".into(),
+                    rank,
+                    world: 3,
+                };
+                let none: &[&[u8]] = &[];
+                view.placed(placement("t", "ignored", none, Some(&g)))
+                    .unwrap()
+                    .node_id
+                    .as_str()
+            })
+            .collect();
+        assert_eq!(shards.len(), 3, "{shards:?}");
+        let fourth = Group {
+            name: "g".into(),
+            rank: 3,
+            world: 4,
+        };
+        let none: &[&[u8]] = &[];
+        let first = Group {
+            rank: 0,
+            ..fourth.clone()
+        };
+        assert_eq!(
+            view.placed(placement("t", "x", none, Some(&fourth))),
+            view.placed(placement("t", "y", none, Some(&first))),
+            "rank 3 of 3 nodes wraps to rank 0's node"
+        );
         view.members.clear();
         assert!(
             view.owner(PlacementKey::Sequence {

@@ -41,6 +41,8 @@ const STATS: &str = "GetStatsRequest";
 const TRACE: &str = "SetAccessTraceRequest";
 const LOCAL: &str = "LocalCall";
 const LOOKUP: &str = "LookupPrefixRequest";
+const MOVE: &str = "MoveSequenceRequest";
+const DRAIN: &str = "DrainNodeRequest";
 
 const KEYED: &[&str] = &[CREATE, GET, DROP, PUT, APPEND, FETCH, SELECT, SET_STATE, POLICY, REPORT];
 const TENANTED: &[&str] = &[
@@ -130,6 +132,32 @@ fields! {
     RECORD = "record" in &[TRACE];
     SAMPLE_RATE = "sample_rate" in &[TRACE];
     MAX_BYTES = "max_bytes" in &[TRACE];
+    GROUP = "group" in &[CREATE];
+    GROUP_NAME = "group.name" in &[CREATE];
+    GROUP_RANK = "group.rank" in &[CREATE];
+    GROUP_WORLD = "group.world" in &[CREATE];
+    MOVE_PART = "part" in &[MOVE];
+    MOVE_HEADER = "header" in &[MOVE];
+    MOVE_LANE = "lane" in &[MOVE];
+    MOVED_LAYER = "lane.layer" in &[MOVE];
+    MOVED_KV_HEAD = "lane.kv_head" in &[MOVE];
+    MOVED_FIRST_PAGE = "lane.first_page" in &[MOVE];
+    MOVED_PAGES = "lane.pages" in &[MOVE];
+    MOVED_PAGE_STATE = "lane.pages.state" in &[MOVE];
+    MOVED_PAGE_TOKENS = "lane.pages.tokens" in &[MOVE];
+    MOVED_PAGE_KV = "lane.pages.kv" in &[MOVE];
+    MOVED_PAGE_COUNTS = "lane.pages.summary_counts" in &[MOVE];
+    MOVED_PAGE_REASON = "lane.pages.reason" in &[MOVE];
+    MOVED_PAGE_INDEX_ENTRY = "lane.pages.index_entry" in &[MOVE];
+    DRAIN_NODE_ID = "node_id" in &[DRAIN];
+    DRAIN_PARALLEL = "parallel" in &[DRAIN];
+}
+
+/// `lane.pages[index].<field>` of a MoveSequenceRequest, `field` one of the
+/// `MOVED_PAGE_*` fields.
+pub fn moved_page(index: usize, field: Field) -> String {
+    let name = field.path.strip_prefix("lane.pages.").unwrap_or(field.path);
+    format!("{}[{index}].{name}", MOVED_PAGES.path)
 }
 
 /// `per_head_pages[head].pages[index]`.

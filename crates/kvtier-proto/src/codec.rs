@@ -108,11 +108,11 @@ sent_by!(Code::InvalidArgument, "request" =>
     CreateSequenceRequest, GetSequenceRequest, DropSequenceRequest, PutPagesRequest,
     AppendTokensRequest, FetchPagesRequest, SelectPagesRequest, ReleaseLeaseRequest,
     SetPageStateRequest, ApplyPolicyRequest, ReportAttentionRequest, GetStatsRequest,
-    SetAccessTraceRequest, LookupPrefixRequest, GetClusterRequest,
+    SetAccessTraceRequest, LookupPrefixRequest, GetClusterRequest, DrainNodeRequest, MoveSequenceRequest,
 );
 sent_by!(Code::Internal, "response" =>
     CreateSequenceResponse, SequenceInfo, DropSequenceResponse, PutPagesResponse,
     AppendTokensResponse, FetchPagesResponse, SelectPagesResponse, PrefetchResponse,
     ReleaseLeaseResponse, SetPageStateResponse, ApplyPolicyResponse, ReportAttentionResponse, Stats,
-    AccessTraceStatus, LookupPrefixResponse, ClusterView,
+    AccessTraceStatus, LookupPrefixResponse, ClusterView, DrainProgress, MoveSequenceResponse,
 );

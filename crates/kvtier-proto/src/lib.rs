@@ -11,7 +11,7 @@ pub mod v1 {
 
     /// The `KvTier` service's methods, in the proto's order (checked
     /// against the descriptor by a test in `kvtier-server`).
-    pub const METHODS: [&str; 16] = [
+    pub const METHODS: [&str; 18] = [
         "CreateSequence",
         "GetSequence",
         "DropSequence",
@@ -28,6 +28,8 @@ pub mod v1 {
         "SetAccessTrace",
         "LookupPrefix",
         "GetCluster",
+        "DrainNode",
+        "MoveSequence",
     ];
 }
 

@@ -57,6 +57,27 @@ pub(crate) fn layout(layout: Option<pb::Layout>) -> Result<Layout, Status> {
     .map_err(field_status)
 }
 
+/// A create's context-parallel group, checked.
+pub(crate) fn group(group: Option<pb::PlacementGroup>) -> Result<Option<kvtier_cluster::Group>, Status> {
+    let Some(g) = group else { return Ok(None) };
+    // The name places the group's shards as a sequence id would.
+    kvtier_core::SequenceId::parse(wire::GROUP_NAME.path, &g.name).map_err(field_status)?;
+    if !(1..=4096).contains(&g.world) {
+        return Err(invalid(wire::GROUP_WORLD, format!("is {}, must be 1..=4096", g.world)));
+    }
+    if g.rank >= g.world {
+        return Err(invalid(
+            wire::GROUP_RANK,
+            format!("is {}, must be below group.world ({})", g.rank, g.world),
+        ));
+    }
+    Ok(Some(kvtier_cluster::Group {
+        name: g.name,
+        rank: g.rank,
+        world: g.world,
+    }))
+}
+
 pub(crate) fn layout_to_pb(l: &Layout) -> pb::Layout {
     let s = l.spec();
     pb::Layout {

@@ -27,8 +27,9 @@ use tonic::server::NamedService;
 use crate::auth::{Auth, Caller};
 use crate::inflight::{Held, InFlight};
 
-/// The one client-streaming method: zero messages is a valid request.
-const PUT_PAGES: &str = "/kvtier.v1.KvTier/PutPages";
+/// The client-streaming methods: any number of messages is a valid
+/// request (a handler that needs one refuses an empty stream itself).
+const CLIENT_STREAMING: [&str; 2] = ["/kvtier.v1.KvTier/PutPages", "/kvtier.v1.KvTier/MoveSequence"];
 
 /// The gRPC message header: a compression flag and a big-endian length.
 const HEADER: usize = 5;
@@ -128,7 +129,7 @@ where
         let body = Checked {
             inner: body,
             limit: self.config.max_message_bytes,
-            unary: parts.uri.path() != PUT_PAGES,
+            unary: !CLIENT_STREAMING.contains(&parts.uri.path()),
             header: [0; HEADER],
             have: 0,
             left: 0,

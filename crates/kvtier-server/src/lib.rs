@@ -12,6 +12,7 @@ mod inflight;
 mod membership;
 mod metrics;
 mod metrics_listener;
+mod moves;
 mod responses;
 mod rpc_metrics;
 mod service;
@@ -33,6 +34,7 @@ use tokio::sync::watch;
 pub use auth::{Auth, Grant, Token};
 pub use convert::mode_to_pb;
 pub use membership::{CLUSTER_HEALTH_SERVICE, StoreSequences, capacity};
+pub use moves::PeerConfig;
 
 use crate::gate::{Gate, GateConfig};
 use crate::inflight::InFlight;
@@ -223,7 +225,7 @@ pub struct BoundServer {
     grpc: TcpListener,
     metrics: Option<TcpListener>,
     shm: Option<tokio::net::UnixListener>,
-    cluster: Option<Arc<Node>>,
+    cluster: Option<(Arc<Node>, PeerConfig)>,
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
@@ -261,9 +263,10 @@ impl BoundServer {
     }
 
     /// Serves as a member of a cluster: sequence calls are checked against
-    /// ownership, and a shutdown drains the node before it leaves.
-    pub fn with_cluster(mut self, node: Arc<Node>) -> Self {
-        self.cluster = Some(node);
+    /// ownership, sequences move to other nodes (drains, rebalances) over
+    /// `peers`, and a shutdown marks the node draining before it leaves.
+    pub fn with_cluster(mut self, node: Arc<Node>, peers: PeerConfig) -> Self {
+        self.cluster = Some((node, peers));
         self
     }
 
@@ -282,9 +285,23 @@ impl BoundServer {
     /// Serves until `shutdown` completes, then drains in-flight calls.
     pub async fn serve(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
         let (stop_tx, stop_rx) = watch::channel(false);
-        let draining = self.cluster.clone();
+        let limit = self.config.max_message_bytes;
+        let mover = self
+            .cluster
+            .clone()
+            .map(|(node, peers)| Arc::new(moves::Mover::new(Arc::clone(&self.store), node, peers, limit)));
+        let node = mover.as_ref().map(|m| Arc::clone(&m.node));
+        let draining = node.clone();
+        let drained = mover.as_ref().map(|m| m.drained());
         tokio::spawn(async move {
-            shutdown.await;
+            // A drain that emptied the node stops it as a shutdown does.
+            match drained {
+                Some(drained) => tokio::select! {
+                    () = shutdown => {}
+                    () = drained => tracing::info!("drained: stopping"),
+                },
+                None => shutdown.await,
+            }
             // Placement skips a draining node: no new sequence comes here
             // while the calls in flight finish.
             if let Some(node) = draining {
@@ -301,7 +318,7 @@ impl BoundServer {
         health
             .set_service_status("", tonic_health::ServingStatus::Serving)
             .await;
-        if let Some(node) = &self.cluster {
+        if let Some(node) = &node {
             let name = <KvTierServer<KvTierService> as tonic::server::NamedService>::NAME;
             tokio::spawn(membership::report_health(Arc::clone(node), health.clone(), name));
         }
@@ -312,7 +329,6 @@ impl BoundServer {
         };
         let reflection_v1 = reflection().build_v1()?;
         let reflection_v1alpha = reflection().build_v1alpha()?;
-        let limit = self.config.max_message_bytes;
         let in_flight = InFlight::new(self.config.max_inflight_bytes);
         let regions = Arc::new(Regions::default());
         let traces = service::TraceSettings {
@@ -325,7 +341,7 @@ impl BoundServer {
             Arc::clone(&in_flight),
             Arc::clone(&regions),
             traces,
-            self.cluster.clone(),
+            mover,
         );
         let rpc_metrics = Arc::new(RpcMetrics::default());
         let shm = if let (Some(listener), Some(path)) = (self.shm, &self.config.shm_socket) {
@@ -424,7 +440,7 @@ impl BoundServer {
         {
             tracing::warn!(error = %e, "shm socket task ended abnormally");
         }
-        if let Some(node) = &self.cluster {
+        if let Some(node) = &node {
             node.leave().await;
         }
         // A recording still running is finished: everything queued written.

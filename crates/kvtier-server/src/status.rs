@@ -38,7 +38,7 @@ pub(crate) fn denied(field: &str, message: impl std::fmt::Display) -> Status {
 /// A cluster's refusal of a call for a sequence.
 pub(crate) fn refused(r: Refusal) -> Status {
     let code = match &r {
-        Refusal::Elsewhere { .. } => Code::FailedPrecondition,
+        Refusal::Elsewhere { .. } | Refusal::NotHandedOver { .. } => Code::FailedPrecondition,
         Refusal::ExistsElsewhere { .. } => Code::AlreadyExists,
         Refusal::OwnerOut { .. } | Refusal::Unavailable { .. } | Refusal::Fenced { .. } => Code::Unavailable,
         Refusal::Lost { .. } => Code::DataLoss,

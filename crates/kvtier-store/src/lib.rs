@@ -52,10 +52,10 @@ pub use stats::{
     TransitionCount,
 };
 pub use store::{
-    AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, Created, DeviceCache, FetchCursor,
-    FetchPages, FetchedChunk, FetchedPage, HeadSelection, Miss, PageList, PageSelection, PutOutcome, PutPages,
-    ReportAttention, SelectPages, SelectTiming, SelectedPage, Selection, SetPageState, Store, StoreConfig,
-    TransitionOutcome, data_bound, index_scan_bytes,
+    AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, Created, DeviceCache, ExportedPage,
+    FetchCursor, FetchPages, FetchedChunk, FetchedPage, HeadSelection, LaneAt, Miss, MovedContent, PageList,
+    PageSelection, PutOutcome, PutPages, ReportAttention, SelectPages, SelectTiming, SelectedPage, Selection,
+    SequenceExport, SetPageState, Store, StoreConfig, TransitionOutcome, data_bound, index_scan_bytes,
 };
 
 /// Whether this process may use io_uring (for tests that pick an engine).

@@ -189,6 +189,17 @@ impl Condvar {
         }
     }
 
+    /// As [`Condvar::wait`], for at most `timeout`; whether it timed out.
+    pub fn wait_timeout<'a, T>(
+        &self,
+        guard: MutexGuard<'a, T>,
+        timeout: std::time::Duration,
+    ) -> (MutexGuard<'a, T>, bool) {
+        let MutexGuard { inner, _held } = guard;
+        let (inner, result) = self.0.wait_timeout(inner, timeout).unwrap_or_else(|p| p.into_inner());
+        (MutexGuard { inner, _held }, result.timed_out())
+    }
+
     /// Wakes one thread waiting on it, if any.
     pub fn notify_one(&self) {
         self.0.notify_one();

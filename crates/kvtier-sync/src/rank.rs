@@ -70,6 +70,11 @@ pub enum Rank {
     NodeRenewed,
     /// The sequences a cluster node owns.
     NodeOwned,
+    /// The sequences a cluster node is moving, and the calls in flight for
+    /// them (`kvtier-server`'s `moves/gate.rs`).
+    Moves,
+    /// A node's channels to other nodes (`kvtier-server`'s `moves/peers.rs`).
+    Peers,
 }
 
 impl Rank {

@@ -13,7 +13,7 @@ use kvtier_store::{
     DeviceCache, DevicePolicy, Durability, EngineChoice, HostPolicy, NvmeConfig, Store, StoreConfig, Tier, TraceConfig,
 };
 
-use crate::cluster::{ClusterArgs, Listening, node_config};
+use crate::cluster::{ClusterArgs, Listening, node_config, peer_config};
 use crate::config::{
     ByteSize, FileConfig, default_inflight_bytes, default_metadata_bytes, default_nvme_bytes, default_tier_bytes,
 };
@@ -337,6 +337,15 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
         "starting kvtier"
     );
 
+    // Nodes share tokens and an authority: the first admin token and the
+    // TLS authority reach the others.
+    let admin_token = file.auth.tokens.iter().find(|t| t.admin).map(|t| t.token.as_str());
+    let tls_ca = file
+        .tls
+        .as_ref()
+        .map(|t| t.ca.clone().unwrap_or_else(|| t.cert.clone()));
+    let tls_ca = tls_ca.or_else(|| server.tls.as_ref().map(|t| t.cert.clone()));
+    let peers = peer_config(&cluster_file, admin_token, tls_ca.as_deref())?;
     let node = node_config(
         args.cluster,
         cluster_file,
@@ -365,7 +374,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             let (node, _) = kvtier_cluster::Node::join(node, local)
                 .await
                 .context("joining the cluster")?;
-            bound = bound.with_cluster(node);
+            bound = bound.with_cluster(node, peers);
         }
         bound.serve(shutdown_signal()).await?;
         Ok(())

@@ -1,13 +1,17 @@
 //! A model-based test of the cluster: random creates, page writes, reads and
 //! drops through the routing client while nodes are killed (-9), stopped
-//! (SIGTERM), restarted over their data and cut off from etcd (each node
-//! reaches etcd through its own proxy), and etcd is killed and restarted. Every read is checked against an independent model:
+//! (SIGTERM), restarted over their data, cut off from etcd (each node
+//! reaches etcd through its own proxy), drained (their sequences streamed
+//! to other nodes, then they leave) or rebalanced, and etcd is killed and
+//! restarted. Every read is checked against an independent model:
 //! - bytes, when served, are exactly the sequence's acknowledged pages (of
 //!   its current incarnation: a re-created id has new values);
 //! - refusals are precise: UNAVAILABLE only while a fault is recent,
 //!   DATA_LOSS / NOT_FOUND only for a sequence whose owner stayed away
 //!   long enough to lose it;
-//! - no two live nodes hold one sequence at once.
+//! - no two live nodes hold one sequence at once;
+//! - a drain or rebalance in a quiet cluster moves every sequence it
+//!   should, and a drained node leaves and stops.
 //!
 //! `KVTIER_CLUSTER_OPS` sets the number of operations (`bench/cluster-soak.sh`
 //! runs thousands), `KVTIER_CLUSTER_SEED` the seed.
@@ -91,6 +95,9 @@ struct Slot {
     proxy: Proxy,
     /// When it was cut off from etcd, while it is.
     cut_since: Option<Instant>,
+    /// A drain of it ended without emptying it: it stays draining (and
+    /// out of placement) until drained again, rebalanced or restarted.
+    draining: bool,
 }
 
 struct World {
@@ -176,6 +183,7 @@ impl World {
         self.away(&id, away);
         self.slots[i].direct = Some(server.client().await);
         self.slots[i].server = Some(server);
+        self.slots[i].draining = false;
         self.fault(format!("start {id} (away {away:?})"));
     }
 
@@ -328,6 +336,94 @@ impl World {
         }
     }
 
+    /// Drains node `i` (or with `stay`, rebalances it) through its own
+    /// admin call: each sequence it reports moved has its new owner; in a
+    /// quiet cluster every sequence moves, and a drained node leaves and
+    /// stops.
+    async fn drain(&mut self, i: usize, stay: bool) {
+        let quiet = self.quiet();
+        let id = self.slots[i].id.clone();
+        let Some(client) = self.slots[i].direct.as_mut() else {
+            return;
+        };
+        let what = if stay { "rebalance" } else { "drain" };
+        let mut progress = match client.drain_node(&id, 2, stay).await {
+            Ok(p) => p,
+            Err(e) => {
+                assert!(!quiet, "{what} {id}: {e}\n{}", self.trail());
+                self.log.push(format!("{what} {id}: {:?}", code(&e)));
+                return;
+            }
+        };
+        let (mut moved, mut done) = (Vec::new(), None);
+        loop {
+            match progress.message().await {
+                Ok(Some(pb::DrainProgress {
+                    event: Some(pb::drain_progress::Event::Sequence(s)),
+                })) => moved.push(s),
+                Ok(Some(pb::DrainProgress {
+                    event: Some(pb::drain_progress::Event::Done(d)),
+                })) => {
+                    done = Some(d);
+                    break;
+                }
+                Ok(_) => break,
+                Err(e) => {
+                    assert!(!quiet, "{what} {id}: {e}\n{}", self.trail());
+                    break;
+                }
+            }
+        }
+        for m in &moved {
+            // A create whose answer was lost may have made one the model
+            // does not know of.
+            let number: u32 = m.sequence_id[1..].parse().unwrap();
+            let Some(seq) = self.seqs.get_mut(&number) else {
+                continue;
+            };
+            if m.error.is_empty() {
+                seq.owner = m.to_node.clone();
+            } else {
+                assert!(
+                    !quiet,
+                    "{what} {id}: {} did not move: {}\n{}",
+                    m.sequence_id,
+                    m.error,
+                    self.trail()
+                );
+            }
+        }
+        let left = done.as_ref().is_some_and(|d| d.left);
+        self.slots[i].draining = !stay && !left;
+        let failed = done.as_ref().map_or(0, |d| d.failed);
+        assert!(
+            !quiet || done.is_some(),
+            "{what} {id} ended without its totals\n{}",
+            self.trail()
+        );
+        if quiet && !stay {
+            assert!(left, "{what} {id} in a quiet cluster did not leave\n{}", self.trail());
+        }
+        self.fault(format!(
+            "{what} {id}: {} moved, {failed} not, left {left}",
+            moved.len() - failed as usize
+        ));
+        if left {
+            let mut server = self.slots[i].server.take().unwrap();
+            let status = server.wait(Duration::from_secs(30));
+            assert!(status.success(), "{id} exited {status} after its drain");
+            self.slots[i].direct = None;
+            self.slots[i].down_since = Some(Instant::now());
+            for seq in self.seqs.values() {
+                assert!(
+                    seq.owner != id || seq.fate != Fate::Live,
+                    "{} still {id}'s after it left",
+                    seq.name()
+                );
+            }
+        }
+    }
+
     /// No two live nodes hold one sequence.
     async fn one_owner_each(&mut self) {
         for seq in self.seqs.values() {
@@ -374,6 +470,7 @@ async fn random_operations_and_faults_never_serve_a_wrong_byte() {
             direct,
             proxy,
             cut_since: None,
+            draining: false,
         });
     }
     let cluster = cluster(&etcd.client_url, NODES).await;
@@ -443,6 +540,14 @@ async fn random_operations_and_faults_never_serve_a_wrong_byte() {
                 tokio::time::sleep(Duration::from_millis(ms)).await;
                 world.log.push(format!("sleep {ms} ms"));
             }
+            98..100 => {
+                let up = world.up();
+                if up.len() > 1 {
+                    let i = up[rng.random_range(0..up.len())];
+                    let stay = rng.random_bool(0.3);
+                    world.drain(i, stay).await;
+                }
+            }
             95..98 if exists && world.quiet() => {
                 let name = format!("s{number}");
                 if world.seqs[&number].fate == Fate::Live {
@@ -477,6 +582,13 @@ async fn random_operations_and_faults_never_serve_a_wrong_byte() {
             world.slots[i].direct = Some(server.client().await);
         }
     }
+    // A node whose drain did not empty it serves again.
+    for i in 0..NODES {
+        if world.slots[i].draining {
+            tokio::time::sleep(SETTLE).await;
+            world.drain(i, true).await;
+        }
+    }
     world
         .cluster
         .wait_for_serving(NODES, Duration::from_secs(60))
@@ -496,7 +608,7 @@ async fn random_operations_and_faults_never_serve_a_wrong_byte() {
         .count();
     eprintln!(
         "{ops} operations: {} creates, {} writes, {} reads ({refused} refused), {} drops; {} kills, {} stops, \
-         {} starts, {} cuts, {} etcd kills; {} sequences at the end, {} lost",
+         {} starts, {} cuts, {} etcd kills, {} drains, {} rebalances; {} sequences at the end, {} lost",
         count("create"),
         count("write"),
         count("read"),
@@ -506,6 +618,8 @@ async fn random_operations_and_faults_never_serve_a_wrong_byte() {
         count("start"),
         count("cut"),
         count("kill etcd"),
+        count("drain"),
+        count("rebalance"),
         world.seqs.len(),
         world.seqs.values().filter(|s| s.fate == Fate::Lost).count(),
     );

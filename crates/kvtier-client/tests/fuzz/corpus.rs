@@ -73,6 +73,7 @@ impl Corpus {
                         sequence_id: id.clone(),
                         layout: Some(layout(s)),
                         prefix_hashes: vec![vec![1u8; 8].into(), vec![2u8; 8].into()],
+                        group: None,
                     }
                     .encode_to_vec()
                 });
@@ -315,8 +316,29 @@ impl Corpus {
             });
         }
         add("GetStats", &|| pb::GetStatsRequest { tenant: None }.encode_to_vec());
-        // A standalone server refuses it: the fuzzer sees that it stays so.
+        // A standalone server refuses these: the fuzzer sees that it stays so.
         add("GetCluster", &|| pb::GetClusterRequest {}.encode_to_vec());
+        add("DrainNode", &|| {
+            pb::DrainNodeRequest {
+                node_id: "n0".into(),
+                parallel: 2,
+                stay: true,
+            }
+            .encode_to_vec()
+        });
+        add("MoveSequence", &|| {
+            pb::MoveSequenceRequest {
+                part: Some(pb::move_sequence_request::Part::Header(pb::MoveHeader {
+                    tenant: "a".into(),
+                    sequence_id: "m".into(),
+                    layout: Some(layout(0)),
+                    incarnation: 7,
+                    from_node: "n1".into(),
+                    ..pb::MoveHeader::default()
+                })),
+            }
+            .encode_to_vec()
+        });
         for (record, sample_rate, max_bytes) in [(true, 0.5, 64 << 10), (true, 0.0, 0), (false, 0.0, 0)] {
             add("SetAccessTrace", &|| {
                 pb::SetAccessTraceRequest {

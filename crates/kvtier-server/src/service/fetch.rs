@@ -17,6 +17,7 @@ use crate::auth::Caller;
 use crate::blocking::sized;
 use crate::gate::RequestBytes;
 use crate::inflight::{Holding, InFlight};
+use crate::moves::{Access, Permit};
 use crate::responses::{Held_, PIPELINED_BYTES, holding, inline_pages, read_to_bytes};
 use crate::shm::Window;
 use crate::status::{invalid, to_status};
@@ -39,7 +40,11 @@ pub(super) async fn fetch_pages(
     // The request lives as long as its stream, and so does its charge.
     let request_bytes = request.extensions().get::<RequestBytes>().cloned();
     let (caller, incarnation, r) = open_seq(request)?;
-    svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    // Held as long as the stream reads: the sequence does not move away
+    // under it.
+    let (_, permit) = svc
+        .located(&caller, &r.tenant, &r.sequence_id, incarnation, Access::Read)
+        .await?;
     let (job, window) = svc.plan_fetch(&caller, r, request_bytes)?;
     let (tx, rx) = mpsc::channel(1);
     if let Some(mut window) = window {
@@ -67,7 +72,7 @@ pub(super) async fn fetch_pages(
     let first = holding(page_messages(first, max_bytes)?, Some(held));
     if let Some(from) = next {
         let (store, in_flight) = (Arc::clone(&svc.store), Arc::clone(&svc.in_flight));
-        tokio::spawn(send_chunks(store, in_flight, job, from, tx));
+        tokio::spawn(send_chunks(store, in_flight, job, from, tx, permit));
     }
     Ok(Response::new(Holding::new(
         tokio_stream::iter(first).chain(ReceiverStream::new(rx)),
@@ -80,6 +85,7 @@ pub(super) fn fetch_pages_local(
     r: pb::FetchPagesRequest,
 ) -> Result<Vec<pb::FetchPagesResponse>, Status> {
     let (job, window) = svc.plan_fetch(caller, r, None)?;
+    let _permit = svc.enter(&job.key, Access::Read)?;
     let Some(mut window) = window else {
         return Err(invalid(
             wire::SHM,
@@ -225,6 +231,7 @@ pub(crate) async fn send_chunks(
     job: Arc<FetchJob>,
     mut from: FetchCursor,
     tx: mpsc::Sender<Held_<pb::FetchPagesResponse>>,
+    _permit: Option<Permit>,
 ) {
     loop {
         // A stream whose client went away waits for nothing.

@@ -6,6 +6,7 @@
 
 mod cluster;
 mod fetch;
+mod moves;
 mod policy;
 mod select;
 mod sequences;
@@ -29,6 +30,7 @@ use crate::auth::Caller;
 use crate::blocking::{blocking, may_wait};
 use crate::convert;
 use crate::inflight::InFlight;
+use crate::moves::{Access, Mover, Permit};
 use crate::shm::{LocalCalls, Regions};
 use crate::status::{field_status, refused, to_status};
 use fetch::FetchStream;
@@ -46,6 +48,8 @@ pub(crate) struct KvTierService {
     traces: Arc<TraceSettings>,
     /// The node's membership, in a cluster.
     cluster: Option<Arc<Node>>,
+    /// Its sequences' moves to and from other nodes, in a cluster.
+    moves: Option<Arc<Mover>>,
 }
 
 /// A call for a sequence: the caller, the incarnation of the sequence the
@@ -86,7 +90,7 @@ impl KvTierService {
         in_flight: Arc<InFlight>,
         regions: Arc<Regions>,
         traces: TraceSettings,
-        cluster: Option<Arc<Node>>,
+        moves: Option<Arc<Mover>>,
     ) -> Self {
         Self {
             store,
@@ -94,7 +98,8 @@ impl KvTierService {
             in_flight,
             regions,
             traces: Arc::new(traces),
-            cluster,
+            cluster: moves.as_ref().map(|m| Arc::clone(&m.node)),
+            moves,
         }
     }
 
@@ -109,10 +114,11 @@ impl KvTierService {
         Ok(key)
     }
 
-    /// In a cluster, for a sequence this node does not hold: where it is
-    /// instead (another node, a node that is out, lost), as the call's
-    /// status, and the sequence's key. With the incarnation a call is meant for, a later creation of the
-    /// id is refused (NOT_FOUND) rather than served.
+    /// The sequence's key and, in a cluster, the call's permit against
+    /// moves (held while the call runs); for a sequence this node does not
+    /// hold, where it is instead (another node, a node that is out, lost),
+    /// as the call's status. With the incarnation a call is meant for, a
+    /// later creation of the id is refused (NOT_FOUND) rather than served.
     ///
     /// The caller's right to the tenant is checked first: a refusal must
     /// not tell a caller where another tenant's sequences are.
@@ -122,15 +128,30 @@ impl KvTierService {
         tenant: &str,
         sequence_id: &str,
         incarnation: Option<u64>,
-    ) -> Result<SequenceKey, Status> {
+        access: Access,
+    ) -> Result<(SequenceKey, Option<Permit>), Status> {
         let key = self.key(caller, tenant, sequence_id)?;
-        let Some(node) = &self.cluster else { return Ok(key) };
+        let Some(node) = &self.cluster else {
+            return Ok((key, None));
+        };
+        let permit = self.enter(&key, access)?;
         if !self.store.holds(&key) {
             node.whereabouts(&key, incarnation).await.map_err(refused)?;
         } else if let Some(expected) = incarnation {
             node.check_incarnation(&key, expected).map_err(refused)?;
         }
-        Ok(key)
+        Ok((key, permit))
+    }
+
+    /// In a cluster, the permit of a call for `key` against moves: waits
+    /// (where waiting stalls no other task) while the sequence's move holds
+    /// calls of its kind, and refuses one for a sequence that moved.
+    fn enter(&self, key: &SequenceKey, access: Access) -> Result<Option<Permit>, Status> {
+        let Some(moves) = &self.moves else { return Ok(None) };
+        match moves.gate.try_enter(key, access).map_err(refused)? {
+            Some(permit) => Ok(Some(permit)),
+            None => may_wait(|| moves.gate.enter(key, access)).map(Some).map_err(refused),
+        }
     }
 
     async fn call<T, F>(&self, f: F) -> Result<T, Status>
@@ -264,6 +285,24 @@ impl KvTier for KvTierService {
 
     async fn get_cluster(&self, request: Request<pb::GetClusterRequest>) -> Result<Response<pb::ClusterView>, Status> {
         cluster::get_cluster(self, request).await
+    }
+
+    type DrainNodeStream = moves::DrainStream;
+
+    async fn drain_node(
+        &self,
+        request: Request<pb::DrainNodeRequest>,
+    ) -> Result<Response<Self::DrainNodeStream>, Status> {
+        moves::drain_node(self, request).await
+    }
+
+    type MoveSequenceStream = crate::moves::MoveStream;
+
+    async fn move_sequence(
+        &self,
+        request: Request<Streaming<pb::MoveSequenceRequest>>,
+    ) -> Result<Response<Self::MoveSequenceStream>, Status> {
+        moves::move_sequence(self, request).await
     }
 
     async fn get_stats(&self, request: Request<pb::GetStatsRequest>) -> Result<Response<pb::Stats>, Status> {

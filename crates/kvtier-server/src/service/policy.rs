@@ -10,6 +10,7 @@ use tonic::{Request, Response, Status};
 
 use super::{KvTierService, open_seq};
 use crate::convert;
+use crate::moves::Access;
 use crate::status::invalid;
 
 pub(super) async fn apply_policy(
@@ -17,7 +18,9 @@ pub(super) async fn apply_policy(
     request: Request<pb::ApplyPolicyRequest>,
 ) -> Result<Response<pb::ApplyPolicyResponse>, Status> {
     let (caller, incarnation, r) = open_seq(request)?;
-    let key = svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    let (key, _permit) = svc
+        .located(&caller, &r.tenant, &r.sequence_id, incarnation, Access::Write)
+        .await?;
     let Some((spec, trigger)) = spec(&r)? else {
         svc.call(move |s| s.unregister_policy(&key)).await?;
         return Ok(Response::new(pb::ApplyPolicyResponse::default()));
@@ -47,7 +50,9 @@ pub(super) async fn report_attention(
     request: Request<pb::ReportAttentionRequest>,
 ) -> Result<Response<pb::ReportAttentionResponse>, Status> {
     let (caller, incarnation, r) = open_seq(request)?;
-    let key = svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    let (key, _permit) = svc
+        .located(&caller, &r.tenant, &r.sequence_id, incarnation, Access::Write)
+        .await?;
     if r.token_weights.is_empty() == r.page_weights.is_empty() {
         return Err(invalid(
             wire::TOKEN_WEIGHTS,

@@ -18,6 +18,7 @@ use super::{KvTierService, open, open_seq, tenant};
 use crate::auth::Caller;
 use crate::blocking::sized;
 use crate::inflight::Holding;
+use crate::moves::Access;
 use crate::responses::{Held_, PIPELINED_BYTES, holding, inline_pages, read_to_bytes};
 use crate::shm::Window;
 use crate::status::{invalid, to_status};
@@ -30,7 +31,9 @@ pub(super) async fn select_pages(
     request: Request<pb::SelectPagesRequest>,
 ) -> Result<Response<SelectStream>, Status> {
     let (caller, incarnation, r) = open_seq(request)?;
-    svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    let (_, _permit) = svc
+        .located(&caller, &r.tenant, &r.sequence_id, incarnation, Access::Read)
+        .await?;
     let call = svc.plan_select(&caller, r)?;
     // The data's room in flight, at most what the selection can choose,
     // is taken before the store reads any of it. Data over shm goes to
@@ -51,6 +54,7 @@ pub(super) fn select_pages_local(
     r: pb::SelectPagesRequest,
 ) -> Result<Vec<pb::SelectPagesResponse>, Status> {
     let call = svc.plan_select(caller, r)?;
+    let _permit = svc.enter(&call.key, Access::Read)?;
     if call.data_inline() {
         return Err(invalid(
             wire::SHM,
@@ -67,7 +71,9 @@ pub(super) async fn prefetch(
     request: Request<pb::SelectPagesRequest>,
 ) -> Result<Response<pb::PrefetchResponse>, Status> {
     let (caller, incarnation, r) = open_seq(request)?;
-    let key = svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    let (key, _permit) = svc
+        .located(&caller, &r.tenant, &r.sequence_id, incarnation, Access::Read)
+        .await?;
     for (set, field) in [
         (r.include_data, wire::INCLUDE_DATA.path),
         (r.swap_in, wire::SWAP_IN.path),

@@ -2,12 +2,13 @@
 //! create claims the sequence's ownership record first (and gives it back
 //! if the create fails), a drop releases it.
 
-use kvtier_core::placement::PlacementKey;
+use kvtier_cluster::placement;
 use kvtier_proto::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use super::{KvTierService, open, open_seq};
 use crate::convert;
+use crate::moves::Access;
 use crate::status::refused;
 
 pub(super) async fn create_sequence(
@@ -18,10 +19,17 @@ pub(super) async fn create_sequence(
     let key = svc.key(&caller, &r.tenant, &r.sequence_id)?;
     let layout = convert::layout(r.layout)?;
     let hashes: Vec<Vec<u8>> = r.prefix_hashes.into_iter().map(|h| h.to_vec()).collect();
+    let group = convert::group(r.group)?;
     let incarnation = match &svc.cluster {
         Some(node) => {
-            let placement = PlacementKey::of(key.tenant.as_str(), key.sequence.as_str(), &hashes);
-            node.claim(&key, placement).await.map_err(refused)?
+            let placement = placement(key.tenant.as_str(), key.sequence.as_str(), &hashes, group.as_ref());
+            let claimed = node.claim(&key, placement, group.clone()).await.map_err(refused)?;
+            if let Some(moves) = &svc.moves {
+                // A marker of an earlier creation that moved away answers
+                // no more: this one is here.
+                moves.gate.end_moved(&key);
+            }
+            claimed
         }
         None => 0,
     };
@@ -53,7 +61,9 @@ pub(super) async fn get_sequence(
     request: Request<pb::GetSequenceRequest>,
 ) -> Result<Response<pb::SequenceInfo>, Status> {
     let (caller, incarnation, r) = open_seq(request)?;
-    let key = svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    let (key, _permit) = svc
+        .located(&caller, &r.tenant, &r.sequence_id, incarnation, Access::Read)
+        .await?;
     let incarnation = svc.cluster.as_ref().and_then(|n| n.incarnation(&key)).unwrap_or(0);
     let info = svc.call(move |s| s.sequence_info(&key)).await?;
     Ok(Response::new(pb::SequenceInfo {
@@ -67,9 +77,12 @@ pub(super) async fn drop_sequence(
     request: Request<pb::DropSequenceRequest>,
 ) -> Result<Response<pb::DropSequenceResponse>, Status> {
     let (caller, incarnation, r) = open_seq(request)?;
-    let key = svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    let (key, permit) = svc
+        .located(&caller, &r.tenant, &r.sequence_id, incarnation, Access::Write)
+        .await?;
     let dropped = key.clone();
     svc.call(move |s| s.drop_sequence(&key)).await?;
+    drop(permit);
     if let Some(node) = &svc.cluster
         && let Err(e) = node.release(&dropped).await
     {

@@ -7,6 +7,7 @@ use tonic::{Request, Response, Status};
 
 use super::{KvTierService, open_seq};
 use crate::convert;
+use crate::moves::Access;
 use crate::status::invalid;
 
 pub(super) async fn set_page_state(
@@ -14,7 +15,9 @@ pub(super) async fn set_page_state(
     request: Request<pb::SetPageStateRequest>,
 ) -> Result<Response<pb::SetPageStateResponse>, Status> {
     let (caller, incarnation, r) = open_seq(request)?;
-    let key = svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    let (key, _permit) = svc
+        .located(&caller, &r.tenant, &r.sequence_id, incarnation, Access::Write)
+        .await?;
     let (action, summary_rows) = convert::action(r.action)?;
     if !r.pages.is_empty() && (r.first_page != 0 || r.page_count != 0) {
         return Err(invalid(

@@ -9,6 +9,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::{KvTierService, open_seq};
 use crate::auth::Caller;
 use crate::convert;
+use crate::moves::Access;
 use crate::status::to_status;
 
 pub(super) async fn put_pages(
@@ -21,8 +22,8 @@ pub(super) async fn put_pages(
     while let Some(r) = stream.message().await? {
         let write = total.writes;
         let numbered = |e: Status| Status::new(e.code(), format!("write {write}: {}", e.message()));
-        let key = svc
-            .located(&caller, &r.tenant, &r.sequence_id, incarnation)
+        let (key, permit) = svc
+            .located(&caller, &r.tenant, &r.sequence_id, incarnation, Access::Write)
             .await
             .map_err(numbered)?;
         let outcome = svc
@@ -41,6 +42,7 @@ pub(super) async fn put_pages(
             })
             .await
             .map_err(numbered)?;
+        drop(permit);
         let d = convert::durability_to_pb(outcome.durability);
         weakest = Some(weakest.map_or(d, |w| w.min(d)));
         total.pages_written += outcome.pages_written;
@@ -56,7 +58,9 @@ pub(super) async fn append_tokens(
     request: Request<pb::AppendTokensRequest>,
 ) -> Result<Response<pb::AppendTokensResponse>, Status> {
     let (caller, incarnation, r) = open_seq(request)?;
-    let key = svc.located(&caller, &r.tenant, &r.sequence_id, incarnation).await?;
+    let (key, _permit) = svc
+        .located(&caller, &r.tenant, &r.sequence_id, incarnation, Access::Write)
+        .await?;
     let outcome = svc.call(move |s| append(s, &key, &r)).await?;
     Ok(Response::new(append_to_pb(&outcome)))
 }
@@ -67,6 +71,7 @@ pub(super) fn append_tokens_local(
     r: pb::AppendTokensRequest,
 ) -> Result<pb::AppendTokensResponse, Status> {
     let key = svc.key(caller, &r.tenant, &r.sequence_id)?;
+    let _permit = svc.enter(&key, Access::Write)?;
     let outcome = append(&svc.store, &key, &r).map_err(to_status)?;
     Ok(append_to_pb(&outcome))
 }

@@ -16,6 +16,7 @@
 //! | create, drop, describe sequences | `store/sequences.rs` |
 //! | PutPages, AppendTokens | `store/write.rs` |
 //! | FetchPages | `store/fetch.rs` |
+//! | a move's export and import (drains) | `store/moves.rs` |
 //! | SelectPages, Prefetch, leases | `store/select.rs` |
 //! | SetPageState | `store/transition.rs` |
 //! | ApplyPolicy, ReportAttention | `store/policy.rs` |
@@ -41,6 +42,7 @@
 //! read lock for one lane at a time).
 
 mod fetch;
+mod moves;
 mod policy;
 mod select;
 mod sequences;
@@ -55,6 +57,7 @@ use kvtier_core::{SequenceKey, TenantId};
 use kvtier_tiers::{ArenaTier, NvmeConfig, NvmeTier, Tier, TierKind};
 
 pub use fetch::{FetchCursor, FetchPages, FetchedChunk, FetchedPage, PageList};
+pub use moves::{ExportedPage, LaneAt, MovedContent, SequenceExport};
 pub use policy::{ApplyPolicy, AttentionWeights, ReportAttention};
 pub use select::{
     HeadSelection, Miss, SelectPages, SelectTiming, SelectedPage, Selection, data_bound, index_scan_bytes,

@@ -106,6 +106,12 @@ impl Store {
             .read(key, |seq| Ok((Arc::clone(&seq.layout), seq.tokens())))
     }
 
+    /// The prefix hash chain sequence `key` was created with.
+    pub fn prefix_hashes(&self, key: &SequenceKey) -> StoreResult<Vec<Vec<u8>>> {
+        self.catalog
+            .read(key, |seq| Ok(seq.hashes.iter().map(|h| h.to_vec()).collect()))
+    }
+
     /// Whether the store holds sequence `key` now.
     pub fn holds(&self, key: &SequenceKey) -> bool {
         self.catalog.contains(key)
@@ -184,7 +190,7 @@ impl Store {
     }
 }
 
-fn check_hashes(hashes: Vec<Vec<u8>>) -> StoreResult<Vec<Arc<[u8]>>> {
+pub(super) fn check_hashes(hashes: Vec<Vec<u8>>) -> StoreResult<Vec<Arc<[u8]>>> {
     let mut seen = HashSet::with_capacity(hashes.len());
     hashes
         .into_iter()
@@ -209,7 +215,7 @@ fn check_hashes(hashes: Vec<Vec<u8>>) -> StoreResult<Vec<Arc<[u8]>>> {
         .collect()
 }
 
-fn already_exists(key: &SequenceKey) -> StoreError {
+pub(super) fn already_exists(key: &SequenceKey) -> StoreError {
     StoreError::AlreadyExists {
         what: format!("sequence {key}"),
     }

@@ -1,7 +1,8 @@
 //! `kvtier bench cluster`: what routing through a cluster costs a fetch,
-//! and how long a lost node takes to be noticed. Starts its own etcd
-//! (Debian's `etcd-server` on the PATH) and three nodes of this binary on
-//! loopback, and stops them at the end.
+//! how fast a drain moves a node's sequences to the others (while a reader
+//! keeps fetching them), and how long a lost node takes to be noticed.
+//! Starts its own etcd (Debian's `etcd-server` on the PATH) and three nodes
+//! of this binary on loopback, and stops them at the end.
 
 use std::net::TcpListener;
 use std::path::Path;
@@ -22,6 +23,13 @@ pub(crate) struct ClusterBenchArgs {
     /// The nodes' membership lease: a lost node is noticed within about it.
     #[arg(long, default_value_t = 2)]
     ttl_secs: u64,
+    /// Sequences written before the drain (SmolLM2-135M's layout, 256
+    /// tokens each, persisted: about 5.9 MB each).
+    #[arg(long, default_value_t = 24)]
+    drain_sequences: usize,
+    /// Sequences the drained node moves at once.
+    #[arg(long, default_value_t = 2)]
+    drain_parallel: u32,
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -38,6 +46,22 @@ struct Report {
     routed_p99_us: f64,
     /// Routed over direct, p50: what the routing client adds.
     routed_over_direct_p50: f64,
+    /// The drained node's sequences and their page bytes.
+    drain_sequences: u32,
+    drain_bytes: u64,
+    drain_parallel: u32,
+    /// From the DrainNode call to its totals.
+    drain_ms: u64,
+    /// Page bytes moved per second, MB (10^6).
+    drain_mb_per_s: f64,
+    /// One sequence's move, p50 and max (from its start to the commit).
+    move_p50_ms: f64,
+    move_max_ms: f64,
+    /// Routed fetches of the moving sequences during the drain: p50, p99
+    /// and how many (all must succeed).
+    during_drain_fetches: u64,
+    during_drain_p50_us: f64,
+    during_drain_p99_us: f64,
     ttl_secs: u64,
     /// From the kill to the first read refused as the node being out.
     notice_lost_ms: u64,
@@ -97,7 +121,14 @@ fn spawn_node(dir: &Path, id: &str, etcd: &str, ttl: u64) -> anyhow::Result<Chil
             "off",
         ])
         .args(["--data-dir", &data.display().to_string(), "--shm-socket", "off"])
-        .args(["--device-bytes", "64MiB", "--host-bytes", "256MiB", "--nvme-bytes", "0"])
+        .args([
+            "--device-bytes",
+            "64MiB",
+            "--host-bytes",
+            "256MiB",
+            "--nvme-bytes",
+            "1GiB",
+        ])
         .args(["--etcd", etcd, "--node-id", id, "--lease-ttl-secs", &ttl.to_string()])
         .env("KVTIER_LOG", "warn")
         .stdout(Stdio::null())
@@ -115,8 +146,9 @@ pub(crate) fn run(args: ClusterBenchArgs) -> anyhow::Result<()> {
     super::emit(args.json, &report, |r| {
         format!(
             "{} nodes, {} fetches of {} B per path: direct p50 {:.0} µs p99 {:.0} µs; routed p50 {:.0} µs p99 {:.0} µs \
-             ({:.3}x); ttl {} s: lost node noticed after {} ms, gone from the view after {} ms, creates rerouted \
-             after {} ms",
+             ({:.3}x); drain of {} sequences ({:.1} MB, {} at once): {} ms, {:.1} MB/s, a move p50 {:.1} ms max \
+             {:.1} ms, {} fetches during it p50 {:.0} µs p99 {:.0} µs; ttl {} s: lost node noticed after {} ms, gone \
+             from the view after {} ms, creates rerouted after {} ms",
             r.nodes,
             r.fetches,
             r.fetch_bytes,
@@ -125,6 +157,16 @@ pub(crate) fn run(args: ClusterBenchArgs) -> anyhow::Result<()> {
             r.routed_p50_us,
             r.routed_p99_us,
             r.routed_over_direct_p50,
+            r.drain_sequences,
+            r.drain_bytes as f64 / 1e6,
+            r.drain_parallel,
+            r.drain_ms,
+            r.drain_mb_per_s,
+            r.move_p50_ms,
+            r.move_max_ms,
+            r.during_drain_fetches,
+            r.during_drain_p50_us,
+            r.during_drain_p99_us,
             r.ttl_secs,
             r.notice_lost_ms,
             r.view_without_node_ms,
@@ -185,6 +227,8 @@ async fn measure(args: &ClusterBenchArgs) -> anyhow::Result<Report> {
         }
     }
 
+    let drained = drain(&cluster, &placed.node_id, args).await?;
+
     // Kill -9 the owner; time what the client sees.
     let victim = placed.node_id.clone();
     let index: usize = victim[1..].parse()?;
@@ -236,10 +280,123 @@ async fn measure(args: &ClusterBenchArgs) -> anyhow::Result<Report> {
         routed_p50_us: p(&routed_us, 0.5),
         routed_p99_us: p(&routed_us, 0.99),
         routed_over_direct_p50: p(&routed_us, 0.5) / p(&direct_us, 0.5),
+        drain_sequences: drained.sequences,
+        drain_bytes: drained.bytes,
+        drain_parallel: args.drain_parallel,
+        drain_ms: drained.ms,
+        drain_mb_per_s: drained.bytes as f64 / 1e6 / (drained.ms as f64 / 1000.0).max(1e-3),
+        move_p50_ms: drained.moves.value_at_quantile(0.5) as f64 / 1000.0,
+        move_max_ms: drained.moves.max() as f64 / 1000.0,
+        during_drain_fetches: drained.fetches.len(),
+        during_drain_p50_us: p(&drained.fetches, 0.5),
+        during_drain_p99_us: p(&drained.fetches, 0.99),
         ttl_secs: args.ttl_secs,
         notice_lost_ms: ms(notice),
         view_without_node_ms: ms(view_gone),
         create_rerouted_ms: ms(rerouted),
+    })
+}
+
+/// What a drain measured.
+struct Drained {
+    sequences: u32,
+    bytes: u64,
+    ms: u64,
+    /// Each sequence's move, µs.
+    moves: Histogram<u64>,
+    /// Routed fetches of the moving sequences during the drain, µs.
+    fetches: Histogram<u64>,
+}
+
+/// Writes the drain's sequences, then drains a node other than `keep`'s
+/// (which holds the sequence the kill measurement needs) while a reader
+/// fetches the drained node's sequences through the cluster client.
+async fn drain(cluster: &Cluster, keep: &str, args: &ClusterBenchArgs) -> anyhow::Result<Drained> {
+    let model = layout(30, 3, 9, 64, pb::DType::DtypeBf16, 16);
+    let tokens = 256u32;
+    let kv = bytes::Bytes::from(vec![0x3fu8; 3 * 2 * tokens as usize * 64 * 2]);
+    let mut placed = Vec::new();
+    for i in 0..args.drain_sequences {
+        let id = format!("drain-{i}");
+        let (node, _) = cluster.create_sequence(&id, model.clone(), vec![]).await?;
+        for layer in 0..30 {
+            let (kv, id) = (kv.clone(), id.as_str());
+            cluster
+                .call(id, |c| {
+                    let kv = kv.clone();
+                    async move { c.with_persist(true).put_pages(id, layer, 0..3, 0, tokens, kv).await }
+                })
+                .await?;
+        }
+        placed.push((id, node));
+    }
+    let view = cluster.view();
+    let target = view
+        .members()
+        .map(|n| n.node_id.clone())
+        .find(|n| n != keep)
+        .context("a node to drain")?;
+    let addr = view.member(&target).context("the drained node's address")?.addr.clone();
+    let moving: Vec<String> = placed
+        .iter()
+        .filter(|(_, n)| n.node_id == target)
+        .map(|(id, _)| id.clone())
+        .collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (cluster, stop, moving) = (cluster.clone(), std::sync::Arc::clone(&stop), moving.clone());
+        tokio::spawn(async move {
+            let mut fetches = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for id in &moving {
+                    let t = Instant::now();
+                    let id = id.as_str();
+                    cluster
+                        .call(id, |mut c| async move { c.fetch_pages(id, 0, 0..3, vec![]).await })
+                        .await
+                        .with_context(|| format!("fetching {id} during the drain"))?;
+                    fetches.saturating_record(t.elapsed().as_micros() as u64);
+                }
+            }
+            anyhow::Ok(fetches)
+        })
+    };
+    let started = Instant::now();
+    let mut progress = Client::connect(addr)
+        .await?
+        .drain_node(&target, args.drain_parallel, false)
+        .await?;
+    let mut moves = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?;
+    let done = loop {
+        let message = progress
+            .message()
+            .await?
+            .context("the drain ended without its totals")?;
+        match message.event {
+            Some(pb::drain_progress::Event::Sequence(s)) if !s.error.is_empty() => {
+                bail!("{} did not move: {}", s.sequence_id, s.error)
+            }
+            Some(pb::drain_progress::Event::Sequence(s)) => moves.saturating_record(s.micros),
+            Some(pb::drain_progress::Event::Done(done)) => break done,
+            None => {}
+        }
+    };
+    let ms = started.elapsed().as_millis() as u64;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let fetches = reader.await??;
+    if !done.left {
+        bail!(
+            "the drained node did not leave ({} sequences did not move)",
+            done.failed
+        );
+    }
+    cluster.wait_for_serving(NODES - 1, Duration::from_secs(30)).await?;
+    Ok(Drained {
+        sequences: done.moved,
+        bytes: done.bytes,
+        ms,
+        moves,
+        fetches,
     })
 }
 

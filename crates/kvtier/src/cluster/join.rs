@@ -2,12 +2,13 @@
 //! node configuration they make.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
 use kvtier_cluster::{DEFAULT_CLUSTER, EtcdConfig, NodeConfig, TierBytes};
+use kvtier_server::PeerConfig;
 use serde::Deserialize;
 
 /// Cluster flags of `kvtier serve`; without `--etcd` the server stands alone.
@@ -28,6 +29,11 @@ pub(crate) struct ClusterArgs {
     /// [default: http(s)://LISTEN].
     #[arg(long, value_name = "URL")]
     advertise: Option<String>,
+    /// The URL other nodes reach this node at, where it differs from
+    /// --advertise (a container whose clients use a published port)
+    /// [default: --advertise].
+    #[arg(long, value_name = "URL")]
+    peer_advertise: Option<String>,
     /// A node silent this long is out of the cluster [default: 10].
     #[arg(long, value_name = "SECONDS")]
     lease_ttl_secs: Option<u64>,
@@ -46,6 +52,7 @@ pub(crate) struct ClusterFileConfig {
     node_id: Option<String>,
     name: Option<String>,
     advertise: Option<String>,
+    peer_advertise: Option<String>,
     lease_ttl_secs: Option<u64>,
     grace_secs: Option<u64>,
     /// etcd credentials, where etcd checks them.
@@ -53,6 +60,12 @@ pub(crate) struct ClusterFileConfig {
     etcd_password: Option<String>,
     /// PEM CA certificate for `https://` etcd endpoints.
     etcd_ca: Option<PathBuf>,
+    /// The token this node presents to other nodes (moves): an admin token
+    /// of theirs [default: the first admin token in `[auth]`].
+    peer_token: Option<String>,
+    /// PEM authority other nodes' certificates are checked against
+    /// [default: `[tls] ca`, else `[tls] cert`].
+    peer_ca: Option<PathBuf>,
 }
 
 /// What the server needs to know to place itself.
@@ -102,6 +115,7 @@ pub(crate) fn node_config(
         etcd,
         node_id,
         advertise,
+        peer_advertise: args.peer_advertise.or(file.peer_advertise.clone()),
         ttl: Duration::from_secs(ttl),
         grace: Duration::from_secs(grace),
         version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -124,6 +138,26 @@ impl ClusterFileConfig {
         flag.or_else(|| self.name.clone())
             .unwrap_or_else(|| DEFAULT_CLUSTER.to_owned())
     }
+}
+
+/// How this node reaches other nodes: the `[cluster]` table's peer token
+/// and authority, else the node's own first admin token and TLS authority
+/// (nodes of a cluster share their tokens and their CA).
+pub(crate) fn peer_config(
+    file: &ClusterFileConfig,
+    admin_token: Option<&str>,
+    tls_ca: Option<&Path>,
+) -> anyhow::Result<PeerConfig> {
+    let ca = file.peer_ca.as_deref().or(tls_ca);
+    Ok(PeerConfig {
+        token: file.peer_token.clone().or(admin_token.map(str::to_owned)),
+        ca_pem: match ca {
+            Some(path) => {
+                Some(std::fs::read(path).with_context(|| format!("cluster.peer_ca: reading {}", path.display()))?)
+            }
+            None => None,
+        },
+    })
 }
 
 /// How to reach etcd at `endpoints` for `cluster`: with the `[cluster]`

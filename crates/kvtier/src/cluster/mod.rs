@@ -1,9 +1,10 @@
 //! `kvtier cluster`: a cluster's state, read from its etcd; and the cluster
 //! settings of `kvtier serve`.
 
+mod drain;
 mod join;
 
-pub(crate) use join::{ClusterArgs, ClusterFileConfig, Listening, node_config};
+pub(crate) use join::{ClusterArgs, ClusterFileConfig, Listening, node_config, peer_config};
 
 use std::path::PathBuf;
 
@@ -14,13 +15,22 @@ use clap::{Args, Subcommand};
 pub(crate) enum ClusterCommand {
     /// Nodes, their states, capacities and sequences; etcd's health.
     Status(StatusArgs),
+    /// Moves a node's sequences to the other nodes (node to node), then
+    /// the node leaves the cluster and stops. Admin only.
+    Drain(drain::DrainArgs),
+    /// Moves sequences to the nodes placement gives them now (after nodes
+    /// joined), on every serving node or the ones named. Admin only.
+    Rebalance(drain::RebalanceArgs),
 }
 
+/// Where a cluster is: what every `kvtier cluster` command takes.
 #[derive(Debug, Args)]
-pub(crate) struct StatusArgs {
+pub(crate) struct EtcdArgs {
     /// A node's TOML configuration: its `[cluster]` table gives etcd's
     /// endpoints, the cluster's name and etcd's credentials and CA
-    /// (`etcd_user`, `etcd_password`, `etcd_ca`). Flags override it.
+    /// (`etcd_user`, `etcd_password`, `etcd_ca`), and how the node reaches
+    /// other nodes (`peer_token` and `peer_ca`, else its first admin token
+    /// and its TLS authority). Flags override it.
     #[arg(long, value_name = "FILE", env = "KVTIER_CONFIG")]
     config: Option<PathBuf>,
     /// The cluster's etcd (URL[,URL…]) [default: the config's].
@@ -29,6 +39,12 @@ pub(crate) struct StatusArgs {
     /// The cluster's name [default: the config's, else default].
     #[arg(long, value_name = "NAME")]
     cluster: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct StatusArgs {
+    #[command(flatten)]
+    at: EtcdArgs,
     /// JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -38,31 +54,66 @@ pub(crate) fn run(command: ClusterCommand) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     match command {
         ClusterCommand::Status(args) => runtime.block_on(status(args)),
+        ClusterCommand::Drain(args) => runtime.block_on(drain::drain(args)),
+        ClusterCommand::Rebalance(args) => runtime.block_on(drain::rebalance(args)),
     }
 }
 
-/// The `[cluster]` table of a node's configuration file; the rest of the
-/// file is the server's, and not read here.
-fn node_file(path: &std::path::Path) -> anyhow::Result<ClusterFileConfig> {
-    #[derive(serde::Deserialize)]
-    struct NodeFile {
-        #[serde(default)]
-        cluster: ClusterFileConfig,
-    }
+/// What `kvtier cluster` reads of a node's configuration file: its
+/// `[cluster]` table, and how the node reaches other nodes (its peer token
+/// and authority, else its first admin token and its TLS authority); the
+/// rest of the file is the server's, and not read here.
+#[derive(Debug, Default, serde::Deserialize)]
+struct NodeFile {
+    #[serde(default)]
+    cluster: ClusterFileConfig,
+    #[serde(default)]
+    auth: AuthPart,
+    tls: Option<TlsPart>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+struct AuthPart {
+    #[serde(default)]
+    tokens: Vec<TokenPart>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct TokenPart {
+    token: String,
+    #[serde(default)]
+    admin: bool,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct TlsPart {
+    cert: PathBuf,
+    ca: Option<PathBuf>,
+}
+
+fn node_file(path: Option<&std::path::Path>) -> anyhow::Result<NodeFile> {
+    let Some(path) = path else {
+        return Ok(NodeFile::default());
+    };
     let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
-    let file: NodeFile = toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))?;
-    Ok(file.cluster)
+    toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))
+}
+
+impl EtcdArgs {
+    /// The node configuration the flags name (none: empty), and the
+    /// cluster's etcd as flags and that configuration say.
+    fn resolve(&self) -> anyhow::Result<(NodeFile, kvtier_cluster::EtcdConfig)> {
+        let file = node_file(self.config.as_deref())?;
+        let Some(endpoints) = file.cluster.endpoints(self.etcd.clone()) else {
+            anyhow::bail!("etcd: give --etcd URLS, or a --config whose [cluster] names etcd");
+        };
+        let etcd = join::etcd_access(endpoints, file.cluster.name(self.cluster.clone()), &file.cluster)?;
+        Ok((file, etcd))
+    }
 }
 
 async fn status(args: StatusArgs) -> anyhow::Result<()> {
-    let file = match &args.config {
-        Some(path) => node_file(path)?,
-        None => ClusterFileConfig::default(),
-    };
-    let Some(endpoints) = file.endpoints(args.etcd) else {
-        anyhow::bail!("etcd: give --etcd URLS, or a --config whose [cluster] names etcd");
-    };
-    let config = join::etcd_access(endpoints, file.name(args.cluster), &file)?;
+    let (_, config) = args.at.resolve()?;
     let status = kvtier_cluster::status(&config).await.with_context(|| {
         format!(
             "reading cluster {:?} from etcd at {}",

@@ -21,6 +21,8 @@ use tokio::sync::watch;
 use tonic::Code;
 
 use crate::client::{Client, ClientError, Connect, Result};
+
+mod group;
 use crate::pb;
 
 /// A client of every node of a cluster, for one tenant.
@@ -134,11 +136,25 @@ impl Cluster {
         prefix_hashes: Vec<Bytes>,
     ) -> Result<(Placed, pb::CreateSequenceResponse)> {
         let owner = self.owner_by_placement(PlacementKey::of(self.placement_tenant(), sequence_id, &prefix_hashes))?;
+        self.create_at(owner, sequence_id, layout, prefix_hashes, None).await
+    }
+
+    /// Creates `sequence_id` on `owner` (as a shard of `group`, if given),
+    /// once more where a node's refusal says its view places it, and
+    /// remembers where it went.
+    async fn create_at(
+        &self,
+        owner: NodeRecord,
+        sequence_id: &str,
+        layout: pb::Layout,
+        prefix_hashes: Vec<Bytes>,
+        group: Option<pb::PlacementGroup>,
+    ) -> Result<(Placed, pb::CreateSequenceResponse)> {
         let create = |addr: String| {
-            let (layout, hashes) = (layout.clone(), prefix_hashes.clone());
+            let (layout, hashes, group) = (layout.clone(), prefix_hashes.clone(), group.clone());
             async move {
                 let mut client = self.client(&addr)?;
-                client.create_sequence(sequence_id, layout, hashes).await
+                client.create_in_group(sequence_id, layout, hashes, group).await
             }
         };
         let (placed, created) = match create(owner.addr.clone()).await {
@@ -166,18 +182,54 @@ impl Cluster {
     }
 
     /// Where a prompt's pages are and how many of its leading pages are
-    /// stored: the node placement gives its first hash (where a create with
-    /// the chain goes and attaches them), and the count, so a worker
-    /// recomputes only the rest.
+    /// stored anywhere in the cluster, so a worker recomputes only the
+    /// rest. The node placement gives its first hash is asked first (where
+    /// a create with the chain goes and attaches them); unless it holds the
+    /// whole chain, every other serving node is asked too (a node that
+    /// joined since took the hash over, and the pages stay where they were
+    /// until a rebalance moves them). The node holding the most leading
+    /// pages answers; placement's node when none holds more.
     pub async fn lookup(&self, layout: pb::Layout, prefix_hashes: Vec<Bytes>) -> Result<(Placed, u64)> {
-        let owner = self.owner_by_placement(PlacementKey::of(self.placement_tenant(), "", &prefix_hashes))?;
-        let pages = self.client(&owner.addr)?.lookup_prefix(layout, prefix_hashes).await?;
+        let view = self.view();
+        let owner = view
+            .owner(PlacementKey::of(self.placement_tenant(), "", &prefix_hashes))
+            .cloned()
+            .ok_or_else(|| ClientError::Cluster("no node is serving".into()))?;
+        let ask = |addr: String| {
+            let (layout, hashes) = (layout.clone(), prefix_hashes.clone());
+            async move { self.client(&addr)?.lookup_prefix(layout, hashes).await }
+        };
+        let mut best = (owner.clone(), ask(owner.addr.clone()).await?);
+        if best.1 < prefix_hashes.len() as u64 {
+            let mut asked = tokio::task::JoinSet::new();
+            for node in view.members() {
+                if node.state != kvtier_cluster::NodeState::Serving || node.node_id == owner.node_id {
+                    continue;
+                }
+                let (node, cluster) = (node.clone(), self.clone());
+                let (layout, hashes) = (layout.clone(), prefix_hashes.clone());
+                asked.spawn(async move {
+                    let pages = cluster.client(&node.addr)?.lookup_prefix(layout, hashes).await;
+                    Ok::<_, ClientError>((node, pages?))
+                });
+            }
+            while let Some(answer) = asked.join_next().await {
+                // A node that cannot answer holds nothing this lookup can
+                // use. Placement's node wins ties, then the lowest id, so
+                // that every client answers alike.
+                let Ok(Ok((node, pages))) = answer else { continue };
+                let tie = pages == best.1 && best.0.node_id != owner.node_id && node.node_id < best.0.node_id;
+                if pages > best.1 || tie {
+                    best = (node, pages);
+                }
+            }
+        }
         Ok((
             Placed {
-                node_id: owner.node_id,
-                addr: owner.addr,
+                node_id: best.0.node_id,
+                addr: best.0.addr,
             },
-            pages,
+            best.1,
         ))
     }
 
@@ -285,7 +337,10 @@ fn redirect(e: &ClientError) -> Option<(String, String)> {
 fn unreachable_node(e: &ClientError) -> bool {
     match e {
         ClientError::Transport(_) => true,
-        ClientError::Status(s) => s.code() == Code::Unavailable,
+        // A status made on this side from a broken connection carries its
+        // cause (a node that stopped mid-call: UNKNOWN "transport error");
+        // a node's own refusals carry none.
+        ClientError::Status(s) => s.code() == Code::Unavailable || std::error::Error::source(s).is_some(),
         _ => false,
     }
 }
