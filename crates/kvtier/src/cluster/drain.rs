@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::Args;
 use kvtier_client::{Client, Connect, Tls, pb};
-use kvtier_cluster::NodeState;
+use kvtier_cluster::{NodeRecord, NodeState};
 use kvtier_proto::v1::drain_progress::Event;
 
 use super::{EtcdArgs, NodeFile, join};
@@ -54,7 +54,7 @@ pub(crate) async fn drain(args: DrainArgs) -> anyhow::Result<()> {
     let Some(node) = view.member(&args.node) else {
         bail!("node {:?} is not a member of the cluster", args.node);
     };
-    let done = run(&file, admin, &node.node_id, &node.addr, false).await?;
+    let done = run(&file, admin, node, false).await?;
     if !done.left {
         bail!(
             "{} sequences did not move; node {} is still draining and serves them (run drain again to retry)",
@@ -70,7 +70,7 @@ pub(crate) async fn rebalance(args: RebalanceArgs) -> anyhow::Result<()> {
     let admin = &args.admin;
     let (file, etcd) = admin.at.resolve()?;
     let view = view(&etcd).await?;
-    let nodes: Vec<(String, String)> = view
+    let nodes: Vec<&NodeRecord> = view
         .members()
         .filter(|n| {
             if args.nodes.is_empty() {
@@ -79,14 +79,13 @@ pub(crate) async fn rebalance(args: RebalanceArgs) -> anyhow::Result<()> {
                 args.nodes.contains(&n.node_id)
             }
         })
-        .map(|n| (n.node_id.clone(), n.addr.clone()))
         .collect();
-    if let Some(missing) = args.nodes.iter().find(|id| !nodes.iter().any(|(n, _)| n == *id)) {
+    if let Some(missing) = args.nodes.iter().find(|id| !nodes.iter().any(|n| n.node_id == **id)) {
         bail!("node {missing:?} is not a member of the cluster");
     }
     let mut failed = 0;
-    for (id, addr) in nodes {
-        failed += run(&file, admin, &id, &addr, true).await?.failed;
+    for node in nodes {
+        failed += run(&file, admin, node, true).await?.failed;
     }
     if failed > 0 {
         bail!("{failed} sequences did not move (they stay where they are; run rebalance again to retry)");
@@ -105,8 +104,11 @@ async fn view(etcd: &kvtier_cluster::EtcdConfig) -> anyhow::Result<std::sync::Ar
     Ok(std::sync::Arc::clone(&view.borrow()))
 }
 
-/// One node's `DrainNode`, printed as it goes; its totals.
-async fn run(file: &NodeFile, admin: &AdminArgs, node: &str, addr: &str, stay: bool) -> anyhow::Result<pb::DrainDone> {
+/// One node's `DrainNode`, printed as it goes; its totals. The node is
+/// called where clients reach it, else where its peers do (from inside a
+/// cluster's own network).
+async fn run(file: &NodeFile, admin: &AdminArgs, record: &NodeRecord, stay: bool) -> anyhow::Result<pb::DrainDone> {
+    let node = record.node_id.as_str();
     let admin_token = file.auth.tokens.iter().find(|t| t.admin).map(|t| t.token.as_str());
     let tls_ca = file
         .tls
@@ -117,17 +119,31 @@ async fn run(file: &NodeFile, admin: &AdminArgs, node: &str, addr: &str, stay: b
         Some(path) => Some(std::fs::read(path).with_context(|| format!("--ca: reading {}", path.display()))?),
         None => peers.ca_pem,
     };
-    let options = Connect {
-        token: admin.token.clone().or(peers.token),
-        tls: match (addr.starts_with("https://"), ca_pem) {
-            (true, Some(ca_pem)) => Some(Tls { ca_pem, domain: None }),
-            (true, None) => bail!("node {node} serves TLS at {addr}: give --ca, or a --config with its authority"),
-            (false, _) => None,
-        },
+    let options = |addr: &str| -> anyhow::Result<Connect> {
+        Ok(Connect {
+            token: admin.token.clone().or(peers.token.clone()),
+            tls: match (addr.starts_with("https://"), &ca_pem) {
+                (true, Some(ca_pem)) => Some(Tls {
+                    ca_pem: ca_pem.clone(),
+                    domain: None,
+                }),
+                (true, None) => bail!("node {node} serves TLS at {addr}: give --ca, or a --config with its authority"),
+                (false, _) => None,
+            },
+        })
     };
-    let mut client = Client::connect_with(addr.to_owned(), options)
-        .await
-        .with_context(|| format!("connecting to node {node} at {addr}"))?;
+    let mut addr = record.addr.as_str();
+    let mut client = match Client::connect_with(addr.to_owned(), options(addr)?).await {
+        Ok(client) => client,
+        Err(e) if record.peer_addr() != addr => {
+            tracing::debug!(error = %e, "trying the node's peer address");
+            addr = record.peer_addr();
+            Client::connect_with(addr.to_owned(), options(addr)?)
+                .await
+                .with_context(|| format!("connecting to node {node} at {} or {addr}", record.addr))?
+        }
+        Err(e) => return Err(e).with_context(|| format!("connecting to node {node} at {addr}")),
+    };
     let started = Instant::now();
     println!("{} node {node} ({addr})", if stay { "rebalancing" } else { "draining" });
     let mut progress = client
