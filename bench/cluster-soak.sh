@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The cluster's model-based test (crates/kvtier/tests/cluster_model.rs), long:
 # random creates, writes, reads and drops through the routing client while
-# nodes are killed (-9), stopped, restarted and etcd is killed and restarted,
-# every read checked against the model. CI runs 120 operations; this runs
+# nodes are killed (-9), stopped, restarted, cut off from etcd, drained and
+# rebalanced, and etcd is killed and restarted, every read checked against
+# the model. CI runs 120 operations; this runs
 # OPS operations for each of SEEDS seeds and appends a line per run to
 # bench/results/cluster-soak.md.
 # Usage: bench/cluster-soak.sh [OPS] [SEEDS]

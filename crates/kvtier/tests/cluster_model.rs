@@ -119,7 +119,10 @@ const SETTLE: Duration = Duration::from_secs(TTL as u64 * 3 + 3);
 impl World {
     fn quiet(&self) -> bool {
         self.etcd_up
-            && self.slots.iter().all(|s| s.server.is_some() && s.cut_since.is_none())
+            && self
+                .slots
+                .iter()
+                .all(|s| s.server.is_some() && s.cut_since.is_none() && !s.draining)
             && self.last_fault.elapsed() > SETTLE
     }
 

@@ -270,10 +270,15 @@ impl Cluster {
             return Ok(self.client(addr)?.with_incarnation(*incarnation));
         }
         let known = known.map(|r| r.incarnation);
-        let owner = self.owner_by_placement(PlacementKey::Sequence {
+        // With no node serving (all draining, say), any member still
+        // answers where the sequence is.
+        let owner = match self.owner_by_placement(PlacementKey::Sequence {
             tenant: self.placement_tenant(),
             sequence_id,
-        })?;
+        }) {
+            Ok(owner) => owner,
+            Err(e) => self.view().members().next().cloned().ok_or(e)?,
+        };
         // Asked for the known creation, a node refuses a later one.
         let probe = |addr: String| async move {
             let mut client = self.client(&addr)?.with_incarnation(known.unwrap_or(0));

@@ -36,9 +36,12 @@ pub async fn cluster(etcd: &str, nodes: usize) -> Cluster {
     cluster
 }
 
+/// A call's status code; the client's own "no node is serving" is
+/// UNAVAILABLE.
 pub fn code(e: &ClientError) -> Code {
     match e {
         ClientError::Status(s) => s.code(),
+        ClientError::Cluster(_) => Code::Unavailable,
         other => panic!("not a status: {other}"),
     }
 }
