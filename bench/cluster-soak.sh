@@ -27,6 +27,9 @@ for seed in $(seq 1 "$seeds"); do
     verdict=FAILED
     echo "$log" | tail -60
   fi
-  summary=$(echo "$log" | grep -m1 'operations:' || echo "no summary")
+  # The test's closing count ("N operations: ..."), or what a failure said
+  # (the assertion's message; its trail of operations is printed above).
+  summary=$(echo "$log" | grep -m1 -E '^[0-9]+ operations:' ||
+    echo "$log" | grep -m1 -A1 'panicked at' | tail -1 || echo "no summary")
   echo "- $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD), $(nproc) cores: seed $seed, $verdict in $(( $(date +%s) - started )) s: $summary" | tee -a "$out"
 done

@@ -93,30 +93,11 @@ fn service() -> PyResult<&'static ServiceDescriptor> {
 }
 
 /// A failed call as the package's exception for its status code
-/// (`kvtier.errors`). A status made on this side carries its cause as a
-/// source: a status inside the chain (a message over the size limit, say)
-/// is the real one; anything else there is a broken connection or an
-/// HTTP/2 failure, which tonic reports as UNKNOWN, INTERNAL or CANCELLED
-/// depending on timing: UNAVAILABLE, with the cause spelled out.
+/// (`kvtier.errors`); a status made on this side (a broken connection:
+/// UNAVAILABLE) as the Rust client reads it (`kvtier_client::call_status`).
 fn status_error(py: Python<'_>, status: &Status) -> PyErr {
-    let mut inner = None;
-    let mut causes = String::new();
-    let mut next = std::error::Error::source(status);
-    while let Some(cause) = next {
-        causes.push_str(&format!(": {cause}"));
-        if let Some(s) = cause.downcast_ref::<Status>() {
-            inner = Some(s);
-        }
-        next = cause.source();
-    }
-    let (code, message) = match inner {
-        Some(inner) => (inner.code(), inner.message().to_owned()),
-        None if !causes.is_empty() => (
-            Code::Unavailable,
-            format!("the connection failed: {}{causes}", status.message()),
-        ),
-        None => (status.code(), status.message().to_owned()),
-    };
+    let (code, message) =
+        kvtier_client::call_status(status).unwrap_or_else(|| (status.code(), status.message().to_owned()));
     // A cluster node's refusal names the sequence's owner in metadata.
     let owner = kvtier_client::refusal_owner(status);
     let built = py

@@ -21,9 +21,11 @@ pub enum ClientError {
     #[error("connecting: {0}")]
     Transport(#[from] tonic::transport::Error),
     /// A refused call: the server's status (the proto lists each RPC's
-    /// codes), or one the client made for an answer it cannot use.
+    /// codes), or one the client made for an answer it cannot use; a
+    /// connection that broke during the call is UNAVAILABLE (see
+    /// [`call_status`]).
     #[error("{}: {}", .0.code(), .0.message())]
-    Status(#[from] tonic::Status),
+    Status(tonic::Status),
     /// K or V did not pack into the wire layout.
     #[error(transparent)]
     Pack(#[from] crate::PackError),
@@ -41,6 +43,44 @@ pub enum ClientError {
 }
 
 pub(crate) type Result<T> = std::result::Result<T, ClientError>;
+
+impl From<tonic::Status> for ClientError {
+    fn from(status: tonic::Status) -> Self {
+        match call_status(&status) {
+            Some((code, message)) => ClientError::Status(tonic::Status::new(code, message)),
+            None => ClientError::Status(status),
+        }
+    }
+}
+
+/// What a status made on this side means. A server's status has no source;
+/// one tonic made from a failure here carries it: a status inside the chain
+/// (a message over the size limit, say) is the real one, and anything else
+/// is a broken connection or an HTTP/2 failure, which tonic reports as
+/// UNKNOWN, INTERNAL or CANCELLED depending on timing: UNAVAILABLE, the
+/// cause spelled out (the node is worth asking again, or another). `None`:
+/// the status stands as it is.
+pub fn call_status(status: &tonic::Status) -> Option<(tonic::Code, String)> {
+    let mut next = std::error::Error::source(status)?;
+    let (mut inner, mut causes) = (None, String::new());
+    loop {
+        causes.push_str(&format!(": {next}"));
+        if let Some(s) = next.downcast_ref::<tonic::Status>() {
+            inner = Some(s);
+        }
+        match next.source() {
+            Some(cause) => next = cause,
+            None => break,
+        }
+    }
+    Some(match inner {
+        Some(inner) => (inner.code(), inner.message().to_owned()),
+        None => (
+            tonic::Code::Unavailable,
+            format!("the connection failed: {}{causes}", status.message()),
+        ),
+    })
+}
 
 /// The node a cluster node's refusal names as the sequence's owner, with
 /// its address (`kvtier-owner-node` / `kvtier-owner-addr` metadata).

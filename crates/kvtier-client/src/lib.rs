@@ -23,7 +23,8 @@ mod pack;
 mod shm;
 
 pub use client::{
-    Client, ClientError, Connect, MAX_MESSAGE_BYTES, SelectRequest, SelectResult, Tls, actions, layout, refusal_owner,
+    Client, ClientError, Connect, MAX_MESSAGE_BYTES, SelectRequest, SelectResult, Tls, actions, call_status, layout,
+    refusal_owner,
 };
 #[cfg(feature = "cluster")]
 pub use cluster::{Cluster, Placed};

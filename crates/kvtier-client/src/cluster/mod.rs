@@ -342,10 +342,8 @@ fn redirect(e: &ClientError) -> Option<(String, String)> {
 fn unreachable_node(e: &ClientError) -> bool {
     match e {
         ClientError::Transport(_) => true,
-        // A status made on this side from a broken connection carries its
-        // cause (a node that stopped mid-call: UNKNOWN "transport error");
-        // a node's own refusals carry none.
-        ClientError::Status(s) => s.code() == Code::Unavailable || std::error::Error::source(s).is_some(),
+        // A connection that broke mid-call is UNAVAILABLE too (`call_status`).
+        ClientError::Status(s) => s.code() == Code::Unavailable,
         _ => false,
     }
 }
