@@ -61,25 +61,21 @@ impl From<tonic::Status> for ClientError {
 /// cause spelled out (the node is worth asking again, or another). `None`:
 /// the status stands as it is.
 pub fn call_status(status: &tonic::Status) -> Option<(tonic::Code, String)> {
-    let mut next = std::error::Error::source(status)?;
-    let (mut inner, mut causes) = (None, String::new());
-    loop {
-        causes.push_str(&format!(": {next}"));
-        if let Some(s) = next.downcast_ref::<tonic::Status>() {
-            inner = Some(s);
-        }
-        match next.source() {
-            Some(cause) => next = cause,
-            None => break,
-        }
-    }
-    Some(match inner {
-        Some(inner) => (inner.code(), inner.message().to_owned()),
-        None => (
-            tonic::Code::Unavailable,
-            format!("the connection failed: {}{causes}", status.message()),
-        ),
-    })
+    let first = std::error::Error::source(status)?;
+    let chain = || std::iter::successors(Some(first), |cause| cause.source());
+    // The innermost status is the one closest to what failed.
+    Some(
+        match chain().filter_map(|cause| cause.downcast_ref::<tonic::Status>()).last() {
+            Some(inner) => (inner.code(), inner.message().to_owned()),
+            None => {
+                let causes: String = chain().map(|cause| format!(": {cause}")).collect();
+                (
+                    tonic::Code::Unavailable,
+                    format!("the connection failed: {}{causes}", status.message()),
+                )
+            }
+        },
+    )
 }
 
 /// The node a cluster node's refusal names as the sequence's owner, with
