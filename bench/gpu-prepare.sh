@@ -13,6 +13,10 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kvtier_cuda":
         print(m["executable"])')
 mkdir -p bench/gpu-bin
-cp target/release/kvtier bench/gpu-bin/kvtier
-cp "$tests" bench/gpu-bin/kvtier-cuda-tests
+# Stripped: the release profile keeps debug info, and the device tool
+# carries at most 64 MiB.
+strip -o bench/gpu-bin/kvtier target/release/kvtier
+strip -o bench/gpu-bin/kvtier-cuda-tests "$tests"
+# The GPU machine's copy of the tree may have no git: the results name this.
+git rev-parse --short HEAD > bench/gpu-bin/COMMIT
 ls -l bench/gpu-bin

@@ -2,13 +2,15 @@
 # The device policy on the decode loop: device miss ratio and step p50/p99
 # for `lru` and `loop` at device sizes of 1/4, 1/2 and 1x one decode step's
 # working set (the pages one step's selections touch over all layers), in
-# one run, on the emulated device. Presets: smollm2-135m with synthetic
+# one run, on the GPU when one is usable (bench/gpu-check.sh runs it there)
+# and on the emulated device otherwise. Presets: smollm2-135m with synthetic
 # drifting queries, the realkv dataset (its 2048 positions: context 1984;
 # when built: data/realkv/make.sh),
 # and llama3-8b at 32K context.
-# Writes bench/results/loop-policy.md and .jsonl.
+# Writes bench/results/loop-policy.md and .jsonl (OUT=DIR elsewhere).
 # Usage: bench/loop-policy.sh [path/to/kvtier]   (STEPS=N steps per run, default 48;
-# REALKV=DIR the realkv dataset, default data/realkv/small)
+# REALKV=DIR the realkv dataset, default data/realkv/small; PRESETS=a,b only
+# those of synthetic, realkv, llama3-8b)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-}
@@ -16,16 +18,21 @@ if [ -z "$bin" ]; then
   cargo build --release --locked -q -p kvtier
   bin=target/release/kvtier
 fi
-out=bench/results
+out=${OUT:-bench/results}
+mkdir -p "$out"
 jsonl=$out/loop-policy.jsonl
 : > "$jsonl"
 steps=${STEPS:-48}
 realkv=${REALKV:-data/realkv/small}
-presets=("synthetic|--preset smollm2-135m --context 4096 --queries synthetic --drift 0.1")
-if [ -f "$realkv/meta.json" ]; then
+wanted=${PRESETS:-synthetic,realkv,llama3-8b}
+presets=()
+[[ ,$wanted, == *,synthetic,* ]] && presets+=("synthetic|--preset smollm2-135m --context 4096 --queries synthetic --drift 0.1")
+if [[ ,$wanted, == *,realkv,* && -f "$realkv/meta.json" ]]; then
   presets+=("realkv|--preset smollm2-135m --context 1984 --queries realkv:$realkv")
 fi
-presets+=("llama3-8b 32K|--preset llama3-8b --context 32768 --queries synthetic --drift 0.1")
+[[ ,$wanted, == *,llama3-8b,* ]] && presets+=("llama3-8b 32K|--preset llama3-8b --context 32768 --queries synthetic --drift 0.1")
+# The commit: from git, or what bench/gpu-prepare.sh recorded with the binary.
+commit=$(git rev-parse --short HEAD 2>/dev/null || cat "$(dirname "$bin")/COMMIT" 2>/dev/null || echo unknown)
 for preset in "${presets[@]}"; do
   name=${preset%%|*}
   flags=${preset#*|}
@@ -43,8 +50,13 @@ done
   echo
   echo "- command: \`bench/loop-policy.sh\` (each row: \`kvtier bench decode <preset flags> --steps $steps --device-step-fraction F --device-policy P --json\`)"
   echo "- machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(free -g | awk '/Mem:/{print $2" GiB"}'); $(uname -r)"
-  echo "- date: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD)"
-  echo "- device: EMULATED in host memory (no GPU here); host tier holds the whole context; budget 32 pages per KV head"
+  echo "- date: $(date -u +%Y-%m-%dT%H:%MZ), commit $commit"
+  if grep -q '"emulated_device": *false' "$jsonl"; then
+    echo "- device: the GPU ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)), swap-in by kernel; host tier in pinned memory"
+  else
+    echo "- device: EMULATED in host memory (no GPU here)"
+  fi
+  echo "- host tier holds the whole context; budget 32 pages per KV head"
   echo "  (sinks 1, window 1), two-stage ranking. Device size: F × one step's working set (every lane's budget)."
   echo "- miss ratio: selected pages not hot when selected; loop/lru: the loop policy's value over LRU's, same preset"
   echo "  and size."

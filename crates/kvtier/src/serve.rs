@@ -385,7 +385,7 @@ type SharedTier = Arc<dyn Tier>;
 
 /// The device and host tiers on a GPU when one is usable; `None`s (emulated
 /// device, plain host memory) otherwise, with the reason in the log.
-fn gpu_tiers(config: &StoreConfig, path: SwapPath) -> (Option<SharedTier>, Option<SharedTier>) {
+pub(crate) fn gpu_tiers(config: &StoreConfig, path: SwapPath) -> (Option<SharedTier>, Option<SharedTier>) {
     let gpu = match kvtier_cuda::Gpu::open() {
         Ok(gpu) => gpu,
         Err(e) => {

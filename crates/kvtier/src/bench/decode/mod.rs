@@ -18,9 +18,9 @@ use serde::Serialize;
 use super::plot::{Chart, Series};
 use crate::shape::Shape;
 use kvtier_store::{Access, HeadPages, TRACE_FORMAT, TraceHeader, TraceRecord};
-use run::DataPlane;
 pub(crate) use run::histogram;
 use run::{Class, Measured, RunConfig};
+use run::{DataPlane, DeviceChoice};
 use workload::{Queries, RealKv};
 
 #[derive(Debug, Clone, Args)]
@@ -83,6 +83,11 @@ pub(crate) struct DecodeArgs {
     /// loop).
     #[arg(long, default_value_t = kvtier_store::DevicePolicy::Lru)]
     device_policy: kvtier_store::DevicePolicy,
+    /// In-process server: the device tier on the GPU when one is usable
+    /// (auto, as `kvtier serve` does: the host tier then in pinned memory)
+    /// or emulated in host memory.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    device: DeviceChoice,
     /// In-process server: which host pages migrate to NVMe first (lru or
     /// frequency).
     #[arg(long, default_value_t = kvtier_store::HostPolicy::Lru)]
@@ -615,6 +620,7 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         device_fraction: a.device_fraction,
         device_step_fraction: a.device_step_fraction,
         device_policy: a.device_policy,
+        device: a.device,
         host_policy: a.host_policy,
         host_fraction: a.host_fraction,
         queries: a.queries.clone(),

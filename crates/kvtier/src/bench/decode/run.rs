@@ -38,6 +38,7 @@ pub(crate) struct RunConfig {
     pub(crate) device_step_fraction: Option<f64>,
     #[serde(serialize_with = "policy_name")]
     pub(crate) device_policy: kvtier_store::DevicePolicy,
+    pub(crate) device: DeviceChoice,
     #[serde(serialize_with = "policy_name")]
     pub(crate) host_policy: kvtier_store::HostPolicy,
     pub(crate) host_fraction: f64,
@@ -63,6 +64,16 @@ pub(crate) struct RunConfig {
     /// Keep every selection's page lists (for `--trace`).
     #[serde(skip)]
     pub(crate) record_trace: bool,
+}
+
+/// Where the in-process server's device tier lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum DeviceChoice {
+    /// On the GPU when one is usable, emulated otherwise (the log says why).
+    Auto,
+    /// Emulated in host memory even where a GPU is usable.
+    Emulated,
 }
 
 /// How selected pages' bytes reach the client.
@@ -232,7 +243,11 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
         },
         ..StoreConfig::default()
     };
-    let store = Store::new(config)?;
+    let (device, host) = match cfg.device {
+        DeviceChoice::Auto => crate::serve::gpu_tiers(&config, kvtier_cuda::SwapPath::Kernel),
+        DeviceChoice::Emulated => (None, None),
+    };
+    let store = Store::new_with(config, device, host)?;
     let server = ServerConfig {
         listen: ([127, 0, 0, 1], 0).into(),
         metrics_listen: None,
