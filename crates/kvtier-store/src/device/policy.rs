@@ -12,9 +12,13 @@
 //!   served and the next one, which the store prefetches while this one is
 //!   served (what layer l+1 chose last step; the last layer's next is the
 //!   next step's first). Demand swap-ins and new pages go here too;
-//! - a **resident subset**, the rest of the device: the hot pages
-//!   selections chose most often (each selection counts once, with aging,
-//!   so a page that stops being chosen loses its place). Only an explicit
+//! - a **resident subset**, the rest of the device: first the hot pages
+//!   other requests share (attached through the hash chain or a shared
+//!   put: one count per request, not per use), then those selections chose
+//!   most often (each selection counts once, with aging, so a page that
+//!   stops being chosen loses its place, its sharing with it). A burst of
+//!   one-off prompts, however often their steps choose their pages, never
+//!   displaces a prefix other requests share. Only an explicit
 //!   swap-in takes a resident page's room: a selection's misses beyond the
 //!   stream region stay cold, so the subset keeps hitting, and a prefetch
 //!   never displaces it. When prefetches arrive in time the stream region
@@ -68,10 +72,25 @@ impl Reuse {
         });
     }
 
-    /// `page`'s aged count, without counting.
-    pub(crate) fn score(&self, page: &PhysPage) -> u32 {
-        aged(page.reuse.load(Ordering::Relaxed), self.epoch())
+    /// `page`'s claim on the subset, without counting: its sharers while
+    /// selections still choose it (counted in this epoch or the last), and
+    /// its aged count.
+    pub(crate) fn score(&self, page: &PhysPage) -> Score {
+        let (packed, epoch) = (page.reuse.load(Ordering::Relaxed), self.epoch());
+        let chosen_lately = packed as u32 > 0 && epoch.saturating_sub((packed >> 32) as u32) <= 1;
+        Score {
+            shared: if chosen_lately { page.sharers() } else { 0 },
+            reuse: aged(packed, epoch),
+        }
     }
+}
+
+/// A page's claim on the resident subset, compared sharers first: requests
+/// beyond the first that attached it, then how often selections chose it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Score {
+    pub(crate) shared: u8,
+    pub(crate) reuse: u32,
 }
 
 fn pack(epoch: u32, count: u32) -> u64 {
@@ -93,8 +112,8 @@ pub(crate) struct Resident {
     /// Kept for the stream region: twice the largest selection seen.
     stream: u64,
     bytes: u64,
-    members: HashMap<u64, (u32, u64, Weak<PhysPage>)>,
-    by_score: BTreeSet<(u32, u64)>,
+    members: HashMap<u64, (Score, u64, Weak<PhysPage>)>,
+    by_score: BTreeSet<(Score, u64)>,
 }
 
 /// What an admission did.
@@ -146,7 +165,7 @@ impl Resident {
 
     /// Makes page `id` (of `bytes`, with `score`) resident if there is room
     /// or it scores above the lowest resident page, which then leaves.
-    pub(crate) fn admit(&mut self, page: &Arc<PhysPage>, score: u32) -> Admitted {
+    pub(crate) fn admit(&mut self, page: &Arc<PhysPage>, score: Score) -> Admitted {
         let (id, bytes) = (page.id, page.layout.page_bytes() as u64);
         if let Some((old, ..)) = self.members.get(&id) {
             self.by_score.remove(&(*old, id));
@@ -172,7 +191,7 @@ impl Resident {
         Admitted::Displaced(victim, weak)
     }
 
-    fn insert(&mut self, page: &Arc<PhysPage>, score: u32) {
+    fn insert(&mut self, page: &Arc<PhysPage>, score: Score) {
         let bytes = page.layout.page_bytes() as u64;
         self.members.insert(page.id, (score, bytes, Arc::downgrade(page)));
         self.by_score.insert((score, page.id));
@@ -202,6 +221,10 @@ pub(crate) type LastChosen = HashMap<(kvtier_core::SequenceKey, u32), Vec<Weak<P
 mod tests {
     use super::*;
 
+    fn reuse(reuse: u32) -> Score {
+        Score { shared: 0, reuse }
+    }
+
     #[test]
     fn the_subset_keeps_the_highest_scores_within_its_bytes() {
         let parts = crate::testing::Parts::new(1, 8, false);
@@ -209,22 +232,25 @@ mod tests {
         let page_bytes = crate::testing::PAGE_BYTES;
         let mut r = Resident::new(5 * page_bytes);
         assert!(r.fit_stream(page_bytes).is_empty(), "2 pages kept for the stream");
-        assert!(matches!(r.admit(&pages[0], 5), Admitted::Yes));
-        assert!(matches!(r.admit(&pages[1], 2), Admitted::Yes));
-        assert!(matches!(r.admit(&pages[2], 7), Admitted::Yes));
-        assert!(matches!(r.admit(&pages[3], 1), Admitted::No), "below every member");
-        assert!(matches!(r.admit(&pages[4], 6), Admitted::Displaced(2, _)));
+        assert!(matches!(r.admit(&pages[0], reuse(5)), Admitted::Yes));
+        assert!(matches!(r.admit(&pages[1], reuse(2)), Admitted::Yes));
+        assert!(matches!(r.admit(&pages[2], reuse(7)), Admitted::Yes));
+        assert!(
+            matches!(r.admit(&pages[3], reuse(1)), Admitted::No),
+            "below every member"
+        );
+        assert!(matches!(r.admit(&pages[4], reuse(6)), Admitted::Displaced(2, _)));
         assert!(!r.contains(2) && r.contains(5));
         assert!(
-            matches!(r.admit(&pages[0], 9), Admitted::Yes),
+            matches!(r.admit(&pages[0], reuse(9)), Admitted::Yes),
             "a member's score is refreshed"
         );
         assert_eq!(r.pop_lowest().map(|(id, _)| id), Some(5));
         r.remove(3);
         assert_eq!(r.bytes, page_bytes);
         // A larger selection takes room from the subset, lowest first.
-        assert!(matches!(r.admit(&pages[2], 7), Admitted::Yes));
-        assert!(matches!(r.admit(&pages[4], 8), Admitted::Yes));
+        assert!(matches!(r.admit(&pages[2], reuse(7)), Admitted::Yes));
+        assert!(matches!(r.admit(&pages[4], reuse(8)), Admitted::Yes));
         let left: Vec<u64> = r
             .fit_stream(2 * page_bytes)
             .iter()
@@ -232,6 +258,27 @@ mod tests {
             .map(|p| p.id)
             .collect();
         assert_eq!(left, vec![3, 5], "4 pages for the stream leave 1 for the subset");
+    }
+
+    #[test]
+    fn a_shared_page_outranks_any_one_requests_page() {
+        let parts = crate::testing::Parts::new(1, 8, false);
+        let (shared, single) = (parts.page(1), parts.page(2));
+        shared.attached_again();
+        let reuse_counts = Reuse::default();
+        for _ in 0..2 {
+            reuse_counts.count(&shared);
+        }
+        for _ in 0..50 {
+            reuse_counts.count(&single);
+        }
+        let (a, b) = (reuse_counts.score(&shared), reuse_counts.score(&single));
+        assert_eq!((a.shared, a.reuse, b.shared, b.reuse), (1, 2, 0, 50));
+        assert!(a > b, "sharing ranks first");
+        // Never chosen, sharing gives no claim.
+        let idle = parts.page(3);
+        idle.attached_again();
+        assert_eq!(reuse_counts.score(&idle), Score::default());
     }
 
     #[test]

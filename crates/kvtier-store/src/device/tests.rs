@@ -183,6 +183,40 @@ fn only_an_explicit_swap_in_takes_a_resident_pages_room() {
 }
 
 #[test]
+fn a_burst_of_one_off_requests_does_not_displace_a_shared_prefix() {
+    // 8 device pages: 2 for the stream region (one page a selection), 6
+    // for the subset. Tenant A's prefix: 3 pages a second request attached,
+    // chosen twice each. Then tenant B's burst: 40 one-off pages, each
+    // chosen 6 times by its own request (far more often than A's).
+    let parts = Parts::with_policy(8, 128, false, super::DevicePolicy::Loop);
+    let choose = |page: &Arc<PhysPage>| {
+        let one = [Arc::clone(page)];
+        parts.device.selected(&one);
+        parts.device.make_hot(&one, Reason::Demand, &parts.reader());
+    };
+    let prefix: Vec<_> = (0..3).map(|id| parts.page(id)).collect();
+    for page in &prefix {
+        page.attached_again();
+        choose(page);
+        choose(page);
+    }
+    let burst: Vec<_> = (100..140).map(|id| parts.page(id)).collect();
+    for page in &burst {
+        for _ in 0..6 {
+            choose(page);
+        }
+    }
+    assert!(
+        prefix.iter().all(|p| state(p) == PageState::Hot),
+        "the shared prefix stays on the device: {:?}",
+        prefix.iter().map(|p| state(p)).collect::<Vec<_>>()
+    );
+    // The burst had the rest of the device: the subset's other 3 pages
+    // and the stream region's 2.
+    assert_eq!(burst.iter().filter(|p| state(p) == PageState::Hot).count(), 5);
+}
+
+#[test]
 fn a_prefetch_is_used_late_or_wasted_once_by_its_kind() {
     use crate::stats::PrefetchKind::{self, Asked, LayerAhead};
     let parts = Parts::new(2, 16, false);

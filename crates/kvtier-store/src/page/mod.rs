@@ -52,6 +52,9 @@ pub(crate) struct PhysPage {
     /// frequency policy spends one each time the page's turn to migrate
     /// comes (`host/policy.rs`).
     chances: AtomicU8,
+    /// The same count, never spent: the device's loop policy ranks pages
+    /// other requests share above one request's (`device/policy.rs`).
+    sharers: AtomicU8,
     /// Its metadata, charged to the tenant whose quotas its slots count
     /// against too (pages are shared only within a tenant).
     charge: PageCharge,
@@ -74,16 +77,24 @@ impl PhysPage {
             prefetch: AtomicU8::new(0),
             reuse: AtomicU64::new(0),
             chances: AtomicU8::new(0),
+            sharers: AtomicU8::new(0),
             charge,
         }
     }
 
     /// Another request (sequence) took a reference to the page: one more
-    /// second chance, up to [`MAX_CHANCES`].
+    /// second chance and one more sharer, each up to [`MAX_CHANCES`].
     pub(crate) fn attached_again(&self) {
-        let _ = self.chances.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
-            (c < MAX_CHANCES).then_some(c + 1)
-        });
+        for count in [&self.chances, &self.sharers] {
+            let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                (c < MAX_CHANCES).then_some(c + 1)
+            });
+        }
+    }
+
+    /// Requests beyond the first that attached the page (capped).
+    pub(crate) fn sharers(&self) -> u8 {
+        self.sharers.load(Ordering::Relaxed)
     }
 
     /// Whether the page holds a second chance.
