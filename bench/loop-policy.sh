@@ -8,7 +8,8 @@
 # when built: data/realkv/make.sh),
 # and llama3-8b at 32K context.
 # Writes bench/results/loop-policy.md and .jsonl (OUT=DIR elsewhere).
-# Usage: bench/loop-policy.sh [path/to/kvtier]   (STEPS=N steps per run, default 48;
+# Usage: bench/loop-policy.sh [path/to/kvtier]   (STEPS=N measured steps per run,
+# default 48, after WARMUP=N steps that fill the device, default 4;
 # REALKV=DIR the realkv dataset, default data/realkv/small; PRESETS=a,b only
 # those of synthetic, realkv, llama3-8b)
 set -euo pipefail
@@ -23,6 +24,7 @@ mkdir -p "$out"
 jsonl=$out/loop-policy.jsonl
 : > "$jsonl"
 steps=${STEPS:-48}
+warmup=${WARMUP:-4}
 realkv=${REALKV:-data/realkv/small}
 wanted=${PRESETS:-synthetic,realkv,llama3-8b}
 presets=()
@@ -39,7 +41,7 @@ for preset in "${presets[@]}"; do
   for size in 0.25 0.5 1; do
     for policy in lru loop; do
       # shellcheck disable=SC2086
-      "$bin" bench decode $flags --steps "$steps" --device-step-fraction "$size" --device-policy "$policy" \
+      "$bin" bench decode $flags --steps "$steps" --warmup-steps "$warmup" --device-step-fraction "$size" --device-policy "$policy" \
         --out target/loop-policy-run --json |
         python3 -c "import json,sys; r=json.load(sys.stdin); r['preset']='$name'; print(json.dumps(r))" >> "$jsonl"
     done
@@ -48,7 +50,7 @@ done
 {
   echo "# The device policy on the decode loop"
   echo
-  echo "- command: \`bench/loop-policy.sh\` (each row: \`kvtier bench decode <preset flags> --steps $steps --device-step-fraction F --device-policy P --json\`)"
+  echo "- command: \`bench/loop-policy.sh\` (each row: \`kvtier bench decode <preset flags> --steps $steps --warmup-steps $warmup --device-step-fraction F --device-policy P --json\`)"
   echo "- machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(free -g | awk '/Mem:/{print $2" GiB"}'); $(uname -r)"
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ), commit $commit"
   if grep -q '"emulated_device": *false' "$jsonl"; then

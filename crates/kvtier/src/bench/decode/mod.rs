@@ -71,6 +71,10 @@ pub(crate) struct DecodeArgs {
     /// Decode steps per sequence (each: every layer's selection and append).
     #[arg(long, default_value_t = 64)]
     steps: usize,
+    /// Steps per sequence run before the measured ones, neither timed nor
+    /// counted: the first steps fill an empty device whatever its policy.
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: usize,
     /// In-process server: device tier as a share of the working set.
     #[arg(long, default_value_t = 0.25)]
     device_fraction: f64,
@@ -617,6 +621,7 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         candidates: a.candidates,
         sequences: a.sequences,
         steps: a.steps,
+        warmup_steps: a.warmup_steps,
         device_fraction: a.device_fraction,
         device_step_fraction: a.device_step_fraction,
         device_policy: a.device_policy,

@@ -31,6 +31,8 @@ pub(crate) struct RunConfig {
     pub(crate) candidates: u32,
     pub(crate) sequences: usize,
     pub(crate) steps: usize,
+    /// Steps per sequence before the measured ones (not timed or counted).
+    pub(crate) warmup_steps: usize,
     /// Tier sizes as shares of the working set (the prefilled KV of all
     /// sequences) for the in-process server; NVMe gets the rest (and room).
     pub(crate) device_fraction: f64,
@@ -209,7 +211,7 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
     }
     let s = &cfg.shape;
     let lanes = (s.layers * s.kv_heads) as u64 * cfg.sequences as u64;
-    let pages = (cfg.context + cfg.steps).div_ceil(s.page_size as usize) as u64 + 1;
+    let pages = (cfg.context + cfg.warmup_steps + cfg.steps).div_ceil(s.page_size as usize) as u64 + 1;
     let working_set = lanes * pages * s.page_bytes() as u64;
     let dir = tempfile::Builder::new()
         .prefix("kvtier-bench-")
@@ -306,22 +308,24 @@ async fn prefill(
     Ok(())
 }
 
-/// What one sequence's decode measured.
+/// What one sequence's decode measured, and its data to go on with.
 struct SequenceRun {
     steps: Vec<Step>,
     read_fraction: f64,
     trace: Vec<TraceRecord>,
+    data: SequenceData,
 }
 
-/// Runs the steps of sequence number `index`.
+/// Runs steps `range` of sequence number `index`.
 async fn decode(
     mut client: Client,
     (index, seq): (usize, String),
     mut data: SequenceData,
     (cfg, shm_socket): (Arc<RunConfig>, Option<std::path::PathBuf>),
-    start: Instant,
+    (range, start): (std::ops::Range<usize>, Instant),
     progress: Arc<Mutex<usize>>,
 ) -> anyhow::Result<SequenceRun> {
+    let first = range.start;
     let s = &cfg.shape;
     // One window for every selection: they run one after another.
     let mut region = match (cfg.data_plane, &shm_socket) {
@@ -336,12 +340,14 @@ async fn decode(
             Some(region)
         }
     };
-    let mut steps = Vec::with_capacity(cfg.steps);
+    let mut steps = Vec::with_capacity(range.len());
     let mut trace = Vec::new();
     let mut read = 0.0;
-    for step in 0..cfg.steps {
+    for step in range.clone() {
         let position = cfg.context + step;
-        let intended = cfg.rate.map(|r| start + Duration::from_secs_f64(step as f64 / r));
+        let intended = cfg
+            .rate
+            .map(|r| start + Duration::from_secs_f64((step - first) as f64 / r));
         if let Some(at) = intended {
             tokio::time::sleep_until(at.into()).await;
         }
@@ -467,8 +473,9 @@ async fn decode(
     }
     Ok(SequenceRun {
         steps,
-        read_fraction: read / (cfg.steps.max(1) * s.layers as usize) as f64,
+        read_fraction: read / (range.len().max(1) * s.layers as usize) as f64,
         trace,
+        data,
     })
 }
 
@@ -536,33 +543,49 @@ pub(crate) async fn run(cfg: RunConfig) -> anyhow::Result<Measured> {
     }
     prefill_bar.await?;
     let prefill_seconds = prefill_start.elapsed().as_secs_f64();
+    let shm_socket = target.shm_socket.clone();
+    let steps_client = client.clone();
+    // Steps `range` of every sequence at once; each sequence's data back.
+    let run_steps = |sequences: Vec<(String, SequenceData)>, range: std::ops::Range<usize>, progress| {
+        let start = Instant::now();
+        let tasks: Vec<_> = sequences
+            .into_iter()
+            .enumerate()
+            .map(|(i, (seq, data))| {
+                let run = tokio::spawn(decode(
+                    steps_client.clone(),
+                    (i, seq.clone()),
+                    data,
+                    (Arc::clone(&cfg), shm_socket.clone()),
+                    (range.clone(), start),
+                    Arc::clone(&progress),
+                ));
+                (seq, run)
+            })
+            .collect();
+        (start, tasks)
+    };
+    if cfg.warmup_steps > 0 {
+        let (_, warmup) = run_steps(sequences, 0..cfg.warmup_steps, Arc::new(Mutex::new(0)));
+        let mut warmed = Vec::new();
+        for (seq, run) in warmup {
+            warmed.push((seq, run.await??.data));
+        }
+        sequences = warmed;
+    }
     let before = client.stats().await?;
     let progress = Arc::new(Mutex::new(0));
     let bar = progress_bar(Arc::clone(&progress), cfg.steps * cfg.sequences, "steps");
-    let start = Instant::now();
-    let tasks: Vec<_> = sequences
-        .into_iter()
-        .enumerate()
-        .map(|(i, (seq, data))| {
-            let c = client.clone();
-            tokio::spawn(decode(
-                c,
-                (i, seq),
-                data,
-                (Arc::clone(&cfg), target.shm_socket.clone()),
-                start,
-                Arc::clone(&progress),
-            ))
-        })
-        .collect();
+    let measured = cfg.warmup_steps..cfg.warmup_steps + cfg.steps;
+    let (start, tasks) = run_steps(sequences, measured, Arc::clone(&progress));
     if let (Some(at), Some(store)) = (cfg.checkpoint_at_step, &target.store) {
         checkpoint_at(Arc::clone(store), Arc::clone(&progress), at);
     }
     let mut steps = Vec::new();
     let mut trace = Vec::new();
     let mut read = 0.0;
-    for t in tasks {
-        let run = t.await??;
+    for (_, run) in tasks {
+        let run = run.await??;
         steps.extend(run.steps);
         trace.extend(run.trace);
         read += run.read_fraction;
