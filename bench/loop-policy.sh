@@ -33,8 +33,8 @@ if [[ ,$wanted, == *,realkv,* && -f "$realkv/meta.json" ]]; then
   presets+=("realkv|--preset smollm2-135m --context 1984 --queries realkv:$realkv")
 fi
 [[ ,$wanted, == *,llama3-8b,* ]] && presets+=("llama3-8b 32K|--preset llama3-8b --context 32768 --queries synthetic --drift 0.1")
-# The commit: from git, or what bench/gpu-prepare.sh recorded with the binary.
-commit=$(git rev-parse --short HEAD 2>/dev/null || cat "$(dirname "$bin")/COMMIT" 2>/dev/null || echo unknown)
+# The commit: what bench/gpu-prepare.sh recorded with the binary, or git's.
+commit=$(cat "$(dirname "$bin")/COMMIT" 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 for preset in "${presets[@]}"; do
   name=${preset%%|*}
   flags=${preset#*|}
