@@ -314,7 +314,7 @@ impl HotSet {
         {
             let mut resident = self.resident.lock();
             for page in pages {
-                match resident.admit(page, self.reuse.score(page)) {
+                match resident.admit(page, self.reuse.score(page), |p| self.reuse.stale(p)) {
                     Admitted::Yes => joined.push(page.id),
                     Admitted::Displaced(id, weak) => {
                         joined.push(page.id);
@@ -349,7 +349,9 @@ impl HotSet {
         }
         let next = (layer + 1) % layers.max(1);
         let mut last = self.last_chosen.lock();
-        last.insert((key.clone(), layer), chosen.iter().map(Arc::downgrade).collect());
+        let replaced = last.insert((key.clone(), layer), chosen.iter().map(Arc::downgrade).collect());
+        self.reuse
+            .loop_changed(chosen.len() as i64 - replaced.map_or(0, |r| r.len() as i64));
         last.get(&(key.clone(), next))
             .map(|pages| pages.iter().filter_map(std::sync::Weak::upgrade).collect())
             .unwrap_or_default()
@@ -359,7 +361,9 @@ impl HotSet {
     pub(crate) fn forget_sequence(&self, key: &kvtier_core::SequenceKey, layers: u32) {
         let mut last = self.last_chosen.lock();
         for layer in 0..layers {
-            last.remove(&(key.clone(), layer));
+            if let Some(gone) = last.remove(&(key.clone(), layer)) {
+                self.reuse.loop_changed(-(gone.len() as i64));
+            }
         }
     }
 }

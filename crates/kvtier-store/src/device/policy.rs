@@ -18,7 +18,12 @@
 //!   most often (each selection counts once, with aging, so a page that
 //!   stops being chosen loses its place, its sharing with it). A burst of
 //!   one-off prompts, however often their steps choose their pages, never
-//!   displaces a prefix other requests share. Only an explicit
+//!   displaces a prefix other requests share. A member no selection chose
+//!   for a few steps (the query moved on) is the first to give its place
+//!   to a hot page, whatever its count: otherwise pages of earlier steps
+//!   keep the query's new ones out, and a device larger than a step's
+//!   pages misses more than LRU does (bench/results/tune-validation.md).
+//!   Giving up its place, a page stays hot, in the stream region. Only an explicit
 //!   swap-in takes a resident page's room: a selection's misses beyond the
 //!   stream region stay cold, so the subset keeps hitting, and a prefetch
 //!   never displaces it. When prefetches arrive in time the stream region
@@ -31,9 +36,17 @@ use std::sync::{Arc, Weak};
 
 use crate::page::PhysPage;
 
-/// Selections after which every page's count halves (lazily, on its next
-/// selection): recent reuse counts more than old.
+/// Choices (pages any selection chose) after which every page's count
+/// halves (lazily, on its next choice): recent reuse counts more than old.
 const AGE_EVERY: u64 = 1 << 16;
+
+/// Steps without a choice after which a resident page is left behind: the
+/// first to give up its place, whatever its count. Fewer lets a page the
+/// query visits every few steps go; more keeps pages the query has moved
+/// away from. On the recorded traces of bench/results/tune-validation.md, 1
+/// to 16 gave the same miss ratio within 0.01 at every size, 4 and 6 the
+/// lowest.
+const STALE_AFTER_STEPS: u64 = 4;
 
 /// How the device chooses the page to demote when it needs room.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -48,27 +61,29 @@ pub enum DevicePolicy {
 
 crate::named::named_choices!(DevicePolicy { Lru => "lru", Loop => "loop" });
 
-/// How often selections chose each page, aged: a page's count is packed
-/// with the epoch it was last updated in (high 32 bits), and halves once
-/// per epoch it missed.
+/// How often selections chose each page, aged, and when last: a page's
+/// word packs the clock at its last choice (high 40 bits; the clock counts
+/// every page any selection chose) with its count, which halves once per
+/// epoch of [`AGE_EVERY`] choices it missed.
 #[derive(Debug, Default)]
 pub(crate) struct Reuse {
     selections: AtomicU64,
+    /// Pages one decode step chooses over every (sequence, layer): the
+    /// length of the loop, in the clock's units.
+    loop_pages: AtomicU64,
 }
 
-impl Reuse {
-    fn epoch(&self) -> u32 {
-        (self.selections.load(Ordering::Relaxed) / AGE_EVERY) as u32
-    }
+const COUNT_BITS: u32 = 24;
+const COUNT_MAX: u64 = (1 << COUNT_BITS) - 1;
 
+impl Reuse {
     /// Counts a selection of `page`.
     pub(crate) fn count(&self, page: &PhysPage) {
-        self.selections.fetch_add(1, Ordering::Relaxed);
-        let epoch = self.epoch();
+        let now = self.selections.fetch_add(1, Ordering::Relaxed) + 1;
         // Aged and counted in one step: another selection's count may land
         // between the load and the store.
         let _ = page.reuse.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |packed| {
-            Some(pack(epoch, aged(packed, epoch).saturating_add(1)))
+            Some(pack(now, aged(packed, now).saturating_add(1)))
         });
     }
 
@@ -76,13 +91,52 @@ impl Reuse {
     /// selections still choose it (counted in this epoch or the last), and
     /// its aged count.
     pub(crate) fn score(&self, page: &PhysPage) -> Score {
-        let (packed, epoch) = (page.reuse.load(Ordering::Relaxed), self.epoch());
-        let chosen_lately = packed as u32 > 0 && epoch.saturating_sub((packed >> 32) as u32) <= 1;
+        let (packed, now) = (
+            page.reuse.load(Ordering::Relaxed),
+            self.selections.load(Ordering::Relaxed),
+        );
+        let chosen_lately = packed & COUNT_MAX > 0 && epoch(now).saturating_sub(epoch(packed >> COUNT_BITS)) <= 1;
         Score {
             shared: if chosen_lately { page.sharers() } else { 0 },
-            reuse: aged(packed, epoch),
+            reuse: aged(packed, now),
         }
     }
+
+    /// Whether no selection chose `page` over the last
+    /// [`STALE_AFTER_STEPS`] steps (the loop came round without it).
+    pub(crate) fn stale(&self, page: &PhysPage) -> bool {
+        let then = page.reuse.load(Ordering::Relaxed) >> COUNT_BITS;
+        let now = self.selections.load(Ordering::Relaxed);
+        match self.loop_pages.load(Ordering::Relaxed) {
+            0 => false, // no loop seen yet
+            step => now.saturating_sub(then) > STALE_AFTER_STEPS * step,
+        }
+    }
+
+    /// The pages one step chooses changed by `delta` (a (sequence, layer)'s
+    /// last selection replaced or forgotten).
+    pub(crate) fn loop_changed(&self, delta: i64) {
+        let _ = self.loop_pages.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+            Some(n.saturating_add_signed(delta))
+        });
+    }
+}
+
+fn epoch(clock: u64) -> u64 {
+    clock / AGE_EVERY
+}
+
+fn pack(clock: u64, count: u32) -> u64 {
+    (clock << COUNT_BITS) | u64::from(count).min(COUNT_MAX)
+}
+
+fn aged(packed: u64, now: u64) -> u32 {
+    let (then, count) = (packed >> COUNT_BITS, (packed & COUNT_MAX) as u32);
+    let missed = epoch(now).saturating_sub(epoch(then));
+    u32::try_from(missed)
+        .ok()
+        .and_then(|m| count.checked_shr(m))
+        .unwrap_or(0)
 }
 
 /// A page's claim on the resident subset, compared sharers first: requests
@@ -91,15 +145,6 @@ impl Reuse {
 pub(crate) struct Score {
     pub(crate) shared: u8,
     pub(crate) reuse: u32,
-}
-
-fn pack(epoch: u32, count: u32) -> u64 {
-    (u64::from(epoch) << 32) | u64::from(count)
-}
-
-fn aged(packed: u64, epoch: u32) -> u32 {
-    let (then, count) = ((packed >> 32) as u32, packed as u32);
-    count.checked_shr(epoch.saturating_sub(then)).unwrap_or(0)
 }
 
 /// The loop policy's resident subset: page ids by score, within the
@@ -114,6 +159,9 @@ pub(crate) struct Resident {
     bytes: u64,
     members: HashMap<u64, (Score, u64, Weak<PhysPage>)>,
     by_score: BTreeSet<(Score, u64)>,
+    /// Members by their last admission (a choice or a swap-in), oldest
+    /// first: the first place to look for a page the loop left behind.
+    by_recency: lru::LruCache<u64, ()>,
 }
 
 /// What an admission did.
@@ -136,6 +184,7 @@ impl Resident {
             bytes: 0,
             members: HashMap::new(),
             by_score: BTreeSet::new(),
+            by_recency: lru::LruCache::unbounded(),
         }
     }
 
@@ -163,25 +212,38 @@ impl Resident {
         self.members.contains_key(&id)
     }
 
-    /// Makes page `id` (of `bytes`, with `score`) resident if there is room
-    /// or it scores above the lowest resident page, which then leaves.
-    pub(crate) fn admit(&mut self, page: &Arc<PhysPage>, score: Score) -> Admitted {
+    /// Makes page `id` (of `bytes`, with `score`) resident if there is room,
+    /// or in place of the member admitted longest ago if `stale` says the
+    /// loop left it behind (and it is not shared more), or else of the
+    /// lowest-scored member if `page` scores above it.
+    pub(crate) fn admit(&mut self, page: &Arc<PhysPage>, score: Score, stale: impl Fn(&PhysPage) -> bool) -> Admitted {
         let (id, bytes) = (page.id, page.layout.page_bytes() as u64);
         if let Some((old, ..)) = self.members.get(&id) {
             self.by_score.remove(&(*old, id));
             self.by_score.insert((score, id));
             self.members.insert(id, (score, bytes, Arc::downgrade(page)));
+            self.by_recency.promote(&id);
             return Admitted::Yes;
         }
         if self.bytes + bytes <= self.capacity() {
             self.insert(page, score);
             return Admitted::Yes;
         }
-        let Some((lowest, victim)) = self.by_score.first().copied() else {
+        let left_behind = self.by_recency.peek_lru().map(|(&oldest, _)| oldest).filter(|oldest| {
+            self.members
+                .get(oldest)
+                .is_some_and(|(s, _, weak)| s.shared <= score.shared && weak.upgrade().is_none_or(|p| stale(&p)))
+        });
+        let lowest = self
+            .by_score
+            .first()
+            .filter(|(lowest, _)| *lowest < score)
+            .map(|&(_, id)| id);
+        let Some(victim) = left_behind.or(lowest) else {
             return Admitted::No;
         };
         let freed = self.members.get(&victim).map_or(0, |m| m.1);
-        if lowest >= score || self.bytes - freed + bytes > self.capacity() {
+        if self.bytes - freed + bytes > self.capacity() {
             return Admitted::No;
         }
         let Some(weak) = self.remove(victim) else {
@@ -195,6 +257,7 @@ impl Resident {
         let bytes = page.layout.page_bytes() as u64;
         self.members.insert(page.id, (score, bytes, Arc::downgrade(page)));
         self.by_score.insert((score, page.id));
+        self.by_recency.put(page.id, ());
         self.bytes += bytes;
     }
 
@@ -202,6 +265,7 @@ impl Resident {
     pub(crate) fn remove(&mut self, id: u64) -> Option<Weak<PhysPage>> {
         let (score, bytes, weak) = self.members.remove(&id)?;
         self.by_score.remove(&(score, id));
+        self.by_recency.pop(&id);
         self.bytes -= bytes;
         Some(weak)
     }
@@ -232,25 +296,28 @@ mod tests {
         let page_bytes = crate::testing::PAGE_BYTES;
         let mut r = Resident::new(5 * page_bytes);
         assert!(r.fit_stream(page_bytes).is_empty(), "2 pages kept for the stream");
-        assert!(matches!(r.admit(&pages[0], reuse(5)), Admitted::Yes));
-        assert!(matches!(r.admit(&pages[1], reuse(2)), Admitted::Yes));
-        assert!(matches!(r.admit(&pages[2], reuse(7)), Admitted::Yes));
+        assert!(matches!(r.admit(&pages[0], reuse(5), |_| false), Admitted::Yes));
+        assert!(matches!(r.admit(&pages[1], reuse(2), |_| false), Admitted::Yes));
+        assert!(matches!(r.admit(&pages[2], reuse(7), |_| false), Admitted::Yes));
         assert!(
-            matches!(r.admit(&pages[3], reuse(1)), Admitted::No),
+            matches!(r.admit(&pages[3], reuse(1), |_| false), Admitted::No),
             "below every member"
         );
-        assert!(matches!(r.admit(&pages[4], reuse(6)), Admitted::Displaced(2, _)));
+        assert!(matches!(
+            r.admit(&pages[4], reuse(6), |_| false),
+            Admitted::Displaced(2, _)
+        ));
         assert!(!r.contains(2) && r.contains(5));
         assert!(
-            matches!(r.admit(&pages[0], reuse(9)), Admitted::Yes),
+            matches!(r.admit(&pages[0], reuse(9), |_| false), Admitted::Yes),
             "a member's score is refreshed"
         );
         assert_eq!(r.pop_lowest().map(|(id, _)| id), Some(5));
         r.remove(3);
         assert_eq!(r.bytes, page_bytes);
         // A larger selection takes room from the subset, lowest first.
-        assert!(matches!(r.admit(&pages[2], reuse(7)), Admitted::Yes));
-        assert!(matches!(r.admit(&pages[4], reuse(8)), Admitted::Yes));
+        assert!(matches!(r.admit(&pages[2], reuse(7), |_| false), Admitted::Yes));
+        assert!(matches!(r.admit(&pages[4], reuse(8), |_| false), Admitted::Yes));
         let left: Vec<u64> = r
             .fit_stream(2 * page_bytes)
             .iter()
@@ -282,9 +349,55 @@ mod tests {
     }
 
     #[test]
+    fn a_member_the_loop_left_behind_gives_its_place_first() {
+        let parts = crate::testing::Parts::new(1, 8, false);
+        let pages: Vec<_> = (1..=4).map(|id| parts.page(id)).collect();
+        let page_bytes = crate::testing::PAGE_BYTES;
+        let mut r = Resident::new(4 * page_bytes);
+        r.fit_stream(page_bytes);
+        let high = Score { shared: 0, reuse: 9 };
+        assert!(matches!(r.admit(&pages[0], high, |_| false), Admitted::Yes));
+        assert!(matches!(r.admit(&pages[1], high, |_| false), Admitted::Yes));
+        let left_behind = |p: &PhysPage| p.id == 1;
+        // Page 1, admitted first, is stale: a page chosen once takes its place.
+        assert!(matches!(
+            r.admit(&pages[2], reuse(1), left_behind),
+            Admitted::Displaced(1, _)
+        ));
+        // Neither left is stale: scores decide, and 1 is below both.
+        assert!(matches!(r.admit(&pages[3], reuse(1), left_behind), Admitted::No));
+        // A stale member shared more than the page keeps its place.
+        pages[1].attached_again();
+        r.admit(&pages[1], Score { shared: 1, reuse: 9 }, |_| false);
+        r.admit(&pages[2], reuse(1), |_| false); // 3 is now the one admitted longest ago ...
+        r.admit(&pages[1], Score { shared: 1, reuse: 9 }, |_| false); // ... then 2 is
+        assert!(matches!(r.admit(&pages[3], reuse(1), |p| p.id == 2), Admitted::No));
+        assert!(r.contains(2) && r.contains(3));
+    }
+
+    #[test]
+    fn a_page_is_stale_once_the_loop_came_round_without_it() {
+        let parts = crate::testing::Parts::new(1, 8, false);
+        let (page, other) = (parts.page(1), parts.page(2));
+        let counts = Reuse::default();
+        counts.count(&page);
+        for _ in 0..100 {
+            counts.count(&other);
+        }
+        assert!(!counts.stale(&page), "no loop seen: nothing is stale");
+        counts.loop_changed(10);
+        assert!(counts.stale(&page), "100 choices are more than 4 steps of 10");
+        counts.loop_changed(15);
+        assert!(!counts.stale(&page), "and fewer than 4 steps of 25");
+        counts.count(&page);
+        assert!(!counts.stale(&other) && !counts.stale(&page));
+    }
+
+    #[test]
     fn counts_halve_per_epoch_missed() {
-        assert_eq!(aged(pack(3, 8), 3), 8);
-        assert_eq!(aged(pack(3, 8), 5), 2);
-        assert_eq!(aged(pack(0, 8), 40), 0);
+        let at = |epoch: u64| epoch * AGE_EVERY;
+        assert_eq!(aged(pack(at(3), 8), at(3) + 5), 8);
+        assert_eq!(aged(pack(at(3), 8), at(5)), 2);
+        assert_eq!(aged(pack(0, 8), at(40)), 0);
     }
 }
