@@ -56,7 +56,8 @@ done
   if grep -q '"emulated_device": *false' "$jsonl"; then
     echo "- device: the GPU ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)), swap-in by kernel; host tier in pinned memory"
   else
-    echo "- device: EMULATED in host memory (no GPU here)"
+    echo "- device: EMULATED in host memory (no GPU here): a prefetch is a CPU copy that competes with ranking;"
+    echo "  the same comparison with the device on an H200: [loop-policy-gpu.md](loop-policy-gpu.md)"
   fi
   echo "- host tier holds the whole context; budget 32 pages per KV head"
   echo "  (sinks 1, window 1), two-stage ranking. Device size: F × one step's working set (every lane's budget)."
