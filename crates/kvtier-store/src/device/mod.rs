@@ -33,7 +33,7 @@ use crate::accounts::Account;
 use crate::host::HostCache;
 use crate::page::{LruVictims, PageLru, PhysPage, touch_lru};
 use crate::stats::Counters;
-use policy::{Admitted, LastChosen, Resident, Reuse};
+use policy::{Admitted, LastChosen, Resident, Reuse, Score};
 
 /// How many of a tenant's least recently used hot pages one scan of the LRU
 /// collects when the tenant is past its device quota.
@@ -314,7 +314,9 @@ impl HotSet {
         {
             let mut resident = self.resident.lock();
             for page in pages {
-                match resident.admit(page, self.reuse.score(page), |p| self.reuse.stale(p)) {
+                let score = self.reuse.score(page);
+                let gives_way = |member: &PhysPage| self.gives_way(member, page, score);
+                match resident.admit(page, score, gives_way) {
                     Admitted::Yes => joined.push(page.id),
                     Admitted::Displaced(id, weak) => {
                         joined.push(page.id);
@@ -331,6 +333,14 @@ impl HotSet {
             }
         }
         touch_lru(&self.lru, left.iter());
+    }
+
+    /// Whether resident `member` gives its place to `page` (with `score`):
+    /// the loop left the member behind, `page` was chosen lately (not only
+    /// brought by a client's prefetch no selection chose), and the member is
+    /// not shared by more requests.
+    fn gives_way(&self, member: &PhysPage, page: &PhysPage, score: Score) -> bool {
+        self.reuse.stale(member) && !self.reuse.stale(page) && self.reuse.score(member).shared <= score.shared
     }
 
     /// The loop policy's layer-ahead list: records what (`key`, `layer`)

@@ -20,13 +20,15 @@
 //!   one-off prompts, however often their steps choose their pages, never
 //!   displaces a prefix other requests share. A member no selection chose
 //!   for a few steps (the query moved on) is the first to give its place
-//!   to a hot page, whatever its count: otherwise pages of earlier steps
-//!   keep the query's new ones out, and a device larger than a step's
-//!   pages misses more than LRU does (bench/results/tune-validation.md).
-//!   Giving up its place, a page stays hot, in the stream region. Only an explicit
-//!   swap-in takes a resident page's room: a selection's misses beyond the
-//!   stream region stay cold, so the subset keeps hitting, and a prefetch
-//!   never displaces it. When prefetches arrive in time the stream region
+//!   to a hot page chosen lately (not one only a client's prefetch
+//!   brought), whatever its count, unless it is shared by more requests:
+//!   otherwise pages of earlier steps keep the query's new ones out, and a
+//!   device larger than a step's pages misses more than LRU does
+//!   (bench/results/tune-validation.md). Giving up its place, a page stays
+//!   hot, in the stream region. Only an explicit swap-in takes a resident
+//!   page's room: a selection's misses beyond the stream region stay cold,
+//!   so the subset keeps hitting, and a prefetch never makes its room by
+//!   demoting a member. When prefetches arrive in time the stream region
 //!   alone serves every layer; the subset is what still hits when they do
 //!   not (a slow link, a drifting query).
 
@@ -47,6 +49,10 @@ const AGE_EVERY: u64 = 1 << 16;
 /// to 16 gave the same miss ratio within 0.01 at every size, 4 and 6 the
 /// lowest.
 const STALE_AFTER_STEPS: u64 = 4;
+
+/// Members admitted longest ago that an admission looks at for one the
+/// loop left behind (a bound on the work under the subset's lock).
+const LEFT_BEHIND_LOOKED_AT: usize = 8;
 
 /// How the device chooses the page to demote when it needs room.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -73,8 +79,13 @@ pub(crate) struct Reuse {
     loop_pages: AtomicU64,
 }
 
-const COUNT_BITS: u32 = 24;
+/// A page's word: the clock at its last choice (48 bits: at 15 M choices a
+/// second it wraps after 217 days, and the arithmetic below wraps with it)
+/// and its count (16 bits, saturating: counts halve every [`AGE_EVERY`]
+/// choices, so they stay below 2^17 anyway).
+const COUNT_BITS: u32 = 16;
 const COUNT_MAX: u64 = (1 << COUNT_BITS) - 1;
+const CLOCK_MASK: u64 = (1 << (64 - COUNT_BITS)) - 1;
 
 impl Reuse {
     /// Counts a selection of `page`.
@@ -95,7 +106,7 @@ impl Reuse {
             page.reuse.load(Ordering::Relaxed),
             self.selections.load(Ordering::Relaxed),
         );
-        let chosen_lately = packed & COUNT_MAX > 0 && epoch(now).saturating_sub(epoch(packed >> COUNT_BITS)) <= 1;
+        let chosen_lately = packed & COUNT_MAX > 0 && epochs_missed(packed, now) <= 1;
         Score {
             shared: if chosen_lately { page.sharers() } else { 0 },
             reuse: aged(packed, now),
@@ -103,13 +114,14 @@ impl Reuse {
     }
 
     /// Whether no selection chose `page` over the last
-    /// [`STALE_AFTER_STEPS`] steps (the loop came round without it).
+    /// [`STALE_AFTER_STEPS`] steps (the loop came round without it; a page
+    /// never chosen is stale once a loop is seen).
     pub(crate) fn stale(&self, page: &PhysPage) -> bool {
-        let then = page.reuse.load(Ordering::Relaxed) >> COUNT_BITS;
-        let now = self.selections.load(Ordering::Relaxed);
+        let packed = page.reuse.load(Ordering::Relaxed);
         match self.loop_pages.load(Ordering::Relaxed) {
             0 => false, // no loop seen yet
-            step => now.saturating_sub(then) > STALE_AFTER_STEPS * step,
+            _ if packed & COUNT_MAX == 0 => true,
+            step => elapsed(packed, self.selections.load(Ordering::Relaxed)) > STALE_AFTER_STEPS * step,
         }
     }
 
@@ -122,18 +134,23 @@ impl Reuse {
     }
 }
 
-fn epoch(clock: u64) -> u64 {
-    clock / AGE_EVERY
+fn pack(clock: u64, count: u32) -> u64 {
+    ((clock & CLOCK_MASK) << COUNT_BITS) | u64::from(count).min(COUNT_MAX)
 }
 
-fn pack(clock: u64, count: u32) -> u64 {
-    (clock << COUNT_BITS) | u64::from(count).min(COUNT_MAX)
+/// Choices since the one `packed` records (modulo the clock's width).
+fn elapsed(packed: u64, now: u64) -> u64 {
+    now.wrapping_sub(packed >> COUNT_BITS) & CLOCK_MASK
+}
+
+/// Epoch boundaries crossed since the choice `packed` records.
+fn epochs_missed(packed: u64, now: u64) -> u64 {
+    ((packed >> COUNT_BITS) % AGE_EVERY + elapsed(packed, now)) / AGE_EVERY
 }
 
 fn aged(packed: u64, now: u64) -> u32 {
-    let (then, count) = (packed >> COUNT_BITS, (packed & COUNT_MAX) as u32);
-    let missed = epoch(now).saturating_sub(epoch(then));
-    u32::try_from(missed)
+    let count = (packed & COUNT_MAX) as u32;
+    u32::try_from(epochs_missed(packed, now))
         .ok()
         .and_then(|m| count.checked_shr(m))
         .unwrap_or(0)
@@ -213,10 +230,15 @@ impl Resident {
     }
 
     /// Makes page `id` (of `bytes`, with `score`) resident if there is room,
-    /// or in place of the member admitted longest ago if `stale` says the
-    /// loop left it behind (and it is not shared more), or else of the
-    /// lowest-scored member if `page` scores above it.
-    pub(crate) fn admit(&mut self, page: &Arc<PhysPage>, score: Score, stale: impl Fn(&PhysPage) -> bool) -> Admitted {
+    /// or in place of one of the [`LEFT_BEHIND_LOOKED_AT`] members admitted
+    /// longest ago that `gives_way` (the loop left it behind), or else of
+    /// the lowest-scored member if `page` scores above it.
+    pub(crate) fn admit(
+        &mut self,
+        page: &Arc<PhysPage>,
+        score: Score,
+        gives_way: impl Fn(&PhysPage) -> bool,
+    ) -> Admitted {
         let (id, bytes) = (page.id, page.layout.page_bytes() as u64);
         if let Some((old, ..)) = self.members.get(&id) {
             self.by_score.remove(&(*old, id));
@@ -229,11 +251,17 @@ impl Resident {
             self.insert(page, score);
             return Admitted::Yes;
         }
-        let left_behind = self.by_recency.peek_lru().map(|(&oldest, _)| oldest).filter(|oldest| {
-            self.members
-                .get(oldest)
-                .is_some_and(|(s, _, weak)| s.shared <= score.shared && weak.upgrade().is_none_or(|p| stale(&p)))
-        });
+        let left_behind = self
+            .by_recency
+            .iter()
+            .rev()
+            .take(LEFT_BEHIND_LOOKED_AT)
+            .map(|(&oldest, _)| oldest)
+            .find(|oldest| {
+                self.members
+                    .get(oldest)
+                    .is_some_and(|(_, _, weak)| weak.upgrade().is_none_or(|p| gives_way(&p)))
+            });
         let lowest = self
             .by_score
             .first()
@@ -359,20 +387,19 @@ mod tests {
         assert!(matches!(r.admit(&pages[0], high, |_| false), Admitted::Yes));
         assert!(matches!(r.admit(&pages[1], high, |_| false), Admitted::Yes));
         let left_behind = |p: &PhysPage| p.id == 1;
-        // Page 1, admitted first, is stale: a page chosen once takes its place.
+        // Page 1, admitted first, gives way: a page chosen once takes its place.
         assert!(matches!(
             r.admit(&pages[2], reuse(1), left_behind),
             Admitted::Displaced(1, _)
         ));
-        // Neither left is stale: scores decide, and 1 is below both.
-        assert!(matches!(r.admit(&pages[3], reuse(1), left_behind), Admitted::No));
-        // A stale member shared more than the page keeps its place.
-        pages[1].attached_again();
-        r.admit(&pages[1], Score { shared: 1, reuse: 9 }, |_| false);
-        r.admit(&pages[2], reuse(1), |_| false); // 3 is now the one admitted longest ago ...
-        r.admit(&pages[1], Score { shared: 1, reuse: 9 }, |_| false); // ... then 2 is
-        assert!(matches!(r.admit(&pages[3], reuse(1), |p| p.id == 2), Admitted::No));
-        assert!(r.contains(2) && r.contains(3));
+        // The look goes past members that do not give way (2, the oldest now).
+        assert!(matches!(
+            r.admit(&pages[3], reuse(1), |p| p.id == 3),
+            Admitted::Displaced(3, _)
+        ));
+        // None gives way: scores decide, and 1 is below both.
+        assert!(matches!(r.admit(&pages[2], reuse(1), |_| false), Admitted::No));
+        assert!(r.contains(2) && r.contains(4));
     }
 
     #[test]
@@ -391,6 +418,23 @@ mod tests {
         assert!(!counts.stale(&page), "and fewer than 4 steps of 25");
         counts.count(&page);
         assert!(!counts.stale(&other) && !counts.stale(&page));
+    }
+
+    #[test]
+    fn the_clock_wraps_without_a_page_looking_old() {
+        let parts = crate::testing::Parts::new(1, 8, false);
+        let page = parts.page(1);
+        let counts = Reuse::default();
+        counts.selections.store(CLOCK_MASK - 2, Ordering::Relaxed);
+        counts.loop_changed(10);
+        for _ in 0..10 {
+            counts.count(&page);
+        }
+        // The wrap is an epoch boundary: the 2 counts before it halved once.
+        assert_eq!(counts.score(&page).reuse, 9);
+        assert!(!counts.stale(&page));
+        page.attached_again();
+        assert_eq!(counts.score(&page).shared, 1, "chosen lately across the wrap");
     }
 
     #[test]

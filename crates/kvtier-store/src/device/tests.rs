@@ -217,6 +217,26 @@ fn a_burst_of_one_off_requests_does_not_displace_a_shared_prefix() {
 }
 
 #[test]
+fn a_left_behind_member_gives_way_only_to_a_page_chosen_lately_and_not_shared_less() {
+    let parts = Parts::with_policy(8, 64, false, super::DevicePolicy::Loop);
+    let (member, page, brought, other) = (parts.page(1), parts.page(2), parts.page(3), parts.page(4));
+    let reuse = &parts.device.reuse;
+    reuse.loop_changed(10); // a step chooses 10 pages
+    reuse.count(&member);
+    for _ in 0..50 {
+        reuse.count(&other); // 5 steps without the member
+    }
+    reuse.count(&page);
+    let gives_way = |page: &PhysPage| parts.device.gives_way(&member, page, reuse.score(page));
+    assert!(gives_way(&page), "left behind, to a page chosen now");
+    assert!(!gives_way(&brought), "never chosen: a client's prefetch brought it");
+    member.attached_again();
+    assert!(!gives_way(&page), "shared by more requests than the page");
+    page.attached_again();
+    assert!(gives_way(&page), "shared alike");
+}
+
+#[test]
 fn a_prefetch_is_used_late_or_wasted_once_by_its_kind() {
     use crate::stats::PrefetchKind::{self, Asked, LayerAhead};
     let parts = Parts::new(2, 16, false);

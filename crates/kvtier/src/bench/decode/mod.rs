@@ -594,12 +594,18 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         (0.0..=1.0).contains(&a.device_fraction) && a.host_fraction > 0.0,
         "fractions: device in 0..=1, host above 0"
     );
+    // A trace starts at the prefill: the warm-up's appends and choices
+    // would be missing from it, and a replay would start cold anyway.
+    ensure!(
+        a.trace.is_none() || a.warmup_steps == 0,
+        "--trace records from the prefill on: use it without --warmup-steps"
+    );
     let source = match a.queries.strip_prefix("realkv:") {
         Some(dir) => {
             let real = RealKv::load(std::path::Path::new(dir), &shape)?;
             ensure!(
-                a.context + a.steps <= real.tokens(),
-                "--context + --steps must fit the dataset's {} tokens",
+                a.context + a.warmup_steps + a.steps <= real.tokens(),
+                "--context + --warmup-steps + --steps must fit the dataset's {} tokens",
                 real.tokens()
             );
             Queries::Real(Arc::new(real))
