@@ -313,16 +313,21 @@ pub(crate) type LastChosen = HashMap<(kvtier_core::SequenceKey, u32), Vec<Weak<P
 mod tests {
     use super::*;
 
+    /// A subset of a device of `n` pages, and pages 1..=n.
+    fn subset(n: u64) -> (crate::testing::Parts, Vec<Arc<PhysPage>>, Resident) {
+        let parts = crate::testing::Parts::new(1, 8, false);
+        let pages = (1..=n).map(|id| parts.page(id)).collect();
+        (parts, pages, Resident::new(n * crate::testing::PAGE_BYTES))
+    }
+
     fn reuse(reuse: u32) -> Score {
         Score { shared: 0, reuse }
     }
 
     #[test]
     fn the_subset_keeps_the_highest_scores_within_its_bytes() {
-        let parts = crate::testing::Parts::new(1, 8, false);
-        let pages: Vec<_> = (1..=5).map(|id| parts.page(id)).collect();
+        let (_parts, pages, mut r) = subset(5);
         let page_bytes = crate::testing::PAGE_BYTES;
-        let mut r = Resident::new(5 * page_bytes);
         assert!(r.fit_stream(page_bytes).is_empty(), "2 pages kept for the stream");
         assert!(matches!(r.admit(&pages[0], reuse(5), |_| false), Admitted::Yes));
         assert!(matches!(r.admit(&pages[1], reuse(2), |_| false), Admitted::Yes));
@@ -378,10 +383,8 @@ mod tests {
 
     #[test]
     fn a_member_the_loop_left_behind_gives_its_place_first() {
-        let parts = crate::testing::Parts::new(1, 8, false);
-        let pages: Vec<_> = (1..=4).map(|id| parts.page(id)).collect();
+        let (_parts, pages, mut r) = subset(4);
         let page_bytes = crate::testing::PAGE_BYTES;
-        let mut r = Resident::new(4 * page_bytes);
         r.fit_stream(page_bytes);
         let high = Score { shared: 0, reuse: 9 };
         assert!(matches!(r.admit(&pages[0], high, |_| false), Admitted::Yes));
