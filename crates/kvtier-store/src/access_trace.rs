@@ -3,20 +3,26 @@
 //! --trace` writes the same format from the client's side.
 //!
 //! The format is JSON lines: a [`TraceHeader`], then [`TraceRecord`]s. A
-//! sequence appears as a `sequence` record (its shape) before its first
-//! access; sequences are named by a salted 53-bit hash of (tenant,
-//! sequence id), so a trace names no tenant and no sequence, and the ids
-//! stay exact in any JSON reader.
+//! sequence appears as a `sequence` record (its shape and prefix hash
+//! chain) before its first access; sequences are named by a salted 53-bit
+//! hash of (tenant, sequence id), and chain hashes by one of (tenant,
+//! layout, hash), so a trace names no tenant, sequence or prompt, and the
+//! ids stay exact in any JSON reader. A page under a chain hash is one
+//! page for every sequence that names the hash (attached, not copied):
+//! that is how a replay sees sharing.
 //!
 //! Off by default, a call pays one atomic load. On, pages are sampled by
-//! a hash of (sequence, layer, KV head, page) — SHARDS-style spatial
-//! sampling: a kept page keeps every one of its accesses, so its reuse
-//! distances survive, scaled by the rate — and each call's record goes
+//! a hash of (sequence, layer, KV head, page), or (chain hash, layer, KV
+//! head) for a page under a chain hash — SHARDS-style spatial sampling: a
+//! kept page keeps every one of its accesses, by every sequence sharing
+//! it, so its reuse distances survive, scaled by the rate — and each
+//! call's record goes
 //! through a bounded channel to a writer thread. The serving path never
 //! waits for the disk: a record that finds the channel full is dropped and
 //! counted; the file stops at its size bound with an `end` record.
 
 use std::collections::HashSet;
+use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::io::Write;
 use std::path::PathBuf;
@@ -27,7 +33,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use kvtier_core::hash::mix64;
-use kvtier_core::{ColdTier, Layout, PageState, SequenceKey, wire};
+use kvtier_core::{ColdTier, Layout, PageState, SequenceKey, TenantId, wire};
 use kvtier_sync::{Mutex, Rank, RwLock};
 use serde::{Deserialize, Serialize};
 
@@ -72,6 +78,12 @@ pub enum TraceRecord {
         dtype: String,
         /// Tokens per page.
         page_size: u32,
+        /// The salted hashes of its prefix hash chain, one per leading
+        /// page: page `p < prefix.len()` is the page stored under
+        /// `prefix[p]`, shared by every sequence naming that hash (empty
+        /// in traces that predate it, and for sequences without a chain).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        prefix: Vec<u64>,
     },
     /// Pages a call read: a selection that made them hot or read their
     /// bytes, or a fetch.
@@ -211,16 +223,34 @@ struct Counts {
     full: AtomicBool,
 }
 
-/// A record on its way to the writer, with its sequence's layout.
+/// A record on its way to the writer, with its sequence's layout and
+/// chain (for its `sequence` record).
 struct Event {
     layout: Arc<Layout>,
+    chain: Chain,
     record: TraceRecord,
+}
+
+/// A sequence's prefix hash chain, with what scopes it (a page is shared
+/// only within one tenant and layout).
+#[derive(Clone)]
+struct Chain {
+    tenant: TenantId,
+    hashes: Arc<[Arc<[u8]>]>,
+}
+
+/// The low 53 bits: exact in any JSON reader.
+const NAME_BITS: u64 = (1 << 53) - 1;
+
+/// A chain hash's name in a recording salted with `salt`.
+fn chain_name(salt: &RandomState, chain: &Chain, layout: &Layout, page: usize) -> u64 {
+    salt.hash_one((&chain.tenant, layout, &*chain.hashes[page])) & NAME_BITS
 }
 
 #[derive(Debug)]
 struct Recorder {
     config: TraceConfig,
-    salt: std::collections::hash_map::RandomState,
+    salt: RandomState,
     /// Pages whose hash is below this are kept (`None`: every page).
     keep_below: Option<u64>,
     started: Instant,
@@ -261,6 +291,7 @@ pub(crate) struct Tracer {
     recorder: Arc<Recorder>,
     seq: u64,
     layout: Arc<Layout>,
+    chain: Chain,
 }
 
 /// A store that goes away finishes its recording: everything queued is
@@ -272,16 +303,21 @@ impl Drop for AccessTrace {
 }
 
 impl AccessTrace {
-    /// The recording, if one runs, for a call on `key`'s sequence.
-    pub(crate) fn tracer(&self, key: &SequenceKey, layout: &Arc<Layout>) -> Option<Tracer> {
+    /// The recording, if one runs, for a call on `key`'s sequence (of
+    /// `layout`, under the chain `hashes`).
+    pub(crate) fn tracer(&self, key: &SequenceKey, layout: &Arc<Layout>, hashes: &Arc<[Arc<[u8]>]>) -> Option<Tracer> {
         if !self.on.load(Ordering::Relaxed) {
             return None;
         }
         let recorder = self.current.read().clone()?;
         Some(Tracer {
-            seq: recorder.salt.hash_one(key) & ((1 << 53) - 1),
+            seq: recorder.salt.hash_one(key) & NAME_BITS,
             recorder,
             layout: Arc::clone(layout),
+            chain: Chain {
+                tenant: key.tenant.clone(),
+                hashes: Arc::clone(hashes),
+            },
         })
     }
 
@@ -319,17 +355,18 @@ impl AccessTrace {
         let line = serde_json::to_string(&header).map_err(|e| StoreError::Internal(e.to_string()))?;
         writeln!(out, "{line}").map_err(io)?;
         counts.bytes.store(line.len() as u64 + 1, Ordering::Relaxed);
+        let salt = RandomState::new();
         let writer = {
-            let (counts, max_bytes) = (Arc::clone(&counts), config.max_bytes);
+            let (counts, max_bytes, salt) = (Arc::clone(&counts), config.max_bytes, salt.clone());
             std::thread::Builder::new()
                 .name("kvtier-trace".into())
-                .spawn(move || write_records(rx, out, &counts, max_bytes))
+                .spawn(move || write_records(rx, out, &counts, max_bytes, &salt))
                 .map_err(io)?
         };
         let keep_below = (config.sample < 1.0).then(|| (config.sample * 2f64.powi(64)) as u64);
         let recorder = Arc::new(Recorder {
             config,
-            salt: std::collections::hash_map::RandomState::new(),
+            salt,
             keep_below,
             started: Instant::now(),
             tx,
@@ -396,13 +433,18 @@ fn status_of(config: TraceConfig, counts: &Counts, recording: bool) -> TraceStat
 }
 
 impl Tracer {
-    /// Whether the sample keeps this page's accesses (`layer` stored).
+    /// Whether the sample keeps this page's accesses (`layer` stored): a
+    /// page under a chain hash is kept or not for every sequence sharing it.
     pub(crate) fn keeps(&self, layer: u32, head: u32, page: u32) -> bool {
         let Some(below) = self.recorder.keep_below else {
             return true;
         };
-        let key = mix64(mix64(mix64(self.seq ^ u64::from(layer)) ^ u64::from(head)) ^ u64::from(page));
-        key < below
+        let p = page as usize;
+        let page_key = match p < self.chain.hashes.len() {
+            true => chain_name(&self.recorder.salt, &self.chain, &self.layout, p),
+            false => mix64(self.seq ^ u64::from(page)),
+        };
+        mix64(mix64(page_key ^ u64::from(layer)) ^ u64::from(head)) < below
     }
 
     /// The layer a record names for `layer`: its layer group's first.
@@ -440,6 +482,7 @@ impl Tracer {
     pub(crate) fn record(&self, record: TraceRecord) {
         let event = Event {
             layout: Arc::clone(&self.layout),
+            chain: self.chain.clone(),
             record,
         };
         if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.recorder.tx.try_send(event) {
@@ -450,7 +493,13 @@ impl Tracer {
 
 /// The writer thread: each sequence's shape before its first access, then
 /// the records, until the senders are gone or the size bound is reached.
-fn write_records(rx: Receiver<Event>, mut out: std::io::BufWriter<std::fs::File>, counts: &Counts, max_bytes: u64) {
+fn write_records(
+    rx: Receiver<Event>,
+    mut out: std::io::BufWriter<std::fs::File>,
+    counts: &Counts,
+    max_bytes: u64,
+    salt: &RandomState,
+) {
     let mut seen = HashSet::new();
     let mut failed = None;
     for event in &rx {
@@ -471,6 +520,9 @@ fn write_records(rx: Receiver<Event>, mut out: std::io::BufWriter<std::fs::File>
                 shape: [l.num_layers(), l.num_kv_heads(), l.num_query_heads(), l.head_dim()],
                 dtype: l.dtype().name().into(),
                 page_size: l.page_size(),
+                prefix: (0..event.chain.hashes.len())
+                    .map(|p| chain_name(salt, &event.chain, l, p))
+                    .collect(),
             };
             lines.push_str(&to_line(&shape));
         }

@@ -46,15 +46,15 @@ pub use lease::{MAX_LEASE, random_id};
 pub use page_buf::PageBuf;
 pub use policy::PolicyOutcome;
 pub use reader::PageContent;
-pub use simulate::DeviceSimulation;
+pub use simulate::{DeviceSimulation, HostSimulation};
 pub use stats::{
     DeviceHits, Latency, PrefetchCounts, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats,
     TransitionCount,
 };
 pub use store::{
-    AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, Created, DeviceCache, ExportedPage,
-    FetchCursor, FetchPages, FetchedChunk, FetchedPage, HeadSelection, LaneAt, Miss, MovedContent, PageList,
-    PageSelection, PutOutcome, PutPages, ReportAttention, SelectPages, SelectTiming, SelectedPage, Selection,
+    AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, BACKGROUND_TICK, Created, DeviceCache,
+    ExportedPage, FetchCursor, FetchPages, FetchedChunk, FetchedPage, HeadSelection, LaneAt, Miss, MovedContent,
+    PageList, PageSelection, PutOutcome, PutPages, ReportAttention, SelectPages, SelectTiming, SelectedPage, Selection,
     SequenceExport, SetPageState, Store, StoreConfig, TransitionOutcome, data_bound, index_scan_bytes,
 };
 

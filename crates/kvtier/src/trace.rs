@@ -26,6 +26,12 @@ pub(crate) struct Trace {
     /// Each sequence's shape, in order of appearance (a name dropped and
     /// created again counts twice).
     pub(crate) shapes: Vec<Shape>,
+    /// Each sequence's prefix chain (salted hashes, one per leading page:
+    /// see `TraceRecord::Sequence`), in the same order.
+    pub(crate) prefixes: Vec<Vec<u64>>,
+    /// Sequences dropped: (how many events came before the drop, the
+    /// sequence), in order.
+    pub(crate) drops: Vec<(usize, usize)>,
     /// Reads and writes, in the order recorded.
     pub(crate) events: Vec<Event>,
     /// Why the recording stopped early, and how many records it dropped.
@@ -60,6 +66,8 @@ impl Trace {
         let mut trace = Trace {
             header,
             shapes: Vec::new(),
+            prefixes: Vec::new(),
+            drops: Vec::new(),
             events: Vec::new(),
             ended: None,
         };
@@ -73,12 +81,14 @@ impl Trace {
                     shape,
                     dtype,
                     page_size,
+                    prefix,
                 } => {
                     ensure!(!index.contains_key(&seq), "{}: sequence {seq} described twice", at());
                     index.insert(seq, trace.shapes.len());
                     trace
                         .shapes
                         .push(Shape::custom(shape, &dtype, page_size).with_context(at)?);
+                    trace.prefixes.push(prefix);
                     continue;
                 }
                 TraceRecord::End { reason, dropped } => {
@@ -87,7 +97,9 @@ impl Trace {
                 }
                 // A sequence created again under the name is another one.
                 TraceRecord::Drop { seq, .. } => {
-                    index.remove(&seq);
+                    if let Some(sequence) = index.remove(&seq) {
+                        trace.drops.push((trace.events.len(), sequence));
+                    }
                     continue;
                 }
                 TraceRecord::Read(a) => (false, a),

@@ -16,7 +16,9 @@ use kvtier_core::policy::RegisteredPolicy;
 pub(crate) struct Sequence {
     pub(crate) key: SequenceKey,
     pub(crate) layout: Arc<Layout>,
-    pub(crate) hashes: Vec<Arc<[u8]>>,
+    /// The prefix hash chain, one hash per leading page (shared with the
+    /// access trace's records, hence the `Arc`).
+    pub(crate) hashes: Arc<[Arc<[u8]>]>,
     pub(crate) lanes: Vec<StoreLane>,
     /// Set by `drop_sequence`; an operation that was waiting for the lock
     /// then finds the sequence gone.
@@ -73,7 +75,7 @@ impl Sequence {
         Self {
             key,
             layout,
-            hashes,
+            hashes: hashes.into(),
             lanes,
             dropped: false,
             attention: Vec::new(),

@@ -437,15 +437,20 @@ fn open_manifest(path: PathBuf, config: &StoreConfig) -> StoreResult<Recovering>
     Ok((path, manifest, image))
 }
 
-/// Runs `tick` every 20 ms on a thread of its own for as long as the store
-/// lives (the thread holds it only during a tick).
+/// The pause between two rounds of a background loop (host watermarks,
+/// leases, checkpoints): also the cadence `kvtier tune` replays the host
+/// tier's background migration at.
+pub const BACKGROUND_TICK: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Runs `tick` every [`BACKGROUND_TICK`] on a thread of its own for as
+/// long as the store lives (the thread holds it only during a tick).
 fn spawn_loop(name: &str, store: &Arc<Store>, tick: fn(&Store)) -> std::io::Result<()> {
     let weak = Arc::downgrade(store);
     std::thread::Builder::new().name(name.into()).spawn(move || {
         while let Some(store) = weak.upgrade() {
             tick(&store);
             drop(store);
-            std::thread::sleep(std::time::Duration::from_millis(20));
+            std::thread::sleep(BACKGROUND_TICK);
         }
     })?;
     Ok(())

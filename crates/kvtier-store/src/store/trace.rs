@@ -34,7 +34,7 @@ impl Store {
 
     /// The recording, if one runs, for a call on `seq`.
     pub(super) fn tracer(&self, seq: &Sequence) -> Option<Tracer> {
-        self.trace.tracer(&seq.key, &seq.layout)
+        self.trace.tracer(&seq.key, &seq.layout, &seq.hashes)
     }
 }
 

@@ -6,14 +6,16 @@
 //! run: the share of A's prefix pages each request finds in memory (not
 //! only on NVMe), before and during the burst, and what A's reads cost.
 //! In process (the policy is the store's, not the transport's), over a
-//! real NVMe file.
+//! real NVMe file. `--trace` records the store's accesses (of the first
+//! policy's run: which pages are written and read does not depend on the
+//! policy) for `kvtier tune`, whose host curves it validates.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Args;
 use kvtier_core::{DType, Layout, LayoutSpec, PageState, SequenceKey};
-use kvtier_store::{FetchPages, HeadRange, HostPolicy, PageList, PutPages, Store, StoreConfig};
+use kvtier_store::{FetchPages, HeadRange, HostPolicy, PageList, PutPages, Store, StoreConfig, TraceConfig};
 use kvtier_tiers::{ArenaTier, EngineChoice, NvmeConfig, NvmeTier, Tier};
 use serde::Serialize;
 
@@ -37,6 +39,15 @@ pub(crate) struct BurstBenchArgs {
     /// A's requests before the burst, and during it.
     #[arg(long, default_value_t = 20)]
     requests: u32,
+    /// Host memory's watermarks (shares of it): above the first, the
+    /// background migrates pages to NVMe down to the second; 1,1 leaves
+    /// all migration to the writes that find memory full.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.9, 0.8])]
+    host_watermarks: Vec<f64>,
+    /// Record the store's page accesses (during the first policy's run)
+    /// to this file, as `kvtier serve --access-trace` does.
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
     /// Print one JSON object per policy.
     #[arg(long)]
     json: bool,
@@ -53,7 +64,9 @@ struct Report {
     host_bytes: u64,
     /// Bytes B's burst writes between two of A's requests.
     burst_bytes_per_request: u64,
-    /// Share of A's prefix pages its requests found in memory.
+    /// Share of A's prefix pages its requests found in memory: over all
+    /// of them, before the burst and during it.
+    a_hit_ratio: f64,
     a_hit_ratio_before: f64,
     a_hit_ratio_during: f64,
     /// A request's read of its prefix, all layers (µs).
@@ -69,8 +82,13 @@ pub(crate) fn run(args: BurstBenchArgs) -> anyhow::Result<()> {
         args.host_pages > 0 && args.prefix_pages > 0 && args.prompt_pages > 0 && args.requests > 0,
         "--host-pages, --prefix-pages, --prompt-pages and --requests must be positive"
     );
-    for &policy in &args.policies {
-        let report = measure(&args, policy)?;
+    anyhow::ensure!(
+        matches!(args.host_watermarks.as_slice(), &[high, low] if 0.0 < low && low <= high && high <= 1.0),
+        "--host-watermarks: HIGH,LOW with 0 < LOW <= HIGH <= 1"
+    );
+    for (i, &policy) in args.policies.iter().enumerate() {
+        let trace = args.trace.as_deref().filter(|_| i == 0);
+        let report = measure(&args, policy, trace)?;
         super::emit(args.json, &report, |r| {
             format!(
                 "host policy {:<9}  A's prefix in memory: before {:.3}, during the burst {:.3}  \
@@ -100,7 +118,7 @@ fn layout() -> anyhow::Result<Layout> {
     })?)
 }
 
-fn measure(args: &BurstBenchArgs, policy: HostPolicy) -> anyhow::Result<Report> {
+fn measure(args: &BurstBenchArgs, policy: HostPolicy, trace: Option<&std::path::Path>) -> anyhow::Result<Report> {
     let layout = layout()?;
     let page_bytes = layout.page_bytes() as u64;
     let dir = tempfile::tempdir()?;
@@ -124,9 +142,18 @@ fn measure(args: &BurstBenchArgs, policy: HostPolicy) -> anyhow::Result<Report> 
             cache_writes_on_device: false,
             manifest_path: Some(dir.path().join("manifest")),
             host_policy: policy,
+            host_high_watermark: args.host_watermarks[0],
+            host_low_watermark: args.host_watermarks[1],
             ..StoreConfig::default()
         },
     )?;
+    if let Some(path) = trace {
+        store.start_access_trace(TraceConfig {
+            path: path.to_owned(),
+            sample: 1.0,
+            max_bytes: u64::MAX,
+        })?;
+    }
     let prefix: Vec<Vec<u8>> = (0..args.prefix_pages)
         .map(|p| format!("a-prefix-{p}").into_bytes())
         .collect();
@@ -148,6 +175,9 @@ fn measure(args: &BurstBenchArgs, policy: HostPolicy) -> anyhow::Result<Report> 
         }
         during.push(a_request(&store, &layout, &prefix, &format!("during-{i}"))?);
     }
+    if let Some(status) = store.stop_access_trace().filter(|_| trace.is_some()) {
+        anyhow::ensure!(status.dropped == 0, "the trace dropped {} records", status.dropped);
+    }
     let ratio = |rs: &[(f64, u64)]| rs.iter().map(|r| r.0).sum::<f64>() / rs.len() as f64;
     let quantile = |rs: &[(f64, u64)], q: f64| {
         let mut us: Vec<u64> = rs.iter().map(|r| r.1).collect();
@@ -158,6 +188,7 @@ fn measure(args: &BurstBenchArgs, policy: HostPolicy) -> anyhow::Result<Report> 
         host_policy: policy.to_string(),
         host_bytes,
         burst_bytes_per_request: u64::from(args.burst) * u64::from(args.prompt_pages) * lanes * page_bytes,
+        a_hit_ratio: (ratio(&before) + ratio(&during)) / 2.0,
         a_hit_ratio_before: ratio(&before),
         a_hit_ratio_during: ratio(&during),
         a_read_p50_us_before: quantile(&before, 0.5),
@@ -253,14 +284,81 @@ mod tests {
             prompt_pages: 16,
             burst: 6,
             requests: 5,
+            host_watermarks: vec![0.9, 0.8],
+            trace: None,
             json: false,
         };
-        let lru = measure(&args, HostPolicy::Lru).unwrap();
-        let frequency = measure(&args, HostPolicy::Frequency).unwrap();
+        let lru = measure(&args, HostPolicy::Lru, None).unwrap();
+        let frequency = measure(&args, HostPolicy::Frequency, None).unwrap();
         for r in [&lru, &frequency] {
             assert_eq!(r.a_hit_ratio_before, 1.0, "{r:?}");
         }
         assert!(lru.a_hit_ratio_during < 0.25, "{lru:?}");
         assert_eq!(frequency.a_hit_ratio_during, 1.0, "{frequency:?}");
+    }
+
+    /// `kvtier tune` replays a trace of this bench (recorded under LRU) and
+    /// predicts A's hit ratio under each host policy at several host sizes,
+    /// within 0.02 of what the store then measures at each. Migration by
+    /// the writes alone (watermarks 1,1), which is the policies' own
+    /// order: the background's rounds run on a clock that races the
+    /// writes, which the recording does not capture.
+    #[test]
+    fn tune_predicts_each_host_policys_hit_ratio_on_the_burst() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            tune: crate::tune::TuneArgs,
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let trace = dir.path().join("burst.trace");
+        let args = |host_pages| BurstBenchArgs {
+            policies: vec![],
+            host_pages,
+            prefix_pages: 8,
+            prompt_pages: 16,
+            burst: 6,
+            requests: 5,
+            host_watermarks: vec![1.0, 1.0],
+            trace: None,
+            json: false,
+        };
+        measure(&args(256), HostPolicy::Lru, Some(&trace)).unwrap();
+        let tune = |fractions: &[f64]| {
+            let mut argv: Vec<String> = ["tune", "--host-watermarks", "1,1", "--out"].map(String::from).into();
+            argv.push(dir.path().join("tune").display().to_string());
+            argv.push(trace.display().to_string());
+            if !fractions.is_empty() {
+                let list: Vec<String> = fractions.iter().map(f64::to_string).collect();
+                argv.extend(["--host-fraction".to_owned(), list.join(",")]);
+            }
+            let cli = <Cli as clap::Parser>::parse_from(argv);
+            serde_json::to_value(crate::tune::report(&cli.tune).unwrap()).unwrap()
+        };
+        let working_set = tune(&[])["working_set_bytes"].as_f64().unwrap();
+        let page_bytes = layout().unwrap().page_bytes() as f64;
+        // Per policy, sizes about where it starts to keep A's prefix.
+        for (policy, sizes) in [
+            (HostPolicy::Lru, [384u64, 392, 408, 416]),
+            (HostPolicy::Frequency, [40, 44, 48, 64]),
+        ] {
+            let fractions: Vec<f64> = sizes.iter().map(|&p| p as f64 * page_bytes / working_set).collect();
+            let predicted = tune(&fractions);
+            let curve = predicted["policies"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["tier"] == "host" && c["policy"] == policy.to_string())
+                .unwrap();
+            for (&pages, point) in sizes.iter().zip(curve["at"].as_array().unwrap()) {
+                let measured = measure(&args(pages), policy, None).unwrap().a_hit_ratio;
+                let predicted = 1.0 - point["miss_ratio"].as_f64().unwrap();
+                eprintln!("{policy} {pages}: predicted {predicted:.4}, measured {measured:.4}");
+                assert!(
+                    (predicted - measured).abs() <= 0.02,
+                    "{policy} at {pages} pages: predicted {predicted:.4}, measured {measured:.4}"
+                );
+            }
+        }
     }
 }

@@ -10,11 +10,18 @@
 //! without a swap-in) count for host memory only. With the trace's
 //! timings, `latency.rs` predicts step latency at every size too.
 //!
+//! Policies an ideal LRU does not describe run as the store's own code on
+//! miniature tiers (`simulate.rs`, over the pages `pages.rs` names, shared
+//! prefixes included): the device's loop policy, and both host policies,
+//! since the store's host LRU promotes a page read from NVMe only where
+//! memory has room.
+//!
 //! A trace too large to replay whole is sampled by page hash
 //! (`--sample`), on top of any sampling at recording: SHARDS-style, each
 //! kept page keeps all its accesses and distances are scaled by the rate.
 
 mod latency;
+mod pages;
 mod simulate;
 mod stack;
 
@@ -25,13 +32,12 @@ use anyhow::ensure;
 use clap::Args;
 use serde::Serialize;
 
-use kvtier_core::hash::mix64;
-
 use crate::bench::plot::{Chart, Series};
-use crate::trace::{Event, Trace};
-use kvtier_store::DevicePolicy;
+use crate::trace::Trace;
+use kvtier_store::{DevicePolicy, HostPolicy};
 use latency::{LatencyModel, Read};
-use simulate::{PolicyPoint, Stream};
+use pages::{PageKey, Walk, walk};
+use simulate::{PolicyPoint, Simulated, Stream};
 use stack::{MissCurve, StackDistances};
 
 #[derive(Debug, Args)]
@@ -69,41 +75,26 @@ pub(crate) struct TuneArgs {
     /// and loop (simulated on a miniature device).
     #[arg(long = "device-policy", value_name = "POLICY", default_values_t = DevicePolicy::ALL)]
     policies: Vec<DevicePolicy>,
+    /// Host policies to predict for: lru and frequency, both simulated on
+    /// miniature host memory (the store's LRU promotes a page read from
+    /// NVMe only where memory has room, which an ideal LRU does not).
+    #[arg(long = "host-policy", value_name = "POLICY", default_values_t = HostPolicy::ALL)]
+    host_policies: Vec<HostPolicy>,
+    /// Also predict host memory's miss ratio at these sizes, as shares of
+    /// the working set.
+    #[arg(long, value_delimiter = ',')]
+    host_fraction: Vec<f64>,
+    /// Host memory's watermarks, as the recording server had them
+    /// (`host_high_watermark`, `host_low_watermark`), for the simulated
+    /// host policies' background migration.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.9, 0.8])]
+    host_watermarks: Vec<f64>,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
     /// Where the plots go (SVG and PNG); replaced as a whole by each run.
     #[arg(long, default_value = "kvtier-tune-out")]
     out: PathBuf,
-}
-
-/// One page of one (sequence, layer, KV head).
-type PageKey = (u32, u32, u32, u32);
-
-/// Whether a replay sampled at `rate` keeps `key` (all of its accesses or
-/// none). Seeded apart from the recorder's hash, so that both samplings
-/// compose to the product of their rates.
-fn keeps((s, l, h, p): PageKey, rate: f64) -> bool {
-    const SEED: u64 = 0x9e37_79b9_7f4a_7c15;
-    let hash = [l, h, p]
-        .iter()
-        .fold(mix64(u64::from(s) ^ SEED), |x, &v| mix64(x ^ u64::from(v)));
-    kvtier_core::hash::keeps(hash, rate)
-}
-
-/// The pages of `e` a replay at `rate` keeps, each with the tier the
-/// recording served it from.
-fn sampled_pages(e: &Event, rate: f64) -> Vec<(PageKey, Option<char>)> {
-    let (seq, layer) = (e.sequence as u32, e.access.layer);
-    e.access
-        .heads
-        .iter()
-        .flat_map(|h| {
-            let mut served = h.from.chars();
-            h.pages.iter().map(move |&p| ((seq, layer, h.head, p), served.next()))
-        })
-        .filter(|&(k, _)| keeps(k, rate))
-        .collect()
 }
 
 /// The access stream, replayed into each tier's stack distances.
@@ -130,6 +121,12 @@ impl Replay {
     fn write(&mut self, key: PageKey, bytes: u64) {
         self.device.access(key, bytes, false);
         self.host_access(key, bytes, false);
+    }
+
+    /// Freed pages leave both tiers.
+    fn free(&mut self, keys: &[PageKey]) {
+        self.device.forget(keys);
+        self.host.forget(keys);
     }
 
     /// A page a selection of step `step` made hot: on the device afterwards.
@@ -164,8 +161,14 @@ struct Replayed {
 /// of `rate` (this replay's sampling; the recording's is in the header).
 fn replay(trace: &Trace, rate: f64) -> Replayed {
     let scale = 1.0 / (trace.header.sample * rate);
-    let pages_of = |e: &Event| sampled_pages(e, rate);
-    let events: usize = trace.events.iter().map(|e| pages_of(e).len()).sum();
+    let walk = walk(trace, rate);
+    let events: usize = walk
+        .iter()
+        .map(|w| match w {
+            Walk::Access(_, pages) => pages.len(),
+            _ => 0,
+        })
+        .sum();
     let mut r = Replay {
         device: StackDistances::new(events, scale),
         host: StackDistances::new(events, scale),
@@ -180,7 +183,17 @@ fn replay(trace: &Trace, rate: f64) -> Replayed {
     let mut decode: Vec<bool> = Vec::new();
     let (mut host, mut nvme) = ((0u64, 0u64), (0u64, 0u64)); // (pages, µs)
     let mut timed = true;
-    for e in &trace.events {
+    for step in &walk {
+        let (e, pages) = match step {
+            Walk::Access(e, pages) => (*e, pages),
+            Walk::Free(keys) => {
+                r.free(keys);
+                continue;
+            }
+            // An attach moves no page in an ideal LRU (the simulated host
+            // policies count it).
+            Walk::Attach(_) => continue,
+        };
         let a = &e.access;
         let step = *steps.entry((e.sequence, a.step)).or_insert_with(|| {
             base_us.push(0.0);
@@ -194,7 +207,7 @@ fn replay(trace: &Trace, rate: f64) -> Replayed {
         host = (host.0 + u64::from(swap.from_host), host.1 + swap.host_us);
         nvme = (nvme.0 + u64::from(swap.from_nvme), nvme.1 + swap.nvme_us);
         let bytes = trace.shapes[e.sequence].page_bytes() as u64;
-        for (key, served) in pages_of(e) {
+        for &(key, served) in pages {
             match (e.write, a.hot) {
                 (true, _) => r.write(key, bytes),
                 (false, true) => r.read_hot(key, bytes, step, served),
@@ -253,7 +266,7 @@ struct LatencyReport {
 }
 
 #[derive(Debug, Serialize)]
-struct Report {
+pub(crate) struct Report {
     trace: PathBuf,
     /// The share of pages replayed: the recording's sample times `--sample`.
     sample: f64,
@@ -265,63 +278,127 @@ struct Report {
     selected_pages: u64,
     target_miss: f64,
     /// The smallest sizes whose miss ratio is at most the target (none:
-    /// even the whole working set misses more, from first accesses).
+    /// even the whole working set misses more, from first accesses);
+    /// host memory's under an ideal LRU (each host policy's own is in
+    /// `policies`).
     device_bytes: Option<u64>,
     host_bytes: Option<u64>,
     curve: Vec<Point>,
     at: Vec<Point>,
     /// Without timings in the trace: none.
     latency: Option<LatencyReport>,
-    /// Device policies without an exact model, simulated: LRU's curve and
-    /// recommendation are `curve` and `device_bytes`.
-    simulated: Vec<SimulatedPolicy>,
+    /// Each tier's curve per policy asked for: the device's LRU exact (the
+    /// same as `curve` and `device_bytes`), the others simulated.
+    policies: Vec<PolicyCurve>,
 }
 
-/// A simulated device policy's curve and recommendation.
+/// One policy's miss ratios on one tier, and its recommendation.
 #[derive(Debug, Serialize)]
-struct SimulatedPolicy {
+struct PolicyCurve {
+    /// `device` or `host`.
+    tier: &'static str,
     policy: String,
+    /// `exact` (stack distances) or `simulated` (the store's policy code
+    /// on a miniature tier).
+    method: &'static str,
     /// The smallest size on the curve whose miss ratio is at most the target.
-    device_bytes: Option<u64>,
+    bytes_for_target: Option<u64>,
     curve: Vec<PolicyPoint>,
-    /// At the `--device-fraction` sizes.
+    /// At the `--device-fraction` (device) or `--host-fraction` (host) sizes.
     at: Vec<PolicyPoint>,
 }
 
-/// Each simulated policy of `policies` (all but LRU) at 1 % to 100 % of
-/// the working set, 10 sizes a decade, and at `at`.
-fn simulated(
-    trace: &Trace,
+/// What [`policy_curves`] needs besides the trace.
+struct CurveArgs<'a> {
     rate: f64,
-    policies: &[DevicePolicy],
+    /// Host memory's (high, low) watermarks.
+    watermarks: (f64, f64),
     working_set: u64,
     target_miss: f64,
-    at: &[f64],
-) -> anyhow::Result<Vec<SimulatedPolicy>> {
-    let simulated: Vec<DevicePolicy> = policies.iter().copied().filter(|&p| p != DevicePolicy::Lru).collect();
-    if simulated.is_empty() {
-        return Ok(Vec::new());
-    }
-    let stream = Stream::of(trace, rate);
+    device_at: &'a [f64],
+    host_at: &'a [f64],
+}
+
+/// Each policy of `device` and `host` at 1 % to 100 % of the working set,
+/// 10 sizes a decade, and at the tier's `at` sizes: the device's LRU from
+/// its exact curve, the others simulated.
+fn policy_curves(
+    trace: &Trace,
+    replayed: (&MissCurve, &MissCurve),
+    device: &[DevicePolicy],
+    host: &[HostPolicy],
+    a: &CurveArgs<'_>,
+) -> anyhow::Result<Vec<PolicyCurve>> {
     let sizes: Vec<f64> = (0..=20).map(|i| 10f64.powf(-2.0 + f64::from(i) / 10.0)).collect();
-    simulated
-        .into_iter()
-        .map(|policy| {
-            let curve = stream.curve(policy, working_set, &sizes)?;
-            Ok(SimulatedPolicy {
-                policy: policy.to_string(),
-                device_bytes: curve
-                    .iter()
-                    .find(|p| p.device_miss_ratio <= target_miss)
-                    .map(|p| p.bytes),
-                at: stream.curve(policy, working_set, at)?,
-                curve,
+    let exact = |curve: &MissCurve, fractions: &[f64]| -> Vec<PolicyPoint> {
+        fractions
+            .iter()
+            .map(|&fraction| {
+                let bytes = (a.working_set as f64 * fraction) as u64;
+                PolicyPoint {
+                    bytes,
+                    fraction,
+                    miss_ratio: curve.miss_ratio(bytes),
+                }
             })
+            .collect()
+    };
+    let mut stream = None;
+    let mut out = Vec::new();
+    let wanted = device
+        .iter()
+        .map(|&p| {
+            (
+                "device",
+                p.to_string(),
+                (p != DevicePolicy::Lru).then_some(Simulated::Device(p)),
+            )
         })
-        .collect()
+        .chain(host.iter().map(|&p| ("host", p.to_string(), Some(Simulated::Host(p)))));
+    for (tier, policy, simulated) in wanted {
+        let (lru, at) = match tier {
+            "device" => (replayed.0, a.device_at),
+            _ => (replayed.1, a.host_at),
+        };
+        let (method, curve, at) = match simulated {
+            None => ("exact", exact(lru, &sizes), exact(lru, at)),
+            Some(sim) => {
+                let stream = stream.get_or_insert_with(|| Stream::of(trace, a.rate));
+                (
+                    "simulated",
+                    stream.curve(sim, a.working_set, &sizes, a.watermarks)?,
+                    stream.curve(sim, a.working_set, at, a.watermarks)?,
+                )
+            }
+        };
+        out.push(PolicyCurve {
+            tier,
+            policy,
+            method,
+            bytes_for_target: match simulated {
+                None => lru.smallest_for(a.target_miss),
+                Some(_) => curve.iter().find(|p| p.miss_ratio <= a.target_miss).map(|p| p.bytes),
+            },
+            curve,
+            at,
+        });
+    }
+    Ok(out)
 }
 
 pub(crate) fn run(args: TuneArgs) -> anyhow::Result<()> {
+    let report = report(&args)?;
+    plot(&report, &args.out)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report, &args.out);
+    }
+    Ok(())
+}
+
+/// Everything `kvtier tune` predicts from `args.trace`.
+pub(crate) fn report(args: &TuneArgs) -> anyhow::Result<Report> {
     ensure!(
         (0.0..1.0).contains(&args.target_miss),
         "--target-miss: a share in [0, 1)"
@@ -330,6 +407,22 @@ pub(crate) fn run(args: TuneArgs) -> anyhow::Result<()> {
     let trace = Trace::read(&args.trace)?;
     if let Some((reason, dropped)) = &trace.ended {
         eprintln!("note: the recording stopped early ({reason}) and dropped {dropped} records");
+    }
+    let &[high, low] = args.host_watermarks.as_slice() else {
+        anyhow::bail!("--host-watermarks: two shares, HIGH,LOW");
+    };
+    ensure!(
+        0.0 < low && low <= high && high <= 1.0,
+        "--host-watermarks: HIGH,LOW with 0 < LOW <= HIGH <= 1"
+    );
+    for (flag, fractions) in [
+        ("--device-fraction", &args.device_fraction),
+        ("--host-fraction", &args.host_fraction),
+    ] {
+        ensure!(
+            fractions.iter().all(|&f| f > 0.0 && f.is_finite()),
+            "{flag}: positive shares of the working set"
+        );
     }
     let Replayed {
         device,
@@ -392,7 +485,7 @@ pub(crate) fn run(args: TuneArgs) -> anyhow::Result<()> {
         }),
         false => None,
     };
-    let report = Report {
+    Ok(Report {
         trace: args.trace.clone(),
         sample: trace.header.sample * args.sample,
         device: trace.header.device.clone(),
@@ -408,22 +501,21 @@ pub(crate) fn run(args: TuneArgs) -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?,
         curve,
         latency: latency_report,
-        simulated: simulated(
+        policies: policy_curves(
             &trace,
-            args.sample,
+            (&device, &host),
             &args.policies,
-            working_set,
-            args.target_miss,
-            &args.device_fraction,
+            &args.host_policies,
+            &CurveArgs {
+                rate: args.sample,
+                watermarks: (high, low),
+                working_set,
+                target_miss: args.target_miss,
+                device_at: &args.device_fraction,
+                host_at: &args.host_fraction,
+            },
         )?,
-    };
-    plot(&report, &args.out)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print_table(&report, &args.out);
-    }
-    Ok(())
+    })
 }
 
 fn mib(bytes: u64) -> String {
@@ -449,11 +541,12 @@ fn print_table(r: &Report, out: &std::path::Path) {
             100.0 * r.target_miss
         ),
     };
-    recommend("device tier (lru)", r.device_bytes);
-    for s in &r.simulated {
-        recommend(&format!("device tier ({}, simulated)", s.policy), s.device_bytes);
+    for c in &r.policies {
+        recommend(
+            &format!("{} tier ({}, {})", c.tier, c.policy, c.method),
+            c.bytes_for_target,
+        );
     }
-    recommend("host tier", r.host_bytes);
     if let Some(l) = &r.latency {
         let us = |v: Option<f64>| v.map_or("unknown".to_owned(), |v| format!("{v:.1} µs"));
         println!(
@@ -488,15 +581,15 @@ fn print_table(r: &Report, out: &std::path::Path) {
             ms(p.p99_ms)
         );
     }
-    for s in &r.simulated {
-        println!("device policy {} (simulated):", s.policy);
-        println!("{:>10} {:>12} {:>12}", "share", "bytes", "device miss");
-        for p in s.at.iter().chain(s.curve.iter().step_by(5)) {
+    for c in r.policies.iter().filter(|c| c.method == "simulated") {
+        println!("{} policy {} (simulated):", c.tier, c.policy);
+        println!("{:>10} {:>12} {:>12}", "share", "bytes", "miss");
+        for p in c.at.iter().chain(c.curve.iter().step_by(5)) {
             println!(
                 "{:>9.1}% {:>12} {:>12.4}",
                 100.0 * p.fraction,
                 mib(p.bytes),
-                p.device_miss_ratio
+                p.miss_ratio
             );
         }
     }
@@ -517,10 +610,10 @@ fn plot(r: &Report, out: &std::path::Path) -> anyhow::Result<()> {
     if r.curve.iter().any(|p| p.host_miss_ratio != p.device_miss_ratio) {
         series.push(line("host", |p| p.host_miss_ratio));
     }
-    for s in &r.simulated {
+    for c in r.policies.iter().filter(|c| c.method == "simulated") {
         series.push(Series {
-            name: format!("device ({}, sim.)", s.policy),
-            points: s.curve.iter().map(|p| (mib(p.bytes), p.device_miss_ratio)).collect(),
+            name: format!("{} ({}, sim.)", c.tier, c.policy),
+            points: c.curve.iter().map(|p| (mib(p.bytes), p.miss_ratio)).collect(),
             dots: true,
         });
     }
@@ -585,6 +678,7 @@ mod tests {
 
     use super::*;
     use crate::shape::Shape;
+    use crate::trace::Event;
 
     /// A trace of `reads` swap-ins of one page each over `pages` pages of 4
     /// KV heads, skewed towards low pages (about Zipf's law).
@@ -626,6 +720,8 @@ mod tests {
                 device: None,
             },
             shapes: vec![Shape::custom([1, 4, 4, 64], "f16", 16).unwrap()],
+            prefixes: vec![Vec::new()],
+            drops: Vec::new(),
             events,
             ended: None,
         }
@@ -684,13 +780,17 @@ mod tests {
         for pages in [200, 400, 800, 1600, 2800] {
             let bytes = pages * page_bytes;
             let want = exact.device.miss_ratio(bytes);
-            let got = whole.miss_ratio(DevicePolicy::Lru, bytes).unwrap();
+            let got = whole
+                .miss_ratio(Simulated::Device(DevicePolicy::Lru), bytes, (1.0, 1.0))
+                .unwrap();
             assert!(
                 (want - got).abs() < 1e-9,
                 "{pages} pages: stack distances {want}, simulated {got}"
             );
             let want = shards.device.miss_ratio(bytes);
-            let got = mini.miss_ratio(DevicePolicy::Lru, bytes).unwrap();
+            let got = mini
+                .miss_ratio(Simulated::Device(DevicePolicy::Lru), bytes, (1.0, 1.0))
+                .unwrap();
             assert!(
                 (want - got).abs() < 1e-9,
                 "{pages} pages, a fifth: scaled distances {want}, miniature {got}"

@@ -28,6 +28,11 @@ impl Fenwick {
         }
     }
 
+    /// What was added after time `at`, up to `now` (excluded).
+    fn distance(&self, at: usize, now: usize) -> i64 {
+        self.prefix(now) - self.prefix(at + 1)
+    }
+
     /// The sum over times `0..end`.
     fn prefix(&self, end: usize) -> i64 {
         let (mut i, mut sum) = (end, 0);
@@ -39,11 +44,24 @@ impl Fenwick {
     }
 }
 
+/// An item's place in the stack.
+#[derive(Debug, Clone, Copy)]
+struct Last {
+    at: usize,
+    bytes: u64,
+    /// The largest distance it has had since `at`, as of the last free.
+    peak: u64,
+}
+
 /// The stack distances of one access stream, and the cache size each
 /// counted access needs to hit.
 #[derive(Debug)]
 pub(crate) struct StackDistances<K> {
-    last: HashMap<K, usize>,
+    /// Each live item's most recent access, its size, and the most
+    /// distinct bytes that have stood above it since (frees lower what
+    /// stands above an item, but an LRU cache does not take back what it
+    /// evicted while more did).
+    last: HashMap<K, Last>,
     tree: Fenwick,
     now: usize,
     /// For each counted access that is not the item's first: the smallest
@@ -78,10 +96,10 @@ impl<K: Hash + Eq> StackDistances<K> {
         let t = self.now;
         self.now += 1;
         debug_assert!(t + 1 < self.tree.0.len(), "more accesses than the stream was sized for");
-        let previous = self.last.insert(item, t);
+        let previous = self.last.insert(item, Last { at: t, bytes, peak: 0 });
         let need = previous.map(|p| {
-            let between = self.tree.prefix(t) - self.tree.prefix(p + 1);
-            self.tree.add(p, -(bytes as i64));
+            let between = (self.tree.distance(p.at, t) as u64).max(p.peak);
+            self.tree.add(p.at, -(p.bytes as i64));
             (between as f64 * self.scale).round() as u64 + bytes
         });
         if counted {
@@ -92,6 +110,25 @@ impl<K: Hash + Eq> StackDistances<K> {
         }
         self.tree.add(t, bytes as i64);
         need
+    }
+
+    /// `items` left the stream (freed): they take no room from here on, and
+    /// the next access of one, if any, is a first one. Every item below
+    /// one of them first notes the distance it had (O(live items): frees
+    /// come in batches, a sequence's pages at a time).
+    pub(crate) fn forget(&mut self, items: &[K]) {
+        let Some(newest) = items.iter().filter_map(|k| self.last.get(k)).map(|l| l.at).max() else {
+            return;
+        };
+        let (tree, now) = (&self.tree, self.now);
+        for l in self.last.values_mut().filter(|l| l.at < newest) {
+            l.peak = l.peak.max(tree.distance(l.at, now) as u64);
+        }
+        for item in items {
+            if let Some(l) = self.last.remove(item) {
+                self.tree.add(l.at, -(l.bytes as i64));
+            }
+        }
     }
 
     /// The miss-ratio curve: for each cache size, the share of counted
@@ -150,10 +187,14 @@ mod tests {
 
     /// An LRU cache of `capacity` bytes simulated directly: hits of the
     /// counted accesses.
-    fn simulate(stream: &[(u8, u64, bool)], capacity: u64) -> (u64, u64) {
+    fn simulate(stream: &[(u8, u64, bool, bool)], capacity: u64) -> (u64, u64) {
         let mut cache: Vec<(u8, u64)> = Vec::new(); // most recent last
         let (mut hits, mut counted) = (0, 0);
-        for &(item, bytes, count) in stream {
+        for &(item, bytes, count, free) in stream {
+            if free {
+                cache.retain(|&(i, _)| i != item);
+                continue;
+            }
             let hit = cache.iter().position(|&(i, _)| i == item);
             if count {
                 counted += 1;
@@ -173,14 +214,20 @@ mod tests {
     proptest! {
         #[test]
         fn the_curve_equals_a_simulated_lru_at_every_size(
-            stream in proptest::collection::vec((0u8..12, 1u64..5, any::<bool>()), 1..200),
+            stream in proptest::collection::vec((0u8..12, 1u64..5, any::<bool>(), 0u8..8), 1..200),
             capacity in 0u64..40,
         ) {
-            // An item keeps one size, as a page does.
-            let stream: Vec<(u8, u64, bool)> = stream.iter().map(|&(i, _, c)| (i, u64::from(i % 4) + 1, c)).collect();
+            // An item keeps one size, as a page does; one access in eight
+            // frees it instead.
+            let stream: Vec<(u8, u64, bool, bool)> =
+                stream.iter().map(|&(i, _, c, f)| (i, u64::from(i % 4) + 1, c, f == 0)).collect();
             let mut d = StackDistances::new(stream.len(), 1.0);
-            for &(item, bytes, counted) in &stream {
-                d.access(item, bytes, counted);
+            for &(item, bytes, counted, free) in &stream {
+                if free {
+                    d.forget(&[item]);
+                } else {
+                    d.access(item, bytes, counted);
+                }
             }
             let curve = d.curve();
             let (hits, counted) = simulate(&stream, capacity);

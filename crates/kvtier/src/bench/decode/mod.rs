@@ -682,6 +682,8 @@ fn write_trace(path: &std::path::Path, cfg: &RunConfig, m: &Measured, emulated: 
                 shape: [s.layers, s.kv_heads, s.query_heads, s.head_dim],
                 dtype: s.dtype.into(),
                 page_size: s.page_size,
+                // The bench's sequences share no prefix.
+                prefix: Vec::new(),
             },
         )?;
         for layer in 0..s.layers {

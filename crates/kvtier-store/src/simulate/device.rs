@@ -1,39 +1,30 @@
 //! A miniature device: the device tier's own policy code (`device/`) over
-//! tiers of tiny pages, fed a stream of page writes and selections, for
-//! `kvtier tune` to predict each policy's miss ratio at any size. LRU has
-//! an exact model (stack distances); the loop policy's resident subset,
-//! stream region and layer-ahead prefetch have none, so they are run, not
-//! modelled: the same `HotSet` the store uses serves each selection in the
-//! store's order (`HotSet::serve_selection`, then the read of its hot
-//! pages, which touches them), with two assumptions stated here: every
-//! selection reads its pages' data (as decode steps do), and a layer-ahead
-//! prefetch lands before the next selection (the store runs it in the
-//! background; `kvtier_prefetch_pages_total{outcome="late"}` says how
-//! often it did not).
-//!
-//! Every page is 64 bytes whatever the trace's shape: a policy sees pages,
-//! not bytes, as long as pages are of one size, so a device of N pages is
-//! simulated by one of N tiny pages.
+//! tiers of tiny pages, fed a stream of page writes and selections. LRU
+//! has an exact model (stack distances); the loop policy's resident
+//! subset, stream region and layer-ahead prefetch have none, so they are
+//! run, not modelled: the same `HotSet` the store uses serves each
+//! selection in the store's order (`HotSet::serve_selection`, then the
+//! read of its hot pages, which touches them), with two assumptions
+//! stated here: every selection reads its pages' data (as decode steps
+//! do), and a layer-ahead prefetch lands before the next selection (the
+//! store runs it in the background;
+//! `kvtier_prefetch_pages_total{outcome="late"}` says how often it did
+//! not).
 
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::Arc;
 
-use kvtier_core::{DType, Layout, LayoutSpec, Reason, SequenceKey, TenantId};
-use kvtier_tiers::{ArenaTier, Tier, TierKind};
+use kvtier_core::{Reason, SequenceKey};
+use kvtier_tiers::{ArenaTier, TierKind};
 
-use crate::accounts::{Account, Accounts, Limits};
+use super::{Miniature, PAGE_BYTES};
+use crate::StoreResult;
 use crate::device::{DevicePolicy, HotSet};
 use crate::durability::Durable;
 use crate::host::{HostCache, HostPolicy};
-use crate::page::{PhysPage, Pins, Placement};
+use crate::page::{PhysPage, Pins};
 use crate::reader::Reader;
-use crate::stats::Counters;
-use crate::{StoreError, StoreResult};
-
-/// Bytes of a simulated page: the arena's alignment, so that N pages fill
-/// exactly N slots.
-const PAGE_BYTES: u64 = 64;
 
 /// A device of some pages under one policy, over host memory that holds
 /// every page; pages are named by the caller's keys.
@@ -42,10 +33,7 @@ pub struct DeviceSimulation<K> {
     device: HotSet,
     host: HostCache,
     durable: Durable,
-    counters: Arc<Counters>,
-    accounts: Arc<Accounts>,
-    owner: Arc<Account>,
-    layout: Arc<Layout>,
+    mini: Miniature,
     pages: HashMap<K, Arc<PhysPage>>,
     /// A key per simulated sequence, for the layer-ahead lists.
     sequences: HashMap<u64, SequenceKey>,
@@ -56,32 +44,14 @@ impl<K: Eq + Hash + Clone> DeviceSimulation<K> {
     /// over host memory of `host_pages` (every page that will be written
     /// or selected).
     pub fn new(policy: DevicePolicy, device_pages: u64, host_pages: u64) -> StoreResult<Self> {
-        let tier_error = StoreError::ResourceExhausted;
-        let device: Arc<dyn Tier> =
-            Arc::new(ArenaTier::emulated_device(device_pages.max(1) * PAGE_BYTES).map_err(tier_error)?);
-        let host: Arc<dyn Tier> = Arc::new(ArenaTier::host(host_pages.max(1) * PAGE_BYTES).map_err(tier_error)?);
-        let counters = Arc::new(Counters::default());
-        let accounts = Accounts::new(Limits::default());
-        let owner = accounts.account(&TenantId::parse("tenant", "simulation").map_err(StoreError::from)?);
-        let layout = Layout::new(LayoutSpec {
-            num_layers: 1,
-            num_kv_heads: 1,
-            num_query_heads: 1,
-            head_dim: 8,
-            dtype: DType::F16,
-            page_size: 2,
-            layer_groups: vec![],
-        })
-        .map_err(StoreError::from)?;
-        debug_assert_eq!(layout.page_bytes() as u64, PAGE_BYTES);
+        let device = Miniature::arena(device_pages, ArenaTier::emulated_device)?;
+        let host = Miniature::arena(host_pages, ArenaTier::host)?;
+        let mini = Miniature::new()?;
         Ok(Self {
-            durable: Durable::new(None, 0, [&device, &host], None, Arc::clone(&counters)),
+            durable: Durable::new(None, 0, [&device, &host], None, Arc::clone(&mini.counters)),
             host: HostCache::new(host, HostPolicy::Lru, 1.0, 1.0),
-            device: HotSet::new(device, false, policy, Arc::clone(&counters)),
-            counters,
-            accounts,
-            owner,
-            layout: Arc::new(layout),
+            device: HotSet::new(device, false, policy, Arc::clone(&mini.counters)),
+            mini,
             pages: HashMap::new(),
             sequences: HashMap::new(),
         })
@@ -97,7 +67,10 @@ impl<K: Eq + Hash + Clone> DeviceSimulation<K> {
             }
             return Ok(());
         }
-        let device = self.device.allocate(PAGE_BYTES, &self.host, &self.owner, false).ok();
+        let device = self
+            .device
+            .allocate(PAGE_BYTES, &self.host, &self.mini.owner, false)
+            .ok();
         let page = self.new_page(device)?;
         if page.place.read().device().is_some() {
             self.device.touch([&page]);
@@ -132,7 +105,7 @@ impl<K: Eq + Hash + Clone> DeviceSimulation<K> {
             host: &self.host,
             device: &**self.device.tier(),
             durable: &self.durable,
-            counters: &self.counters,
+            counters: &self.mini.counters,
             promote: false,
         };
         let (report, ahead) = self.device.serve_selection((&key, layer, layers), &chosen, true, || {
@@ -151,21 +124,30 @@ impl<K: Eq + Hash + Clone> DeviceSimulation<K> {
         Ok(u64::from(report.from_host + report.from_nvme + report.not_hot))
     }
 
+    /// Another sequence attached page `key` (through its prefix hash
+    /// chain): the loop policy counts it as shared.
+    pub fn attach(&mut self, key: &K) {
+        if let Some(page) = self.pages.get(key) {
+            page.attached_again();
+        }
+    }
+
+    /// Page `key` was freed (its last sequence dropped it): its slots go.
+    pub fn free(&mut self, key: &K) {
+        if let Some(page) = self.pages.remove(key) {
+            self.device.forget([page.id]);
+            self.host.forget([page.id]);
+        }
+    }
+
     /// A new page in host memory (and on the device, in `device`).
-    fn new_page(&self, device: Option<kvtier_tiers::Slot>) -> StoreResult<Arc<PhysPage>> {
+    fn new_page(&mut self, device: Option<kvtier_tiers::Slot>) -> StoreResult<Arc<PhysPage>> {
         let host = self.host.tier();
         let slot = self
+            .mini
             .owner
             .slot(TierKind::Host, PAGE_BYTES, true, || host.allocate(PAGE_BYTES))?;
-        let charge = self.accounts.page_charge(&self.owner, 0);
-        let place = Placement::written(device, slot, self.layout.page_size());
-        let page = Arc::new(PhysPage::new(
-            self.pages.len() as u64,
-            Arc::clone(&self.layout),
-            None,
-            place,
-            charge,
-        ));
+        let page = self.mini.page(device, slot);
         self.host.touch([&page]);
         Ok(page)
     }

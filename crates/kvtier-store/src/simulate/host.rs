@@ -1,0 +1,158 @@
+//! Miniature host memory: the host tier's own policy code (`host/`) over
+//! tiny pages, with an arena standing in for NVMe, fed what the store
+//! does to host memory: page writes (which migrate pages to NVMe when
+//! memory is full), reads (a page on NVMe is read from there and promoted
+//! back when memory has room, as `promote_on_read` does), attaches of a
+//! stored page by another sequence (the frequency policy's second
+//! chances) and frees. Both policies are run: the frequency policy's
+//! queues and chances have no closed model, and the store's LRU is not an
+//! ideal one (a read does not evict to promote, so a loop a little larger
+//! than memory keeps part of itself where an ideal LRU keeps none). The
+//! store's background migration (down from the high watermark to the low
+//! one) runs when the caller says, [`HostSimulation::background`]: at
+//! the store's own cadence in the recording's time, since whether a read
+//! from NVMe finds room to promote its page depends on it.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::Arc;
+
+use kvtier_tiers::ArenaTier;
+
+use super::{Miniature, PAGE_BYTES};
+use crate::durability::Durable;
+use crate::host::{HostCache, HostPolicy, MigrationTime};
+use crate::page::PhysPage;
+use crate::reader::Reader;
+use crate::{StoreError, StoreResult};
+
+/// Host memory of some pages under one policy, over NVMe that holds every
+/// page; pages are named by the caller's keys.
+#[derive(Debug)]
+pub struct HostSimulation<K> {
+    host: HostCache,
+    durable: Durable,
+    /// The device tier the store's read path needs; never used.
+    device: Arc<dyn kvtier_tiers::Tier>,
+    mini: Miniature,
+    pages: HashMap<K, Arc<PhysPage>>,
+}
+
+impl<K: Eq + Hash + Clone> HostSimulation<K> {
+    /// Host memory of `host_pages` pages under `policy`, migrating between
+    /// the `high` and `low` watermarks (shares of its pages, as the
+    /// store's config has them), over NVMe of `nvme_pages` (every page
+    /// that will be written or read).
+    pub fn new(policy: HostPolicy, host_pages: u64, nvme_pages: u64, high: f64, low: f64) -> StoreResult<Self> {
+        let device = Miniature::arena(1, ArenaTier::emulated_device)?;
+        let host = Miniature::arena(host_pages, ArenaTier::host)?;
+        let nvme = Miniature::arena(nvme_pages, ArenaTier::host)?;
+        let mini = Miniature::new()?;
+        Ok(Self {
+            durable: Durable::new(None, 0, [&device, &host], Some(nvme), Arc::clone(&mini.counters)),
+            host: HostCache::new(host, policy, high, low),
+            device,
+            mini,
+            pages: HashMap::new(),
+        })
+    }
+
+    /// One call wrote pages `keys`: as the store's write does, every new
+    /// page takes its host slot (migrating others to NVMe when memory is
+    /// full) before any of them joins the queues, so a call larger than
+    /// the pages in line takes its room from wherever it is; pages written
+    /// again are touched. A call larger than host memory, which the store
+    /// would refuse, is taken in parts (a tier that small is still drawn
+    /// on the curve). `background`: a round of the background migration
+    /// fell inside the call; it runs once the call's pages hold their
+    /// slots, before they join the queues (where the store's own round
+    /// finds them: a write reserves its room first and publishes its pages
+    /// last).
+    pub fn write(&mut self, keys: &[K], background: bool) -> StoreResult<()> {
+        let mut written = Vec::with_capacity(keys.len());
+        for key in keys {
+            let page = match self.pages.get(key) {
+                Some(page) if page.place.read().host().is_none() => continue,
+                Some(page) => Arc::clone(page),
+                None => {
+                    let page = match self.new_page() {
+                        Err(StoreError::ResourceExhausted(_)) if !written.is_empty() => {
+                            self.host.touch(&written);
+                            written.clear();
+                            self.new_page()?
+                        }
+                        other => other?,
+                    };
+                    self.pages.insert(key.clone(), Arc::clone(&page));
+                    page
+                }
+            };
+            written.push(page);
+        }
+        if background {
+            self.background();
+        }
+        self.host.touch(&written);
+        Ok(())
+    }
+
+    /// One round of the store's background migration.
+    pub fn background(&mut self) {
+        self.host.rebalance(&self.durable);
+    }
+
+    /// Another sequence attached page `key` (through its prefix hash
+    /// chain): one more request uses it. Whether the page exists.
+    pub fn attach(&mut self, key: &K) -> bool {
+        self.pages.get(key).map(|page| page.attached_again()).is_some()
+    }
+
+    /// A read of `keys`, as a fetch reads them. Returns how many were not
+    /// in host memory (a page never written before is one, and lands
+    /// there as if written).
+    pub fn read(&mut self, keys: &[K]) -> StoreResult<u64> {
+        let mut missed = 0;
+        let mut stored = Vec::with_capacity(keys.len());
+        for key in keys {
+            match self.pages.get(key) {
+                Some(page) => {
+                    missed += u64::from(page.place.read().host().is_none());
+                    stored.push((Arc::clone(page), self.mini.layout.page_size()));
+                }
+                None => {
+                    missed += 1;
+                    let page = self.new_page()?;
+                    self.host.touch([&page]);
+                    self.pages.insert(key.clone(), page);
+                }
+            }
+        }
+        let reader = Reader {
+            host: &self.host,
+            device: &*self.device,
+            durable: &self.durable,
+            counters: &self.mini.counters,
+            promote: true,
+        };
+        reader.originals(&self.mini.layout, &stored)?;
+        Ok(missed)
+    }
+
+    /// Page `key` was freed (its last sequence dropped it).
+    pub fn free(&mut self, key: &K) {
+        if let Some(page) = self.pages.remove(key) {
+            self.host.forget([page.id]);
+        }
+    }
+
+    /// A new page in host memory, not yet in line to migrate.
+    fn new_page(&mut self) -> StoreResult<Arc<PhysPage>> {
+        let slot = self.host.allocate(
+            PAGE_BYTES,
+            &self.durable,
+            &mut MigrationTime::default(),
+            &self.mini.owner,
+        )?;
+        Ok(self.mini.page(None, slot))
+    }
+}
