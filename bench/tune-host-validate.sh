@@ -4,9 +4,9 @@
 # by each of its requests while tenant B writes bursts of one-off prompts).
 # Per migration setting, records one trace (under LRU at the default host
 # size), predicts A's hit ratio at several host sizes from it under each
-# host policy (lru: exact stack distances; frequency: the store's policy
-# code on miniature host memory), then measures it with `bench burst` at
-# each size. Writes bench/results/tune-validation-host.md.
+# host policy (both run as the store's own policy code on miniature host
+# memory), then measures it with `bench burst` at each size. Writes
+# bench/results/tune-validation-host.md.
 # Usage: bench/tune-host-validate.sh [path/to/kvtier]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,11 +73,11 @@ validate 0.9,0.8 1024,3072,3584,4096 256,320,384,512 3
   echo
   echo "Hit ratio: the share of A's prefix pages its requests found in memory (\`a_hit_ratio\`"
   echo "in the bench's report, before and during B's bursts), which are all the reads of this"
-  echo "workload; predicted as 1 − tune's host miss ratio at that host size. \`lru\` is exact"
-  echo "(stack distances, with pages freed when their sequences end); \`frequency\` runs the"
-  echo "store's own host policy on miniature host memory, replaying the trace's writes,"
-  echo "attaches of shared prefixes, reads and drops, and running a background migration"
-  echo "round at the store's cadence in the recording's time."
+  echo "workload; predicted as 1 − tune's host miss ratio at that host size. Both policies"
+  echo "run as the store's own host code on miniature host memory (the store's LRU is not an"
+  echo "ideal one: a page read from NVMe comes back only where memory has room), replaying"
+  echo "the trace's writes, attaches of shared prefixes, reads and drops, with a background"
+  echo "migration round at the store's cadence in the recording's time."
   echo
   echo "Watermarks 1,1 leave all migration to the writes that find memory full: the"
   echo "policies' own order, which the simulation reproduces. With the default 0.9,0.8 a"

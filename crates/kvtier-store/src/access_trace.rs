@@ -33,7 +33,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use kvtier_core::hash::mix64;
-use kvtier_core::{ColdTier, Layout, PageState, SequenceKey, TenantId, wire};
+use kvtier_core::{ColdTier, Layout, PageState, SequenceKey, wire};
 use kvtier_sync::{Mutex, Rank, RwLock};
 use serde::{Deserialize, Serialize};
 
@@ -232,10 +232,11 @@ struct Event {
 }
 
 /// A sequence's prefix hash chain, with what scopes it (a page is shared
-/// only within one tenant and layout).
+/// only within one tenant and layout): the salted hash of both, made once
+/// per call rather than once per page.
 #[derive(Clone)]
 struct Chain {
-    tenant: TenantId,
+    scope: u64,
     hashes: Arc<[Arc<[u8]>]>,
 }
 
@@ -243,8 +244,8 @@ struct Chain {
 const NAME_BITS: u64 = (1 << 53) - 1;
 
 /// A chain hash's name in a recording salted with `salt`.
-fn chain_name(salt: &RandomState, chain: &Chain, layout: &Layout, page: usize) -> u64 {
-    salt.hash_one((&chain.tenant, layout, &*chain.hashes[page])) & NAME_BITS
+fn chain_name(salt: &RandomState, chain: &Chain, page: usize) -> u64 {
+    salt.hash_one((chain.scope, &*chain.hashes[page])) & NAME_BITS
 }
 
 #[derive(Debug)]
@@ -310,14 +311,15 @@ impl AccessTrace {
             return None;
         }
         let recorder = self.current.read().clone()?;
+        let chain = Chain {
+            scope: recorder.salt.hash_one((&key.tenant, &**layout)),
+            hashes: Arc::clone(hashes),
+        };
         Some(Tracer {
             seq: recorder.salt.hash_one(key) & NAME_BITS,
             recorder,
             layout: Arc::clone(layout),
-            chain: Chain {
-                tenant: key.tenant.clone(),
-                hashes: Arc::clone(hashes),
-            },
+            chain,
         })
     }
 
@@ -441,7 +443,7 @@ impl Tracer {
         };
         let p = page as usize;
         let page_key = match p < self.chain.hashes.len() {
-            true => chain_name(&self.recorder.salt, &self.chain, &self.layout, p),
+            true => chain_name(&self.recorder.salt, &self.chain, p),
             false => mix64(self.seq ^ u64::from(page)),
         };
         mix64(mix64(page_key ^ u64::from(layer)) ^ u64::from(head)) < below
@@ -521,7 +523,7 @@ fn write_records(
                 dtype: l.dtype().name().into(),
                 page_size: l.page_size(),
                 prefix: (0..event.chain.hashes.len())
-                    .map(|p| chain_name(salt, &event.chain, l, p))
+                    .map(|p| chain_name(salt, &event.chain, p))
                     .collect(),
             };
             lines.push_str(&to_line(&shape));

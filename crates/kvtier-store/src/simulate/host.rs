@@ -1,8 +1,8 @@
 //! Miniature host memory: the host tier's own policy code (`host/`) over
 //! tiny pages, with an arena standing in for NVMe, fed what the store
 //! does to host memory: page writes (which migrate pages to NVMe when
-//! memory is full), reads (a page on NVMe is read from there and promoted
-//! back when memory has room, as `promote_on_read` does), attaches of a
+//! memory is full), reads (a page on NVMe is read from there and, under
+//! `promote_on_read`, promoted back when memory has room), attaches of a
 //! stored page by another sequence (the frequency policy's second
 //! chances) and frees. Both policies are run: the frequency policy's
 //! queues and chances have no closed model, and the store's LRU is not an
@@ -36,14 +36,23 @@ pub struct HostSimulation<K> {
     device: Arc<dyn kvtier_tiers::Tier>,
     mini: Miniature,
     pages: HashMap<K, Arc<PhysPage>>,
+    /// The store's `promote_on_read`.
+    promote_on_read: bool,
 }
 
 impl<K: Eq + Hash + Clone> HostSimulation<K> {
     /// Host memory of `host_pages` pages under `policy`, migrating between
-    /// the `high` and `low` watermarks (shares of its pages, as the
-    /// store's config has them), over NVMe of `nvme_pages` (every page
-    /// that will be written or read).
-    pub fn new(policy: HostPolicy, host_pages: u64, nvme_pages: u64, high: f64, low: f64) -> StoreResult<Self> {
+    /// the `(high, low)` watermarks (shares of its pages, as the store's
+    /// config has them), over NVMe of `nvme_pages` (every page that will
+    /// be written or read); with `promote_on_read`, a page read from NVMe
+    /// comes back to memory where it has room.
+    pub fn new(
+        policy: HostPolicy,
+        host_pages: u64,
+        nvme_pages: u64,
+        (high, low): (f64, f64),
+        promote_on_read: bool,
+    ) -> StoreResult<Self> {
         let device = Miniature::arena(1, ArenaTier::emulated_device)?;
         let host = Miniature::arena(host_pages, ArenaTier::host)?;
         let nvme = Miniature::arena(nvme_pages, ArenaTier::host)?;
@@ -54,6 +63,7 @@ impl<K: Eq + Hash + Clone> HostSimulation<K> {
             device,
             mini,
             pages: HashMap::new(),
+            promote_on_read,
         })
     }
 
@@ -132,7 +142,7 @@ impl<K: Eq + Hash + Clone> HostSimulation<K> {
             device: &*self.device,
             durable: &self.durable,
             counters: &self.mini.counters,
-            promote: true,
+            promote: self.promote_on_read,
         };
         reader.originals(&self.mini.layout, &stored)?;
         Ok(missed)

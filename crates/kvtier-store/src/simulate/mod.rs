@@ -1,7 +1,7 @@
 //! Miniature tiers that run the store's own policy code, for `kvtier
 //! tune` to predict each policy's miss ratio at any size where no exact
 //! model exists: the device under the loop policy (`device.rs`), host
-//! memory under the frequency policy (`host.rs`).
+//! memory under either host policy (`host.rs`).
 //!
 //! Every page is 64 bytes whatever the trace's shape: a policy sees pages,
 //! not bytes, as long as pages are of one size, so a tier of N pages is

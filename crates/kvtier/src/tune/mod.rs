@@ -1,14 +1,15 @@
 //! `kvtier tune TRACE`: tier sizes from a workload's own accesses. The
 //! trace — recorded by the server (`kvtier serve --access-trace`, or
 //! `SetAccessTrace`) or by `kvtier bench decode --trace` — lists every
-//! write and every read of pages in the order the store saw them. Both
-//! tiers are LRU caches of that stream — the device an inclusive LRU over
-//! host memory that admits every written page and every page a selection
-//! swaps in, host memory an LRU of everything — so one pass of
-//! byte-weighted stack distances (`stack.rs`) gives each tier's exact miss
-//! ratio at every size. Reads that make nothing hot (fetches, selections
-//! without a swap-in) count for host memory only. With the trace's
-//! timings, `latency.rs` predicts step latency at every size too.
+//! write and every read of pages in the order the store saw them. Under
+//! LRU the device is an inclusive cache of that stream over host memory,
+//! admitting every written page and every page a selection swaps in, so
+//! one pass of byte-weighted stack distances (`stack.rs`) gives its exact
+//! miss ratio at every size (and host memory's as an ideal LRU of
+//! everything, the reference `host_bytes` reports). Reads that make
+//! nothing hot (fetches, selections without a swap-in) count for host
+//! memory only. With the trace's timings, `latency.rs` predicts step
+//! latency at every size too.
 //!
 //! Policies an ideal LRU does not describe run as the store's own code on
 //! miniature tiers (`simulate.rs`, over the pages `pages.rs` names, shared
@@ -25,7 +26,7 @@ mod pages;
 mod simulate;
 mod stack;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 
 use anyhow::ensure;
@@ -37,7 +38,7 @@ use crate::trace::Trace;
 use kvtier_store::{DevicePolicy, HostPolicy};
 use latency::{LatencyModel, Read};
 use pages::{PageKey, Walk, walk};
-use simulate::{PolicyPoint, Simulated, Stream};
+use simulate::{HostSetting, PolicyPoint, Simulated, Stream};
 use stack::{MissCurve, StackDistances};
 
 #[derive(Debug, Args)]
@@ -89,6 +90,10 @@ pub(crate) struct TuneArgs {
     /// host policies' background migration.
     #[arg(long, value_delimiter = ',', default_values_t = [0.9, 0.8])]
     host_watermarks: Vec<f64>,
+    /// Whether the recording server promoted pages read from NVMe back to
+    /// host memory (`promote_on_read`), for the simulated host policies.
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    promote_on_read: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -102,19 +107,20 @@ struct Replay {
     device: StackDistances<PageKey>,
     host: StackDistances<PageKey>,
     reads: Vec<Read>,
-    /// Bytes of the distinct pages seen (of the sample).
+    /// The distinct pages seen (of the sample), and their bytes: a page
+    /// freed and written again counts once.
+    seen: HashSet<PageKey>,
     distinct_bytes: u64,
 }
 
 impl Replay {
-    /// Host memory sees every access: its first one of a page counts the
+    /// Host memory sees every access: the first one of a page counts the
     /// page's bytes.
     fn host_access(&mut self, key: PageKey, bytes: u64, counted: bool) -> Option<u64> {
-        let need = self.host.access(key, bytes, counted);
-        if need.is_none() {
+        if self.seen.insert(key) {
             self.distinct_bytes += bytes;
         }
-        need
+        self.host.access(key, bytes, counted)
     }
 
     /// A write puts the page in both tiers; it is not a hit or a miss.
@@ -173,6 +179,7 @@ fn replay(trace: &Trace, rate: f64) -> Replayed {
         device: StackDistances::new(events, scale),
         host: StackDistances::new(events, scale),
         reads: Vec::new(),
+        seen: HashSet::new(),
         distinct_bytes: 0,
     };
     // A decode step is a sequence's layers at one position, in order of
@@ -311,8 +318,8 @@ struct PolicyCurve {
 /// What [`policy_curves`] needs besides the trace.
 struct CurveArgs<'a> {
     rate: f64,
-    /// Host memory's (high, low) watermarks.
-    watermarks: (f64, f64),
+    /// How the recording server ran host memory.
+    host: HostSetting,
     working_set: u64,
     target_miss: f64,
     device_at: &'a [f64],
@@ -366,8 +373,8 @@ fn policy_curves(
                 let stream = stream.get_or_insert_with(|| Stream::of(trace, a.rate));
                 (
                     "simulated",
-                    stream.curve(sim, a.working_set, &sizes, a.watermarks)?,
-                    stream.curve(sim, a.working_set, at, a.watermarks)?,
+                    stream.curve(sim, a.working_set, &sizes, a.host)?,
+                    stream.curve(sim, a.working_set, at, a.host)?,
                 )
             }
         };
@@ -508,7 +515,10 @@ pub(crate) fn report(args: &TuneArgs) -> anyhow::Result<Report> {
             &args.host_policies,
             &CurveArgs {
                 rate: args.sample,
-                watermarks: (high, low),
+                host: HostSetting {
+                    watermarks: (high, low),
+                    promote_on_read: args.promote_on_read,
+                },
                 working_set,
                 target_miss: args.target_miss,
                 device_at: &args.device_fraction,
@@ -767,6 +777,12 @@ mod tests {
         assert!(with_costs.quantile_us(1.0, full, full).unwrap() < 1_000.0);
     }
 
+    /// Host memory as a device simulation ignores it.
+    const UNUSED_HOST: HostSetting = HostSetting {
+        watermarks: (1.0, 1.0),
+        promote_on_read: true,
+    };
+
     /// The simulation runs the store's own policy code: under LRU it must
     /// agree with the stack-distance model, an independent one, whole and
     /// sampled (a miniature device of a fifth of the size over a fifth of
@@ -781,7 +797,7 @@ mod tests {
             let bytes = pages * page_bytes;
             let want = exact.device.miss_ratio(bytes);
             let got = whole
-                .miss_ratio(Simulated::Device(DevicePolicy::Lru), bytes, (1.0, 1.0))
+                .miss_ratio(Simulated::Device(DevicePolicy::Lru), bytes, UNUSED_HOST)
                 .unwrap();
             assert!(
                 (want - got).abs() < 1e-9,
@@ -789,7 +805,7 @@ mod tests {
             );
             let want = shards.device.miss_ratio(bytes);
             let got = mini
-                .miss_ratio(Simulated::Device(DevicePolicy::Lru), bytes, (1.0, 1.0))
+                .miss_ratio(Simulated::Device(DevicePolicy::Lru), bytes, UNUSED_HOST)
                 .unwrap();
             assert!(
                 (want - got).abs() < 1e-9,

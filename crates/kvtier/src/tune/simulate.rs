@@ -1,6 +1,8 @@
 //! Policies without an exact model — the device's loop policy (resident
-//! subset and layer-ahead stream) and host memory's frequency policy
-//! (S3-FIFO's queues and second chances) — run rather than modelled: the
+//! subset and layer-ahead stream), host memory's frequency policy
+//! (S3-FIFO's queues and second chances) and the store's host LRU (which
+//! promotes a page read from NVMe only where memory has room, and
+//! migrates in background rounds) — run rather than modelled: the
 //! trace's writes, reads, attaches and frees, of the pages the replay
 //! samples, go through `kvtier_store::DeviceSimulation` or
 //! `HostSimulation` (the store's own policy code) on a miniature tier, a
@@ -12,7 +14,7 @@ use std::collections::HashMap;
 use kvtier_store::{DevicePolicy, DeviceSimulation, HostPolicy, HostSimulation};
 use serde::Serialize;
 
-use super::pages::{PageKey, Walk, walk};
+use super::pages::{PageKey, PageName, Walk, walk};
 use crate::trace::Trace;
 
 /// One size's miss ratio.
@@ -21,6 +23,16 @@ pub(crate) struct PolicyPoint {
     pub(crate) bytes: u64,
     pub(crate) fraction: f64,
     pub(crate) miss_ratio: f64,
+}
+
+/// How the recording server ran host memory, as its config has it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HostSetting {
+    /// `host_high_watermark`, `host_low_watermark`: the background
+    /// migration's bounds.
+    pub(crate) watermarks: (f64, f64),
+    /// `promote_on_read`: a page read from NVMe comes back to memory.
+    pub(crate) promote_on_read: bool,
 }
 
 /// A policy to simulate, on the tier it governs.
@@ -124,9 +136,9 @@ impl Stream {
         }
     }
 
-    /// The miss ratio of `policy` on its tier of `bytes` (host memory
-    /// migrating between `watermarks`, high and low).
-    pub(crate) fn miss_ratio(&self, policy: Simulated, bytes: u64, watermarks: (f64, f64)) -> anyhow::Result<f64> {
+    /// The miss ratio of `policy` on its tier of `bytes` (host memory run
+    /// as `host` says).
+    pub(crate) fn miss_ratio(&self, policy: Simulated, bytes: u64, host: HostSetting) -> anyhow::Result<f64> {
         let tier_pages = (bytes as f64 * self.rate / self.page_bytes.max(1.0)).round() as u64;
         let counted = match policy {
             Simulated::Device(_) => self.selected,
@@ -138,7 +150,7 @@ impl Stream {
         }
         let missed = match policy {
             Simulated::Device(policy) => self.device_misses(policy, tier_pages)?,
-            Simulated::Host(policy) => self.host_misses(policy, tier_pages, watermarks)?,
+            Simulated::Host(policy) => self.host_misses(policy, tier_pages, host)?,
         };
         Ok(missed as f64 / counted.max(1) as f64)
     }
@@ -181,10 +193,13 @@ impl Stream {
     }
 
     /// Pages read but not in host memory of `host_pages` under `policy`
-    /// (NVMe holds every page), with its background migration between
-    /// `(high, low)` at the store's cadence in the recording's time.
-    fn host_misses(&self, policy: HostPolicy, host_pages: u64, (high, low): (f64, f64)) -> anyhow::Result<u64> {
-        let mut sim = HostSimulation::new(policy, host_pages, self.pages, high, low)?;
+    /// (NVMe holds every page), run as `host` says, with its background
+    /// migration at the store's cadence in the recording's time (at whole
+    /// ticks from the recording's start: the store's phase, and its rounds'
+    /// own length, are not in the trace).
+    fn host_misses(&self, policy: HostPolicy, host_pages: u64, host: HostSetting) -> anyhow::Result<u64> {
+        let (high, low) = host.watermarks;
+        let mut sim = HostSimulation::new(policy, host_pages, self.pages, (high, low), host.promote_on_read)?;
         let tick = kvtier_store::BACKGROUND_TICK.as_micros() as u64;
         let mut next_tick = 0;
         let mut missed = 0u64;
@@ -199,10 +214,19 @@ impl Stream {
                     Step::Write { start_us, .. } if *start_us <= next_tick => inside = true,
                     _ => sim.background(),
                 }
-                next_tick = (t_us / tick + 1) * tick;
+                next_tick = (t_us / tick).saturating_add(1).saturating_mul(tick);
             }
             match event {
-                Step::Write { pages, .. } => sim.write(pages, inside)?,
+                Step::Write { pages, .. } => {
+                    // A chain page already stored is shared, not written
+                    // (one more request uses it; its place in line stays).
+                    let written: Vec<PageKey> = pages
+                        .iter()
+                        .filter(|&&k| !(matches!(k.name, PageName::Chain(_)) && sim.attach(&k)))
+                        .copied()
+                        .collect();
+                    sim.write(&written, inside)?
+                }
                 Step::Read { pages, .. } => missed += sim.read(pages)?,
                 Step::Attach(pages) => {
                     for k in pages {
@@ -226,7 +250,7 @@ impl Stream {
         policy: Simulated,
         working_set: u64,
         fractions: &[f64],
-        watermarks: (f64, f64),
+        host: HostSetting,
     ) -> anyhow::Result<Vec<PolicyPoint>> {
         let cores = kvtier_core::parallel::cores();
         kvtier_core::parallel::map(fractions, cores, |&fraction| {
@@ -234,10 +258,43 @@ impl Stream {
             Ok(PolicyPoint {
                 bytes,
                 fraction,
-                miss_ratio: self.miss_ratio(policy, bytes, watermarks)?,
+                miss_ratio: self.miss_ratio(policy, bytes, host)?,
             })
         })
         .into_iter()
         .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tune::pages::tests::trace;
+
+    /// Host memory of 512 pages filled by one write, then read whole
+    /// twice, a background tick apart: with the watermarks at 0.5 each
+    /// round migrates the 256 least recently used pages first (four of the
+    /// store's batches), and the reads miss them; at 1 nothing migrates.
+    #[test]
+    fn background_rounds_migrate_down_to_the_low_watermark_between_calls() {
+        let pages: Vec<u32> = (0..512).collect();
+        let t = trace(
+            &[&[]],
+            &[(0, true, &pages), (0, false, &pages), (0, false, &pages)],
+            &[],
+        );
+        let stream = Stream::of(&t, 1.0);
+        let bytes = 512 * t.shapes[0].page_bytes() as u64;
+        let miss = |high, low| {
+            let host = HostSetting {
+                watermarks: (high, low),
+                promote_on_read: true,
+            };
+            stream
+                .miss_ratio(Simulated::Host(HostPolicy::Lru), bytes, host)
+                .unwrap()
+        };
+        assert_eq!(miss(1.0, 1.0), 0.0);
+        assert_eq!(miss(0.5, 0.5), 0.5);
     }
 }
