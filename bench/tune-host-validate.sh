@@ -61,7 +61,8 @@ PY
 }
 
 validate 1,1 1024,3072,3584,4096 256,320,384,512 1
-validate 0.9,0.8 1024,3072,3584,4096 256,320,384,512 3
+runs_default=10
+validate 0.9,0.8 1024,3072,3584,4096 256,320,384,512 "$runs_default"
 
 {
   echo "# \`kvtier tune\`: predicted against measured host-memory hit ratios, per host policy"
@@ -76,16 +77,16 @@ validate 0.9,0.8 1024,3072,3584,4096 256,320,384,512 3
   echo "workload; predicted as 1 − tune's host miss ratio at that host size. Both policies"
   echo "run as the store's own host code on miniature host memory (the store's LRU is not an"
   echo "ideal one: a page read from NVMe comes back only where memory has room), replaying"
-  echo "the trace's writes, attaches of shared prefixes, reads and drops, with a background"
-  echo "migration round at the store's cadence in the recording's time."
+  echo "the trace's writes, attaches of shared prefixes, reads and drops, and a background"
+  echo "migration round wherever the recording marks one ending (\`round\` records)."
   echo
   echo "Watermarks 1,1 leave all migration to the writes that find memory full: the"
   echo "policies' own order, which the simulation reproduces. With the default 0.9,0.8 a"
-  echo "background thread also migrates every 20 ms while the writes go on; which pages it"
-  echo "takes depends on how its rounds interleave with the writes, which varies from run"
-  echo "to run and is not in the trace: so each size is measured three times (the"
-  echo "mean, and the lowest and highest run), and the prediction uses the recording's"
-  echo "timing, which is the timing of another host size."
+  echo "background thread also migrates every 20 ms (plus its round's own length) while the"
+  echo "writes go on, chasing them down to the low watermark; where its rounds fall against"
+  echo "the writes varies from run to run, and the recording can only mark its own run's."
+  echo "So each size is measured $runs_default times (the mean, and the lowest and highest run)"
+  echo "and predicted from one recording at another size (the bench's default host size)."
   echo
   echo "| watermarks | host policy | host pages | share of working set | predicted hit | measured hit (mean) | runs (min–max) | abs. error |"
   echo "|---|---|---:|---:|---:|---:|---:|---:|"

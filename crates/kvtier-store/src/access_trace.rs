@@ -20,6 +20,12 @@
 //! through a bounded channel to a writer thread. The serving path never
 //! waits for the disk: a record that finds the channel full is dropped and
 //! counted; the file stops at its size bound with an `end` record.
+//!
+//! A server's recording also marks each round of host memory's background
+//! migration (`round` records): when they ended against the calls decides
+//! which pages a read finds in memory, and a replay cannot know it from
+//! the store's cadence alone (a round's own length delays the next, and
+//! the clock's phase is the store's).
 
 use std::collections::HashSet;
 use std::collections::hash_map::RandomState;
@@ -40,7 +46,7 @@ use serde::{Deserialize, Serialize};
 use crate::{StoreError, StoreResult};
 
 /// The format's version, in every header.
-pub const TRACE_FORMAT: u32 = 2;
+pub const TRACE_FORMAT: u32 = 3;
 
 /// Records waiting for the writer thread before the next one is dropped.
 const CHANNEL_RECORDS: usize = 4096;
@@ -62,6 +68,11 @@ pub struct TraceHeader {
     /// (in host memory; no GPU number).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
+    /// The recording marks the background migration's rounds (`round`
+    /// records): a server's does, `bench decode`'s (the client's side)
+    /// does not.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rounds: bool,
 }
 
 /// One line after the header.
@@ -98,6 +109,16 @@ pub enum TraceRecord {
         t_us: u64,
         /// The dropped sequence's hash.
         seq: u64,
+    },
+    /// A round of host memory's background migration ended. Above the
+    /// high watermark a round migrates until memory is down to the low
+    /// one, chasing the writes that go on meanwhile: its end is where
+    /// memory was last at the low watermark.
+    Round {
+        /// Microseconds since the recording began.
+        t_us: u64,
+        /// The round's time in microseconds.
+        us: u64,
     },
     /// Why the recording stopped before it was stopped, and what it
     /// dropped.
@@ -224,10 +245,9 @@ struct Counts {
 }
 
 /// A record on its way to the writer, with its sequence's layout and
-/// chain (for its `sequence` record).
+/// chain (for its `sequence` record; none for a `round`).
 struct Event {
-    layout: Arc<Layout>,
-    chain: Chain,
+    of: Option<(Arc<Layout>, Chain)>,
     record: TraceRecord,
 }
 
@@ -338,6 +358,7 @@ impl AccessTrace {
             sample: config.sample,
             working_set_bytes: None,
             device: Some(device.into()),
+            rounds: true,
         };
         let io = |e: std::io::Error| {
             StoreError::Unavailable(kvtier_tiers::TierError::Io {
@@ -409,6 +430,24 @@ impl AccessTrace {
         self.status()
     }
 
+    /// Records, if a recording runs, that a round of host memory's
+    /// background migration that took `took` ends now.
+    pub(crate) fn round(&self, took: std::time::Duration) {
+        if !self.on.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Some(recorder) = self.current.read().clone() {
+            let t_us = recorder.now_us();
+            recorder.send(Event {
+                of: None,
+                record: TraceRecord::Round {
+                    t_us,
+                    us: took.as_micros() as u64,
+                },
+            });
+        }
+    }
+
     /// The running recording's status, or the last one's.
     pub(crate) fn status(&self) -> Option<TraceStatus> {
         // One lock at a time: the recorder's is a leaf.
@@ -420,6 +459,17 @@ impl AccessTrace {
 impl Recorder {
     fn status(&self, recording: bool) -> TraceStatus {
         status_of(self.config.clone(), &self.counts, recording)
+    }
+
+    fn now_us(&self) -> u64 {
+        self.started.elapsed().as_micros() as u64
+    }
+
+    /// Hands `event` to the writer; drops it if the writer is behind.
+    fn send(&self, event: Event) {
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.tx.try_send(event) {
+            self.counts.dropped.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -454,14 +504,10 @@ impl Tracer {
         self.layout.group_of(layer).map_or(layer, |g| g.first_layer)
     }
 
-    fn now_us(&self) -> u64 {
-        self.recorder.started.elapsed().as_micros() as u64
-    }
-
     /// An access of `layer` with no pages yet, stamped now.
     pub(crate) fn access(&self, layer: u32, step: u64, us: u64) -> Access {
         Access {
-            t_us: self.now_us(),
+            t_us: self.recorder.now_us(),
             seq: self.seq,
             layer: self.stored_layer(layer),
             step,
@@ -475,21 +521,17 @@ impl Tracer {
     /// Records that the sequence was dropped.
     pub(crate) fn dropped(&self) {
         self.record(TraceRecord::Drop {
-            t_us: self.now_us(),
+            t_us: self.recorder.now_us(),
             seq: self.seq,
         });
     }
 
     /// Hands `record` to the writer; drops it if the writer is behind.
     pub(crate) fn record(&self, record: TraceRecord) {
-        let event = Event {
-            layout: Arc::clone(&self.layout),
-            chain: self.chain.clone(),
+        self.recorder.send(Event {
+            of: Some((Arc::clone(&self.layout), self.chain.clone())),
             record,
-        };
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.recorder.tx.try_send(event) {
-            self.recorder.counts.dropped.fetch_add(1, Ordering::Relaxed);
-        }
+        });
     }
 }
 
@@ -509,22 +551,24 @@ fn write_records(
             counts.dropped.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        let (seq, access) = match &event.record {
-            TraceRecord::Read(a) | TraceRecord::Write(a) => (a.seq, true),
-            TraceRecord::Drop { seq, .. } => (*seq, false),
+        // The sequence a record names, and whether it is an access (after
+        // which the sequence is described) or its drop.
+        let named = match &event.record {
+            TraceRecord::Read(a) | TraceRecord::Write(a) => Some((a.seq, true)),
+            TraceRecord::Drop { seq, .. } => Some((*seq, false)),
+            TraceRecord::Round { .. } => None,
             TraceRecord::Sequence { .. } | TraceRecord::End { .. } => continue,
         };
         let mut lines = String::new();
-        if access && !seen.contains(&seq) {
-            let l = &event.layout;
+        if let (Some((seq, true)), Some((l, chain))) = (named, &event.of)
+            && !seen.contains(&seq)
+        {
             let shape = TraceRecord::Sequence {
                 seq,
                 shape: [l.num_layers(), l.num_kv_heads(), l.num_query_heads(), l.head_dim()],
                 dtype: l.dtype().name().into(),
                 page_size: l.page_size(),
-                prefix: (0..event.chain.hashes.len())
-                    .map(|p| chain_name(salt, &event.chain, p))
-                    .collect(),
+                prefix: (0..chain.hashes.len()).map(|p| chain_name(salt, chain, p)).collect(),
             };
             lines.push_str(&to_line(&shape));
         }
@@ -540,11 +584,11 @@ fn write_records(
             failed = Some(e.to_string());
             continue;
         }
-        if access {
-            seen.insert(seq);
-        } else {
-            seen.remove(&seq);
-        }
+        match named {
+            Some((seq, true)) => seen.insert(seq),
+            Some((seq, false)) => seen.remove(&seq),
+            None => false,
+        };
         counts.bytes.fetch_add(lines.len() as u64, Ordering::Relaxed);
         counts.records.fetch_add(1, Ordering::Relaxed);
     }

@@ -34,6 +34,9 @@ pub(crate) struct Trace {
     pub(crate) drops: Vec<(usize, usize)>,
     /// Reads and writes, in the order recorded.
     pub(crate) events: Vec<Event>,
+    /// When host memory's background migration rounds ended (µs into the
+    /// recording, in order), where the recording marks them.
+    pub(crate) rounds: Option<Vec<u64>>,
     /// Why the recording stopped early, and how many records it dropped.
     pub(crate) ended: Option<(String, u64)>,
 }
@@ -63,12 +66,14 @@ impl Trace {
             path.display(),
             header.sample
         );
+        let rounds = header.rounds.then(Vec::new);
         let mut trace = Trace {
             header,
             shapes: Vec::new(),
             prefixes: Vec::new(),
             drops: Vec::new(),
             events: Vec::new(),
+            rounds,
             ended: None,
         };
         let mut index: HashMap<u64, usize> = HashMap::new();
@@ -89,6 +94,12 @@ impl Trace {
                         .shapes
                         .push(Shape::custom(shape, &dtype, page_size).with_context(at)?);
                     trace.prefixes.push(prefix);
+                    continue;
+                }
+                TraceRecord::Round { t_us, .. } => {
+                    if let Some(rounds) = trace.rounds.as_mut() {
+                        rounds.push(t_us);
+                    }
                     continue;
                 }
                 TraceRecord::End { reason, dropped } => {
@@ -123,6 +134,11 @@ impl Trace {
                 write,
                 access,
             });
+        }
+        // The writer keeps the order records were handed to it in, which
+        // calls on other threads may interleave.
+        if let Some(rounds) = trace.rounds.as_mut() {
+            rounds.sort_unstable();
         }
         ensure!(
             trace.events.iter().any(|e| !e.write),

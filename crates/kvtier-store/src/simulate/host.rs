@@ -9,9 +9,11 @@
 //! ideal one (a read does not evict to promote, so a loop a little larger
 //! than memory keeps part of itself where an ideal LRU keeps none). The
 //! store's background migration (down from the high watermark to the low
-//! one) runs when the caller says, [`HostSimulation::background`]: at
-//! the store's own cadence in the recording's time, since whether a read
-//! from NVMe finds room to promote its page depends on it.
+//! one) runs when the caller says, [`HostSimulation::background`]: where
+//! the recording marks its rounds (or at the store's cadence in the
+//! recording's time), since which pages a burst of writes leaves in
+//! memory, and whether a read from NVMe finds room to promote its page,
+//! depend on it.
 
 use std::collections::HashMap;
 use std::hash::Hash;

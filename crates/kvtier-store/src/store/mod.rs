@@ -311,7 +311,9 @@ impl Store {
         if expired > 0 {
             tracing::debug!(expired, "leases expired");
         }
+        let round = std::time::Instant::now();
         self.host.rebalance(&self.durable);
+        self.trace.round(round.elapsed());
         self.durable.flush_if_idle();
     }
 

@@ -301,8 +301,8 @@ mod tests {
     /// predicts A's hit ratio under each host policy at several host sizes,
     /// within 0.02 of what the store then measures at each. Migration by
     /// the writes alone (watermarks 1,1), which is the policies' own
-    /// order: the background's rounds run on a clock that races the
-    /// writes, which the recording does not capture.
+    /// order: the background's rounds race the writes, so where they fall
+    /// differs from run to run (the recording marks its own run's only).
     #[test]
     fn tune_predicts_each_host_policys_hit_ratio_on_the_burst() {
         #[derive(clap::Parser)]

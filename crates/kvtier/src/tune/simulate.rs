@@ -55,6 +55,10 @@ pub(crate) struct Stream {
     page_bytes: f64,
     /// The share of the workload's pages the stream holds.
     rate: f64,
+    /// When host memory's background migration rounds ended (µs into the
+    /// recording, in order): a round leaves memory at its low watermark
+    /// as it ends, having chased the writes that went on while it ran.
+    rounds: Vec<u64>,
 }
 
 enum Step {
@@ -126,6 +130,14 @@ impl Stream {
             }
         }
         let pages = seen.len() as u64;
+        // Where the recording does not mark the rounds: at the store's
+        // cadence from its start (whole ticks; the store's phase, and its
+        // rounds' own length, are not in such a trace).
+        let rounds = trace.rounds.clone().unwrap_or_else(|| {
+            let tick = kvtier_store::BACKGROUND_TICK.as_micros() as u64;
+            let end = trace.events.last().map_or(0, |e| e.access.t_us);
+            (0..=end / tick).map(|k| k * tick).collect()
+        });
         Self {
             events,
             selected,
@@ -133,6 +145,7 @@ impl Stream {
             pages,
             page_bytes: seen.values().sum::<u64>() as f64 / pages.max(1) as f64,
             rate: trace.header.sample * rate,
+            rounds,
         }
     }
 
@@ -194,27 +207,29 @@ impl Stream {
 
     /// Pages read but not in host memory of `host_pages` under `policy`
     /// (NVMe holds every page), run as `host` says, with its background
-    /// migration at the store's cadence in the recording's time (at whole
-    /// ticks from the recording's start: the store's phase, and its rounds'
-    /// own length, are not in the trace).
+    /// migration rounds where the stream has them.
     fn host_misses(&self, policy: HostPolicy, host_pages: u64, host: HostSetting) -> anyhow::Result<u64> {
         let (high, low) = host.watermarks;
         let mut sim = HostSimulation::new(policy, host_pages, self.pages, (high, low), host.promote_on_read)?;
-        let tick = kvtier_store::BACKGROUND_TICK.as_micros() as u64;
-        let mut next_tick = 0;
+        let mut rounds = self.rounds.iter().copied().peekable();
         let mut missed = 0u64;
         for event in &self.events {
-            // A round due by the end of this call runs before it, or
-            // inside it when due while a write ran.
+            // Of the rounds ended by the end of this call one runs (the
+            // next would find memory below its watermarks): inside the
+            // call when the last of them ended while a write ran, else
+            // before it.
             let mut inside = false;
-            if let Step::Write { t_us, .. } | Step::Read { t_us, .. } = event
-                && *t_us >= next_tick
-            {
-                match event {
-                    Step::Write { start_us, .. } if *start_us <= next_tick => inside = true,
-                    _ => sim.background(),
+            if let Step::Write { t_us, .. } | Step::Read { t_us, .. } = event {
+                let mut last = None;
+                while let Some(r) = rounds.next_if(|&r| r <= *t_us) {
+                    last = Some(r);
                 }
-                next_tick = (t_us / tick).saturating_add(1).saturating_mul(tick);
+                if let Some(r) = last {
+                    match event {
+                        Step::Write { start_us, .. } if *start_us <= r => inside = true,
+                        _ => sim.background(),
+                    }
+                }
             }
             match event {
                 Step::Write { pages, .. } => {
@@ -296,5 +311,33 @@ mod tests {
         };
         assert_eq!(miss(1.0, 1.0), 0.0);
         assert_eq!(miss(0.5, 0.5), 0.5);
+    }
+
+    /// A recording that marks the background's rounds is replayed with
+    /// those rounds, not the cadence: the same write and two reads as
+    /// above, with no round, and with one between the reads (only the
+    /// second read misses).
+    #[test]
+    fn marked_rounds_replace_the_stores_cadence() {
+        let pages: Vec<u32> = (0..512).collect();
+        let mut t = trace(
+            &[&[]],
+            &[(0, true, &pages), (0, false, &pages), (0, false, &pages)],
+            &[],
+        );
+        let bytes = 512 * t.shapes[0].page_bytes() as u64;
+        let host = HostSetting {
+            watermarks: (0.5, 0.5),
+            promote_on_read: true,
+        };
+        let mut miss = |rounds: &[u64]| {
+            t.rounds = Some(rounds.to_vec());
+            Stream::of(&t, 1.0)
+                .miss_ratio(Simulated::Host(HostPolicy::Lru), bytes, host)
+                .unwrap()
+        };
+        assert_eq!(miss(&[]), 0.0);
+        assert_eq!(miss(&[45_000]), 0.25);
+        assert_eq!(miss(&[0, 30_000, 60_000]), 0.5);
     }
 }
