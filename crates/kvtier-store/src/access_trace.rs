@@ -69,8 +69,8 @@ pub struct TraceHeader {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
     /// The recording marks the background migration's rounds (`round`
-    /// records): a server's does, `bench decode`'s (the client's side)
-    /// does not.
+    /// records): a store's does (`kvtier serve`, `bench burst`), `bench
+    /// decode`'s (the client's side) does not.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub rounds: bool,
 }
@@ -110,10 +110,11 @@ pub enum TraceRecord {
         /// The dropped sequence's hash.
         seq: u64,
     },
-    /// A round of host memory's background migration ended. Above the
-    /// high watermark a round migrates until memory is down to the low
-    /// one, chasing the writes that go on meanwhile: its end is where
-    /// memory was last at the low watermark.
+    /// A round of host memory's background migration ended (one every
+    /// 20 ms or so, about 2 KB a second). A round that finds memory above
+    /// the high watermark migrates until it is down to the low one,
+    /// chasing the writes that go on meanwhile (unless nothing more can
+    /// move).
     Round {
         /// Microseconds since the recording began.
         t_us: u64,
@@ -436,16 +437,21 @@ impl AccessTrace {
         if !self.on.load(Ordering::Relaxed) {
             return;
         }
-        if let Some(recorder) = self.current.read().clone() {
-            let t_us = recorder.now_us();
-            recorder.send(Event {
-                of: None,
-                record: TraceRecord::Round {
-                    t_us,
-                    us: took.as_micros() as u64,
-                },
-            });
+        let Some(recorder) = self.current.read().clone() else {
+            return;
+        };
+        // A full file takes no more: a round would only count as dropped.
+        if recorder.counts.full.load(Ordering::Relaxed) {
+            return;
         }
+        let t_us = recorder.now_us();
+        recorder.send(Event {
+            of: None,
+            record: TraceRecord::Round {
+                t_us,
+                us: took.as_micros() as u64,
+            },
+        });
     }
 
     /// The running recording's status, or the last one's.
@@ -584,11 +590,13 @@ fn write_records(
             failed = Some(e.to_string());
             continue;
         }
-        match named {
-            Some((seq, true)) => seen.insert(seq),
-            Some((seq, false)) => seen.remove(&seq),
-            None => false,
-        };
+        if let Some((seq, access)) = named {
+            if access {
+                seen.insert(seq);
+            } else {
+                seen.remove(&seq);
+            }
+        }
         counts.bytes.fetch_add(lines.len() as u64, Ordering::Relaxed);
         counts.records.fetch_add(1, Ordering::Relaxed);
     }

@@ -35,7 +35,8 @@ pub(crate) struct Trace {
     /// Reads and writes, in the order recorded.
     pub(crate) events: Vec<Event>,
     /// When host memory's background migration rounds ended (µs into the
-    /// recording, in order), where the recording marks them.
+    /// recording; in order, as its one thread ran them), where the
+    /// recording marks them.
     pub(crate) rounds: Option<Vec<u64>>,
     /// Why the recording stopped early, and how many records it dropped.
     pub(crate) ended: Option<(String, u64)>,
@@ -54,9 +55,11 @@ impl Trace {
                 path.display()
             )
         })?;
+        // Format 3 only added the background's rounds: a format 2 trace
+        // reads as one that does not mark them.
         ensure!(
-            header.kvtier_trace == TRACE_FORMAT,
-            "{}: format {} (this kvtier reads {TRACE_FORMAT}); record it again",
+            (2..=TRACE_FORMAT).contains(&header.kvtier_trace),
+            "{}: format {} (this kvtier reads 2 to {TRACE_FORMAT}); record it again",
             path.display(),
             header.kvtier_trace
         );
@@ -134,11 +137,6 @@ impl Trace {
                 write,
                 access,
             });
-        }
-        // The writer keeps the order records were handed to it in, which
-        // calls on other threads may interleave.
-        if let Some(rounds) = trace.rounds.as_mut() {
-            rounds.sort_unstable();
         }
         ensure!(
             trace.events.iter().any(|e| !e.write),

@@ -304,16 +304,16 @@ impl Store {
         Ok(store)
     }
 
-    /// One round of background work: expired leases, host watermarks and a
-    /// manifest flush.
+    /// One round of background work: expired leases, host watermarks (the
+    /// round marked in a running access trace) and a manifest flush.
     fn background_tick(&self) {
         let expired = self.leases.expire(std::time::Instant::now());
         if expired > 0 {
             tracing::debug!(expired, "leases expired");
         }
-        let round = std::time::Instant::now();
+        let started = std::time::Instant::now();
         self.host.rebalance(&self.durable);
-        self.trace.round(round.elapsed());
+        self.trace.round(started.elapsed());
         self.durable.flush_if_idle();
     }
 
@@ -441,7 +441,8 @@ fn open_manifest(path: PathBuf, config: &StoreConfig) -> StoreResult<Recovering>
 
 /// The pause between two rounds of a background loop (host watermarks,
 /// leases, checkpoints): also the cadence `kvtier tune` replays the host
-/// tier's background migration at.
+/// tier's background migration at for a trace that does not mark its
+/// rounds.
 pub const BACKGROUND_TICK: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// Runs `tick` every [`BACKGROUND_TICK`] on a thread of its own for as

@@ -56,8 +56,9 @@ pub(crate) struct Stream {
     /// The share of the workload's pages the stream holds.
     rate: f64,
     /// When host memory's background migration rounds ended (µs into the
-    /// recording, in order): a round leaves memory at its low watermark
-    /// as it ends, having chased the writes that went on while it ran.
+    /// recording, in order): a round that finds memory above its high
+    /// watermark chases the writes that go on while it runs and ends with
+    /// memory at the low one (unless nothing more can move).
     rounds: Vec<u64>,
 }
 
@@ -135,7 +136,7 @@ impl Stream {
         // rounds' own length, are not in such a trace).
         let rounds = trace.rounds.clone().unwrap_or_else(|| {
             let tick = kvtier_store::BACKGROUND_TICK.as_micros() as u64;
-            let end = trace.events.last().map_or(0, |e| e.access.t_us);
+            let end = trace.events.iter().map(|e| e.access.t_us).max().unwrap_or(0);
             (0..=end / tick).map(|k| k * tick).collect()
         });
         Self {
@@ -214,21 +215,25 @@ impl Stream {
         let mut rounds = self.rounds.iter().copied().peekable();
         let mut missed = 0u64;
         for event in &self.events {
-            // Of the rounds ended by the end of this call one runs (the
-            // next would find memory below its watermarks): inside the
-            // call when the last of them ended while a write ran, else
-            // before it.
+            // The rounds ended by the end of this call: those that ended
+            // before it began run once before it (a second in a row would
+            // find memory below its watermarks), those that ended while a
+            // write ran, once inside it.
             let mut inside = false;
             if let Step::Write { t_us, .. } | Step::Read { t_us, .. } = event {
-                let mut last = None;
+                let write_began = match event {
+                    Step::Write { start_us, .. } => Some(*start_us),
+                    _ => None,
+                };
+                let mut before = false;
                 while let Some(r) = rounds.next_if(|&r| r <= *t_us) {
-                    last = Some(r);
-                }
-                if let Some(r) = last {
-                    match event {
-                        Step::Write { start_us, .. } if *start_us <= r => inside = true,
-                        _ => sim.background(),
+                    match write_began {
+                        Some(began) if r >= began => inside = true,
+                        _ => before = true,
                     }
+                }
+                if before {
+                    sim.background();
                 }
             }
             match event {
@@ -315,8 +320,10 @@ mod tests {
 
     /// A recording that marks the background's rounds is replayed with
     /// those rounds, not the cadence: the same write and two reads as
-    /// above, with no round, and with one between the reads (only the
-    /// second read misses).
+    /// above, with no round, with one between the reads (only the second
+    /// read misses), with one before each read, and, without promotion
+    /// on read, with one ending exactly as the first read does (both
+    /// reads miss the pages it migrated).
     #[test]
     fn marked_rounds_replace_the_stores_cadence() {
         let pages: Vec<u32> = (0..512).collect();
@@ -326,18 +333,49 @@ mod tests {
             &[],
         );
         let bytes = 512 * t.shapes[0].page_bytes() as u64;
-        let host = HostSetting {
-            watermarks: (0.5, 0.5),
-            promote_on_read: true,
-        };
-        let mut miss = |rounds: &[u64]| {
+        let mut miss = |rounds: &[u64], promote_on_read| {
             t.rounds = Some(rounds.to_vec());
+            let host = HostSetting {
+                watermarks: (0.5, 0.5),
+                promote_on_read,
+            };
             Stream::of(&t, 1.0)
                 .miss_ratio(Simulated::Host(HostPolicy::Lru), bytes, host)
                 .unwrap()
         };
-        assert_eq!(miss(&[]), 0.0);
-        assert_eq!(miss(&[45_000]), 0.25);
-        assert_eq!(miss(&[0, 30_000, 60_000]), 0.5);
+        assert_eq!(miss(&[], true), 0.0);
+        assert_eq!(miss(&[45_000], true), 0.25);
+        assert_eq!(miss(&[0, 30_000, 60_000], true), 0.5);
+        assert_eq!(miss(&[30_000], false), 0.5);
+    }
+
+    /// A round that ended while a write ran runs inside it, after its
+    /// pages hold their slots and before they join the queues, so it
+    /// migrates older pages; one that ended before the write began runs
+    /// before it. Host memory of 512 pages, watermarks 0.5: 256 pages
+    /// written at 0, 256 more by a write from 20 to 30 ms, all read at
+    /// 60 ms. Inside the second write the round finds the first write's
+    /// 256 in line and migrates them (the read misses half); before it,
+    /// memory is at its low watermark and nothing moves.
+    #[test]
+    fn a_round_inside_a_write_migrates_older_pages() {
+        let (old, new): (Vec<u32>, Vec<u32>) = ((0..256).collect(), (256..512).collect());
+        let all: Vec<u32> = (0..512).collect();
+        let mut t = trace(&[&[]], &[(0, true, &old), (0, true, &new), (0, false, &all)], &[]);
+        // Events are 30 ms apart: the second write ends at 30 ms.
+        t.events[1].access.us = 10_000;
+        let bytes = 512 * t.shapes[0].page_bytes() as u64;
+        let mut miss = |rounds: &[u64]| {
+            t.rounds = Some(rounds.to_vec());
+            let host = HostSetting {
+                watermarks: (0.5, 0.5),
+                promote_on_read: false,
+            };
+            Stream::of(&t, 1.0)
+                .miss_ratio(Simulated::Host(HostPolicy::Lru), bytes, host)
+                .unwrap()
+        };
+        assert_eq!(miss(&[25_000]), 0.5);
+        assert_eq!(miss(&[15_000]), 0.0);
     }
 }
