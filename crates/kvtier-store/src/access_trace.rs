@@ -111,7 +111,8 @@ pub enum TraceRecord {
         seq: u64,
     },
     /// A round of host memory's background migration ended (one every
-    /// 20 ms or so, about 2 KB a second). A round that finds memory above
+    /// 20 ms or so, about 2 KB a second, while calls come; none while
+    /// the store is idle). A round that finds memory above
     /// the high watermark migrates until it is down to the low one,
     /// chasing the writes that go on meanwhile (unless nothing more can
     /// move).
@@ -279,6 +280,10 @@ struct Recorder {
     tx: SyncSender<Event>,
     counts: Arc<Counts>,
     writer: Mutex<Option<JoinHandle<()>>>,
+    /// A call began or ended since the last round marked: a round with
+    /// none is not marked (the replay runs the last round before each
+    /// call, and rounds in a row with no call between change nothing).
+    busy: AtomicBool,
 }
 
 impl std::fmt::Debug for Event {
@@ -336,6 +341,7 @@ impl AccessTrace {
             scope: recorder.salt.hash_one((&key.tenant, &**layout)),
             hashes: Arc::clone(hashes),
         };
+        recorder.busy.store(true, Ordering::Relaxed);
         Some(Tracer {
             seq: recorder.salt.hash_one(key) & NAME_BITS,
             recorder,
@@ -396,6 +402,7 @@ impl AccessTrace {
             tx,
             counts,
             writer: Mutex::new(Rank::TraceWriter, Some(writer)),
+            busy: AtomicBool::new(false),
         });
         let status = recorder.status(true);
         tracing::info!(path = %status.config.path.display(), sample = status.config.sample, max_bytes = status.config.max_bytes, "recording page accesses");
@@ -431,8 +438,9 @@ impl AccessTrace {
         self.status()
     }
 
-    /// Records, if a recording runs, that a round of host memory's
-    /// background migration that took `took` ends now.
+    /// Records, if a recording runs and a call began or ended since the
+    /// last round marked, that a round of host memory's background
+    /// migration that took `took` ends now.
     pub(crate) fn round(&self, took: std::time::Duration) {
         if !self.on.load(Ordering::Relaxed) {
             return;
@@ -441,7 +449,7 @@ impl AccessTrace {
             return;
         };
         // A full file takes no more: a round would only count as dropped.
-        if recorder.counts.full.load(Ordering::Relaxed) {
+        if recorder.counts.full.load(Ordering::Relaxed) || !recorder.busy.swap(false, Ordering::Relaxed) {
             return;
         }
         let t_us = recorder.now_us();
@@ -473,6 +481,9 @@ impl Recorder {
 
     /// Hands `event` to the writer; drops it if the writer is behind.
     fn send(&self, event: Event) {
+        if event.of.is_some() {
+            self.busy.store(true, Ordering::Relaxed);
+        }
         if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.tx.try_send(event) {
             self.counts.dropped.fetch_add(1, Ordering::Relaxed);
         }
