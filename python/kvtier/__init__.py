@@ -15,7 +15,7 @@ from .aio import AsyncClient
 from .client import DEFAULT_ADDRESS, DEFAULT_SHM_SOCKET, Client
 from .cluster import Cluster
 from .errors import KvtierError
-from .types import HeadSelection, Layout, Page, SelectedPage, Selection, ShmRegion, ShmWindow
+from .types import HeadKV, HeadSelection, Layout, Page, SelectedPage, Selection, SelectionKV, ShmRegion, ShmWindow
 
 __all__ = [
     "AsyncClient",
@@ -23,12 +23,14 @@ __all__ = [
     "Cluster",
     "DEFAULT_ADDRESS",
     "DEFAULT_SHM_SOCKET",
+    "HeadKV",
     "HeadSelection",
     "KvtierError",
     "Layout",
     "Page",
     "SelectedPage",
     "Selection",
+    "SelectionKV",
     "ShmRegion",
     "ShmWindow",
     "__version__",

@@ -20,7 +20,7 @@ class AsyncClient(_Api):
     >>> pages = await client.fetch("req-1", layer=0)
     """
 
-    async def _call(self, method: str, request: Any) -> Any:
+    async def _call(self, method: str, request: Any, gather: bool = False) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -40,7 +40,7 @@ class AsyncClient(_Api):
             except RuntimeError:
                 pass
 
-        pending = self._conn.call(method, request, done, incarnation=self.incarnation)
+        pending = self._conn.call(method, request, done, incarnation=self.incarnation, gather=gather)
         try:
             return await future
         except asyncio.CancelledError:
@@ -59,9 +59,11 @@ class AsyncClient(_Api):
                         # on the region's own thread.
                         region = rpc.via
                         loop = asyncio.get_running_loop()
-                        reply = await loop.run_in_executor(region._executor(), region._call, rpc.method, rpc.request)
+                        reply = await loop.run_in_executor(
+                            region._executor(), region._call, rpc.method, rpc.request, rpc.gather
+                        )
                     else:
-                        reply = await self._call(rpc.method, rpc.request)
+                        reply = await self._call(rpc.method, rpc.request, rpc.gather)
                 except Exception as e:  # let the method see its RPC's failure
                     rpc = steps.throw(e)
                 else:

@@ -5,7 +5,7 @@ their documentation)."""
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from .client import Heads, Shm
-from .types import Layout, Page, Selection, ShmRegion
+from .types import Layout, Page, Selection, SelectionKV, ShmRegion
 
 class AsyncClient:
     tenant: str
@@ -40,6 +40,8 @@ class AsyncClient:
     async def fetch(self, sequence_id: str, layer: int, pages: Optional[Sequence[int]]=None, *, kv_heads: Heads=None, per_head_pages: Optional[Sequence[Sequence[int]]]=None, include_digests: bool=False, shm: Shm=None) -> List[Page]:
         ...
     async def select(self, sequence_id: str, layer: int, queries: Any, budget_pages: int, *, kv_heads: Heads=None, sink_pages: int=0, window_pages: int=0, aggregation: str='max', shard: Any=None, include_data: bool=True, swap_in: bool=False, deadline_us: int=0, prefetch_pages: int=0, lease_ms: int=0, shm: Shm=None, mode: Optional[str]=None, candidates: int=0, softmax_scale: float=0.0, top_p: float=0.0, min_pages: int=0) -> Selection:
+        ...
+    async def select_kv(self, sequence_id: str, layer: int, queries: Any, budget_pages: int, *, kv_heads: Heads=None, sink_pages: int=0, window_pages: int=0, aggregation: str='max', shard: Any=None, swap_in: bool=False, deadline_us: int=0, prefetch_pages: int=0, lease_ms: int=0, shm: Shm=None, mode: Optional[str]=None, candidates: int=0, softmax_scale: float=0.0, top_p: float=0.0, min_pages: int=0) -> SelectionKV:
         ...
     async def prefetch(self, sequence_id: str, layer: int, queries: Any, budget_pages: int, *, kv_heads: Heads=None, sink_pages: int=0, window_pages: int=0, aggregation: str='max', shard: Any=None, mode: Optional[str]=None, candidates: int=0) -> int:
         ...

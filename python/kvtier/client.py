@@ -15,7 +15,18 @@ import numpy as np
 
 from . import _arrays
 from ._native import Connection
-from .types import Layout, Page, Selection, ShmRegion, ShmWindow, page_from_proto, selection_from_proto, window_of
+from .types import (
+    Layout,
+    Page,
+    Selection,
+    SelectionKV,
+    ShmRegion,
+    ShmWindow,
+    page_from_proto,
+    selection_from_proto,
+    selection_kv_from_native,
+    window_of,
+)
 
 T = TypeVar("T")
 
@@ -32,18 +43,46 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 class _Rpc:
     """One RPC a method needs: its name and request (a dict, or a list of
-    dicts for PutPages), and the shm region whose connection carries it
-    (``None``: gRPC)."""
+    dicts for PutPages), the shm region whose connection carries it
+    (``None``: gRPC), and whether its answer (SelectPages') comes gathered
+    per head (``(info, heads)``, see ``python/src/gathered.rs``)."""
 
-    __slots__ = ("method", "request", "via")
+    __slots__ = ("method", "request", "via", "gather")
 
-    def __init__(self, method: str, request: Any, via: Optional[ShmRegion] = None):
+    def __init__(self, method: str, request: Any, via: Optional[ShmRegion] = None, gather: bool = False):
         self.method = method
         self.request = request
         self.via = via
+        self.gather = gather
 
 
 Steps = Generator[_Rpc, Any, T]
+
+
+def _select_options(
+    sink_pages: int,
+    window_pages: int,
+    aggregation: str,
+    shard: Any,
+    include_data: bool,
+    swap_in: bool,
+    deadline_us: int,
+    prefetch_pages: int,
+    lease_ms: int,
+) -> Dict[str, Any]:
+    """The fields of a ``SelectPagesRequest`` that ``select`` and
+    ``select_kv`` take as they are."""
+    return {
+        "sink_pages": sink_pages,
+        "window_pages": window_pages,
+        "aggregation": aggregation,
+        "shard": shard,
+        "include_data": include_data,
+        "swap_in": swap_in,
+        "deadline_us": deadline_us,
+        "prefetch_pages": prefetch_pages,
+        "lease_ms": lease_ms,
+    }
 
 
 def _heads(kv_heads: Heads, default_count: int) -> Tuple[int, int]:
@@ -370,25 +409,63 @@ class _Api:
         K and V (over ``shm``, views of the region; the call then goes over
         the region's connection instead of gRPC)."""
 
+        window = window_of(shm)
+        options = _select_options(
+            sink_pages, window_pages, aggregation, shard, include_data, swap_in, deadline_us, prefetch_pages, lease_ms
+        )
+        options.update(shm=window.to_proto() if window else None, **_ranking(mode, candidates, softmax_scale, top_p, min_pages))
+
         def steps() -> Steps[Selection]:
             layout = yield from self._layout(sequence_id)
-            window = window_of(shm)
-            options = {
-                "sink_pages": sink_pages,
-                "window_pages": window_pages,
-                "aggregation": aggregation,
-                "shard": shard,
-                "include_data": include_data,
-                "swap_in": swap_in,
-                "deadline_us": deadline_us,
-                "prefetch_pages": prefetch_pages,
-                "lease_ms": lease_ms,
-                "shm": window.to_proto() if window else None,
-                **_ranking(mode, candidates, softmax_scale, top_p, min_pages),
-            }
             request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
             replies = yield _Rpc("SelectPages", request, self._via(window))
             return selection_from_proto(replies, layout, window)
+
+        return self._run(steps())
+
+    def select_kv(
+        self,
+        sequence_id: str,
+        layer: int,
+        queries: Any,
+        budget_pages: int,
+        *,
+        kv_heads: Heads = None,
+        sink_pages: int = 0,
+        window_pages: int = 0,
+        aggregation: str = "max",
+        shard: Any = None,
+        swap_in: bool = False,
+        deadline_us: int = 0,
+        prefetch_pages: int = 0,
+        lease_ms: int = 0,
+        shm: Shm = None,
+        mode: Optional[str] = None,
+        candidates: int = 0,
+        softmax_scale: float = 0.0,
+        top_p: float = 0.0,
+        min_pages: int = 0,
+    ) -> SelectionKV:
+        """:meth:`select` for a decode step's attention: per head, the chosen
+        pages' K and V rows concatenated in position order
+        (``answer.head(h).k``), gathered by the native client without an
+        object per page, which is most of a small selection's cost through
+        ``select`` and :meth:`Selection.gather`. The arrays are the
+        answer's own. With ``shm``, a region this client registered, the
+        call goes over the region's connection and the pages are copied
+        out of it as the call returns; the arguments are ``select``'s."""
+        via = self._via(shm)
+        window = window_of(shm) if via is not None else None
+        options = _select_options(
+            sink_pages, window_pages, aggregation, shard, True, swap_in, deadline_us, prefetch_pages, lease_ms
+        )
+        options.update(shm=window.to_proto() if window else None, **_ranking(mode, candidates, softmax_scale, top_p, min_pages))
+
+        def steps() -> Steps[SelectionKV]:
+            layout = yield from self._layout(sequence_id)
+            request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
+            gathered = yield _Rpc("SelectPages", request, via, gather=True)
+            return selection_kv_from_native(gathered, layout)
 
         return self._run(steps())
 
@@ -641,9 +718,9 @@ class Client(_Api):
             while True:
                 try:
                     if rpc.via is not None:
-                        reply = rpc.via._call(rpc.method, rpc.request)
+                        reply = rpc.via._call(rpc.method, rpc.request, rpc.gather)
                     else:
-                        reply = self._conn.call(rpc.method, rpc.request, incarnation=self.incarnation)
+                        reply = self._conn.call(rpc.method, rpc.request, incarnation=self.incarnation, gather=rpc.gather)
                 except BaseException as e:  # let the method see its RPC's failure
                     rpc = steps.throw(e)
                 else:

@@ -48,7 +48,7 @@ _BASES = ("sdpa", "eager")
 
 
 def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A page array (a fresh, writable copy) as a tensor of ``dtype``;
+    """Rows read from kvtier (a writable array of their own) as a tensor of ``dtype``;
     bfloat16 arrives as its bits (or ml_dtypes' bfloat16)."""
     if dtype == torch.bfloat16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
@@ -230,9 +230,9 @@ class KVTierLayer(CacheLayerMixin):
         outputs = []
         for head in range(cache.layout.num_kv_heads):
             k, v = key[0, head], value[0, head]
-            old_k, old_v, _ = selection.gather(head)
-            k = torch.cat([_tensor(old_k, query.dtype).to(query.device), k])
-            v = torch.cat([_tensor(old_v, query.dtype).to(query.device), v])
+            chosen = selection.head(head)
+            k = torch.cat([_tensor(chosen.k, query.dtype).to(query.device), k])
+            v = torch.cat([_tensor(chosen.v, query.dtype).to(query.device), v])
             k, v = k[None, None], v[None, None]
             q = query[:, head * groups : (head + 1) * groups]
             outputs.append(
@@ -442,7 +442,7 @@ class KVTierCache(Cache):
     def _select(self, layer: KVTierLayer, stored: int, queries: torch.Tensor, scaling: float):
         q = queries.detach().to("cpu", torch.float32).numpy()
         return self._call(
-            self.client.select,
+            self.client.select_kv,
             self.sequence_id,
             layer.index,
             q,

@@ -135,6 +135,47 @@ class Selection:
         return gather(self.pages, kv_head)
 
 
+@dataclass
+class HeadKV:
+    """One head's chosen pages that came with data (gone pages never), in
+    position order, and their K and V rows concatenated: ``[rows,
+    head_dim]`` in the layout's dtype, writable arrays of their own (a
+    summary page gives its summary rows, as :func:`gather` does)."""
+
+    kv_head: int
+    #: With per-query-head aggregation.
+    query_head: Optional[int]
+    #: The pages' indices (uint32), in the order of ``k``'s and ``v``'s rows.
+    pages: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+
+
+@dataclass
+class SelectionKV:
+    """A ``select_kv`` answer: per head the chosen pages' K and V, gathered
+    by the native client (no object per page), and the selection's totals
+    as :class:`Selection` has them."""
+
+    heads: List[HeadKV]
+    pages_scored: int
+    digest_bytes: int
+    swap: Dict[str, int]
+    timing: Dict[str, int]
+    prefetch_queued: int
+    lease_id: Optional[int]
+    lease_expires_in_ms: int
+    mode: str
+
+    def head(self, kv_head: int, query_head: Optional[int] = None) -> HeadKV:
+        """The selection of ``kv_head`` (and, with per-query-head
+        aggregation, of ``query_head``)."""
+        for h in self.heads:
+            if h.kv_head == kv_head and h.query_head == query_head:
+                return h
+        raise LookupError(f"kv_head: no selection of KV head {kv_head} (query head {query_head}) in this answer")
+
+
 def gather(pages: Sequence[Page], kv_head: int) -> Tuple[np.ndarray, np.ndarray, List[Page]]:
     """The pages of ``kv_head`` among ``pages`` in position order, their K
     and V concatenated: ``(k [rows, head_dim], v, pages)``."""
@@ -170,9 +211,9 @@ class ShmRegion:
             raise ValueError("shm: this region was closed")
         return self._native
 
-    def _call(self, method: str, request: Any) -> Any:
+    def _call(self, method: str, request: Any, gather: bool = False) -> Any:
         """``method`` over the region's connection (blocking)."""
-        return self._registered().call(method, request)
+        return self._registered().call(method, request, gather)
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         """The one thread asyncio calls on this region run on: they run one
@@ -292,12 +333,38 @@ def selection_from_proto(
     return Selection(
         heads=heads,
         pages=[page_from_proto(p, layout, window) for r in replies for p in r["pages"]],
-        pages_scored=first["pages_scored"],
-        digest_bytes=first["digest_bytes"],
-        swap=dict(first["swap"] or {}),
-        timing=dict(first["timing"] or {}),
-        prefetch_queued=first["prefetch_queued"],
-        lease_id=first["lease_id"] or None,
-        lease_expires_in_ms=first["lease_expires_in_ms"],
-        mode=first["mode"],
+        **_selection_totals(first),
+    )
+
+
+def _selection_totals(first: Dict[str, Any]) -> Dict[str, Any]:
+    """What a selection's first message says of the whole selection."""
+    return {
+        "pages_scored": first["pages_scored"],
+        "digest_bytes": first["digest_bytes"],
+        "swap": dict(first["swap"] or {}),
+        "timing": dict(first["timing"] or {}),
+        "prefetch_queued": first["prefetch_queued"],
+        "lease_id": first["lease_id"] or None,
+        "lease_expires_in_ms": first["lease_expires_in_ms"],
+        "mode": first["mode"],
+    }
+
+
+def selection_kv_from_native(gathered: Tuple[Dict[str, Any], List[Tuple[Any, ...]]], layout: Layout) -> SelectionKV:
+    """A selection the native client gathered per head (``gather=True``)."""
+    info, heads = gathered
+    dtype = _arrays.storage_dtype(layout.dtype)
+    return SelectionKV(
+        heads=[
+            HeadKV(
+                kv_head=kv_head,
+                query_head=query_head,
+                pages=np.frombuffer(pages, dtype="<u4"),
+                k=np.frombuffer(k, dtype=dtype).reshape(-1, layout.head_dim),
+                v=np.frombuffer(v, dtype=dtype).reshape(-1, layout.head_dim),
+            )
+            for kv_head, query_head, pages, k, v in heads
+        ],
+        **_selection_totals(info),
     )

@@ -6,6 +6,7 @@
 //! asyncio client).
 
 mod codec;
+mod gathered;
 mod partitioned;
 mod reflect;
 
@@ -17,7 +18,7 @@ use std::time::Duration;
 
 use kvtier_client::{Client, Connect, MAX_MESSAGE_BYTES, ShmError, ShmRegion, Tls};
 use prost::Message;
-use prost_reflect::{DescriptorPool, DynamicMessage, MethodDescriptor, ServiceDescriptor, Value};
+use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, MethodDescriptor, ServiceDescriptor, Value};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -26,6 +27,8 @@ use tonic::codegen::http::uri::PathAndQuery;
 use tonic::{Code, Status};
 
 use codec::DynamicCodec;
+use gathered::Gathered;
+use kvtier_proto::v1 as pb;
 
 /// The runtime the connections of this process share, with the process it
 /// belongs to: a child after `fork()` has none of its threads.
@@ -109,10 +112,12 @@ fn status_error(py: Python<'_>, status: &Status) -> PyErr {
     }
 }
 
-/// What a call returns: one message, or a server stream's messages.
+/// What a call returns: one message, a server stream's messages, or a
+/// selection gathered per head (with the reply's message type).
 enum Reply {
     One(DynamicMessage),
     Many(Vec<DynamicMessage>),
+    Gathered(Gathered, MessageDescriptor),
 }
 
 impl Reply {
@@ -126,6 +131,7 @@ impl Reply {
                     .collect::<PyResult<Vec<_>>>()?;
                 PyList::new(py, dicts)?.into_any().unbind()
             }
+            Reply::Gathered(gathered, output) => gathered.into_py(py, &output)?,
         })
     }
 }
@@ -198,7 +204,9 @@ impl Connection {
     /// `done(result, exception)` from a runtime thread when it finishes.
     /// With `incarnation` (a cluster's), the call is meant for that
     /// creation of its sequence: a node refuses it for a later one.
-    #[pyo3(signature = (method, request, done=None, incarnation=None))]
+    /// With `gather` (SelectPages only), returns the selection gathered per
+    /// head (`gathered.rs`) instead of dicts.
+    #[pyo3(signature = (method, request, done=None, incarnation=None, gather=false))]
     fn call(
         &self,
         py: Python<'_>,
@@ -206,6 +214,7 @@ impl Connection {
         request: &Bound<'_, PyAny>,
         done: Option<Py<PyAny>>,
         incarnation: Option<u64>,
+        gather: bool,
     ) -> PyResult<Py<PyAny>> {
         let rt = self.runtime()?;
         let method = service()?
@@ -222,8 +231,23 @@ impl Connection {
         } else {
             vec![reflect::to_message(request, &method.input(), "")?]
         };
+        let gather = gather.then(|| gatherable(&method)).transpose()?;
         let client = self.client.clone().with_incarnation(incarnation.unwrap_or(0));
-        let reply = limited(self.timeout, send(client, method, requests));
+        let reply = limited(self.timeout, async move {
+            let reply = send(client, method, requests).await?;
+            match (gather, reply) {
+                (None, reply) => Ok(reply),
+                (Some(output), Reply::Many(messages)) => {
+                    let typed = messages
+                        .iter()
+                        .map(DynamicMessage::transcode_to::<pb::SelectPagesResponse>)
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|e| Status::internal(format!("the server's reply: {e}")))?;
+                    Ok(Reply::Gathered(Gathered::new(typed, None)?, output))
+                }
+                (Some(_), _) => Err(Status::internal("SelectPages answered with one message, not a stream")),
+            }
+        });
         match done {
             None => match wait(py, rt, reply)? {
                 Ok(reply) => reply.into_py(py),
@@ -283,6 +307,18 @@ impl Pending {
     fn cancel(&self) {
         self.0.abort();
     }
+}
+
+/// The answer type of `method`, which `gather` asks to be gathered per
+/// head: SelectPages' only.
+fn gatherable(method: &MethodDescriptor) -> PyResult<MessageDescriptor> {
+    if method.name() != "SelectPages" {
+        return Err(PyValueError::new_err(format!(
+            "gather: only SelectPages' answer is gathered per head, not {}'s",
+            method.name()
+        )));
+    }
+    Ok(method.output())
 }
 
 /// `call`, failing with DEADLINE_EXCEEDED after `timeout`.
@@ -397,7 +433,10 @@ impl Region {
     /// gRPC (`kvtier.v1.LocalCall`): a list of dicts for FetchPages and
     /// SelectPages, as `Connection.call` returns, a dict for AppendTokens.
     /// Blocks with the GIL released; calls on one region run one at a time.
-    fn call(&self, py: Python<'_>, method: &str, request: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    /// With `gather` (SelectPages only), returns the selection gathered per
+    /// head, as `Connection.call` does.
+    #[pyo3(signature = (method, request, gather=false))]
+    fn call(&self, py: Python<'_>, method: &str, request: &Bound<'_, PyAny>, gather: bool) -> PyResult<Py<PyAny>> {
         if self.runtime.pid != std::process::id() {
             return Err(PyRuntimeError::new_err(
                 "this region was registered before fork(); register a new one in the child process",
@@ -407,8 +446,7 @@ impl Region {
             .methods()
             .find(|m| m.name() == method)
             .ok_or_else(|| PyValueError::new_err(format!("method: kvtier.v1.KvTier has no method {method:?}")))?;
-        // The LocalCall field that carries the request, and the LocalReply
-        // field that carries the answer.
+        // The LocalCall field that carries the request.
         let field = match method {
             "FetchPages" => "fetch_pages",
             "SelectPages" => "select_pages",
@@ -419,57 +457,88 @@ impl Region {
                 )));
             }
         };
-        let pool = descriptor.parent_pool();
-        let message = |name: &str| {
-            pool.get_message_by_name(name)
-                .ok_or_else(|| PyRuntimeError::new_err(format!("{name} is not in the descriptor")))
-        };
-        let mut call = DynamicMessage::new(message("kvtier.v1.LocalCall")?);
+        let local_call = descriptor
+            .parent_pool()
+            .get_message_by_name("kvtier.v1.LocalCall")
+            .ok_or_else(|| PyRuntimeError::new_err("kvtier.v1.LocalCall is not in the descriptor"))?;
+        let mut call = DynamicMessage::new(local_call);
         call.set_field_by_name(
             field,
             Value::Message(reflect::to_message(request, &descriptor.input(), "")?),
         );
         let call = call.encode_to_vec();
+        if gather {
+            gatherable(&descriptor)?;
+        }
         // The time limit starts once the region is this call's (calls on
         // one region queue for it). A call it cuts short may still take
         // effect, as over gRPC; the region stays usable.
         let reply = async {
             let mut region = self.region.lock().await;
             limited(self.timeout, async {
-                region
+                let raw = region
                     .call_raw(&call)
                     .await
-                    .map(<[u8]>::to_vec)
-                    .map_err(|e| Status::unavailable(format!("the region's connection failed: {e}")))
+                    .map_err(|e| Status::unavailable(format!("the region's connection failed: {e}")))?;
+                let reply =
+                    pb::LocalReply::decode(raw).map_err(|e| Status::internal(format!("the server's reply: {e}")))?;
+                // Read before the next call on the region can overwrite its pages.
+                local_answer(reply, &descriptor, gather, &region)
             })
             .await
         };
-        let reply = wait(py, &self.runtime, reply)?.map_err(|status| status_error(py, &status))?;
-        let reply = DynamicMessage::decode(message("kvtier.v1.LocalReply")?, reply.as_slice())
-            .map_err(|e| PyRuntimeError::new_err(format!("the server's reply: {e}")))?;
-        if reply.has_field_by_name("error") {
-            let error = reply.get_field_by_name("error");
-            let error = error.as_deref().and_then(Value::as_message);
-            let field = |name: &str| error.and_then(|e| e.get_field_by_name(name));
-            let code = field("code").and_then(|v| v.as_i32()).unwrap_or(Code::Unknown as i32);
-            let text = field("message")
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default();
-            return Err(status_error(py, &Status::new(Code::from_i32(code), text)));
-        }
-        let answer = match reply.get_field_by_name(field).as_deref() {
-            Some(Value::List(messages)) => {
-                Reply::Many(messages.iter().filter_map(Value::as_message).cloned().collect())
-            }
-            Some(Value::Message(m)) if reply.has_field_by_name(field) => Reply::One(m.clone()),
-            _ => {
-                return Err(PyRuntimeError::new_err(format!(
-                    "the server's reply holds no {method} answer"
-                )));
-            }
-        };
-        answer.into_py(py)
+        wait(py, &self.runtime, reply)?
+            .map_err(|status| status_error(py, &status))?
+            .into_py(py)
     }
+}
+
+/// The answer to `method` in a region's `reply`: its refusal, the
+/// selection gathered per head (with `gather`, from `region`), or its
+/// messages as the method's reply type.
+fn local_answer(
+    reply: pb::LocalReply,
+    method: &MethodDescriptor,
+    gather: bool,
+    region: &ShmRegion,
+) -> Result<Reply, Status> {
+    if let Some(e) = reply.error {
+        return Err(Status::new(Code::from_i32(e.code), e.message));
+    }
+    let output = method.output();
+    match method.name() {
+        "SelectPages" if gather => Ok(Reply::Gathered(
+            Gathered::new(reply.select_pages, Some(region))?,
+            output,
+        )),
+        "SelectPages" => Ok(Reply::Many(
+            reply
+                .select_pages
+                .iter()
+                .map(|m| as_dynamic(m, &output))
+                .collect::<Result<_, _>>()?,
+        )),
+        "FetchPages" => Ok(Reply::Many(
+            reply
+                .fetch_pages
+                .iter()
+                .map(|m| as_dynamic(m, &output))
+                .collect::<Result<_, _>>()?,
+        )),
+        _ => match &reply.append_tokens {
+            Some(m) => Ok(Reply::One(as_dynamic(m, &output)?)),
+            None => Err(Status::internal(format!(
+                "the server's reply holds no {} answer",
+                method.name()
+            ))),
+        },
+    }
+}
+
+/// `message` as a message of type `output` (its own), for `reflect::to_dict`.
+fn as_dynamic<M: Message>(message: &M, output: &MessageDescriptor) -> Result<DynamicMessage, Status> {
+    DynamicMessage::decode(output.clone(), message.encode_to_vec().as_slice())
+        .map_err(|e| Status::internal(format!("the server's reply: {e}")))
 }
 
 /// The serving nodes from a key's owner down, as indices into `nodes`

@@ -140,7 +140,7 @@ def test_a_small_budget_attends_over_the_selection_only(model_and_tokenizer, cli
         ours = generate(model, ids, cache, new_tokens=4)
         # One selection per layer per decode step (the first token is the
         # prefill's), and no layer read whole.
-        assert cache.calls["select"] == 3 * layers and "fetch" not in cache.calls
+        assert cache.calls["select_kv"] == 3 * layers and "fetch" not in cache.calls
         # Each step's token went in the background, after its selection.
         cache.flush()
         assert int(client.info(cache.sequence_id)["tokens"]) == ids.shape[1] + 3
@@ -157,14 +157,14 @@ def test_modes_and_top_p_reach_the_selection(model_and_tokenizer, client, option
     model, tokenizer = model_and_tokenizer
     ids = ids_of(tokenizer, TEXT * 3)
     seen = []
-    select = client.select
+    select = client.select_kv
 
     def spy(*args, **kw):
         reply = select(*args, **kw)
         seen.append((kw["mode"], kw["top_p"], [len(h.pages) for h in reply.heads]))
         return reply
 
-    monkeypatch.setattr(client, "select", spy)
+    monkeypatch.setattr(client, "select_kv", spy)
     with KVTierCache(client, 6, model=model, **options) as cache:
         generate(model, ids, cache, new_tokens=3)
     assert len(seen) == 2 * model.config.num_hidden_layers
@@ -267,4 +267,4 @@ def test_the_readme_transformers_example_runs(model_and_tokenizer, server):
     namespace = {"MODEL_DIR": folder, "MODEL_FILE": MODEL_FILE}
     exec(compile(code.replace("http://127.0.0.1:50051", server.address), str(README), "exec"), namespace)
     cache, out = namespace["cache"], namespace["out"]
-    assert cache.calls["select"] > 0 and out.shape[1] > namespace["ids"].shape[1]
+    assert cache.calls["select_kv"] > 0 and out.shape[1] > namespace["ids"].shape[1]
