@@ -118,11 +118,11 @@ fn gather_head(
         }
         usize::try_from(len / 2).map_err(|_| Status::internal("a page larger than memory"))
     };
-    let total = chosen.iter().map(|p| half(p)).sum::<Result<usize, _>>()?;
+    let halves = chosen.iter().map(|p| half(p)).collect::<Result<Vec<_>, _>>()?;
+    let total = halves.iter().sum();
     let (mut k, mut v) = (vec![0u8; total], vec![0u8; total]);
     let mut at = 0;
-    for p in &chosen {
-        let n = half(p)?;
+    for (p, &n) in chosen.iter().zip(&halves) {
         let (k_dst, v_dst) = (&mut k[at..at + n], &mut v[at..at + n]);
         if p.shm_bytes > 0 {
             let region = region.ok_or_else(|| {

@@ -511,20 +511,8 @@ fn local_answer(
             Gathered::new(reply.select_pages, Some(region))?,
             output,
         )),
-        "SelectPages" => Ok(Reply::Many(
-            reply
-                .select_pages
-                .iter()
-                .map(|m| as_dynamic(m, &output))
-                .collect::<Result<_, _>>()?,
-        )),
-        "FetchPages" => Ok(Reply::Many(
-            reply
-                .fetch_pages
-                .iter()
-                .map(|m| as_dynamic(m, &output))
-                .collect::<Result<_, _>>()?,
-        )),
+        "SelectPages" => all_dynamic(&reply.select_pages, &output),
+        "FetchPages" => all_dynamic(&reply.fetch_pages, &output),
         _ => match &reply.append_tokens {
             Some(m) => Ok(Reply::One(as_dynamic(m, &output)?)),
             None => Err(Status::internal(format!(
@@ -539,6 +527,16 @@ fn local_answer(
 fn as_dynamic<M: Message>(message: &M, output: &MessageDescriptor) -> Result<DynamicMessage, Status> {
     DynamicMessage::decode(output.clone(), message.encode_to_vec().as_slice())
         .map_err(|e| Status::internal(format!("the server's reply: {e}")))
+}
+
+/// A stream's `messages` as messages of type `output` (their own).
+fn all_dynamic<M: Message>(messages: &[M], output: &MessageDescriptor) -> Result<Reply, Status> {
+    Ok(Reply::Many(
+        messages
+            .iter()
+            .map(|m| as_dynamic(m, output))
+            .collect::<Result<_, _>>()?,
+    ))
 }
 
 /// The serving nodes from a key's owner down, as indices into `nodes`
