@@ -190,6 +190,19 @@ class _Api:
             "persist": self.persist if persist is None else persist,
         }
 
+    def _step_append(
+        self, layout: Layout, append: Optional[Tuple[Any, Any]], position: Optional[int]
+    ) -> Optional[Dict[str, Any]]:
+        """A selection's ``append`` (``SelectPagesRequest.append``): the
+        step's own ``(k, v)`` packed, at ``position`` if given."""
+        if append is None:
+            if position is not None:
+                raise ValueError("append_position: applies to an append; give append=(k, v) too")
+            return None
+        k, v = append
+        kv, _, tokens = _arrays.pack_kv(k, v, layout.dtype, layout.head_dim)
+        return {"num_tokens": tokens, "kv": kv, "position": position, "persist": self.persist}
+
     def _layout(self, sequence_id: str) -> Steps[Layout]:
         """The sequence's layout: known from ``create``, else asked once.
         (A sequence another client drops and creates again under the same
@@ -390,6 +403,8 @@ class _Api:
         softmax_scale: float = 0.0,
         top_p: float = 0.0,
         min_pages: int = 0,
+        append: Optional[Tuple[Any, Any]] = None,
+        append_position: Optional[int] = None,
     ) -> Selection:
         """Chooses the pages a decode step's ``queries`` (``[query heads,
         head_dim]`` of the KV heads' groups, post-RoPE) need: per KV head the
@@ -405,9 +420,15 @@ class _Api:
         "global"|"local"]])``. ``swap_in`` makes the chosen pages hot
         (answering by ``deadline_us`` if set), ``prefetch_pages`` promotes
         the next-ranked in the background, ``lease_ms`` pins the chosen
-        pages. Returns a :class:`Selection`; with ``include_data`` its pages'
-        K and V (over ``shm``, views of the region; the call then goes over
-        the region's connection instead of gRPC)."""
+        pages. ``append=(k, v)``: a decode step's own tokens
+        (``[kv_heads, tokens, head_dim]`` for the selected KV heads),
+        appended in the same call once the selection is made (which leaves
+        them out), checked before it; ``append_position`` as
+        :meth:`append`'s ``position``; the answer's ``appended`` is the
+        ``AppendTokensResponse``. Returns a :class:`Selection`; with
+        ``include_data`` its pages' K and V (over ``shm``, views of the
+        region; the call then goes over the region's connection instead of
+        gRPC)."""
 
         window = window_of(shm)
         options = _select_options(
@@ -418,6 +439,7 @@ class _Api:
         def steps() -> Steps[Selection]:
             layout = yield from self._layout(sequence_id)
             request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
+            request["append"] = self._step_append(layout, append, append_position)
             replies = yield _Rpc("SelectPages", request, self._via(window))
             return selection_from_proto(replies, layout, window)
 
@@ -445,6 +467,8 @@ class _Api:
         softmax_scale: float = 0.0,
         top_p: float = 0.0,
         min_pages: int = 0,
+        append: Optional[Tuple[Any, Any]] = None,
+        append_position: Optional[int] = None,
     ) -> SelectionKV:
         """:meth:`select` for a decode step's attention: per head, the chosen
         pages' K and V rows concatenated in position order
@@ -464,6 +488,7 @@ class _Api:
         def steps() -> Steps[SelectionKV]:
             layout = yield from self._layout(sequence_id)
             request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
+            request["append"] = self._step_append(layout, append, append_position)
             gathered = yield _Rpc("SelectPages", request, via, gather=True)
             return selection_kv_from_native(gathered, layout)
 

@@ -26,7 +26,6 @@ import math
 import sys
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -142,12 +141,8 @@ class KVTierLayer(CacheLayerMixin):
         super().__init__()
         self.cache = cache
         self.index = index
-        #: Tokens this layer holds (every KV head alike), the last decode
-        #: step's maybe still on its way to kvtier (``appending``).
+        #: Tokens this layer holds (every KV head alike).
         self.tokens = tokens
-        #: A budgeted decode step's append, sent in the background once the
-        #: step's selection is made: the layer's next call waits for it.
-        self.appending: Optional[Future] = None
         #: A budgeted decode step tagged its token and its attention has not
         #: come through kvtier's attention function (yet).
         self.tagged = False
@@ -163,7 +158,7 @@ class KVTierLayer(CacheLayerMixin):
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         cache = self.cache
         cache._check_batch(key_states)
-        self.settle()
+        self.check_attended()
         position = (cache_kwargs or {}).get("cache_position")
         if position is not None and int(position[0]) != self.tokens:
             raise ValueError(
@@ -185,21 +180,15 @@ class KVTierLayer(CacheLayerMixin):
         k, v = cache._read_all(self)
         return k.unsqueeze(0), v.unsqueeze(0)
 
-    def settle(self) -> None:
-        """Waits for the layer's background append (raising its error);
-        the wait counts in the cache's ``kvtier_seconds``."""
+    def check_attended(self) -> None:
+        """Raises if the last budgeted step's token never reached kvtier:
+        its attention did not come through kvtier's attention function,
+        which stores it."""
         if self.tagged:
             raise RuntimeError(
                 f"layer {self.index}: the last step's attention did not go through kvtier's attention function"
                 f" (the model's attention is {self.cache.model_config._attn_implementation!r}): its token is lost"
             )
-        if self.appending is not None:
-            appending, self.appending = self.appending, None
-            start = time.perf_counter()
-            try:
-                appending.result()
-            finally:
-                self.cache.kvtier_seconds += time.perf_counter() - start
 
     def attend(
         self,
@@ -212,7 +201,7 @@ class KVTierLayer(CacheLayerMixin):
         """A decode step's attention over the pages kvtier selects for
         ``query`` (``[1, query heads, 1, head_dim]``), per KV head, and the
         step's own token (``key``, ``value``: ``[1, kv heads, 1, head_dim]``),
-        which is then appended in the background."""
+        which the same call appends once it has selected."""
         if attention_mask is not None:
             allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
             if not bool(allowed[..., : self.tokens].all()):
@@ -221,11 +210,11 @@ class KVTierLayer(CacheLayerMixin):
         self.tagged = False
         stored = self.tokens - 1
         try:
-            selection = cache._select(self, stored, query[0, :, 0, :], scaling)
+            selection = cache._select(self, stored, query[0, :, 0, :], (key[0], value[0]), scaling)
         except BaseException:
+            # Refused as a whole: neither selected nor appended.
             self.tokens = stored
             raise
-        self.appending = cache._append_later(self, stored, _numpy(key[0]), _numpy(value[0]))
         groups = query.shape[1] // cache.layout.num_kv_heads
         outputs = []
         for head in range(cache.layout.num_kv_heads):
@@ -344,15 +333,12 @@ class KVTierCache(Cache):
         created = client.create(self.sequence_id, self.layout, hashes)
         #: Tokens of the prompt found stored and attached (whole pages).
         self.attached_tokens = int(created.get("attached_pages", 0)) * page_size
-        #: Calls made to kvtier by kind (append, put, fetch, select), the
-        #: seconds the model waited for kvtier (calls, and background
-        #: appends not yet done when needed), and the tokens this cache
+        #: Calls made to kvtier by kind (append, put, fetch, select_kv), the
+        #: seconds the model waited for them, and the tokens this cache
         #: prefilled (not attached).
         self.calls: Dict[str, int] = {}
         self.kvtier_seconds = 0.0
         self.prefilled_tokens = 0
-        # One thread: the background appends of decode steps, in order.
-        self._appender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-append")
         self._closed = False
         super().__init__(
             layers=[
@@ -411,7 +397,6 @@ class KVTierCache(Cache):
 
     def _read_all(self, layer: KVTierLayer) -> Tuple[torch.Tensor, torch.Tensor]:
         """Every stored token of the layer, ``[kv_heads, tokens, head_dim]``."""
-        layer.settle()
         pages = self._call(self.client.fetch, self.sequence_id, layer.index, shm=self.shm)
         for p in pages:
             if p.state not in ("hot", "cold"):
@@ -429,17 +414,17 @@ class KVTierCache(Cache):
             return max(floor, math.ceil(self.budget * pages))
         return max(floor, int(self.budget))
 
-    def _append_later(self, layer: KVTierLayer, position: int, k: np.ndarray, v: np.ndarray) -> Future:
-        """Appends one decode token in the background (the call's time is
-        not counted in ``kvtier_seconds``: it overlaps the model's work).
-        Over gRPC, not the region: a region's calls run one at a time, and
-        the next layer's selection would queue behind it."""
-        self.calls["append"] = self.calls.get("append", 0) + 1
-        return self._appender.submit(
-            self.client.append, self.sequence_id, layer.index, k, v, position=position
-        )
-
-    def _select(self, layer: KVTierLayer, stored: int, queries: torch.Tensor, scaling: float):
+    def _select(
+        self,
+        layer: KVTierLayer,
+        stored: int,
+        queries: torch.Tensor,
+        step: Tuple[torch.Tensor, torch.Tensor],
+        scaling: float,
+    ):
+        """The pages ``queries`` select among the layer's ``stored``
+        tokens, with the step's own K/V (``step``) appended by the same
+        call, after them: one round trip per layer and step."""
         q = queries.detach().to("cpu", torch.float32).numpy()
         return self._call(
             self.client.select_kv,
@@ -451,24 +436,22 @@ class KVTierCache(Cache):
             window_pages=self.window_pages,
             softmax_scale=float(scaling),
             shm=self.shm,
+            append=(_numpy(step[0]), _numpy(step[1])),
+            append_position=stored,
             **self.select_options,
         )
 
-    def flush(self) -> None:
-        """Waits until every token this cache was given is in kvtier."""
-        for layer in self.layers:
-            layer.settle()
-
     def close(self) -> None:
-        """Waits for the background appends, then drops the sequence (pages
-        another sequence shares stay); a second call does nothing."""
+        """Drops the sequence (pages another sequence shares stay), raising
+        if a step's token never reached kvtier; a second call does
+        nothing."""
         if self._closed:
             return
         self._closed = True
         try:
-            self.flush()
+            for layer in self.layers:
+                layer.check_attended()
         finally:
-            self._appender.shutdown()
             self.client.drop(self.sequence_id)
 
     def __enter__(self) -> "KVTierCache":

@@ -128,6 +128,8 @@ class Selection:
     #: The mode that ranked: ``"quest"``, ``"cuboid"``, ``"sketch"`` or
     #: ``"two_stage"``; a page's ``bound`` is its score in that mode.
     mode: str = "two_stage"
+    #: With ``append``: the ``AppendTokensResponse`` of the step's tokens.
+    appended: Optional[Dict[str, Any]] = None
 
     def gather(self, kv_head: int) -> Tuple[np.ndarray, np.ndarray, List[Page]]:
         """The data pages of ``kv_head`` in position order, their K and V
@@ -166,6 +168,8 @@ class SelectionKV:
     lease_id: Optional[int]
     lease_expires_in_ms: int
     mode: str
+    #: With ``append``: the ``AppendTokensResponse`` of the step's tokens.
+    appended: Optional[Dict[str, Any]] = None
 
     def head(self, kv_head: int, query_head: Optional[int] = None) -> HeadKV:
         """The selection of ``kv_head`` (and, with per-query-head
@@ -348,6 +352,7 @@ def _selection_totals(first: Dict[str, Any]) -> Dict[str, Any]:
         "lease_id": first["lease_id"] or None,
         "lease_expires_in_ms": first["lease_expires_in_ms"],
         "mode": first["mode"],
+        "appended": first["appended"],
     }
 
 

@@ -113,11 +113,12 @@ fn status_error(py: Python<'_>, status: &Status) -> PyErr {
 }
 
 /// What a call returns: one message, a server stream's messages, or a
-/// selection gathered per head (with the reply's message type).
+/// selection gathered per head (with the reply's message type; boxed, as
+/// it holds a whole first message).
 enum Reply {
     One(DynamicMessage),
     Many(Vec<DynamicMessage>),
-    Gathered(Gathered, MessageDescriptor),
+    Gathered(Box<Gathered>, MessageDescriptor),
 }
 
 impl Reply {
@@ -243,7 +244,7 @@ impl Connection {
                         .map(DynamicMessage::transcode_to::<pb::SelectPagesResponse>)
                         .collect::<Result<Vec<_>, _>>()
                         .map_err(|e| Status::internal(format!("the server's reply: {e}")))?;
-                    Ok(Reply::Gathered(Gathered::new(typed, None)?, output))
+                    Ok(Reply::Gathered(Box::new(Gathered::new(typed, None)?), output))
                 }
                 (Some(_), _) => Err(Status::internal("SelectPages answered with one message, not a stream")),
             }
@@ -508,7 +509,7 @@ fn local_answer(
     let output = method.output();
     match method.name() {
         "SelectPages" if gather => Ok(Reply::Gathered(
-            Gathered::new(reply.select_pages, Some(region))?,
+            Box::new(Gathered::new(reply.select_pages, Some(region))?),
             output,
         )),
         "SelectPages" => all_dynamic(&reply.select_pages, &output),

@@ -583,6 +583,7 @@ impl Client {
             softmax_scale: req.softmax_scale,
             top_p: req.top_p,
             min_pages: req.min_pages,
+            append: req.append.clone(),
         }
     }
 
@@ -751,6 +752,9 @@ pub struct SelectRequest {
     pub top_p: f32,
     /// With `top_p`: the fewest pages chosen.
     pub min_pages: u32,
+    /// A decode step's own tokens for these (layer, KV heads), appended by
+    /// the same call once the selection is made (which leaves them out).
+    pub append: Option<pb::AppendAfterSelection>,
 }
 
 impl SelectRequest {
@@ -776,6 +780,7 @@ impl SelectRequest {
             softmax_scale: 0.0,
             top_p: 0.0,
             min_pages: 0,
+            append: None,
         }
     }
 
@@ -808,6 +813,7 @@ impl SelectRequest {
             softmax_scale: m.softmax_scale,
             top_p: m.top_p,
             min_pages: m.min_pages,
+            append: m.append.clone(),
         }
     }
 }

@@ -78,6 +78,13 @@ impl Partitioned {
             ))
             .into());
         }
+        if req.append.is_some() {
+            return Err(tonic::Status::invalid_argument(
+                "append: a selection merged across servers appends nothing; append to the part that holds the \
+                 sequence's end",
+            )
+            .into());
+        }
         let n = self.pages();
         let (k, s, w) = (req.budget_pages, req.sink_pages, req.window_pages);
         let forced = |p: u32| p < s || p + w >= n;
@@ -112,6 +119,7 @@ impl Partitioned {
                 deadline: None,
                 prefetch_pages: 0,
                 lease_ms: 0,
+                append: None,
                 ..req.clone()
             };
             if local.budget_pages == 0 {

@@ -381,6 +381,17 @@ async fn select_swaps_in_from_every_tier_and_leases_over_grpc() {
     };
     let err = client.prefetch("s", &bad).await.unwrap_err();
     assert!(err.to_string().contains("swap_in"), "{err}");
+    let appending = kvtier_client::SelectRequest {
+        append: Some(kvtier_client::pb::AppendAfterSelection {
+            num_tokens: 1,
+            kv: vec![0; 2 * HEAD_DIM * 4].into(),
+            position: None,
+            persist: false,
+        }),
+        ..kvtier_client::SelectRequest::new(0, 0..1, vec![0.5; HEAD_DIM], 3)
+    };
+    let err = client.prefetch("s", &appending).await.unwrap_err();
+    assert!(err.to_string().contains("append: must be unset for Prefetch"), "{err}");
     let stats = client.stats().await.unwrap();
     assert_eq!((stats.swapped_from_host, stats.swapped_from_nvme), (3, 3));
 }

@@ -101,6 +101,11 @@ fields! {
     SOFTMAX_SCALE = "softmax_scale" in &[SELECT];
     TOP_P = "top_p" in &[SELECT];
     MIN_PAGES = "min_pages" in &[SELECT];
+    SELECTION_APPEND = "append" in &[SELECT];
+    APPEND_NUM_TOKENS = "append.num_tokens" in &[SELECT];
+    APPEND_KV = "append.kv" in &[SELECT];
+    APPEND_POSITION = "append.position" in &[SELECT];
+    APPEND_PERSIST = "append.persist" in &[SELECT];
     SHARD_WORLD = "shard.world" in &[SELECT];
     SHARD_RANK = "shard.rank" in &[SELECT];
     SHARD_OWNERSHIP = "shard.ownership" in &[SELECT];
@@ -163,4 +168,13 @@ pub fn moved_page(index: usize, field: Field) -> String {
 /// `per_head_pages[head].pages[index]`.
 pub fn per_head_page(head: usize, index: usize) -> String {
     format!("{}[{head}].pages[{index}]", PER_HEAD_PAGES.path)
+}
+
+/// The field of `SelectPagesRequest.append` that stands for the
+/// `AppendTokensRequest` field at `path`, if it has one: an append made by
+/// a selection names its fields where the caller set them.
+pub fn in_selection_append(path: &str) -> Option<Field> {
+    [APPEND_NUM_TOKENS, APPEND_KV, APPEND_POSITION, APPEND_PERSIST]
+        .into_iter()
+        .find(|f| f.path.strip_prefix("append.") == Some(path))
 }

@@ -185,6 +185,13 @@ impl Corpus {
                             softmax_scale: 0.0,
                             top_p: if mass { 0.9 } else { 0.0 },
                             min_pages: if mass { 2 } else { 0 },
+                            // A decode step's token with the leased selections.
+                            append: (lease > 0).then(|| pb::AppendAfterSelection {
+                                num_tokens: 1,
+                                kv: kv(dtype, 2 * heads as usize * row / element_bytes(dtype), s + 2),
+                                position: None,
+                                persist: false,
+                            }),
                         }
                     };
                 for (data, swap, lease, aggregation, mode) in [

@@ -11,6 +11,7 @@ mod policy;
 mod select;
 mod sequences;
 mod stats;
+mod step_append;
 mod trace;
 mod transition;
 mod write;

@@ -14,6 +14,7 @@ use kvtier_store::{SelectPages, Selection, Store, StoreError, StoreResult};
 use prost::Message;
 use tonic::{Request, Response, Status};
 
+use super::step_append::{self, StepAppend};
 use super::{KvTierService, open, open_seq, tenant};
 use crate::auth::Caller;
 use crate::blocking::sized;
@@ -32,9 +33,9 @@ pub(super) async fn select_pages(
 ) -> Result<Response<SelectStream>, Status> {
     let (caller, incarnation, r) = open_seq(request)?;
     let (_, _permit) = svc
-        .located(&caller, &r.tenant, &r.sequence_id, incarnation, Access::Read)
+        .located(&caller, &r.tenant, &r.sequence_id, incarnation, step_append::access(&r))
         .await?;
-    let call = svc.plan_select(&caller, r)?;
+    let mut call = svc.plan_select(&caller, r)?;
     // The data's room in flight, at most what the selection can choose,
     // is taken before the store reads any of it. Data over shm goes to
     // the client's memory: nothing held in flight.
@@ -42,9 +43,20 @@ pub(super) async fn select_pages(
         true => Some(svc.in_flight.hold("a selection's data", call.bound).await?),
         false => None,
     };
-    let (key, limit, work) = (call.key.clone(), call.limit, call.work());
-    let (selection, data) = sized(&svc.store, &key, work, move |s| call.run(s)).await?;
-    let messages = svc.selection_messages(&key.tenant, selection, data, limit)?;
+    let (key, limit, work, append) = (call.key.clone(), call.limit, call.work(), call.append.take());
+    let (selection, data, append) = sized(&svc.store, &key, work, move |s| {
+        if let Some(a) = &append {
+            a.check(s, &call.key)?;
+        }
+        call.run(s).map(|(selection, data)| (selection, data, append))
+    })
+    .await?;
+    let mut messages = svc.selection_messages(&key.tenant, selection, data, limit)?;
+    if let Some(append) = append {
+        let k = key.clone();
+        let appended = svc.call(move |s| append.run(s, &k)).await;
+        step_append::answer(&svc.store, &key.tenant, appended, &mut messages)?;
+    }
     Ok(Response::new(Holding::new(tokio_stream::iter(holding(messages, held)))))
 }
 
@@ -53,17 +65,26 @@ pub(super) fn select_pages_local(
     caller: &Caller,
     r: pb::SelectPagesRequest,
 ) -> Result<Vec<pb::SelectPagesResponse>, Status> {
-    let call = svc.plan_select(caller, r)?;
-    let _permit = svc.enter(&call.key, Access::Read)?;
+    let access = step_append::access(&r);
+    let mut call = svc.plan_select(caller, r)?;
+    let _permit = svc.enter(&call.key, access)?;
     if call.data_inline() {
         return Err(invalid(
             wire::SHM,
             "is required with include_data over the shm socket, which carries no page bytes",
         ));
     }
-    let (tenant, limit) = (call.key.tenant.clone(), call.limit);
+    let (key, limit, append) = (call.key.clone(), call.limit, call.append.take());
+    if let Some(a) = &append {
+        a.check(&svc.store, &key).map_err(to_status)?;
+    }
     let (selection, data) = call.run(&svc.store).map_err(to_status)?;
-    svc.selection_messages(&tenant, selection, data, limit)
+    let mut messages = svc.selection_messages(&key.tenant, selection, data, limit)?;
+    if let Some(a) = append {
+        let appended = a.run(&svc.store, &key).map_err(to_status);
+        step_append::answer(&svc.store, &key.tenant, appended, &mut messages)?;
+    }
+    Ok(messages)
 }
 
 pub(super) async fn prefetch(
@@ -79,6 +100,7 @@ pub(super) async fn prefetch(
         (r.swap_in, wire::SWAP_IN.path),
         (r.deadline_us > 0, wire::DEADLINE_US.path),
         (r.lease_ms > 0, wire::LEASE_MS.path),
+        (r.append.is_some(), wire::SELECTION_APPEND.path),
     ] {
         if set {
             return Err(invalid(
@@ -167,6 +189,8 @@ fn select_request<'a>(r: &pb::SelectPagesRequest, inputs: &'a SelectionInputs) -
 pub(crate) struct SelectCall {
     key: SequenceKey,
     request: pb::SelectPagesRequest,
+    /// Its append, made once the answer is ready.
+    append: Option<StepAppend>,
     inputs: SelectionInputs,
     window: Option<Window>,
     /// The most page bytes it can return.
@@ -211,6 +235,7 @@ impl KvTierService {
         let limit = chunk::limit(r.max_chunk_bytes, self.max_message_bytes)?;
         let inputs = selection_inputs(&r)?;
         let shm = r.shm.take();
+        let append = StepAppend::take(&mut r);
         if shm.is_some() && !r.include_data {
             return Err(invalid(wire::SHM, "carries page bytes; set include_data too"));
         }
@@ -228,6 +253,7 @@ impl KvTierService {
         Ok(SelectCall {
             key,
             request: r,
+            append,
             inputs,
             window,
             bound,
@@ -309,6 +335,7 @@ pub(crate) fn select_messages<B>(
         }),
         timing: Some(convert::timing_to_pb(&selection.timing)),
         mode: convert::mode_to_pb(selection.mode) as i32,
+        appended: None,
     };
     let heads = selection.heads.iter().map(convert::head_selection_to_pb).collect();
     let mut head_runs = chunk::fit(heads, first.encoded_len(), limit, "KV head's selection")?.into_iter();

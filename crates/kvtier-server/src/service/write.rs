@@ -90,7 +90,7 @@ fn append(store: &Store, key: &SequenceKey, r: &pb::AppendTokensRequest) -> Stor
     )
 }
 
-fn append_to_pb(outcome: &AppendOutcome) -> pb::AppendTokensResponse {
+pub(super) fn append_to_pb(outcome: &AppendOutcome) -> pb::AppendTokensResponse {
     pb::AppendTokensResponse {
         tokens: outcome.tokens,
         pages_opened: outcome.pages_opened,

@@ -278,6 +278,14 @@ impl Store {
         Ok(appended)
     }
 
+    /// Whether `append_tokens(key, req)` would be refused now, without
+    /// writing: a decode step that selects and then appends checks its
+    /// append before the selection moves anything.
+    pub fn check_append(&self, key: &SequenceKey, req: AppendTokens<'_>) -> StoreResult<()> {
+        self.check_persist(req.persist)?;
+        self.catalog.read(key, |seq| append_batch(seq, &req).map(drop))
+    }
+
     /// The append, the position it wrote at and the (lane, page)s it opened.
     fn append_locked(&self, seq: &mut Sequence, req: AppendTokens<'_>) -> StoreResult<Appended> {
         self.check_persist(req.persist)?;

@@ -1,0 +1,152 @@
+"""``select_kv`` against ``select``: per head the same pages, and K and V
+equal to the chosen pages' bytes concatenated in position order, over
+gRPC, over the client's own region and naming another client's region;
+and a selection that appends the step's own token in the same call."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvtier
+from kvtier import errors
+
+_ids = itertools.count()
+
+cases = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(["f32", "f16", "bf16"]),
+        "kv_heads": st.integers(1, 3),
+        "group": st.sampled_from([1, 2, 4]),
+        "head_dim": st.sampled_from([4, 16, 64]),
+        "page_size": st.sampled_from([1, 4, 16]),
+        "tokens": st.integers(1, 120),
+        "budget": st.integers(2, 10),
+        "aggregation": st.sampled_from(["max", "mean", "per_query_head"]),
+        "mode": st.sampled_from(["quest", "two_stage"]),
+        "plane": st.sampled_from(["grpc", "shm", "foreign"]),
+        "seed": st.integers(0, 2**32 - 1),
+    }
+)
+
+
+def rows(rng: np.random.Generator, shape: tuple, dtype: str) -> np.ndarray:
+    x = rng.standard_normal(shape).astype(np.float32) * 2
+    if dtype == "bf16":
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+    return x.astype({"f32": np.float32, "f16": np.float16}[dtype])
+
+
+@pytest.fixture(scope="module")
+def regions(server, client):
+    """A region of ``client``'s own and one of another client's."""
+    other = kvtier.Client(server.address, shm_socket=server.shm_socket)
+    own, foreign = client.register_shm(1 << 20), other.register_shm(1 << 20)
+    yield own, foreign
+    own.close()
+    foreign.close()
+    other.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases)
+def test_select_kv_gathers_what_select_chooses(client, regions, case):
+    rng = np.random.default_rng(case["seed"])
+    h, g, d = case["kv_heads"], case["group"], case["head_dim"]
+    layout = kvtier.Layout(1, h, h * g, d, case["dtype"], case["page_size"])
+    seq = f"kv-{next(_ids)}"
+    client.create(seq, layout)
+    try:
+        client.put(seq, 0, rows(rng, (h, case["tokens"], d), case["dtype"]), rows(rng, (h, case["tokens"], d), case["dtype"]))
+        q = rng.standard_normal((h * g, d)).astype(np.float32)
+        shm = {"grpc": None, "shm": regions[0], "foreign": regions[1]}[case["plane"]]
+        options = dict(sink_pages=1, window_pages=1, aggregation=case["aggregation"], mode=case["mode"])
+        sel = client.select(seq, 0, q, case["budget"], **options)
+        got = client.select_kv(seq, 0, q, case["budget"], shm=shm, **options)
+        assert (got.pages_scored, got.mode) == (sel.pages_scored, sel.mode)
+        data = {(p.kv_head, p.page): p for p in sel.pages}
+        assert len(got.heads) == len(sel.heads)
+        for head in sel.heads:
+            mine = got.head(head.kv_head, head.query_head)
+            pages = [p.page for p in head.pages]
+            assert mine.pages.tolist() == pages
+            assert mine.k.tobytes() == b"".join(data[(head.kv_head, p)].k.tobytes() for p in pages)
+            assert mine.v.tobytes() == b"".join(data[(head.kv_head, p)].v.tobytes() for p in pages)
+            assert mine.k.shape == (sum(data[(head.kv_head, p)].k.shape[0] for p in pages), d)
+            # The answer's own arrays, not views of a region a later call reuses.
+            if shm is not None:
+                assert not np.shares_memory(mine.k, shm.buffer)
+    finally:
+        client.drop(seq)
+
+
+@pytest.mark.parametrize("plane", ["grpc", "shm"])
+def test_a_selection_appends_the_steps_token_after_choosing(client, regions, plane):
+    rng = np.random.default_rng(7)
+    layout = kvtier.Layout(2, 3, 6, 16, "f16", 4)
+    seq = f"kv-append-{plane}"
+    k, v = rows(rng, (3, 18, 16), "f16"), rows(rng, (3, 18, 16), "f16")
+    client.create(seq, layout)
+    shm = regions[0] if plane == "shm" else None
+    try:
+        client.put(seq, 1, k, v)
+        q = rng.standard_normal((6, 16)).astype(np.float32)
+        before = client.select_kv(seq, 1, q, 3, sink_pages=1, window_pages=1, shm=shm)
+        new_k, new_v = rows(rng, (3, 1, 16), "f16"), rows(rng, (3, 1, 16), "f16")
+        step = client.select_kv(
+            seq, 1, q, 3, sink_pages=1, window_pages=1, shm=shm, append=(new_k, new_v), append_position=18
+        )
+        # Chosen among the 18 stored tokens: the new one is not in it.
+        for a, b in zip(before.heads, step.heads):
+            assert a.pages.tolist() == b.pages.tolist() and a.k.tobytes() == b.k.tobytes()
+        assert step.appended["tokens"] == 19 and before.appended is None
+        last = client.fetch(seq, 1, [4])
+        for p in last:
+            assert p.k.tobytes() == np.concatenate([k[p.kv_head, 16:], new_k[p.kv_head]]).tobytes()
+            assert p.v.tobytes() == np.concatenate([v[p.kv_head, 16:], new_v[p.kv_head]]).tobytes()
+        # The next step's selection sees it; `select` takes an append too.
+        nxt = client.select(seq, 1, q, 3, window_pages=1, append=(new_k, new_v), append_position=19)
+        assert nxt.appended["tokens"] == 20
+        assert all(p.page == 4 and p.k.shape[0] == 3 for p in nxt.pages if p.page == 4)
+    finally:
+        client.drop(seq)
+
+
+def test_a_refused_append_refuses_the_selection_and_changes_nothing(client, regions):
+    rng = np.random.default_rng(8)
+    layout = kvtier.Layout(1, 2, 2, 8, "f32", 4)
+    seq = "kv-append-refused"
+    client.create(seq, layout)
+    try:
+        client.put(seq, 0, rows(rng, (2, 10, 8), "f32"), rows(rng, (2, 10, 8), "f32"))
+        q = rng.standard_normal((2, 8)).astype(np.float32)
+        one = (rows(rng, (2, 1, 8), "f32"), rows(rng, (2, 1, 8), "f32"))
+        leases = client.stats()["leases"]
+        for shm in (None, regions[0]):
+            with pytest.raises(errors.FailedPrecondition, match=r"append\.position: is 9, but layer 0 holds 10"):
+                client.select_kv(seq, 0, q, 2, lease_ms=60_000, shm=shm, append=one, append_position=9)
+            with pytest.raises(errors.InvalidArgument, match=r"append\.kv"):
+                client.select_kv(seq, 0, q, 2, shm=shm, append=(one[0][:1], one[1][:1]))
+        assert client.info(seq)["tokens"] == 10
+        assert client.stats()["leases"] == leases
+        with pytest.raises(ValueError, match="append_position: applies to an append"):
+            client.select_kv(seq, 0, q, 2, append_position=10)
+    finally:
+        client.drop(seq)
+
+
+def test_gather_is_refused_for_other_calls(client, regions):
+    client.create("kv-gather", kvtier.Layout(1, 1, 1, 4, "f32", 4))
+    try:
+        request = {"tenant": client.tenant, "sequence_id": "kv-gather"}
+        with pytest.raises(ValueError, match="gather: only SelectPages"):
+            client._conn.call("GetSequence", request, gather=True)
+        fetch = {**request, "layer": 0, "kv_head_count": 1, "shm": regions[0].window().to_proto()}
+        with pytest.raises(ValueError, match="gather: only SelectPages"):
+            regions[0]._call("FetchPages", fetch, True)
+    finally:
+        client.drop("kv-gather")
