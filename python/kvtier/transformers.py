@@ -334,10 +334,13 @@ class KVTierCache(Cache):
         #: Tokens of the prompt found stored and attached (whole pages).
         self.attached_tokens = int(created.get("attached_pages", 0)) * page_size
         #: Calls made to kvtier by kind (append, put, fetch, select_kv), the
-        #: seconds the model waited for them, and the tokens this cache
-        #: prefilled (not attached).
+        #: seconds the model waited for them, the seconds of it the server
+        #: spent in its store on the decode steps' selections and appends
+        #: (the rest is transport), and the tokens this cache prefilled
+        #: (not attached).
         self.calls: Dict[str, int] = {}
         self.kvtier_seconds = 0.0
+        self.store_seconds = 0.0
         self.prefilled_tokens = 0
         self._closed = False
         super().__init__(
@@ -426,7 +429,7 @@ class KVTierCache(Cache):
         tokens, with the step's own K/V (``step``) appended by the same
         call, after them: one round trip per layer and step."""
         q = queries.detach().to("cpu", torch.float32).numpy()
-        return self._call(
+        selection = self._call(
             self.client.select_kv,
             self.sequence_id,
             layer.index,
@@ -440,6 +443,9 @@ class KVTierCache(Cache):
             append_position=stored,
             **self.select_options,
         )
+        appended = (selection.appended or {}).get("timing") or {}
+        self.store_seconds += (selection.timing.get("store_us", 0) + appended.get("store_us", 0)) / 1e6
+        return selection
 
     def close(self) -> None:
         """Drops the sequence (pages another sequence shares stay), raising
