@@ -201,6 +201,8 @@ class _Api:
             return None
         k, v = append
         kv, _, tokens = _arrays.pack_kv(k, v, layout.dtype, layout.head_dim)
+        if len(kv) > MAX_MESSAGE_BYTES - 4096:
+            raise ValueError(f"append: {len(kv)} bytes of K and V; at most {MAX_MESSAGE_BYTES} fit in one message")
         return {"num_tokens": tokens, "kv": kv, "position": position, "persist": self.persist}
 
     def _layout(self, sequence_id: str) -> Steps[Layout]:
@@ -423,9 +425,11 @@ class _Api:
         pages. ``append=(k, v)``: a decode step's own tokens
         (``[kv_heads, tokens, head_dim]`` for the selected KV heads),
         appended in the same call once the selection is made (which leaves
-        them out), checked before it; ``append_position`` as
-        :meth:`append`'s ``position``; the answer's ``appended`` is the
-        ``AppendTokensResponse``. Returns a :class:`Selection`; with
+        them out), their shape and position checked before it, persisted
+        as the client's ``persist`` says; ``append_position`` as
+        :meth:`append`'s ``position`` (give it: a call that fails without
+        a refusal may have appended); the answer's ``appended`` is the
+        ``AppendTokensResponse``. Unsharded only. Returns a :class:`Selection`; with
         ``include_data`` its pages' K and V (over ``shm``, views of the
         region; the call then goes over the region's connection instead of
         gRPC)."""

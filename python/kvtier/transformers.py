@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from . import errors
 from .client import MAX_MESSAGE_BYTES, Client
 from .types import Layout, ShmRegion, ShmWindow, gather
 
@@ -132,6 +133,17 @@ def install_attention(model: Any) -> str:
     return name
 
 
+#: A server's refusals: the call changed nothing.
+_REFUSALS = (
+    errors.InvalidArgument,
+    errors.FailedPrecondition,
+    errors.ResourceExhausted,
+    errors.NotFound,
+    errors.PermissionDenied,
+    errors.AlreadyExists,
+)
+
+
 class KVTierLayer(CacheLayerMixin):
     """One layer's K/V, kept in kvtier (the cache's sequence, this layer)."""
 
@@ -146,6 +158,10 @@ class KVTierLayer(CacheLayerMixin):
         #: A budgeted decode step tagged its token and its attention has not
         #: come through kvtier's attention function (yet).
         self.tagged = False
+        #: Why the layer's length in kvtier is unknown, if it is: a decode
+        #: step's call failed without a refusal (its append may have been
+        #: made).
+        self.unknown: Optional[str] = None
         # Never holds K/V itself: initialized from the start.
         self.dtype, self.device = dtype, device
         self.is_initialized = True
@@ -158,7 +174,7 @@ class KVTierLayer(CacheLayerMixin):
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         cache = self.cache
         cache._check_batch(key_states)
-        self.check_attended()
+        self.check_stored()
         position = (cache_kwargs or {}).get("cache_position")
         if position is not None and int(position[0]) != self.tokens:
             raise ValueError(
@@ -180,10 +196,12 @@ class KVTierLayer(CacheLayerMixin):
         k, v = cache._read_all(self)
         return k.unsqueeze(0), v.unsqueeze(0)
 
-    def check_attended(self) -> None:
-        """Raises if the last budgeted step's token never reached kvtier:
+    def check_stored(self) -> None:
+        """Raises if the last budgeted step's token may not be in kvtier:
         its attention did not come through kvtier's attention function,
-        which stores it."""
+        which stores it, or that call failed without a refusal."""
+        if self.unknown is not None:
+            raise RuntimeError(f"layer {self.index}: {self.unknown}")
         if self.tagged:
             raise RuntimeError(
                 f"layer {self.index}: the last step's attention did not go through kvtier's attention function"
@@ -211,9 +229,15 @@ class KVTierLayer(CacheLayerMixin):
         stored = self.tokens - 1
         try:
             selection = cache._select(self, stored, query[0, :, 0, :], (key[0], value[0]), scaling)
-        except BaseException:
+        except _REFUSALS:
             # Refused as a whole: neither selected nor appended.
             self.tokens = stored
+            raise
+        except BaseException as e:
+            self.unknown = (
+                f"the decode step at position {stored} failed ({type(e).__name__}: {e}) after its token may have"
+                " been appended; this cache cannot go on (its length in kvtier is unknown)"
+            )
             raise
         groups = query.shape[1] // cache.layout.num_kv_heads
         outputs = []
@@ -456,7 +480,7 @@ class KVTierCache(Cache):
         self._closed = True
         try:
             for layer in self.layers:
-                layer.check_attended()
+                layer.check_stored()
         finally:
             self.client.drop(self.sequence_id)
 

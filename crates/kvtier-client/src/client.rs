@@ -841,6 +841,8 @@ pub struct SelectResult {
     pub prefetch_queued: u32,
     /// (lease id, milliseconds until it expires).
     pub lease: Option<(u64, u64)>,
+    /// With [`SelectRequest::append`]: what the append did.
+    pub appended: Option<pb::AppendTokensResponse>,
 }
 
 /// `call` over `region`'s own connection: the reply, or the server's
@@ -866,6 +868,9 @@ impl SelectResult {
         self.prefetch_queued += chunk.prefetch_queued;
         if chunk.lease_id != 0 {
             self.lease = Some((chunk.lease_id, chunk.lease_expires_in_ms));
+        }
+        if chunk.appended.is_some() {
+            self.appended = chunk.appended;
         }
     }
 }

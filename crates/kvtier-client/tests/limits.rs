@@ -242,6 +242,37 @@ async fn no_response_passes_the_servers_limit_whatever_the_request_asks() {
     assert_eq!(answer.heads.len() as u32, heads, "every head, over several messages");
     assert!(answer.heads.iter().all(|h| h.pages.len() as u32 == tokens / page_size));
     assert_eq!(answer.pages.len() as u32, heads * tokens / page_size);
+    // A selection that appends holds room in its first message for the
+    // append's answer, which comes after the messages are cut.
+    for (i, max_chunk_bytes) in [0u32, 10_000].into_iter().enumerate() {
+        let select = pb::SelectPagesRequest {
+            sequence_id: "s".into(),
+            kv_head_count: heads,
+            queries: vec![0u8; (heads * head_dim * 4) as usize].into(),
+            budget_pages: tokens / page_size,
+            aggregation: pb::Aggregation::Max as i32,
+            max_chunk_bytes,
+            append: Some(pb::AppendAfterSelection {
+                num_tokens: 1,
+                kv: vec![0u8; (2 * heads * head_dim * 4) as usize].into(),
+                position: Some(u64::from(tokens) + i as u64),
+                persist: false,
+            }),
+            ..Default::default()
+        };
+        let mut stream = stock.select_pages(select).await.unwrap().into_inner();
+        let mut appended = vec![];
+        while let Some(msg) = stream.message().await.unwrap() {
+            let cap = if max_chunk_bytes == 0 {
+                limit
+            } else {
+                max_chunk_bytes as usize
+            };
+            assert!(msg.encoded_len() <= cap, "{} > {cap}", msg.encoded_len());
+            appended.extend(msg.appended.map(|a| a.tokens));
+        }
+        assert_eq!(appended, [u64::from(tokens) + i as u64 + 1]);
+    }
     // One page that cannot fit the asked size: refused, naming the field.
     let fetch = pb::FetchPagesRequest {
         sequence_id: "s".into(),

@@ -74,7 +74,7 @@ impl Entry {
 /// What a call does to its sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Access {
-    /// Reads it (fetches, selections, describing it).
+    /// Reads it (fetches, selections without an append, describing it).
     Read,
     /// Changes it (writes, transitions, policies, drops).
     Write,

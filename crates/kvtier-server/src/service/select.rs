@@ -51,10 +51,11 @@ pub(super) async fn select_pages(
         call.run(s).map(|(selection, data)| (selection, data, append))
     })
     .await?;
-    let mut messages = svc.selection_messages(&key.tenant, selection, data, limit)?;
+    let mut messages = svc.selection_messages(&key.tenant, selection, data, limit, append.is_some())?;
     if let Some(append) = append {
+        // Where the selection ran: inline unless it is large or may wait.
         let k = key.clone();
-        let appended = svc.call(move |s| append.run(s, &k)).await;
+        let appended = sized(&svc.store, &key, append.bytes(), move |s| append.run(s, &k)).await;
         step_append::answer(&svc.store, &key.tenant, appended, &mut messages)?;
     }
     Ok(Response::new(Holding::new(tokio_stream::iter(holding(messages, held)))))
@@ -79,7 +80,7 @@ pub(super) fn select_pages_local(
         a.check(&svc.store, &key).map_err(to_status)?;
     }
     let (selection, data) = call.run(&svc.store).map_err(to_status)?;
-    let mut messages = svc.selection_messages(&key.tenant, selection, data, limit)?;
+    let mut messages = svc.selection_messages(&key.tenant, selection, data, limit, append.is_some())?;
     if let Some(a) = append {
         let appended = a.run(&svc.store, &key).map_err(to_status);
         step_append::answer(&svc.store, &key.tenant, appended, &mut messages)?;
@@ -236,6 +237,14 @@ impl KvTierService {
         let inputs = selection_inputs(&r)?;
         let shm = r.shm.take();
         let append = StepAppend::take(&mut r);
+        if append.is_some() && r.shard.is_some() {
+            // Every rank would append the same token.
+            return Err(invalid(
+                wire::SELECTION_APPEND,
+                "a context-parallel rank's selection (shard) appends nothing: append from one rank with \
+                 AppendTokens, or with an unsharded selection",
+            ));
+        }
         if shm.is_some() && !r.include_data {
             return Err(invalid(wire::SHM, "carries page bytes; set include_data too"));
         }
@@ -270,9 +279,10 @@ impl KvTierService {
         selection: Selection<Range<usize>>,
         data: Vec<pb::Page>,
         limit: usize,
+        appends: bool,
     ) -> Result<Vec<pb::SelectPagesResponse>, Status> {
         let lease = selection.lease;
-        let messages = select_messages(selection, data, limit);
+        let messages = select_messages(selection, data, limit, appends);
         if let (Err(_), Some((id, _))) = (&messages, lease) {
             self.store.release_lease(tenant, id);
         }
@@ -321,6 +331,7 @@ pub(crate) fn select_messages<B>(
     selection: Selection<B>,
     data: Vec<pb::Page>,
     limit: usize,
+    appends: bool,
 ) -> Result<Vec<pb::SelectPagesResponse>, Status> {
     let first = pb::SelectPagesResponse {
         heads: vec![],
@@ -335,7 +346,8 @@ pub(crate) fn select_messages<B>(
         }),
         timing: Some(convert::timing_to_pb(&selection.timing)),
         mode: convert::mode_to_pb(selection.mode) as i32,
-        appended: None,
+        // Sized with room for the append's answer, which replaces it.
+        appended: appends.then(step_append::largest_answer),
     };
     let heads = selection.heads.iter().map(convert::head_selection_to_pb).collect();
     let mut head_runs = chunk::fit(heads, first.encoded_len(), limit, "KV head's selection")?.into_iter();
@@ -355,4 +367,65 @@ pub(crate) fn select_messages<B>(
         ..Default::default()
     });
     Ok(std::iter::once(first).chain(more_heads).chain(pages).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use kvtier_core::PageState;
+    use kvtier_core::rank::Mode;
+    use kvtier_store::{HeadSelection, SelectTiming, SelectedPage, SwapReport};
+    use prost::Message;
+
+    use super::*;
+
+    fn selection(heads: u32, pages: u32) -> Selection<Range<usize>> {
+        Selection {
+            heads: (0..heads)
+                .map(|kv_head| HeadSelection {
+                    kv_head,
+                    query_head: None,
+                    pages: (0..pages)
+                        .map(|page| SelectedPage {
+                            page,
+                            bound: page as f32 / 3.0,
+                            state: PageState::Hot,
+                            miss: None,
+                        })
+                        .collect(),
+                    selected_but_gone: 0,
+                })
+                .collect(),
+            data: vec![],
+            pages_scored: u64::from(heads * pages),
+            digest_bytes: 1 << 20,
+            swap: SwapReport::default(),
+            past_deadline: false,
+            prefetch_queued: 0,
+            lease: None,
+            timing: SelectTiming::default(),
+            mode: Mode::TwoStage,
+        }
+    }
+
+    /// Whatever the limit, a selection that appends leaves room in its
+    /// first message for any append's answer, put in after the cut.
+    #[test]
+    fn the_first_message_holds_room_for_the_appends_answer() {
+        let mut cut = 0;
+        for limit in 100..2000 {
+            let Ok(mut messages) = select_messages(selection(24, 9), vec![], limit, true) else {
+                continue;
+            };
+            messages[0].appended = Some(step_append::largest_answer());
+            for m in &messages {
+                assert!(
+                    m.encoded_len() <= limit,
+                    "{} bytes over a limit of {limit}",
+                    m.encoded_len()
+                );
+            }
+            cut += 1;
+        }
+        assert!(cut > 1000, "most limits hold a head");
+    }
 }

@@ -44,6 +44,11 @@ impl StepAppend {
         }
     }
 
+    /// Its K/V bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.tokens.kv.len()
+    }
+
     /// Refuses now what the append would refuse, naming `append.*`.
     pub(crate) fn check(&self, store: &Store, key: &SequenceKey) -> StoreResult<()> {
         store.check_append(key, self.request()).map_err(named)
@@ -60,6 +65,25 @@ pub(crate) fn access(r: &pb::SelectPagesRequest) -> Access {
     match r.append {
         Some(_) => Access::Write,
         None => Access::Read,
+    }
+}
+
+/// An answer at least as long, encoded, as any append's: what a selection
+/// that appends holds room for in its first message.
+pub(crate) fn largest_answer() -> pb::AppendTokensResponse {
+    pb::AppendTokensResponse {
+        tokens: u64::MAX,
+        pages_opened: u64::MAX,
+        durability: pb::Durability::Fsync as i32,
+        timing: Some(pb::AppendTiming {
+            lock_wait_us: u64::MAX,
+            reserve_us: u64::MAX,
+            migration_wait_us: u64::MAX,
+            migration_us: u64::MAX,
+            durability_us: u64::MAX,
+            policy_us: u64::MAX,
+            store_us: u64::MAX,
+        }),
     }
 }
 
