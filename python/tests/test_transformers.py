@@ -13,7 +13,10 @@ import importlib.util
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from kvtier import errors
 
 torch = pytest.importorskip("torch", reason="needs python/transformers-env/env.sh (torch, transformers)")
 transformers = pytest.importorskip("transformers")
@@ -229,6 +232,23 @@ def test_what_it_cannot_do_is_refused_clearly(model_and_tokenizer, client):
                 model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(ids.shape[1]))
         with pytest.raises(NotImplementedError, match="client.fetch"):
             cache[0]
+
+
+def test_a_refused_step_leaves_each_layer_as_kvtier_has_it(model_and_tokenizer, client):
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT)
+    heads, head_dim = model.config.num_key_value_heads, model.config.head_dim
+    with KVTierCache(client, 4, model=model) as cache, torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        stored = cache.get_seq_length()
+        # Another writer appends to layer 5 behind the cache's back: the
+        # step's append there is refused, and with it the layer's selection.
+        row = np.zeros((heads, 1, head_dim), np.float32)
+        client.append(cache.sequence_id, 5, row, row, position=stored)
+        with pytest.raises(errors.FailedPrecondition, match=r"append\.position: is %d" % stored):
+            model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        # The layers before it stored the step's token; layer 5 did not.
+        assert [layer.tokens for layer in cache.layers[4:7]] == [stored + 1, stored, stored]
 
 
 def test_a_step_whose_attention_bypassed_kvtier_is_an_error_not_a_lost_token(model_and_tokenizer, client):
