@@ -35,7 +35,7 @@ pub(super) async fn select_pages(
     let (_, _permit) = svc
         .located(&caller, &r.tenant, &r.sequence_id, incarnation, step_append::access(&r))
         .await?;
-    let mut call = svc.plan_select(&caller, r)?;
+    let call = svc.plan_select(&caller, r)?;
     // The data's room in flight, at most what the selection can choose,
     // is taken before the store reads any of it. Data over shm goes to
     // the client's memory: nothing held in flight.
@@ -43,14 +43,8 @@ pub(super) async fn select_pages(
         true => Some(svc.in_flight.hold("a selection's data", call.bound).await?),
         false => None,
     };
-    let (key, limit, work, append) = (call.key.clone(), call.limit, call.work(), call.append.take());
-    let (selection, data, append) = sized(&svc.store, &key, work, move |s| {
-        if let Some(a) = &append {
-            a.check(s, &call.key)?;
-        }
-        call.run(s).map(|(selection, data)| (selection, data, append))
-    })
-    .await?;
+    let (key, limit, work) = (call.key.clone(), call.limit, call.work());
+    let (selection, data, append) = sized(&svc.store, &key, work, move |s| call.run(s)).await?;
     let mut messages = svc.selection_messages(&key.tenant, selection, data, limit, append.is_some())?;
     if let Some(append) = append {
         // Where the selection ran: inline unless it is large or may wait.
@@ -67,7 +61,7 @@ pub(super) fn select_pages_local(
     r: pb::SelectPagesRequest,
 ) -> Result<Vec<pb::SelectPagesResponse>, Status> {
     let access = step_append::access(&r);
-    let mut call = svc.plan_select(caller, r)?;
+    let call = svc.plan_select(caller, r)?;
     let _permit = svc.enter(&call.key, access)?;
     if call.data_inline() {
         return Err(invalid(
@@ -75,11 +69,8 @@ pub(super) fn select_pages_local(
             "is required with include_data over the shm socket, which carries no page bytes",
         ));
     }
-    let (key, limit, append) = (call.key.clone(), call.limit, call.append.take());
-    if let Some(a) = &append {
-        a.check(&svc.store, &key).map_err(to_status)?;
-    }
-    let (selection, data) = call.run(&svc.store).map_err(to_status)?;
+    let (key, limit) = (call.key.clone(), call.limit);
+    let (selection, data, append) = call.run(&svc.store).map_err(to_status)?;
     let mut messages = svc.selection_messages(&key.tenant, selection, data, limit, append.is_some())?;
     if let Some(a) = append {
         let appended = a.run(&svc.store, &key).map_err(to_status);
@@ -185,6 +176,10 @@ fn select_request<'a>(r: &pb::SelectPagesRequest, inputs: &'a SelectionInputs) -
     }
 }
 
+/// A selection run: its choice, its pages' messages apart, and the append
+/// still to make.
+type Ran = (Selection<Range<usize>>, Vec<pb::Page>, Option<StepAppend>);
+
 /// A selection, checked and ready to run: refused before it moves
 /// anything.
 pub(crate) struct SelectCall {
@@ -222,10 +217,17 @@ impl SelectCall {
         if self.request.include_data { self.bound } else { 0 }
     }
 
-    fn run(mut self, store: &Arc<Store>) -> StoreResult<(Selection<Range<usize>>, Vec<pb::Page>)> {
+    /// The selection, its append checked first; the append is handed
+    /// back, to be made once the answer is.
+    fn run(mut self, store: &Arc<Store>) -> StoreResult<Ran> {
+        let append = self.append.take();
+        if let Some(a) = &append {
+            a.check(store, &self.key)?;
+        }
         let room = self.room();
         let req = select_request(&self.request, &self.inputs);
-        select_into(store, &self.key, req, self.window.as_mut(), room)
+        let (selection, data) = select_into(store, &self.key, req, self.window.as_mut(), room)?;
+        Ok((selection, data, append))
     }
 }
 
