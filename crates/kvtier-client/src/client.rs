@@ -584,6 +584,7 @@ impl Client {
             top_p: req.top_p,
             min_pages: req.min_pages,
             append: req.append.clone(),
+            reuse_similarity: req.reuse_similarity,
         }
     }
 
@@ -723,8 +724,10 @@ pub struct SelectRequest {
     /// The last (newest) pages of each lane, always chosen; with
     /// `sink_pages`, at most `budget_pages`.
     pub window_pages: u32,
-    /// How a GQA group's scores combine per KV head: `Max` (also for
-    /// `Unspecified`) is sound; `PerQueryHead` selects per query head.
+    /// How a GQA group's scores combine per KV head: `Max` is sound for
+    /// bounds; `Mean` sums masses; `PerQueryHead` selects per query head;
+    /// `Unspecified`: the mode's own (max for quest and cuboid, mean for
+    /// sketch and two-stage).
     pub aggregation: pb::Aggregation,
     /// The context-parallel rank calling and which pages it owns; `None`: not sharded.
     pub shard: Option<pb::ContextShard>,
@@ -755,10 +758,15 @@ pub struct SelectRequest {
     /// A decode step's own tokens for these (layer, KV heads), appended by
     /// the same call once the selection is made (which leaves them out).
     pub append: Option<pb::AppendAfterSelection>,
+    /// Reuse each lane's last ranking while every query head's cosine
+    /// similarity to the query that made it is at least this (0: rank
+    /// every time).
+    pub reuse_similarity: f32,
 }
 
 impl SelectRequest {
-    /// Budget `budget_pages` with no sinks, no window, max aggregation.
+    /// Budget `budget_pages` with no sinks, no window, the mode's own
+    /// aggregation.
     pub fn new(layer: u32, kv_heads: Range<u32>, queries: Vec<f32>, budget_pages: u32) -> Self {
         Self {
             layer,
@@ -767,7 +775,7 @@ impl SelectRequest {
             budget_pages,
             sink_pages: 0,
             window_pages: 0,
-            aggregation: pb::Aggregation::Max,
+            aggregation: pb::Aggregation::Unspecified,
             shard: None,
             include_data: false,
             swap_in: false,
@@ -781,6 +789,7 @@ impl SelectRequest {
             top_p: 0.0,
             min_pages: 0,
             append: None,
+            reuse_similarity: 0.0,
         }
     }
 
@@ -814,6 +823,7 @@ impl SelectRequest {
             top_p: m.top_p,
             min_pages: m.min_pages,
             append: m.append.clone(),
+            reuse_similarity: m.reuse_similarity,
         }
     }
 }
@@ -830,6 +840,8 @@ pub struct SelectResult {
     pub pages_scored: u64,
     /// Index bytes read: digests, and sketch rows.
     pub digest_bytes: u64,
+    /// Lanes chosen from their last ranking instead of ranked.
+    pub lanes_reused: u32,
     /// The mode that ranked.
     pub mode: pb::SelectionMode,
     /// With `swap_in`: where the pages came from and the time per source
@@ -857,6 +869,7 @@ impl SelectResult {
         self.heads.extend(chunk.heads);
         self.pages_scored += chunk.pages_scored;
         self.digest_bytes += chunk.digest_bytes;
+        self.lanes_reused += chunk.lanes_reused;
         self.pages.extend(chunk.pages);
         if let Some(swap) = chunk.swap {
             self.swap = swap;

@@ -453,6 +453,77 @@ async fn mass_modes_estimate_a_distribution_and_honour_top_p() {
     }
 }
 
+/// Reuse over gRPC: the same queries again reuse every lane's ranking and
+/// choose the same pages; a page opened since is chosen; queries that moved
+/// past the threshold, or another budget, rank again; the default mode
+/// takes the mean over the group, quest the max.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_selection_reuses_its_lanes_last_ranking_while_the_queries_hold() {
+    let server = TestServer::default().await;
+    let mut client = server.client().await;
+    let mut rng = Rng(17);
+    let data = write(&mut client, "r", pb::DType::DtypeF16, 40, &mut rng).await;
+    let q = queries(&mut rng, KV_HEADS as usize);
+    let req = SelectRequest {
+        reuse_similarity: 0.99,
+        ..SelectRequest::new(0, 0..KV_HEADS, q.clone(), 4)
+    };
+    let first = client.select_pages("r", &req).await.unwrap();
+    assert_eq!(first.lanes_reused, 0);
+    assert!(first.pages_scored > 0);
+    let again = client.select_pages("r", &req).await.unwrap();
+    assert_eq!(again.lanes_reused, KV_HEADS);
+    assert_eq!((again.pages_scored, again.digest_bytes), (0, 0));
+    let pages = |r: &kvtier_client::SelectResult| -> Vec<Vec<u32>> {
+        r.heads
+            .iter()
+            .map(|h| h.pages.iter().map(|p| p.page).collect())
+            .collect()
+    };
+    assert_eq!(pages(&again), pages(&first));
+    // A new page (tokens 40..44): chosen by the reuse, as the newest.
+    let row = D * size_of(pb::DType::DtypeF16);
+    let mut kv = Vec::new();
+    for lane in &data {
+        kv.extend_from_slice(&lane.keys[..4 * row]);
+        kv.extend_from_slice(&lane.values[..4 * row]);
+    }
+    client
+        .append_tokens("r", 0, 0..KV_HEADS, 4, kv.into(), Some(40))
+        .await
+        .unwrap();
+    let grown = client.select_pages("r", &req).await.unwrap();
+    assert_eq!(grown.lanes_reused, KV_HEADS);
+    assert!(pages(&grown).iter().all(|p| p.contains(&10)), "{:?}", pages(&grown));
+    // Every query negated: cosine −1, ranked again.
+    let moved = SelectRequest {
+        queries: q.iter().map(|v| -v).collect(),
+        ..req.clone()
+    };
+    assert_eq!(client.select_pages("r", &moved).await.unwrap().lanes_reused, 0);
+    // Another budget: ranked again.
+    let wider = SelectRequest {
+        budget_pages: 5,
+        ..moved.clone()
+    };
+    assert_eq!(client.select_pages("r", &wider).await.unwrap().lanes_reused, 0);
+    // Unset aggregation: the mass modes' mean equals asking for it.
+    let mean = SelectRequest {
+        aggregation: pb::Aggregation::Mean,
+        reuse_similarity: 0.0,
+        ..req.clone()
+    };
+    let unset = SelectRequest {
+        reuse_similarity: 0.0,
+        ..req.clone()
+    };
+    let (a, b) = (
+        client.select_pages("r", &mean).await.unwrap(),
+        client.select_pages("r", &unset).await.unwrap(),
+    );
+    assert_eq!(a.heads, b.heads);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_selection_requests_name_their_field() {
     let server = TestServer::default().await;
@@ -532,6 +603,27 @@ async fn bad_selection_requests_name_their_field() {
                 ..ok.clone()
             },
             "softmax_scale:",
+        ),
+        (
+            SelectRequest {
+                reuse_similarity: 1.5,
+                ..ok.clone()
+            },
+            "reuse_similarity:",
+        ),
+        (
+            SelectRequest {
+                reuse_similarity: -0.5,
+                ..ok.clone()
+            },
+            "reuse_similarity:",
+        ),
+        (
+            SelectRequest {
+                reuse_similarity: f32::NAN,
+                ..ok.clone()
+            },
+            "reuse_similarity:",
         ),
         (
             SelectRequest {

@@ -18,9 +18,10 @@
 
 use std::ops::Range;
 
+use crate::fast_exp::exp_in_place;
 use crate::score::score_column;
-use crate::select::{Aggregation, Budget, Shard, TopP, select, select_with};
-use crate::sketch_score::sketch_logits;
+use crate::select::{Aggregation, Budget, Shard, TopP, select, select_among};
+use crate::sketch_score::SketchQueries;
 use crate::{DIGEST_CHUNK_PAGES, DigestColumn, PageIndex};
 
 /// Which estimate ranks pages.
@@ -62,6 +63,20 @@ impl Mode {
     pub const fn estimates_mass(self) -> bool {
         matches!(self, Mode::Sketch | Mode::TwoStage)
     }
+
+    /// How a GQA group's scores combine when a request names no
+    /// aggregation. Bounds take the max: sound, a page any query head needs
+    /// ranks by it. Masses take the mean: a page's share of the group's
+    /// attention, which is what the group reads it for (the shared choice
+    /// that holds the most pooled mass ranks by the sum; on real KV the mean
+    /// closes more of the gap to the oracle at equal pages read than the
+    /// max: bench/results/selection.md).
+    pub const fn default_aggregation(self) -> Aggregation {
+        match self {
+            Mode::Quest | Mode::Cuboid => Aggregation::Max,
+            Mode::Sketch | Mode::TwoStage => Aggregation::Mean,
+        }
+    }
 }
 
 impl std::fmt::Display for Mode {
@@ -83,6 +98,10 @@ pub struct Ranking {
     /// A top-p budget; applies only where [`Mode::estimates_mass`] (ignored
     /// otherwise). `None`: the plain page budget.
     pub top_p: Option<TopP>,
+    /// Reuse the lane's last ranking while every query head's cosine
+    /// similarity to the query that made it is at least this
+    /// ([`crate::reuse`]); `None`: rank every time.
+    pub reuse: Option<f32>,
 }
 
 /// The most stage-one candidates per budget page a request may ask for.
@@ -103,6 +122,7 @@ impl Ranking {
             candidates: DEFAULT_CANDIDATES,
             softmax_scale: None,
             top_p: None,
+            reuse: None,
         }
     }
 }
@@ -185,13 +205,15 @@ pub fn rank_lane(q: &LaneQuery<'_>) -> LaneRanking {
     let mut heads = Vec::with_capacity(selectors.len());
     for (query_head, members) in selectors {
         let mut scores = combine(&lane_scores, group, members.clone(), q.aggregation);
+        let mut pool = None;
         if mode == Mode::TwoStage {
-            let (masses, read) = rerank(q, &scores, &q.queries[members.start * d..members.end * d]);
+            let (candidates, masses, read) = rerank(q, &scores, &q.queries[members.start * d..members.end * d]);
             bytes += read;
             scores = masses;
+            pool = Some(candidates);
         }
         let top_p = q.ranking.top_p.filter(|_| mode.estimates_mass());
-        let chosen = select_with(&scores, q.budget, q.shard, top_p);
+        let chosen = select_among(&scores, pool.as_deref(), q.budget, q.shard, top_p);
         heads.push(HeadRank {
             query_head,
             scores,
@@ -205,9 +227,10 @@ pub fn rank_lane(q: &LaneQuery<'_>) -> LaneRanking {
 }
 
 /// Two-stage's second stage: the pages `bounds` ranks first (`candidates ×`
-/// the budget) re-ranked by their estimated mass for `queries`, combined
-/// over those heads; −1 for every other page. And the sketch bytes read.
-fn rerank(q: &LaneQuery<'_>, bounds: &[f32], queries: &[f32]) -> (Vec<f32>, u64) {
+/// the budget, in position order), and every page's score: re-ranked by
+/// estimated mass for `queries`, combined over those heads, or −1 for a
+/// page not among them. And the sketch bytes read.
+fn rerank(q: &LaneQuery<'_>, bounds: &[f32], queries: &[f32]) -> (Vec<usize>, Vec<f32>, u64) {
     let wide = Budget {
         pages: q.budget.pages.saturating_mul(q.ranking.candidates.max(1) as usize),
         ..q.budget
@@ -222,7 +245,7 @@ fn rerank(q: &LaneQuery<'_>, bounds: &[f32], queries: &[f32]) -> (Vec<f32>, u64)
     for (&p, m) in candidates.iter().zip(combine(&masses, heads, 0..heads, q.aggregation)) {
         scores[p] = m;
     }
-    (scores, read)
+    (candidates, scores, read)
 }
 
 /// Rows of page `p` of the query's lane (the last may be partial).
@@ -274,28 +297,45 @@ fn page_masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>
     let heads = queries.len() / d;
     let row = index.sketch_row_bytes();
     let scale = q.ranking.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
-    // The pages' sketch rows side by side, scored in one kernel call.
+    // Each page's sketch rows scored where they lie, the queries prepared once.
+    let prepared = SketchQueries::new(d, queries);
     let rows: Vec<usize> = pages.iter().map(|&p| rows_in(q, p)).collect();
     let total: usize = rows.iter().sum();
-    let mut sketches = Vec::with_capacity(total * row);
-    for (&p, &r) in pages.iter().zip(&rows) {
-        sketches.extend_from_slice(&index.sketch(p)[..r * row]);
-    }
     let mut logits = vec![0f32; total * heads];
-    sketch_logits(d, &sketches, queries, &mut logits);
-    let mut top = vec![f32::NEG_INFINITY; heads];
-    for token in logits.chunks_exact(heads) {
-        top.iter_mut().zip(token).for_each(|(t, &l)| *t = t.max(l));
+    let mut at = 0;
+    for (&p, &r) in pages.iter().zip(&rows) {
+        prepared.logits(&index.sketch(p)[..r * row], &mut logits[at * heads..(at + r) * heads]);
+        at += r;
     }
-    // Per page and head the sum of exp((l − top) · scale); per head the total.
+    // `[token][head]` runs of `width` values (whole vectors, whole tokens):
+    // loops over them compile to vector code; lane `k` is head `k % heads`.
+    let width = heads * 8 / gcd(heads, 8);
+    let mut lanes = vec![f32::NEG_INFINITY; width];
+    for run in logits.chunks(width) {
+        lanes.iter_mut().zip(run).for_each(|(m, &l)| *m = m.max(l));
+    }
+    let mut top = vec![f32::NEG_INFINITY; heads];
+    for token in lanes.chunks_exact(heads) {
+        top.iter_mut().zip(token).for_each(|(t, &m)| *t = t.max(m));
+    }
+    // Each token's weight exp((l − top) · scale), in vector passes.
+    let shift = top.repeat(width / heads);
+    for run in logits.chunks_mut(width) {
+        run.iter_mut().zip(&shift).for_each(|(l, &t)| *l = (*l - t) * scale);
+    }
+    exp_in_place(&mut logits);
+    // Per page and head the sum of the weights; per head the total.
     let mut masses = vec![0f32; pages.len() * heads];
     let mut totals = vec![0f64; heads];
-    let mut tokens = logits.chunks_exact(heads);
+    let mut at = 0;
     for (page, &r) in masses.chunks_exact_mut(heads).zip(&rows) {
-        for token in tokens.by_ref().take(r) {
-            for ((w, &l), &t) in page.iter_mut().zip(token).zip(&top) {
-                *w += ((l - t) * scale).exp();
-            }
+        lanes.fill(0.0);
+        for run in logits[at * heads..(at + r) * heads].chunks(width) {
+            lanes.iter_mut().zip(run).for_each(|(w, &e)| *w += e);
+        }
+        at += r;
+        for token in lanes.chunks_exact(heads) {
+            page.iter_mut().zip(token).for_each(|(m, &w)| *m += w);
         }
         totals
             .iter_mut()
@@ -312,11 +352,15 @@ fn page_masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>
     (masses, (total * row) as u64)
 }
 
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::DType;
-    use crate::sketch::{decode_row, row_bytes};
+    use crate::sketch::{code, row_bytes, scale_zero};
     use proptest::prelude::*;
 
     /// A lane of `tokens` keys (f16) in pages of `page_size`.
@@ -330,12 +374,28 @@ mod tests {
         (index, (keys.len() / d) as u64)
     }
 
-    /// Each page's estimated mass, the slow way: decode every sketch row,
-    /// softmax in f64 over the tokens of `pages`.
+    /// Each page's estimated mass, the slow way: every sketch row decoded,
+    /// its logit `zero · Σq + scale · Σ_r q̂_r · code_r` with the query
+    /// rounded to int8 steps (`q̂ = step · round(q / step)`, `step =
+    /// max|q| / 127`: the estimator sketch_score.rs documents), softmax in
+    /// f64 over the tokens of `pages`.
     fn reference_masses(index: &PageIndex, tokens: u64, pages: &[usize], q: &[f32], scale: f32) -> Vec<f64> {
         let d = q.len();
         let ps = index.page_size() as u64;
-        let mut key = vec![0f32; d];
+        // The step and the rounding in f32, as the scorer does them: a
+        // quotient near a half rounds the same way.
+        let step = q.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+        let rounded: Vec<f64> = q
+            .iter()
+            .map(|&v| {
+                if step > 0.0 {
+                    f64::from((v / step).round()) * f64::from(step)
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let sum: f64 = q.iter().map(|&v| f64::from(v)).sum();
         let logits: Vec<Vec<f64>> = pages
             .iter()
             .map(|&p| {
@@ -343,12 +403,10 @@ mod tests {
                 (0..rows)
                     .map(|t| {
                         let n = row_bytes(d);
-                        decode_row(d, &index.sketch(p)[t * n..(t + 1) * n], &mut key);
-                        key.iter()
-                            .zip(q)
-                            .map(|(k, q)| f64::from(*k) * f64::from(*q))
-                            .sum::<f64>()
-                            * f64::from(scale)
+                        let row = &index.sketch(p)[t * n..(t + 1) * n];
+                        let (step_k, zero) = scale_zero(d, row);
+                        let dot: f64 = (0..d).map(|r| f64::from(code(row, r)) * rounded[r]).sum();
+                        (f64::from(zero) * sum + f64::from(step_k) * dot) * f64::from(scale)
                     })
                     .collect()
             })

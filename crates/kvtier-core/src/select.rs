@@ -109,13 +109,27 @@ pub fn select(scores: &[f32], budget: Budget, shard: Option<Shard>) -> Vec<usize
 /// [`select`], with a top-p budget cutting the selection short where the
 /// chosen pages already hold `p` of the score.
 pub fn select_with(scores: &[f32], budget: Budget, shard: Option<Shard>, top_p: Option<TopP>) -> Vec<usize> {
+    select_among(scores, None, budget, shard, top_p)
+}
+
+/// [`select_with`] among the pages of `pool` only (in position order,
+/// every forced page among them), or among all pages: a selection
+/// re-ranking a few candidates of a long lane looks at those alone.
+pub fn select_among(
+    scores: &[f32],
+    pool: Option<&[usize]>,
+    budget: Budget,
+    shard: Option<Shard>,
+    top_p: Option<TopP>,
+) -> Vec<usize> {
     let n = scores.len();
     let owned = |p: usize| shard.is_none_or(|s| s.owns(p, n));
     let local = shard.is_some_and(|s| s.scope == Scope::Local);
     let candidate = |p: usize| !local || owned(p);
-    let mut chosen = top(scores, &candidate, budget);
+    let pool = Pool { pages: pool, n };
+    let mut chosen = top(scores, &pool, &candidate, budget);
     if let Some(top_p) = top_p {
-        chosen = cut(scores, &candidate, budget, top_p, chosen);
+        chosen = cut(scores, &pool, &candidate, budget, top_p, chosen);
     }
     if shard.is_some_and(|s| s.scope == Scope::Global) {
         chosen.retain(|&p| owned(p));
@@ -123,14 +137,33 @@ pub fn select_with(scores: &[f32], budget: Budget, shard: Option<Shard>, top_p: 
     chosen
 }
 
-/// The selection among the pages for which `candidate` holds.
-fn top(scores: &[f32], candidate: &impl Fn(usize) -> bool, budget: Budget) -> Vec<usize> {
+/// The pages a selection may choose from: listed, or all `n`.
+struct Pool<'a> {
+    pages: Option<&'a [usize]>,
+    n: usize,
+}
+
+impl Pool<'_> {
+    fn iter(&self) -> Box<dyn Iterator<Item = usize> + '_> {
+        match self.pages {
+            Some(pages) => Box::new(pages.iter().copied()),
+            None => Box::new(0..self.n),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.pages.map_or(self.n, <[usize]>::len)
+    }
+}
+
+/// The selection among the pages of `pool` for which `candidate` holds.
+fn top(scores: &[f32], pool: &Pool<'_>, candidate: &impl Fn(usize) -> bool, budget: Budget) -> Vec<usize> {
     let n = scores.len();
     let forced = |p: usize| p < budget.sinks || p + budget.window >= n;
     // The budget comes from the request: a client may ask for billions.
     let mut chosen = Vec::with_capacity(budget.pages.min(n));
-    let mut rest: Vec<(f32, u32)> = Vec::with_capacity(n);
-    for p in (0..n).filter(|&p| candidate(p)) {
+    let mut rest: Vec<(f32, u32)> = Vec::with_capacity(pool.len());
+    for p in pool.iter().filter(|&p| candidate(p)) {
         if forced(p) {
             chosen.push(p);
         } else {
@@ -153,6 +186,7 @@ fn top(scores: &[f32], candidate: &impl Fn(usize) -> bool, budget: Budget) -> Ve
 /// share of the candidates' total score reaches `p` (at least `min_pages`).
 fn cut(
     scores: &[f32],
+    pool: &Pool<'_>,
     candidate: &impl Fn(usize) -> bool,
     budget: Budget,
     top_p: TopP,
@@ -160,7 +194,8 @@ fn cut(
 ) -> Vec<usize> {
     let n = scores.len();
     let forced = |p: usize| p < budget.sinks || p + budget.window >= n;
-    let total: f64 = (0..n)
+    let total: f64 = pool
+        .iter()
         .filter(|&p| candidate(p))
         .map(|p| f64::from(scores[p].max(0.0)))
         .sum();

@@ -332,11 +332,13 @@ pub(crate) fn f32s(field: wire::Field, bytes: &[u8]) -> Result<Vec<f32>, Status>
         .collect())
 }
 
-pub(crate) fn aggregation(value: i32) -> Result<Aggregation, Status> {
+/// A request's aggregation; `None` when unspecified (the mode's own).
+pub(crate) fn aggregation(value: i32) -> Result<Option<Aggregation>, Status> {
     match pb::Aggregation::try_from(value) {
-        Ok(pb::Aggregation::Unspecified | pb::Aggregation::Max) => Ok(Aggregation::Max),
-        Ok(pb::Aggregation::Mean) => Ok(Aggregation::Mean),
-        Ok(pb::Aggregation::PerQueryHead) => Ok(Aggregation::PerQueryHead),
+        Ok(pb::Aggregation::Unspecified) => Ok(None),
+        Ok(pb::Aggregation::Max) => Ok(Some(Aggregation::Max)),
+        Ok(pb::Aggregation::Mean) => Ok(Some(Aggregation::Mean)),
+        Ok(pb::Aggregation::PerQueryHead) => Ok(Some(Aggregation::PerQueryHead)),
         Err(_) => Err(invalid(
             wire::AGGREGATION,
             format!("{value} is not one of AGGREGATION_MAX, AGGREGATION_MEAN, AGGREGATION_PER_QUERY_HEAD"),
@@ -378,6 +380,7 @@ pub(crate) fn ranking(r: &pb::SelectPagesRequest) -> Result<Ranking, Status> {
             p: r.top_p,
             min_pages: r.min_pages as usize,
         }),
+        reuse: (r.reuse_similarity != 0.0).then_some(r.reuse_similarity),
     })
 }
 

@@ -42,6 +42,9 @@ pub enum Rank {
     DeviceResident,
     /// The loop policy's last selection per (sequence, layer).
     DeviceLastChosen,
+    /// A lane's last ranking, kept for reuse across decode steps
+    /// (`catalog/sequence.rs`).
+    LaneLastRanking,
     /// The tenants' accounts (`accounts/`).
     Tenants,
     /// Page leases (`lease.rs`).

@@ -185,6 +185,8 @@ impl Corpus {
                             softmax_scale: 0.0,
                             top_p: if mass { 0.9 } else { 0.0 },
                             min_pages: if mass { 2 } else { 0 },
+                            // Reuse across calls with the mass modes.
+                            reuse_similarity: if mass { 0.9 } else { 0.0 },
                             // A decode step's token with the leased selections.
                             append: (lease > 0).then(|| pb::AppendAfterSelection {
                                 num_tokens: 1,

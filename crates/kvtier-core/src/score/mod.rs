@@ -168,8 +168,6 @@ fn scalar(dtype: DType, head_dim: usize, digests: &[u8], queries: &[f32], out: &
 
 #[cfg(target_arch = "x86_64")]
 mod simd;
-#[cfg(target_arch = "x86_64")]
-pub(crate) use simd::horizontal_sum;
 
 #[cfg(test)]
 mod tests {

@@ -276,7 +276,7 @@ unsafe fn block<W: Width, E: Element, const N: usize>(
 /// kernels), which the compiler checks.
 #[inline]
 #[target_feature(enable = "avx")]
-pub(crate) fn horizontal_sum(v: __m256) -> f32 {
+fn horizontal_sum(v: __m256) -> f32 {
     let pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
     _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps::<0b01>(quad, quad)))

@@ -127,7 +127,8 @@ pub(super) async fn release_lease(
 /// The parts of a selection request that need converting.
 struct SelectionInputs {
     queries: Vec<f32>,
-    aggregation: Aggregation,
+    /// `None`: the mode's own.
+    aggregation: Option<Aggregation>,
     shard: Option<Shard>,
     ranking: Ranking,
 }
@@ -252,7 +253,13 @@ impl KvTierService {
         }
         let shape = self.shape(&key)?;
         let scanned = index_scanned(r.kv_head_count, r.budget_pages, &inputs.ranking, &shape);
-        let bound = kvtier_store::data_bound(&shape.0, shape.1, r.budget_pages, r.kv_head_count, inputs.aggregation);
+        let bound = kvtier_store::data_bound(
+            &shape.0,
+            shape.1,
+            r.budget_pages,
+            r.kv_head_count,
+            select_request(&r, &inputs).aggregation(),
+        );
         let window = match &shm {
             Some(w) => Some(self.regions.window(&key.tenant, w, bound)?),
             None if r.include_data => {
@@ -339,6 +346,7 @@ pub(crate) fn select_messages<B>(
         heads: vec![],
         pages_scored: selection.pages_scored,
         digest_bytes: selection.digest_bytes,
+        lanes_reused: selection.lanes_reused,
         pages: vec![],
         swap: Some(convert::swap_to_pb(&selection.swap)),
         prefetch_queued: selection.prefetch_queued,
@@ -400,6 +408,7 @@ mod tests {
             data: vec![],
             pages_scored: u64::from(heads * pages),
             digest_bytes: 1 << 20,
+            lanes_reused: 0,
             swap: SwapReport::default(),
             past_deadline: false,
             prefetch_queued: 0,

@@ -5,7 +5,9 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use kvtier_core::policy::TokenStats;
+use kvtier_core::reuse::LastRanking;
 use kvtier_core::{Lane, Layout, PageState, SequenceKey, wire};
+use kvtier_sync::{Mutex, Rank};
 
 use crate::accounts::Charge;
 use crate::page::{ShareKey, StoreLane};
@@ -34,6 +36,9 @@ pub(crate) struct Sequence {
     pub(crate) persisted: Vec<usize>,
     /// The metadata it is charged for; refunded when it is dropped.
     pub(crate) charge: Charge,
+    /// Per lane, its last full ranking, kept while selections ask to reuse
+    /// it (taken out while a selection ranks the lane, put back after).
+    pub(crate) last_rankings: Vec<Mutex<Option<LastRanking>>>,
 }
 
 /// A page named by a request or a policy, located.
@@ -72,6 +77,9 @@ impl Sequence {
             .map(|_| Lane::new(layout.dtype(), layout.head_dim() as usize, layout.page_size()))
             .collect();
         let persisted = vec![0; lanes.len()];
+        let last_rankings = (0..lanes.len())
+            .map(|_| Mutex::new(Rank::LaneLastRanking, None))
+            .collect();
         Self {
             key,
             layout,
@@ -82,6 +90,7 @@ impl Sequence {
             auto_policy: None,
             persisted,
             charge,
+            last_rankings,
         }
     }
 

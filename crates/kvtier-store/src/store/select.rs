@@ -3,7 +3,8 @@
 //! position order with bound and state, count the gone ones that would have
 //! been chosen, and optionally read the chosen pages.
 
-use kvtier_core::rank::{LaneQuery, MAX_CANDIDATES, Mode, Ranking, rank_lane as rank_pages};
+use kvtier_core::rank::{LaneQuery, MAX_CANDIDATES, Mode, Ranking};
+use kvtier_core::reuse::rank_lane_reusing;
 use kvtier_core::select::{Aggregation, Budget, Shard, select};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -37,8 +38,9 @@ pub struct SelectPages<'a> {
     /// and window included.
     pub budget: Budget,
     /// How a GQA group's query heads score one page: max, mean, or one
-    /// selection per query head.
-    pub aggregation: Aggregation,
+    /// selection per query head; `None`: the mode's own
+    /// ([`Mode::default_aggregation`]).
+    pub aggregation: Option<Aggregation>,
     /// How pages are ranked: mode, candidates, softmax scale, top-p.
     pub ranking: Ranking,
     /// Context-parallel caller; `None` selects over the whole lane.
@@ -58,6 +60,14 @@ pub struct SelectPages<'a> {
     pub lease: Option<Duration>,
 }
 
+impl SelectPages<'_> {
+    /// The aggregation the request asked for, or its mode's own.
+    pub fn aggregation(&self) -> Aggregation {
+        self.aggregation
+            .unwrap_or_else(|| self.ranking.mode.default_aggregation())
+    }
+}
+
 impl<'a> SelectPages<'a> {
     /// A plain selection: no data, swap-in, prefetch or lease.
     pub fn new(layer: u32, heads: HeadRange, queries: &'a [f32], budget: Budget) -> Self {
@@ -66,7 +76,7 @@ impl<'a> SelectPages<'a> {
             heads,
             queries,
             budget,
-            aggregation: Aggregation::Max,
+            aggregation: None,
             ranking: Ranking::default(),
             shard: None,
             with_data: false,
@@ -133,6 +143,9 @@ pub struct Selection<B = Vec<u8>> {
     pub pages_scored: u64,
     /// Index bytes the scoring read: digests, and sketch rows.
     pub digest_bytes: u64,
+    /// Lanes chosen from their last ranking's scores instead of ranked
+    /// ([`Ranking::reuse`]).
+    pub lanes_reused: u32,
     /// What the swap-in did (zeros without one, or past its deadline).
     pub swap: SwapReport,
     /// The swap-in was still running at its deadline: the call was
@@ -157,6 +170,7 @@ impl<B> Selection<B> {
             data: self.data.into_iter().map(f).collect(),
             pages_scored: self.pages_scored,
             digest_bytes: self.digest_bytes,
+            lanes_reused: self.lanes_reused,
             swap: self.swap,
             past_deadline: self.past_deadline,
             prefetch_queued: self.prefetch_queued,
@@ -205,7 +219,7 @@ impl Store {
                     seq.tokens(),
                     req.budget.pages as u32,
                     req.heads.count,
-                    req.aggregation,
+                    req.aggregation(),
                 ),
                 false => 0,
             };
@@ -267,6 +281,7 @@ impl Store {
             data: Vec::new(),
             pages_scored: 0,
             digest_bytes: 0,
+            lanes_reused: 0,
             swap: SwapReport::default(),
             past_deadline: false,
             prefetch_queued: 0,
@@ -289,6 +304,7 @@ impl Store {
         for lane in parallel::map(&indexed, threads, |&(i, lane)| rank_lane(seq, &req, i, lane)) {
             out.pages_scored += lane.pages_scored;
             out.digest_bytes += lane.digest_bytes;
+            out.lanes_reused += u32::from(lane.reused);
             out.heads.extend(lane.heads);
             ranked.chosen.extend(lane.chosen);
             ranked.next.extend(lane.next);
@@ -483,6 +499,8 @@ struct LaneRank {
     next: Vec<((usize, usize), Arc<PhysPage>)>,
     pages_scored: u64,
     digest_bytes: u64,
+    /// Chosen from its last ranking's scores ([`Ranking::reuse`]).
+    reused: bool,
 }
 
 /// Ranks every page of one lane (the `i`-th of the request, KV head `h`)
@@ -491,21 +509,30 @@ fn rank_lane(seq: &Sequence, req: &SelectPages<'_>, i: usize, (h, lane_index): (
     let layout = &seq.layout;
     let (d, group) = (layout.head_dim() as usize, layout.group_size() as usize);
     let lane = &seq.lanes[lane_index];
-    let ranked = rank_pages(&LaneQuery {
+    let query = LaneQuery {
         index: lane.index(),
         tokens: lane.tokens(),
         queries: &req.queries[i * group * d..(i + 1) * group * d],
-        aggregation: req.aggregation,
+        aggregation: req.aggregation(),
         budget: req.budget,
         shard: req.shard,
         ranking: req.ranking,
-    });
+    };
+    // Taken out while ranking: a concurrent selection of the lane ranks in
+    // full rather than wait, and the last to finish leaves its ranking.
+    let slot = &seq.last_rankings[lane_index];
+    let mut last = slot.lock().take();
+    let (ranked, reused) = rank_lane_reusing(&query, &mut last);
+    if last.is_some() {
+        *slot.lock() = last;
+    }
     let mut out = LaneRank {
         heads: Vec::new(),
         chosen: Vec::new(),
         next: Vec::new(),
-        pages_scored: lane.num_pages() as u64,
+        pages_scored: if reused { 0 } else { lane.num_pages() as u64 },
         digest_bytes: ranked.bytes_scanned,
+        reused,
     };
     let physical = |p: usize| match lane.page(p) {
         Some(LogicalPage::Physical(r)) => Some(Arc::clone(&r.page)),
@@ -658,6 +685,14 @@ fn check_ranking(r: &Ranking, b: Budget) -> StoreResult<()> {
         return Err(StoreError::invalid(
             wire::SOFTMAX_SCALE,
             format!("is {scale}, must be finite and positive"),
+        ));
+    }
+    if let Some(similarity) = r.reuse
+        && !(similarity > 0.0 && similarity <= 1.0)
+    {
+        return Err(StoreError::invalid(
+            wire::REUSE_SIMILARITY,
+            format!("is {similarity}, must be in (0, 1] (a cosine similarity; 0: rank every step)"),
         ));
     }
     if let Some(top_p) = r.top_p {

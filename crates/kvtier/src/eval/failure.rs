@@ -19,7 +19,7 @@
 
 use kvtier_core::policy::{Allocator, Scorer};
 use kvtier_core::rank::Ranking;
-use kvtier_core::select::{Aggregation, Budget};
+use kvtier_core::select::Budget;
 use kvtier_store::SelectPages;
 use serde::Serialize;
 
@@ -282,7 +282,7 @@ pub(crate) fn run_selection(
     let selection = store.select_pages(
         &key,
         SelectPages {
-            aggregation: Aggregation::Max,
+            aggregation: None,
             ranking,
             ..SelectPages::new(0, heads, &queries, budget)
         },

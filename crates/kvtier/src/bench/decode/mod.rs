@@ -65,6 +65,11 @@ pub(crate) struct DecodeArgs {
     /// Two-stage: stage one keeps this many times the budget.
     #[arg(long, default_value_t = kvtier_core::rank::DEFAULT_CANDIDATES)]
     candidates: u32,
+    /// Reuse each lane's last ranking while every query head's cosine
+    /// similarity to the query that made it is at least this (0: rank
+    /// every step).
+    #[arg(long, default_value_t = 0.0)]
+    reuse_similarity: f32,
     /// Sequences decoding concurrently.
     #[arg(long, default_value_t = 1)]
     sequences: usize,
@@ -625,6 +630,7 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         mode: kvtier_core::rank::Mode::parse(&a.mode)
             .with_context(|| format!("--mode {}: not one of quest, cuboid, sketch, two-stage", a.mode))?,
         candidates: a.candidates,
+        reuse_similarity: a.reuse_similarity,
         sequences: a.sequences,
         steps: a.steps,
         warmup_steps: a.warmup_steps,

@@ -29,6 +29,8 @@ pub(crate) struct RunConfig {
     #[serde(serialize_with = "mode_name")]
     pub(crate) mode: Mode,
     pub(crate) candidates: u32,
+    /// 0: rank every step.
+    pub(crate) reuse_similarity: f32,
     pub(crate) sequences: usize,
     pub(crate) steps: usize,
     /// Steps per sequence before the measured ones (not timed or counted).
@@ -379,6 +381,7 @@ async fn decode(
                 shm: region.as_ref().map(|r| r.whole()),
                 mode: kvtier_server::mode_to_pb(cfg.mode),
                 candidates: cfg.candidates,
+                reuse_similarity: cfg.reuse_similarity,
                 ..SelectRequest::new(layer, 0..s.kv_heads, data.queries(layer, position), cfg.budget_pages)
             };
             let t = Instant::now();
