@@ -85,6 +85,13 @@ impl Partitioned {
             )
             .into());
         }
+        if req.reuse_similarity != 0.0 {
+            return Err(tonic::Status::invalid_argument(
+                "reuse_similarity: a merge compares every server's scores for this query; a reused ranking's \
+                 are an earlier query's",
+            )
+            .into());
+        }
         let n = self.pages();
         let (k, s, w) = (req.budget_pages, req.sink_pages, req.window_pages);
         let forced = |p: u32| p < s || p + w >= n;

@@ -399,6 +399,13 @@ async fn multi_server_merge_equals_single_server_selection() {
     };
     let err = split.select(&req).await.unwrap_err().to_string();
     assert!(err.contains("mode:"), "{err}");
+    // A reused ranking's scores are an earlier query's: no exact merge.
+    let req = SelectRequest {
+        reuse_similarity: 0.9,
+        ..quest(0, 0..KV_HEADS, queries(&mut rng, KV_HEADS as usize), 4)
+    };
+    let err = split.select(&req).await.unwrap_err().to_string();
+    assert!(err.contains("reuse_similarity:"), "{err}");
 }
 
 /// The estimated-mass modes over gRPC: each query head's masses over the

@@ -5,13 +5,13 @@
 //! that last ranked the lane, the lane's index is not scored again; its
 //! last scores choose anew. The choice is remade, not copied, so sinks,
 //! window, budget, shard and top-p hold as in a full ranking; a page opened
-//! or grown since scores as the best of the last ranking (nothing has
-//! scored what it holds now, and it is the newest). The anchor stays the
+//! or grown since ranks above every page the last ranking scored (nothing
+//! has scored what it holds now, and it is the newest). The anchor stays the
 //! query that ranked: a slow drift re-ranks once it adds up to the
 //! threshold.
 
-use crate::rank::{HeadRank, LaneQuery, LaneRanking, Ranking, rank_lane};
-use crate::select::{Aggregation, Budget, Shard, select_among};
+use crate::rank::{HeadRank, LaneQuery, LaneRanking, Mode, Ranking, rank_lane};
+use crate::select::{Aggregation, Budget, Scope, Shard, select_among};
 
 /// A lane's last full ranking: what it was asked and what it found.
 #[derive(Debug, Clone)]
@@ -20,17 +20,20 @@ pub struct LastRanking {
     queries: Vec<f32>,
     /// What the ranking was for: a reuse must ask the same.
     ask: Ask,
-    /// Pages of the lane then, and how many of them were full (the rest
-    /// may have grown since).
+    /// Pages and tokens of the lane then.
     pages: usize,
-    full: usize,
+    tokens: u64,
     heads: Vec<HeadRank>,
 }
 
+/// What a ranking's scores depend on besides the queries and the lane.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Ask {
     aggregation: Aggregation,
     budget: Budget,
+    /// Only where it changes the scores: two-stage's candidates among a
+    /// rank's own pages. Otherwise every context-parallel rank of a lane
+    /// shares its ranking (each chooses its own share from it).
     shard: Option<Shard>,
     ranking: Ranking,
 }
@@ -40,26 +43,25 @@ impl Ask {
         Self {
             aggregation: q.aggregation,
             budget: q.budget,
-            shard: q.shard,
+            shard: local_candidates(q),
             ranking: q.ranking,
         }
     }
 }
 
-impl LastRanking {
-    /// Bytes it holds (queries and every head's scores).
-    pub fn bytes(&self) -> usize {
-        4 * (self.queries.len() + self.heads.iter().map(|h| h.scores.len()).sum::<usize>())
-    }
+/// The shard, if it narrows two-stage's candidates to the rank's own pages.
+fn local_candidates(q: &LaneQuery<'_>) -> Option<Shard> {
+    q.shard
+        .filter(|s| q.ranking.mode == Mode::TwoStage && s.scope == Scope::Local)
 }
 
 /// Ranks `q`'s lane, reusing `last` where the request allows
 /// ([`Ranking::reuse`]) and the queries have not moved; a full ranking
-/// replaces `last` (a request without reuse clears it). Returns the
-/// ranking and whether it was reused.
+/// with reuse replaces `last`. A request without reuse leaves `last` as it
+/// is (a speculative prefetch, say, between two reusing selections).
+/// Returns the ranking and whether it was reused.
 pub fn rank_lane_reusing(q: &LaneQuery<'_>, last: &mut Option<LastRanking>) -> (LaneRanking, bool) {
     let Some(similarity) = q.ranking.reuse else {
-        *last = None;
         return (rank_lane(q), false);
     };
     if let Some(reused) = last.as_ref().and_then(|l| reuse(l, q, similarity)) {
@@ -70,18 +72,24 @@ pub fn rank_lane_reusing(q: &LaneQuery<'_>, last: &mut Option<LastRanking>) -> (
         queries: q.queries.to_vec(),
         ask: Ask::of(q),
         pages: q.index.digests().pages(),
-        full: (q.tokens / q.index.page_size() as u64) as usize,
+        tokens: q.tokens,
         heads: ranked.heads.clone(),
     });
     (ranked, false)
 }
 
 /// The choice `last`'s scores make for `q`, if `q` asks what `last` was
-/// asked, its lane has not shrunk, and each query head is within
-/// `similarity` of `last`'s.
+/// asked, its lane has not shrunk (nor, for candidates among a rank's own
+/// pages, whose block moves as the lane grows, grown), and each query head
+/// is within `similarity` of `last`'s.
 fn reuse(last: &LastRanking, q: &LaneQuery<'_>, similarity: f32) -> Option<LaneRanking> {
     let pages = q.index.digests().pages();
-    if last.ask != Ask::of(q) || pages < last.pages || last.queries.len() != q.queries.len() {
+    let grown = q.tokens != last.tokens;
+    if last.ask != Ask::of(q)
+        || q.tokens < last.tokens
+        || last.queries.len() != q.queries.len()
+        || (grown && local_candidates(q).is_some())
+    {
         return None;
     }
     let d = q.index.digests().head_dim();
@@ -89,18 +97,23 @@ fn reuse(last: &LastRanking, q: &LaneQuery<'_>, similarity: f32) -> Option<LaneR
         .queries
         .chunks_exact(d)
         .zip(q.queries.chunks_exact(d))
-        .all(|(a, b)| cosine(a, b) >= f64::from(similarity));
+        .all(|(a, b)| similar(a, b, similarity));
     if !close {
         return None;
     }
     let top_p = q.ranking.top_p.filter(|_| q.ranking.mode.estimates_mass());
+    let full = (last.tokens / q.index.page_size() as u64) as usize;
     let heads = last
         .heads
         .iter()
         .map(|head| {
-            let best = head.scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut scores = head.scores[..last.full.min(last.pages)].to_vec();
-            scores.resize(pages, best);
+            let mut scores = head.scores.clone();
+            if grown {
+                // Pages opened or grown since: above every scored page.
+                let best = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                scores.truncate(full.min(last.pages));
+                scores.resize(pages, best.next_up());
+            }
             let chosen = select_among(&scores, None, q.budget, q.shard, top_p);
             HeadRank {
                 query_head: head.query_head,
@@ -113,6 +126,12 @@ fn reuse(last: &LastRanking, q: &LaneQuery<'_>, similarity: f32) -> Option<LaneR
         heads,
         bytes_scanned: 0,
     })
+}
+
+/// Whether `a` and `b` are within cosine similarity `s` (with room for the
+/// rounding of equal vectors, whose computed cosine may fall just short of 1).
+fn similar(a: &[f32], b: &[f32], s: f32) -> bool {
+    cosine(a, b) + 1e-9 >= f64::from(s)
 }
 
 /// `a·b / (|a| |b|)`, in f64; 0 when either is zero.
@@ -148,26 +167,28 @@ mod tests {
     }
 
     /// The model's anchor: the last full ranking's queries, budget, lane
-    /// pages, full pages and scores.
+    /// pages and tokens, and scores.
     struct Anchor {
         queries: Vec<f32>,
         budget: usize,
         pages: usize,
-        full: usize,
+        tokens: usize,
         scores: Vec<f32>,
     }
 
     proptest! {
         /// Against the model: a reuse happens exactly when the request
         /// asks the same with every query head within the threshold of the
-        /// anchor (the query of the last full ranking) on a lane no
-        /// shorter; it chooses what selecting over the anchor's scores
-        /// (new pages at their best) chooses; otherwise the ranking is the
-        /// full one and becomes the anchor.
+        /// anchor (the query of the last full ranking that asked for reuse)
+        /// on a lane no shorter; it chooses what selecting over the
+        /// anchor's scores chooses, pages opened or grown since above them
+        /// all; otherwise the ranking is the full one, and becomes the
+        /// anchor if it asked for reuse (a request without reuse changes
+        /// nothing kept).
         #[test]
         fn reuse_follows_its_model(
             d in prop_oneof![Just(4usize), Just(8usize)],
-            steps in proptest::collection::vec((0usize..3, 0u32..4, -1.0f32..1.0, 0usize..3), 1..12),
+            steps in proptest::collection::vec((0usize..4, 0u32..4, -1.0f32..1.0, 0usize..3, 0u8..5), 1..12),
             mode in prop_oneof![Just(Mode::Quest), Just(Mode::TwoStage)],
             threshold in 0.5f32..1.0,
             values in proptest::collection::vec(-3.0f32..3.0, 800),
@@ -178,38 +199,44 @@ mod tests {
             let mut queries = values[values.len() - group * d..].to_vec();
             let mut last = None;
             let mut anchor: Option<Anchor> = None;
-            for (grow, budget, nudge, which) in steps {
+            for (grow, budget, nudge, which, plain) in steps {
                 tokens = (tokens + grow * 3).min(values.len() / d - 1);
                 let index = lane(d, page_size, &values[..tokens * d]);
                 queries[which % (group * d)] += nudge;
                 let budget = Budget { pages: 2 + budget as usize, sinks: 1, window: 1 };
-                let ranking = Ranking { reuse: Some(threshold), ..Ranking::new(mode) };
+                let reuse = (plain > 0).then_some(threshold);
+                let ranking = Ranking { reuse, ..Ranking::new(mode) };
                 let q = LaneQuery { index: &index, tokens: tokens as u64, queries: &queries, aggregation: mode.default_aggregation(), budget, shard: None, ranking };
                 let (got, reused) = rank_lane_reusing(&q, &mut last);
                 let pages = index.digests().pages();
                 let expect = anchor.as_ref().filter(|a| {
-                    a.budget == budget.pages && a.pages <= pages
-                        && a.queries.chunks_exact(d).zip(queries.chunks_exact(d)).all(|(a, b)| cosine(a, b) >= f64::from(threshold))
+                    reuse.is_some() && a.budget == budget.pages && a.tokens <= tokens
+                        && a.queries.chunks_exact(d).zip(queries.chunks_exact(d)).all(|(a, b)| cosine(a, b) + 1e-9 >= f64::from(threshold))
                 });
                 match expect {
                     Some(a) => {
                         prop_assert!(reused);
-                        let best = a.scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        let mut scores = a.scores[..a.full].to_vec();
-                        scores.resize(pages, best);
+                        let mut scores = a.scores.clone();
+                        if a.tokens != tokens {
+                            let best = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                            scores.truncate((a.tokens / page_size as usize).min(a.pages));
+                            scores.resize(pages, best.next_up());
+                        }
                         prop_assert_eq!(&got.heads[0].chosen, &crate::select::select(&scores, budget, None));
                         prop_assert_eq!(got.bytes_scanned, 0);
                     }
                     None => {
                         prop_assert!(!reused);
                         prop_assert_eq!(&got, &rank_lane(&q));
-                        anchor = Some(Anchor {
-                            queries: queries.clone(),
-                            budget: budget.pages,
-                            pages,
-                            full: tokens / page_size as usize,
-                            scores: got.heads[0].scores.clone(),
-                        });
+                        if reuse.is_some() {
+                            anchor = Some(Anchor {
+                                queries: queries.clone(),
+                                budget: budget.pages,
+                                pages,
+                                tokens,
+                                scores: got.heads[0].scores.clone(),
+                            });
+                        }
                     }
                 }
             }
@@ -217,9 +244,9 @@ mod tests {
     }
 
     #[test]
-    fn without_reuse_nothing_is_kept() {
+    fn a_request_without_reuse_leaves_the_kept_ranking_and_equal_queries_reuse() {
         let index = lane(4, 4, &[1.0; 64]);
-        let queries = [1.0f32; 8];
+        let queries = [0.1f32, 0.7, 0.3, 0.9, 1.0, 1.0, 1.0, 1.0];
         let q = LaneQuery {
             index: &index,
             tokens: 16,
@@ -232,18 +259,18 @@ mod tests {
             },
             shard: None,
             ranking: Ranking {
-                reuse: Some(0.9),
+                reuse: Some(1.0),
                 ..Ranking::new(Mode::Quest)
             },
         };
         let mut last = None;
         assert!(!rank_lane_reusing(&q, &mut last).1);
-        assert!(rank_lane_reusing(&q, &mut last).1, "the same query reuses");
+        assert!(rank_lane_reusing(&q, &mut last).1, "the same queries reuse at 1.0");
         let plain = LaneQuery {
             ranking: Ranking::new(Mode::Quest),
             ..q
         };
         assert!(!rank_lane_reusing(&plain, &mut last).1);
-        assert!(last.is_none(), "a request without reuse clears what was kept");
+        assert!(rank_lane_reusing(&q, &mut last).1, "a request without reuse left it");
     }
 }

@@ -361,11 +361,17 @@ impl Store {
     /// up to `prefetch_pages`; returns how many were queued.
     pub fn prefetch_query(self: &Arc<Self>, key: &SequenceKey, req: SelectPages<'_>) -> StoreResult<u32> {
         self.catalog.read(key, |seq| {
+            // Speculative: it neither answers from a lane's kept ranking
+            // nor replaces it.
             let plain = SelectPages {
                 swap_in: false,
                 with_data: false,
                 lease: None,
                 deadline: None,
+                ranking: Ranking {
+                    reuse: None,
+                    ..req.ranking
+                },
                 ..req
             };
             let selection = self.select_locked(seq, plain, &mut PageBuf::new(&mut []))?;
