@@ -362,14 +362,14 @@ fn gcd(a: usize, b: usize) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::DType;
     use crate::sketch::{code, row_bytes, scale_zero};
     use proptest::prelude::*;
 
     /// A lane of `tokens` keys (f16) in pages of `page_size`.
-    fn lane(d: usize, page_size: u32, keys: &[f32]) -> (PageIndex, u64) {
+    pub(crate) fn lane(d: usize, page_size: u32, keys: &[f32]) -> (PageIndex, u64) {
         let dtype = DType::F16;
         let bytes = dtype.encode(keys);
         let mut index = PageIndex::new(dtype, d, page_size);

@@ -20,8 +20,7 @@ pub struct LastRanking {
     queries: Vec<f32>,
     /// What the ranking was for: a reuse must ask the same.
     ask: Ask,
-    /// Pages and tokens of the lane then.
-    pages: usize,
+    /// Tokens of the lane then.
     tokens: u64,
     heads: Vec<HeadRank>,
 }
@@ -71,7 +70,6 @@ pub fn rank_lane_reusing(q: &LaneQuery<'_>, last: &mut Option<LastRanking>) -> (
     *last = Some(LastRanking {
         queries: q.queries.to_vec(),
         ask: Ask::of(q),
-        pages: q.index.digests().pages(),
         tokens: q.tokens,
         heads: ranked.heads.clone(),
     });
@@ -111,7 +109,7 @@ fn reuse(last: &LastRanking, q: &LaneQuery<'_>, similarity: f32) -> Option<LaneR
             if grown {
                 // Pages opened or grown since: above every scored page.
                 let best = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                scores.truncate(full.min(last.pages));
+                scores.truncate(full);
                 scores.resize(pages, best.next_up());
             }
             let chosen = select_among(&scores, None, q.budget, q.shard, top_p);
@@ -153,17 +151,10 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rank::Mode;
-    use crate::{DType, PageIndex};
     use proptest::prelude::*;
 
-    fn lane(d: usize, page_size: u32, keys: &[f32]) -> PageIndex {
-        let bytes = DType::F16.encode(keys);
-        let mut index = PageIndex::new(DType::F16, d, page_size);
-        for page in bytes.chunks(page_size as usize * d * 2) {
-            index.open_page(page);
-        }
-        index
+    fn lane(d: usize, page_size: u32, keys: &[f32]) -> crate::PageIndex {
+        crate::rank::tests::lane(d, page_size, keys).0
     }
 
     /// The model's anchor: the last full ranking's queries, budget, lane

@@ -103,18 +103,14 @@ fn rank(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
 /// With a shard, `Global` selects over every page and keeps the caller's,
 /// `Local` selects among the caller's pages only.
 pub fn select(scores: &[f32], budget: Budget, shard: Option<Shard>) -> Vec<usize> {
-    select_with(scores, budget, shard, None)
+    select_among(scores, None, budget, shard, None)
 }
 
-/// [`select`], with a top-p budget cutting the selection short where the
-/// chosen pages already hold `p` of the score.
-pub fn select_with(scores: &[f32], budget: Budget, shard: Option<Shard>, top_p: Option<TopP>) -> Vec<usize> {
-    select_among(scores, None, budget, shard, top_p)
-}
-
-/// [`select_with`] among the pages of `pool` only (in position order,
-/// every forced page among them), or among all pages: a selection
-/// re-ranking a few candidates of a long lane looks at those alone.
+/// [`select`] among the pages of `pool` only (in position order, every
+/// forced page among them), or among all pages (a selection re-ranking a
+/// few candidates of a long lane looks at those alone), with a top-p
+/// budget cutting the selection short where the chosen pages already hold
+/// `p` of the score.
 pub fn select_among(
     scores: &[f32],
     pool: Option<&[usize]>,
@@ -144,11 +140,12 @@ struct Pool<'a> {
 }
 
 impl Pool<'_> {
-    fn iter(&self) -> Box<dyn Iterator<Item = usize> + '_> {
-        match self.pages {
-            Some(pages) => Box::new(pages.iter().copied()),
-            None => Box::new(0..self.n),
-        }
+    fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        let (listed, all) = match self.pages {
+            Some(pages) => (Some(pages.iter().copied()), None),
+            None => (None, Some(0..self.n)),
+        };
+        listed.into_iter().flatten().chain(all.into_iter().flatten())
     }
 
     fn len(&self) -> usize {
@@ -322,7 +319,7 @@ mod tests {
         ) {
             let b = budget_for(k, s, w);
             let full = select(&scores, b, None);
-            let cut = select_with(&scores, b, None, Some(TopP { p, min_pages }));
+            let cut = select_among(&scores, None, b, None, Some(TopP { p, min_pages }));
             let n = scores.len();
             let forced = |q: usize| q < b.sinks || q + b.window >= n;
             prop_assert!(cut.iter().all(|q| full.contains(q)));

@@ -83,11 +83,6 @@ impl SketchQueries {
         }
     }
 
-    /// Query heads in the group.
-    pub fn group(&self) -> usize {
-        self.group
-    }
-
     /// `out[t · g + j]` = the estimate of `queries[j] · key_t` for every
     /// sketch row `t` of `rows` and query head `j`.
     pub fn logits(&self, rows: &[u8], out: &mut [f32]) {

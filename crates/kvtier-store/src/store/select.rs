@@ -524,10 +524,14 @@ fn rank_lane(seq: &Sequence, req: &SelectPages<'_>, i: usize, (h, lane_index): (
         shard: req.shard,
         ranking: req.ranking,
     };
-    // Taken out while ranking: a concurrent selection of the lane ranks in
+    // Only a selection that asks for reuse touches the kept ranking. It is
+    // taken out while ranking: a concurrent selection of the lane ranks in
     // full rather than wait, and the last to finish leaves its ranking.
+    let mut last = None;
     let slot = &seq.last_rankings[lane_index];
-    let mut last = slot.lock().take();
+    if req.ranking.reuse.is_some() {
+        last = slot.lock().take();
+    }
     let (ranked, reused) = rank_lane_reusing(&query, &mut last);
     if last.is_some() {
         *slot.lock() = last;
