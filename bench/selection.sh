@@ -6,7 +6,9 @@
 # (1 page each) and without; the default mode reusing rankings across steps
 # at several similarity thresholds; then each mode's rank time in the decode
 # bench at llama3-8b 32K (host holds all, device 25 %), every mode in the
-# same run. Writes bench/results/selection.md and bench/results/selection/*.json.
+# same run; then quest and two-stage with the host at 25 % (the rest on
+# NVMe), their rank time and the index's host memory against the host-only
+# runs'. Writes bench/results/selection.md and bench/results/selection/*.json.
 # Usage: bench/selection.sh [path/to/kvtier] [decode steps, default 32]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,5 +46,10 @@ for mode in quest cuboid sketch two-stage; do
   decode --mode "$mode" > "$out/decode-$mode.json"
 done
 decode --mode two-stage --reuse-similarity 0.9 > "$out/decode-two-stage-reuse.json"
+# The same context with the host holding a quarter: most pages NVMe-only,
+# their sketches spilled (read back only for two-stage's candidates).
+for mode in quest two-stage; do
+  decode --mode "$mode" --host-fraction 0.25 > "$out/decode-nvme-$mode.json"
+done
 python3 bench/selection_table.py "$out" "$steps" > bench/results/selection.md
 echo "wrote bench/results/selection.md"

@@ -34,7 +34,8 @@ print()
 print(f"- command: `bench/selection.sh` (eval rows: `kvtier eval data/realkv/DATA --layers 4,13,29 --last 128 "
       f"--budget-tokens B --sinks F --window F --mode all --json`; reuse rows: the same with `--sinks 1 --window 1 "
       f"--mode two-stage,quest --reuse-similarity S`; decode rows: `kvtier bench decode --preset llama3-8b "
-      f"--context 32768 --steps {steps} --device-fraction 0.25 --mode M [--reuse-similarity S] --json`)")
+      f"--context 32768 --steps {steps} --device-fraction 0.25 --mode M [--reuse-similarity S] [--host-fraction 0.25] "
+      f"--json`)")
 cpu = sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'")
 mem = sh("free -g | awk '/Mem:/{print $2}'")
 print(f"- machine: {os.cpu_count()} cores, {cpu}, {mem} GiB; {platform.release()}; no GPU (emulated device)")
@@ -117,3 +118,35 @@ quest_rank = rank_row("quest", "decode-quest.json", None)
 for m in MODES[1:]:
     rank_row(m, f"decode-{m}.json", quest_rank)
 rank_row("two-stage, reuse 0.9", "decode-two-stage-reuse.json", quest_rank)
+
+print()
+print("## The index's host memory with NVMe: llama3-8b, 32K context, device 25 %")
+print()
+print("Host 100 %: the rows above (every page host-resident, every sketch in memory). Host 25 %: three quarters of")
+print("the pages NVMe-only, their sketches spilled per 64-page chunk and read back (whole pages, CRC-checked, not")
+print("promoted) only for two-stage's candidates; Quest ranks on the digests, which stay. Sketch MB: the index's")
+print("sketch rows in host memory as the server reported them when the measured steps began and ended (1 MB =")
+print("10^6 B). rank ÷ quest: against Quest at the same host size.")
+print()
+print("| mode | host | index pages | spilled before | sketch MB before | spilled after | sketch MB after | "
+      "rank ms/step | rank ÷ quest | read ms/step | step p50 ms | step p99 ms |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def memory_row(mode, host, name, quest_rank):
+    d = load(name)
+    classes = d["classes"].values()
+    n = max(sum(c["count"] for c in classes), 1)
+    rank = sum(c["breakdown"]["rank_us"] * c["count"] for c in classes) / n
+    read = sum(c["breakdown"]["read_us"] * c["count"] for c in classes) / n
+    b, a = d["index_before"], d["index_after"]
+    ratio = "–" if quest_rank is None else f"{rank / quest_rank:.2f}"
+    print(f"| {mode} | {host} | {a['pages']} | {b['spilled_pages']} | {b['sketch_bytes'] / 1e6:.1f} | "
+          f"{a['spilled_pages']} | {a['sketch_bytes'] / 1e6:.1f} | {rank / 1000:.1f} | {ratio} | {read / 1000:.1f} | "
+          f"{d['step_p50_us'] / 1000:.1f} | {d['step_p99_us'] / 1000:.1f} |")
+    return rank
+
+
+for host, prefix in (("100 %", "decode-"), ("25 %", "decode-nvme-")):
+    q = memory_row("quest", host, f"{prefix}quest.json", None)
+    memory_row("two-stage", host, f"{prefix}two-stage.json", q)

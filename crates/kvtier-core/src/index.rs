@@ -5,20 +5,22 @@
 //! it rather than kept: it would cost as much memory as the digest.)
 //!
 //! A page's *entry* — what a shared page carries and what the manifest
-//! records — is its digest followed by the sketch rows of its tokens.
+//! records — is its digest followed by the sketch rows of its tokens, or
+//! its digest alone while its sketches are spilled (the store keeps the
+//! sketches of NVMe-cold pages on NVMe, as the page's key rows).
 
-use crate::chunked::ChunkedEntries;
 use crate::sketch::{self, cuboid_entry};
-use crate::{DIGEST_CHUNK_PAGES, DType, DigestColumn};
+use crate::sketch_column::SketchColumn;
+use crate::{DType, DigestColumn};
 
 /// The resident index of one lane: a digest per page and `page_size` key
 /// sketch rows per page, both in page order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageIndex {
     digests: DigestColumn,
-    /// `page_size` sketch rows per page; rows past a partial last page's
-    /// end are zero.
-    sketches: ChunkedEntries,
+    /// `page_size` sketch rows per page, resident or spilled; rows past a
+    /// partial last page's end are zero.
+    sketches: SketchColumn,
     page_size: usize,
 }
 
@@ -29,7 +31,7 @@ impl PageIndex {
         let page_size = page_size as usize;
         Self {
             digests: DigestColumn::new(dtype, head_dim),
-            sketches: ChunkedEntries::new(page_size * sketch::row_bytes(head_dim), DIGEST_CHUNK_PAGES),
+            sketches: SketchColumn::new(page_size * sketch::row_bytes(head_dim)),
             page_size,
         }
     }
@@ -39,22 +41,49 @@ impl PageIndex {
         &self.digests
     }
 
-    /// The cuboids of pages `0..pages` (each of its first `rows(page)`
-    /// sketched rows) as digest entries `[c − ρ][c + ρ]`, in page order.
-    pub fn cuboids(&self, pages: usize, rows: impl Fn(usize) -> usize) -> Vec<u8> {
+    /// The cuboid of each page's sketch rows (`rows` holds each page's
+    /// sketched rows, in page order) as digest entries `[c − ρ][c + ρ]`.
+    pub fn cuboids<'a>(&self, rows: impl Iterator<Item = &'a [u8]>) -> Vec<u8> {
         let (dtype, d) = (self.digests.dtype(), self.digests.head_dim());
-        let n = self.sketch_row_bytes();
         let entry = self.digests.entry_bytes();
-        let mut out = vec![0u8; pages * entry];
-        for (p, out) in out.chunks_exact_mut(entry).enumerate() {
-            cuboid_entry(dtype, d, &self.sketch(p)[..rows(p) * n], out);
+        let mut out = Vec::new();
+        for rows in rows {
+            let at = out.len();
+            out.resize(at + entry, 0);
+            cuboid_entry(dtype, d, rows, &mut out[at..]);
         }
         out
     }
 
-    /// Page `page`'s `page_size` sketch rows.
-    pub fn sketch(&self, page: usize) -> &[u8] {
+    /// Page `page`'s `page_size` sketch rows, or `None` while spilled.
+    pub fn sketch(&self, page: usize) -> Option<&[u8]> {
         self.sketches.get(page)
+    }
+
+    /// Pages whose sketches are spilled.
+    pub fn spilled_pages(&self) -> usize {
+        self.sketches.spilled_pages()
+    }
+
+    /// Bytes of sketch rows held in memory.
+    pub fn resident_sketch_bytes(&self) -> usize {
+        self.sketches.resident_bytes()
+    }
+
+    /// Leaves page `page`'s sketches to be derived from its key rows
+    /// again; returns whether they were resident.
+    pub fn spill_sketch(&mut self, page: usize) -> bool {
+        self.sketches.spill(page)
+    }
+
+    /// Makes page `page`'s sketches resident again from its first key
+    /// rows `keys`; returns whether they were spilled.
+    pub fn restore_sketch(&mut self, page: usize, keys: &[u8]) -> bool {
+        if self.sketches.get(page).is_some() {
+            return false;
+        }
+        let (dtype, d) = (self.digests.dtype(), self.digests.head_dim());
+        self.sketches.restore(page, &sketch::encode(dtype, d, keys))
     }
 
     /// Bytes of one token's sketch row.
@@ -105,27 +134,50 @@ impl PageIndex {
         sketch::encode_into(dtype, d, keys, &mut slots[from * n..(from + rows) * n]);
     }
 
-    /// Page `page`'s entry for its first `rows` rows.
+    /// Page `page`'s entry for its first `rows` rows: its digest and their
+    /// sketch rows, or its digest alone while they are spilled.
     pub fn entry(&self, page: usize, rows: u32) -> Vec<u8> {
         let mut entry = self.digests.entry(page).to_vec();
-        entry.extend_from_slice(&self.sketch(page)[..rows as usize * self.sketch_row_bytes()]);
+        if let Some(sketch) = self.sketch(page) {
+            entry.extend_from_slice(&sketch[..rows as usize * self.sketch_row_bytes()]);
+        }
         entry
     }
 
-    /// Indexes a new page from its entry ([`Self::entry_len`] bytes for its
-    /// rows); returns the rows.
-    pub fn push_entry(&mut self, entry: &[u8]) -> u32 {
+    /// Indexes a new page of `rows` rows from its entry ([`Self::entry_len`]
+    /// bytes for its rows, or the digest alone: its sketches spilled).
+    pub fn push_entry(&mut self, entry: &[u8], rows: u32) {
         let digest = self.digests.entry_bytes();
         let n = self.sketch_row_bytes();
+        let rows = rows as usize;
         assert!(
-            entry.len() > digest && (entry.len() - digest).is_multiple_of(n),
-            "index entry of a digest and whole sketch rows"
+            (1..=self.page_size).contains(&rows),
+            "index entry of 1..=page_size rows"
         );
-        let rows = (entry.len() - digest) / n;
-        assert!(rows <= self.page_size, "index entry of at most page_size rows");
+        assert!(
+            entry.len() == digest || entry.len() == digest + rows * n,
+            "index entry of a digest and no or every row's sketch"
+        );
         self.digests.push_entry(&entry[..digest]);
-        self.sketches.push_zeroed()[..rows * n].copy_from_slice(&entry[digest..]);
-        rows as u32
+        if entry.len() == digest {
+            self.sketches.push_spilled();
+        } else {
+            self.sketches.push_zeroed()[..rows * n].copy_from_slice(&entry[digest..]);
+        }
+    }
+
+    /// Rows of an entry that holds its sketches; `None` for a digest alone
+    /// or a length that is neither.
+    pub fn entry_rows(&self, entry: &[u8]) -> Option<u32> {
+        let digest = self.digests.entry_bytes();
+        let n = self.sketch_row_bytes();
+        let sketched = entry
+            .len()
+            .checked_sub(digest)
+            .filter(|s| *s > 0 && s.is_multiple_of(n))?;
+        u32::try_from(sketched / n)
+            .ok()
+            .filter(|r| *r as usize <= self.page_size)
     }
 }
 
@@ -160,7 +212,20 @@ mod tests {
                     at += s;
                 }
                 let mut shared = PageIndex::new(dtype, d, page_size);
-                prop_assert_eq!(shared.push_entry(&PageIndex::entry_of(dtype, d, &all)), rows as u32);
+                let entry = PageIndex::entry_of(dtype, d, &all);
+                prop_assert_eq!(shared.entry_rows(&entry), Some(rows as u32));
+                shared.push_entry(&entry, rows as u32);
+                // Spilled (a digest alone, as a manifest may hold it) and
+                // restored from the keys: the same index again.
+                let mut spilled = PageIndex::new(dtype, d, page_size);
+                spilled.push_entry(&entry[..2 * d * dtype.size()], rows as u32);
+                prop_assert_eq!(spilled.sketch(0), None);
+                prop_assert_eq!(spilled.entry(0, rows as u32), entry[..2 * d * dtype.size()].to_vec());
+                prop_assert!(spilled.restore_sketch(0, &all));
+                prop_assert_eq!(&spilled, &whole);
+                prop_assert!(spilled.spill_sketch(0));
+                prop_assert!(spilled.restore_sketch(0, &all));
+                prop_assert_eq!(&spilled, &whole);
                 prop_assert_eq!(&whole, &pieces);
                 prop_assert_eq!(&whole, &shared);
                 prop_assert_eq!(whole.entry(0, rows as u32), PageIndex::entry_of(dtype, d, &all));

@@ -115,16 +115,33 @@ impl<P, S> Lane<P, S> {
         self.tokens += rows as u64;
     }
 
-    /// Opens a new page whose index entry ([`PageIndex::entry`]) is
-    /// already known (a shared page, a page recovered from a manifest); the
-    /// entry says how many rows it holds.
-    pub fn push_known(&mut self, page: LogicalPage<P, S>, entry: &[u8]) {
-        let digest = self.index.digests().entry_bytes();
-        let rows = entry.len().saturating_sub(digest) / self.index.sketch_row_bytes();
-        self.check_push(rows);
-        self.index.push_entry(entry);
+    /// Opens a new page of `rows` rows whose index entry
+    /// ([`PageIndex::entry`]) is already known (a shared page, a page
+    /// recovered from a manifest).
+    pub fn push_known(&mut self, page: LogicalPage<P, S>, entry: &[u8], rows: u32) {
+        self.check_push(rows as usize);
+        self.index.push_entry(entry, rows);
         self.pages.push(page);
-        self.tokens += rows as u64;
+        self.tokens += u64::from(rows);
+    }
+
+    /// Leaves page `page`'s sketches to be derived from its key rows
+    /// again (the store does so for pages whose bytes are on NVMe only);
+    /// returns whether they were resident.
+    pub fn spill_sketch(&mut self, page: usize) -> bool {
+        self.index.spill_sketch(page)
+    }
+
+    /// Makes page `page`'s sketches resident again from its key rows
+    /// `keys` (`[rows_in(page)][head_dim]`); returns whether they were
+    /// spilled.
+    pub fn restore_sketch(&mut self, page: usize, keys: &[u8]) -> bool {
+        assert_eq!(
+            keys.len(),
+            self.rows_in(page) as usize * self.key_row_bytes(),
+            "a page's key rows"
+        );
+        self.index.restore_sketch(page, keys)
     }
 
     /// Page `page`'s index entry, for its rows.

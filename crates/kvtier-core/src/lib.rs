@@ -25,6 +25,7 @@ pub mod reuse;
 pub mod score;
 pub mod select;
 pub mod sketch;
+pub mod sketch_column;
 pub mod sketch_score;
 pub mod state;
 pub mod summary;

@@ -15,6 +15,11 @@
 //! request's [`Aggregation`] says (for masses: max or mean of each head's
 //! mass, or one selection per query head). Mass scores also allow a top-p
 //! budget.
+//!
+//! A page's sketches may be spilled from the index (the store does so for
+//! NVMe-cold pages): the modes that read them ask the query's
+//! [`ColdSketches`] for those pages alone — two-stage for its candidates —
+//! and rank exactly as if they had been resident.
 
 use std::ops::Range;
 
@@ -133,11 +138,23 @@ impl Default for Ranking {
     }
 }
 
+/// Where the sketch rows of pages spilled from a lane's index are read
+/// again (the store: from the pages' key rows, on NVMe or wherever they
+/// are). The ranking itself does no I/O; it asks once per stage.
+pub trait ColdSketches: std::fmt::Debug + Sync {
+    /// The sketch rows of each of `pages` (of the lane being ranked, in
+    /// the order given; each page's valid rows), or `None` for a page whose
+    /// keys cannot be had (lost): it is ranked as if its keys were zero.
+    fn sketches(&self, pages: &[usize]) -> Vec<Option<Vec<u8>>>;
+}
+
 /// One lane's ranking problem.
 #[derive(Debug, Clone, Copy)]
 pub struct LaneQuery<'a> {
-    /// The lane's resident index (digests and sketches).
+    /// The lane's resident index (digests, and the sketches not spilled).
     pub index: &'a PageIndex,
+    /// Where the spilled sketches are read; `None` when none are.
+    pub cold: Option<&'a dyn ColdSketches>,
     /// Tokens in the lane (the last page may be partial).
     pub tokens: u64,
     /// `[group][head_dim]`: the KV head's query heads.
@@ -188,7 +205,9 @@ pub fn rank_lane(q: &LaneQuery<'_>) -> LaneRanking {
         Mode::Quest | Mode::TwoStage => (score_all(index.digests(), q.queries), index.digests().byte_len() as u64),
         Mode::Cuboid => {
             // Each page's cuboid from its sketches, scored like a digest.
-            let cuboids = index.cuboids(n, |p| rows_in(q, p));
+            let all: Vec<usize> = (0..n).collect();
+            let sketches = Sketches::of(q, &all);
+            let cuboids = index.cuboids(all.iter().enumerate().map(|(i, &p)| sketches.rows(i, p)));
             let mut scores = vec![0f32; n * group];
             score_column(index.digests().dtype(), d, &cuboids, q.queries, &mut scores);
             (scores, (q.tokens as usize * index.sketch_row_bytes()) as u64)
@@ -304,12 +323,13 @@ fn page_masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>
     let scale = q.ranking.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
     // Each page's sketch rows scored where they lie, the queries prepared once.
     let prepared = SketchQueries::new(d, queries);
+    let sketches = Sketches::of(q, pages);
     let rows: Vec<usize> = pages.iter().map(|&p| rows_in(q, p)).collect();
     let total: usize = rows.iter().sum();
     let mut logits = vec![0f32; total * heads];
     let mut at = 0;
-    for (&p, &r) in pages.iter().zip(&rows) {
-        prepared.logits(&index.sketch(p)[..r * row], &mut logits[at * heads..(at + r) * heads]);
+    for (i, (&p, &r)) in pages.iter().zip(&rows).enumerate() {
+        prepared.logits(sketches.rows(i, p), &mut logits[at * heads..(at + r) * heads]);
         at += r;
     }
     // `[token][head]` runs of `width` values (whole vectors, whole tokens):
@@ -355,6 +375,62 @@ fn page_masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>
         page.iter_mut().zip(&norms).for_each(|(m, n)| *m *= n);
     }
     (masses, (total * row) as u64)
+}
+
+/// The sketch rows of a list of pages: the index's, and for those spilled
+/// from it what [`ColdSketches`] read, fetched in one call.
+struct Sketches<'a> {
+    q: LaneQuery<'a>,
+    /// Per spilled page (by its place in the list) its rows; zeroed rows
+    /// where they could not be read.
+    cold: Vec<(usize, Vec<u8>)>,
+}
+
+impl<'a> Sketches<'a> {
+    fn of(q: &LaneQuery<'a>, pages: &[usize]) -> Self {
+        let index = q.index;
+        let mut cold = Vec::new();
+        if index.spilled_pages() > 0 {
+            let (at, spilled): (Vec<usize>, Vec<usize>) = pages
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| index.sketch(**p).is_none())
+                .map(|(i, &p)| (i, p))
+                .unzip();
+            if !spilled.is_empty() {
+                let read = match q.cold {
+                    Some(source) => source.sketches(&spilled),
+                    None => vec![None; spilled.len()],
+                };
+                assert_eq!(read.len(), spilled.len(), "one answer per spilled page");
+                let row = index.sketch_row_bytes();
+                cold = at
+                    .into_iter()
+                    .zip(&spilled)
+                    .zip(read)
+                    .map(|((i, &p), rows)| {
+                        let want = rows_in(q, p) * row;
+                        (i, rows.filter(|r| r.len() == want).unwrap_or_else(|| vec![0; want]))
+                    })
+                    .collect();
+            }
+        }
+        Self { q: *q, cold }
+    }
+
+    /// The valid rows of page `p`, the `i`-th of the list.
+    fn rows(&self, i: usize, p: usize) -> &[u8] {
+        match self.q.index.sketch(p) {
+            Some(all) => &all[..rows_in(&self.q, p) * self.q.index.sketch_row_bytes()],
+            None => {
+                let at = self
+                    .cold
+                    .binary_search_by_key(&i, |(j, _)| *j)
+                    .expect("fetched with the list");
+                &self.cold[at].1
+            }
+        }
+    }
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -408,7 +484,7 @@ pub(crate) mod tests {
                 (0..rows)
                     .map(|t| {
                         let n = row_bytes(d);
-                        let row = &index.sketch(p)[t * n..(t + 1) * n];
+                        let row = &index.sketch(p).expect("resident")[t * n..(t + 1) * n];
                         let (step_k, zero) = scale_zero(d, row);
                         let dot: f64 = (0..d).map(|r| f64::from(code(row, r)) * rounded[r]).sum();
                         (f64::from(zero) * sum + f64::from(step_k) * dot) * f64::from(scale)
@@ -422,6 +498,80 @@ pub(crate) mod tests {
             .iter()
             .map(|page| page.iter().map(|l| (l - top).exp()).sum::<f64>() / total)
             .collect()
+    }
+
+    /// Sketches read again from the lane's keys, recording which pages
+    /// were asked for.
+    #[derive(Debug)]
+    struct FromKeys {
+        keys: Vec<u8>,
+        d: usize,
+        page_size: usize,
+        asked: std::sync::Mutex<Vec<usize>>,
+    }
+
+    impl ColdSketches for FromKeys {
+        fn sketches(&self, pages: &[usize]) -> Vec<Option<Vec<u8>>> {
+            self.asked.lock().unwrap().extend_from_slice(pages);
+            let row = self.d * 2;
+            pages
+                .iter()
+                .map(|&p| {
+                    let start = (p * self.page_size * row).min(self.keys.len());
+                    let end = ((p + 1) * self.page_size * row).min(self.keys.len());
+                    Some(crate::sketch::encode(DType::F16, self.d, &self.keys[start..end]))
+                })
+                .collect()
+        }
+    }
+
+    proptest! {
+        /// With some pages' sketches spilled and read back through
+        /// `ColdSketches`, every mode ranks exactly as with all resident;
+        /// quest asks for none, two-stage only for its spilled candidates.
+        #[test]
+        fn spilled_sketches_rank_as_resident_ones(
+            d in prop_oneof![Just(8usize), Just(16usize)],
+            page_size in 1u32..6,
+            tokens in 1usize..80,
+            group in 1usize..3,
+            budget in 1usize..6,
+            spill in proptest::collection::vec(any::<bool>(), 80),
+            values in proptest::collection::vec(-3.0f32..3.0, 1400),
+        ) {
+            let (index, tokens) = lane(d, page_size, &values[..tokens * d]);
+            let mut spilled = index.clone();
+            let n = index.digests().pages();
+            for p in (0..n).filter(|&p| spill[p]) {
+                spilled.spill_sketch(p);
+            }
+            let cold = FromKeys {
+                keys: DType::F16.encode(&values[..tokens as usize * d]),
+                d,
+                page_size: page_size as usize,
+                asked: std::sync::Mutex::new(Vec::new()),
+            };
+            let queries = &values[values.len() - group * d..];
+            let budget = Budget { pages: budget, sinks: 1, window: 1 };
+            for mode in Mode::ALL {
+                for aggregation in [Aggregation::Max, Aggregation::Mean, Aggregation::PerQueryHead] {
+                    let query = LaneQuery { index: &index, cold: None, tokens, queries, aggregation, budget, shard: None, ranking: Ranking::new(mode) };
+                    let want = rank_lane(&query);
+                    cold.asked.lock().unwrap().clear();
+                    let got = rank_lane(&LaneQuery { index: &spilled, cold: Some(&cold), ..query });
+                    prop_assert_eq!(&got, &want, "{} {:?}", mode, aggregation);
+                    let asked = std::mem::take(&mut *cold.asked.lock().unwrap());
+                    prop_assert!(asked.iter().all(|&p| spill[p]), "{}: asked for a resident page", mode);
+                    if mode == Mode::Quest {
+                        prop_assert!(asked.is_empty());
+                    }
+                    if mode == Mode::TwoStage {
+                        let re_ranked: Vec<usize> = want.heads.iter().flat_map(|h| (0..n).filter(|&p| h.scores[p] != -1.0)).collect();
+                        prop_assert!(asked.iter().all(|p| re_ranked.contains(p)), "two-stage read a page it did not re-rank");
+                    }
+                }
+            }
+        }
     }
 
     proptest! {
@@ -447,7 +597,7 @@ pub(crate) mod tests {
             let scale = 1.0 / (d as f32).sqrt();
             for mode in [Mode::Sketch, Mode::TwoStage] {
                 let ranking = Ranking { candidates, ..Ranking::new(mode) };
-                let query = LaneQuery { index: &index, tokens, queries, aggregation, budget, shard: None, ranking };
+                let query = LaneQuery { index: &index, cold: None, tokens, queries, aggregation, budget, shard: None, ranking };
                 let got = rank_lane(&query);
                 let selectors: Vec<std::ops::Range<usize>> = match aggregation {
                     Aggregation::PerQueryHead => (0..group).map(|g| g..g + 1).collect(),
@@ -504,11 +654,11 @@ pub(crate) mod tests {
             for p in 0..index.digests().pages() {
                 let rows = (tokens as usize - 4 * p).min(4);
                 let mut entry = vec![0u8; index.digests().entry_bytes()];
-                crate::sketch::cuboid_entry(DType::F16, d, &index.sketch(p)[..rows * row_bytes(d)], &mut entry);
+                crate::sketch::cuboid_entry(DType::F16, d, &index.sketch(p).expect("resident")[..rows * row_bytes(d)], &mut entry);
                 cuboids.push_entry(&entry);
             }
             for (mode, column) in [(Mode::Quest, index.digests()), (Mode::Cuboid, &cuboids)] {
-                let query = LaneQuery { index: &index, tokens, queries, aggregation: Aggregation::Max, budget, shard: None, ranking: Ranking::new(mode) };
+                let query = LaneQuery { index: &index, cold: None, tokens, queries, aggregation: Aggregation::Max, budget, shard: None, ranking: Ranking::new(mode) };
                 let got = rank_lane(&query);
                 let bounds = combine(&score_all(column, queries), 2, 0..2, Aggregation::Max);
                 prop_assert_eq!(&got.heads[0].scores, &bounds);
@@ -548,6 +698,7 @@ pub(crate) mod tests {
         let chosen = |mode| {
             let query = LaneQuery {
                 index: &index,
+                cold: None,
                 tokens,
                 queries: &q,
                 aggregation: Aggregation::Max,

@@ -197,7 +197,7 @@ mod tests {
                 let budget = Budget { pages: 2 + budget as usize, sinks: 1, window: 1 };
                 let reuse = (plain > 0).then_some(threshold);
                 let ranking = Ranking { reuse, ..Ranking::new(mode) };
-                let q = LaneQuery { index: &index, tokens: tokens as u64, queries: &queries, aggregation: mode.default_aggregation(), budget, shard: None, ranking };
+                let q = LaneQuery { index: &index, cold: None, tokens: tokens as u64, queries: &queries, aggregation: mode.default_aggregation(), budget, shard: None, ranking };
                 let (got, reused) = rank_lane_reusing(&q, &mut last);
                 let pages = index.digests().pages();
                 let expect = anchor.as_ref().filter(|a| {
@@ -240,6 +240,7 @@ mod tests {
         let queries = [0.1f32, 0.7, 0.3, 0.9, 1.0, 1.0, 1.0, 1.0];
         let q = LaneQuery {
             index: &index,
+            cold: None,
             tokens: 16,
             queries: &queries,
             aggregation: Aggregation::Max,

@@ -285,6 +285,11 @@ pub(crate) fn stats_to_pb(s: &StatsSnapshot, (shm_regions, shm_region_bytes): (u
             stream: s.device_hits.stream,
             misses: s.device_hits.misses,
         }),
+        index: Some(pb::IndexMemory {
+            pages: s.index.pages,
+            spilled_pages: s.index.spilled_pages,
+            sketch_bytes: s.index.sketch_bytes,
+        }),
         leases: s.leases,
         metadata_bytes: s.metadata_bytes,
         metadata_limit_bytes: s.metadata_limit_bytes.unwrap_or(0),

@@ -245,6 +245,24 @@ pub(crate) fn render(s: &StatsSnapshot) -> String {
         &moved,
     );
     family("kvtier_leases", "gauge", "Active leases.", &[(String::new(), s.leases)]);
+    family(
+        "kvtier_index_sketch_bytes",
+        "gauge",
+        "Bytes of the page index's sketch rows held in host memory (those of NVMe-only pages are spilled).",
+        &[(String::new(), s.index.sketch_bytes)],
+    );
+    family(
+        "kvtier_index_pages",
+        "gauge",
+        "Pages of the page index, all of them and those whose sketches are spilled to NVMe.",
+        &[
+            (
+                "{sketches=\"resident\"}".to_owned(),
+                s.index.pages - s.index.spilled_pages,
+            ),
+            ("{sketches=\"spilled\"}".to_owned(), s.index.spilled_pages),
+        ],
+    );
     out
 }
 

@@ -48,7 +48,7 @@ pub use policy::PolicyOutcome;
 pub use reader::PageContent;
 pub use simulate::{DeviceSimulation, HostSimulation};
 pub use stats::{
-    DeviceHits, Latency, PrefetchCounts, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats,
+    DeviceHits, IndexMemory, Latency, PrefetchCounts, SequenceInfo, StateCounts, StatsSnapshot, TierBytes, TierStats,
     TransitionCount,
 };
 pub use store::{

@@ -212,6 +212,17 @@ impl TierStats {
     }
 }
 
+/// Where the page index's sketches are: the whole store's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IndexMemory {
+    /// Pages of every lane.
+    pub pages: u64,
+    /// Pages whose sketches are spilled.
+    pub spilled_pages: u64,
+    /// Bytes of sketch rows held in memory.
+    pub sketch_bytes: u64,
+}
+
 /// The statistics `GetStats` reports: the whole server's, or one tenant's
 /// (its sequences, pages and usage only: tiers and counters are left empty).
 /// Counters count since the store was opened.
@@ -260,6 +271,8 @@ pub struct StatsSnapshot {
     pub device_hits: DeviceHits,
     /// Leases held now: selections' pages pinned until released or expired.
     pub leases: u64,
+    /// Where the page index's sketches are: in memory, or spilled to NVMe.
+    pub index: IndexMemory,
     /// NVMe copies that failed their CRC32C check or their read.
     pub integrity_failures: u64,
     /// Pages the host cache migrated to NVMe to make room.

@@ -265,7 +265,9 @@ impl Catalog {
             for (lane, (id, page)) in found.into_iter().enumerate() {
                 page.attached_again();
                 let entry = page.index_entry.clone().unwrap_or_default();
-                seq.lanes[lane].push_known(LogicalPage::Physical(PageRef { id, page }), &entry);
+                // Shared pages are full pages.
+                let rows = seq.layout.page_size();
+                seq.lanes[lane].push_known(LogicalPage::Physical(PageRef { id, page }), &entry, rows);
             }
             attached = p as u64 + 1;
         }

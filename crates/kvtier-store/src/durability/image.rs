@@ -255,9 +255,12 @@ impl Replay {
     fn resolve_page(&self, layout: &Layout, entry: Option<&Entry>, inner: bool) -> (PageImage, bool) {
         let page_size = layout.page_size();
         let entry_len = |rows: u32| PageIndex::entry_len(layout.dtype(), layout.head_dim() as usize, rows);
-        // A recorded index entry for exactly `rows` rows, or zeros.
+        // A recorded index entry for exactly `rows` rows (or its digest
+        // alone: sketches spilled, derived again from the page's keys), or
+        // zeros.
+        let digest_only = 2 * layout.head_dim() as usize * layout.dtype().size();
         let digest = |d: &Vec<u8>, rows: u32| {
-            if d.len() == entry_len(rows) {
+            if d.len() == entry_len(rows) || d.len() == digest_only {
                 d.clone()
             } else {
                 vec![0; entry_len(rows)]
@@ -288,7 +291,9 @@ impl Replay {
                 (None, Some(copy)) => {
                     let prefix = inner && copy.rows < page_size;
                     let rows = if prefix { copy.rows.max(1) } else { rows(copy.rows) };
-                    let recorded = if copy.digest.len() == entry_len(rows) {
+                    // The fuller of the two records: a snapshot taken while the
+                    // sketches were spilled holds the digest alone.
+                    let recorded = if copy.digest.len() == entry_len(rows) || entry.digest.len() != entry_len(rows) {
                         &copy.digest
                     } else {
                         &entry.digest

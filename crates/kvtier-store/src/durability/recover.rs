@@ -64,9 +64,9 @@ impl Durable {
             for (lane, pages) in rec.lanes.into_iter().enumerate() {
                 logical += pages.len() as u64;
                 for (p, page) in pages.into_iter().enumerate() {
-                    let entry = page.digest.clone();
+                    let (entry, rows) = (page.digest.clone(), page.rows);
                     let logical = self.recover_page(&mut r, &seq, (lane, p), page);
-                    seq.lanes[lane].push_known(logical, &entry);
+                    seq.lanes[lane].push_known(logical, &entry, rows);
                 }
             }
             let pages = cost::pages(&seq.layout, logical, 0, false) + r.extra;

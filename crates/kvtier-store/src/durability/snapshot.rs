@@ -99,7 +99,12 @@ impl Durable {
                                 len: copy.slot.len(),
                                 crc: copy.crc,
                                 rows: copy.rows,
-                                digest: l.index().entry(p, copy.rows),
+                                // A shared page keeps its whole entry even
+                                // while the lane's sketches are spilled.
+                                digest: match &r.page.index_entry {
+                                    Some(entry) if copy.rows == seq.layout.page_size() => entry.to_vec(),
+                                    _ => l.index().entry(p, copy.rows),
+                                },
                             });
                         }
                         map_record(seq, lane, p, r.page.id)

@@ -2,6 +2,7 @@
 //! or NVMe in one CRC-checked batch), promotion of NVMe-only pages back to
 //! host memory, and a host copy on demand for the writes that need one.
 
+mod sketches;
 #[cfg(test)]
 mod tests;
 
@@ -19,6 +20,8 @@ use crate::page_buf::PageBuf;
 use crate::prefetch;
 use crate::stats::Counters;
 use crate::{StoreError, StoreResult};
+
+pub(crate) use sketches::LaneSketches;
 
 /// A view over the tiers for reading; built by the store on demand.
 #[derive(Debug, Clone, Copy)]

@@ -21,6 +21,7 @@
 //! | SetPageState | `store/transition.rs` |
 //! | ApplyPolicy, ReportAttention | `store/policy.rs` |
 //! | SetAccessTrace, and each operation's trace record | `store/trace.rs` |
+//! | where sketches live (memory, or NVMe as key rows) | `store/sketches.rs` |
 //!
 //! # Lock order
 //!
@@ -46,6 +47,7 @@ mod moves;
 mod policy;
 mod select;
 mod sequences;
+mod sketches;
 mod trace;
 mod transition;
 mod write;
@@ -164,6 +166,8 @@ pub struct Store {
     counters: Arc<Counters>,
     /// Page accesses, recorded when asked (off by default).
     trace: AccessTrace,
+    /// Background ticks so far, to sweep sketches every so many.
+    sketch_sweep_ticks: std::sync::atomic::AtomicU32,
 }
 
 /// A locked manifest, its path and what it says to recover.
@@ -273,6 +277,7 @@ impl Store {
             catalog: Catalog::default(),
             durable,
             leases: Leases::default(),
+            sketch_sweep_ticks: std::sync::atomic::AtomicU32::new(0),
             accounts: Accounts::new(config.limits.clone()),
             counters,
             config,
@@ -314,6 +319,7 @@ impl Store {
         let started = std::time::Instant::now();
         self.host.rebalance(&self.durable);
         self.trace.round(started.elapsed());
+        self.sweep_sketches_if_due();
         self.durable.flush_if_idle();
     }
 
@@ -382,6 +388,7 @@ impl Store {
         };
         snapshot.counters(&self.counters);
         snapshot.leases = self.leases.active() as u64;
+        snapshot.index = self.index_memory();
         snapshot
     }
 

@@ -19,7 +19,7 @@ use crate::catalog::{HeadRange, Sequence};
 use crate::cost;
 use crate::durability::{created_records, gone_record, summary_record};
 use crate::host::MigrationTime;
-use crate::page::{PhysPage, SummaryPage};
+use crate::page::{PhysPage, StoreLane, SummaryPage};
 use crate::reader::Reader;
 use crate::{StoreError, StoreResult};
 
@@ -160,14 +160,14 @@ impl Store {
                             counts: s.counts.clone(),
                             kv,
                             reason: s.reason,
-                            index_entry: lane.index_entry(p),
+                            index_entry: exported_entry(&seq.layout, lane, p),
                         };
                         (content, false)
                     }
                     LogicalPage::Gone(reason) => (
                         MovedContent::Gone {
                             reason: *reason,
-                            index_entry: lane.index_entry(p),
+                            index_entry: exported_entry(&seq.layout, lane, p),
                         },
                         false,
                     ),
@@ -189,7 +189,7 @@ impl Store {
                     // moves as the gone page it now is.
                     None => MovedContent::Gone {
                         reason: page.place.read().lost().unwrap_or(Reason::Integrity),
-                        index_entry: lane.index_entry(first_page as usize + i),
+                        index_entry: exported_entry(&seq.layout, lane, first_page as usize + i),
                     },
                 };
             }
@@ -372,7 +372,7 @@ impl Store {
             seq.charge.grow(charge)?;
             let p = page as usize;
             let Some((counts, kv)) = summary else {
-                seq.lanes[lane].push_known(LogicalPage::Gone(reason), &index_entry);
+                seq.lanes[lane].push_known(LogicalPage::Gone(reason), &index_entry, rows);
                 self.durable.journal(|| vec![gone_record(seq, lane, p, reason)]);
                 return Ok(());
             };
@@ -389,7 +389,7 @@ impl Store {
                 slot,
                 reason,
             };
-            seq.lanes[lane].push_known(LogicalPage::Summary(page), &index_entry);
+            seq.lanes[lane].push_known(LogicalPage::Summary(page), &index_entry, rows);
             self.durable
                 .journal(|| vec![summary_record(seq, lane, p, reason, &counts, kv)]);
             Ok(())
@@ -429,6 +429,18 @@ fn check_rows(layout: &Layout, rows: u32, at: usize) -> StoreResult<()> {
         ));
     }
     Ok(())
+}
+
+/// Page `p`'s whole index entry, as a move carries it: one whose sketches
+/// cannot be derived again (its keys lost while they were spilled) carries
+/// zero rows, which rank as zero keys there as here.
+fn exported_entry(layout: &Layout, lane: &StoreLane, p: usize) -> Vec<u8> {
+    let mut entry = lane.index_entry(p);
+    entry.resize(
+        PageIndex::entry_len(layout.dtype(), layout.head_dim() as usize, lane.rows_in(p)),
+        0,
+    );
+    entry
 }
 
 fn check_entry(layout: &Layout, rows: u32, entry: &[u8], at: usize) -> StoreResult<()> {

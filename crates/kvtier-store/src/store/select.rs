@@ -3,7 +3,7 @@
 //! position order with bound and state, count the gone ones that would have
 //! been chosen, and optionally read the chosen pages.
 
-use kvtier_core::rank::{LaneQuery, MAX_CANDIDATES, Mode, Ranking};
+use kvtier_core::rank::{ColdSketches, LaneQuery, MAX_CANDIDATES, Mode, Ranking};
 use kvtier_core::reuse::rank_lane_reusing;
 use kvtier_core::select::{Aggregation, Budget, Shard, select};
 use std::collections::BTreeMap;
@@ -20,6 +20,7 @@ use crate::catalog::{HeadRange, Sequence};
 use crate::device::SwapReport;
 use crate::page::{PhysPage, Pins, StoreLane, state_of};
 use crate::page_buf::PageBuf;
+use crate::reader::{LaneSketches, Reader};
 use crate::stats::{Counters, PrefetchKind};
 use crate::{StoreError, StoreResult};
 
@@ -301,7 +302,8 @@ impl Store {
             .sum();
         let threads = parallel::threads_for(lanes.len(), scan, parallel::cores());
         let indexed: Vec<(usize, (u32, usize))> = lanes.iter().copied().enumerate().collect();
-        for lane in parallel::map(&indexed, threads, |&(i, lane)| rank_lane(seq, &req, i, lane)) {
+        let reader = self.reader();
+        for lane in parallel::map(&indexed, threads, |&(i, lane)| rank_lane(seq, &req, reader, i, lane)) {
             out.pages_scored += lane.pages_scored;
             out.digest_bytes += lane.digest_bytes;
             out.lanes_reused += u32::from(lane.reused);
@@ -511,12 +513,22 @@ struct LaneRank {
 
 /// Ranks every page of one lane (the `i`-th of the request, KV head `h`)
 /// as the request's mode says, and chooses.
-fn rank_lane(seq: &Sequence, req: &SelectPages<'_>, i: usize, (h, lane_index): (u32, usize)) -> LaneRank {
+fn rank_lane(
+    seq: &Sequence,
+    req: &SelectPages<'_>,
+    reader: Reader<'_>,
+    i: usize,
+    (h, lane_index): (u32, usize),
+) -> LaneRank {
     let layout = &seq.layout;
     let (d, group) = (layout.head_dim() as usize, layout.group_size() as usize);
     let lane = &seq.lanes[lane_index];
+    // Sketches spilled from the index (NVMe-cold pages') are read again
+    // only for the pages the mode scores by them.
+    let cold = LaneSketches { reader, layout, lane };
     let query = LaneQuery {
         index: lane.index(),
+        cold: (lane.index().spilled_pages() > 0).then_some(&cold as &dyn ColdSketches),
         tokens: lane.tokens(),
         queries: &req.queries[i * group * d..(i + 1) * group * d],
         aggregation: req.aggregation(),

@@ -298,7 +298,7 @@ impl Store {
         let originals = self.reader().originals(&layout, &pages)?;
         let mut summaries = Vec::with_capacity(targets.len());
         let owner = Arc::clone(seq.charge.account());
-        for original in originals {
+        for (t, original) in targets.iter().zip(originals) {
             let Some(original) = original else {
                 return Err(StoreError::precondition(
                     wire::PAGES,
@@ -306,6 +306,8 @@ impl Store {
                 ));
             };
             let (keys, values) = original.split_at(original.len() / 2);
+            // A page that goes keeps its index: spilled sketches come back.
+            seq.lanes[t.lane].restore_sketch(t.page, keys);
             let summary = Summary::chunk_means(layout.dtype(), layout.head_dim() as usize, keys, values, rows);
             let len = summary.kv.len() as u64;
             let mut slot = self
@@ -335,6 +337,7 @@ impl Store {
 
     /// hot | cold | summary → gone.
     fn evict(&self, seq: &mut Sequence, targets: &[Target], reason: Reason) {
+        self.restore_sketches(seq, targets);
         let old: Vec<_> = targets
             .iter()
             .map(|t| seq.lanes[t.lane].replace(t.page, LogicalPage::Gone(reason)))

@@ -529,7 +529,10 @@ impl Store {
             }
             let phys = r.page.id;
             match r.page.index_entry.clone() {
-                Some(entry) => seq.lanes[lane].push_known(LogicalPage::Physical(r), &entry),
+                Some(entry) => {
+                    let rows = seq.layout.page_size();
+                    seq.lanes[lane].push_known(LogicalPage::Physical(r), &entry, rows)
+                }
                 None => seq.lanes[lane].push_page(LogicalPage::Physical(r), keys),
             }
             out.mapped.push((lane, seq.lanes[lane].num_pages() - 1, phys));

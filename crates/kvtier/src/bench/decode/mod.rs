@@ -236,6 +236,25 @@ impl PrefetchOutcomes {
     }
 }
 
+/// The page index's sketches: all of them, and those in host memory.
+#[derive(Debug, Serialize)]
+struct IndexMemory {
+    pages: u64,
+    spilled_pages: u64,
+    sketch_bytes: u64,
+}
+
+impl IndexMemory {
+    fn of(stats: &pb::Stats) -> Self {
+        let i = stats.index.unwrap_or_default();
+        Self {
+            pages: i.pages,
+            spilled_pages: i.spilled_pages,
+            sketch_bytes: i.sketch_bytes,
+        }
+    }
+}
+
 /// The chosen pages the device held over the measured steps, by the
 /// device policy's region, as the server counted them.
 #[derive(Debug, Serialize)]
@@ -273,6 +292,10 @@ struct Report {
     bytes_moved: BytesMoved,
     prefetch: Prefetch,
     device_regions: DeviceRegions,
+    /// Where the page index's sketches were when the measured steps began
+    /// and when they ended (the server's view).
+    index_before: IndexMemory,
+    index_after: IndexMemory,
     read_fraction: f64,
     /// Pages selections asked to make hot that were not on the device, over
     /// all steps: what `kvtier tune` predicts.
@@ -370,6 +393,8 @@ fn report(cfg: RunConfig, m: &Measured) -> Report {
             layer_ahead: PrefetchOutcomes::between(b.layer_ahead.as_ref(), a.layer_ahead.as_ref()),
         },
         device_regions: DeviceRegions::between(b.device_hits.as_ref(), a.device_hits.as_ref()),
+        index_before: IndexMemory::of(b),
+        index_after: IndexMemory::of(a),
         read_fraction: m.read_fraction,
         device_miss_ratio: m.steps.iter().map(|s| s.missed).sum::<u64>() as f64
             / m.steps.iter().map(|s| s.chosen).sum::<u64>().max(1) as f64,
@@ -446,7 +471,7 @@ fn print_table(r: &Report) {
     }
     let m = &r.bytes_moved;
     println!(
-        "{:.1} steps/s; device miss ratio {:.4}; moved host→device {:.1} MB, nvme→device {:.1} MB, host→nvme {:.1} MB; served {:.1} MB; read fraction {:.3}; prefetch issued {} used {}; layer-ahead issued {} used {} late {}; device hits resident {} stream {}",
+        "{:.1} steps/s; device miss ratio {:.4}; moved host→device {:.1} MB, nvme→device {:.1} MB, host→nvme {:.1} MB; served {:.1} MB; read fraction {:.3}; prefetch issued {} used {}; layer-ahead issued {} used {} late {}; device hits resident {} stream {}; index sketches {:.1} MB in memory, {} of {} pages spilled",
         r.steps_per_s,
         r.device_miss_ratio,
         m.host_to_device as f64 / 1e6,
@@ -460,7 +485,10 @@ fn print_table(r: &Report) {
         r.prefetch.layer_ahead.used,
         r.prefetch.layer_ahead.late,
         r.device_regions.resident,
-        r.device_regions.stream
+        r.device_regions.stream,
+        r.index_after.sketch_bytes as f64 / 1e6,
+        r.index_after.spilled_pages,
+        r.index_after.pages
     );
 }
 

@@ -1,0 +1,194 @@
+//! Where a lane's key sketches live (docs/CONCEPTS.md §3.1): in memory
+//! while any page of their chunk is, and on NVMe — as the pages' own key
+//! rows, from which a sketch is derived again bit for bit — once every
+//! page of the chunk is NVMe-only. A background sweep spills and restores
+//! chunks; a ranking reads the spilled sketches it needs
+//! (`reader/sketches.rs`).
+
+use std::sync::atomic::Ordering;
+
+use kvtier_core::LogicalPage;
+use kvtier_core::sketch_column::SKETCH_CHUNK_PAGES;
+
+use super::Store;
+use crate::catalog::{Sequence, Target};
+use crate::page::StoreLane;
+use crate::reader::LaneSketches;
+use crate::stats::IndexMemory;
+
+/// Background ticks between two sweeps: the sweep visits every page's
+/// placement, so it runs about once a second, not every tick.
+const SWEEP_EVERY_TICKS: u32 = 50;
+
+/// What one chunk of a lane needs.
+enum ChunkWork {
+    /// Every page is full and NVMe-only: its sketches can leave memory
+    /// (the chunk's pages when it was decided: more may come since).
+    Spill(std::ops::Range<usize>),
+    /// Spilled, but half its pages or more are in memory again: their
+    /// sketches come back (from the pages' key rows), as do the rest's.
+    Restore(Vec<(usize, Vec<u8>)>),
+}
+
+impl Store {
+    /// Sketch memory now, summed over every sequence.
+    pub fn index_memory(&self) -> IndexMemory {
+        let mut out = IndexMemory::default();
+        for cell in self.catalog.cells() {
+            let seq = cell.read();
+            for lane in &seq.lanes {
+                let index = lane.index();
+                out.pages += index.digests().pages() as u64;
+                out.spilled_pages += index.spilled_pages() as u64;
+                out.sketch_bytes += index.resident_sketch_bytes() as u64;
+            }
+        }
+        out
+    }
+
+    /// Spills and restores sketches where placements changed, every
+    /// [`SWEEP_EVERY_TICKS`] background ticks.
+    pub(super) fn sweep_sketches_if_due(&self) {
+        if self
+            .sketch_sweep_ticks
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(SWEEP_EVERY_TICKS)
+        {
+            self.sweep_sketches();
+        }
+    }
+
+    /// One sweep over every sequence not busy now; returns the pages
+    /// spilled and restored. Without an NVMe tier nothing is NVMe-only.
+    pub fn sweep_sketches(&self) -> (u64, u64) {
+        let mut moved = (0, 0);
+        if self.durable.nvme().is_none() {
+            return moved;
+        }
+        for cell in self.catalog.cells() {
+            if cell.would_wait() {
+                continue;
+            }
+            let lanes = cell.read().lanes.len();
+            // One lane at a time: decided, and restored keys read, under the
+            // read lock (behind waiting writers, so an append never waits
+            // out a whole sequence's scan); applied under the write lock.
+            for l in 0..lanes {
+                let work = {
+                    let seq = cell.read_behind_writers();
+                    if seq.dropped {
+                        break;
+                    }
+                    self.chunk_work(&seq, &seq.lanes[l])
+                };
+                if work.is_empty() {
+                    continue;
+                }
+                let mut seq = cell.write();
+                if seq.dropped {
+                    break;
+                }
+                let lane = &mut seq.lanes[l];
+                for w in work {
+                    match w {
+                        ChunkWork::Spill(pages) => {
+                            for p in pages {
+                                // Safe whatever moved meanwhile, as long as
+                                // the page keeps its original bytes.
+                                if matches!(lane.page(p), Some(LogicalPage::Physical(_))) {
+                                    moved.0 += u64::from(lane.spill_sketch(p));
+                                }
+                            }
+                        }
+                        ChunkWork::Restore(keys) => {
+                            for (p, keys) in keys {
+                                moved.1 += u64::from(lane.restore_sketch(p, &keys));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if moved != (0, 0) {
+            tracing::debug!(spilled = moved.0, restored = moved.1, "sketches swept");
+        }
+        moved
+    }
+
+    /// Makes the spilled sketches of `targets` resident again, read from
+    /// their pages' keys, before the pages go: a page that goes keeps its
+    /// index. One whose keys are lost keeps none (ranked as zero keys).
+    pub(super) fn restore_sketches(&self, seq: &mut Sequence, targets: &[Target]) {
+        let mut keys = Vec::new();
+        for (l, lane) in seq.lanes.iter().enumerate() {
+            let spilled: Vec<usize> = targets
+                .iter()
+                .filter(|t| t.lane == l && lane.index().sketch(t.page).is_none())
+                .map(|t| t.page)
+                .collect();
+            if spilled.is_empty() {
+                continue;
+            }
+            let cold = LaneSketches {
+                reader: self.reader(),
+                layout: &seq.layout,
+                lane,
+            };
+            for (p, k) in spilled.iter().zip(cold.keys(&spilled)) {
+                keys.extend(k.map(|k| (l, *p, k)));
+            }
+        }
+        for (l, p, k) in keys {
+            seq.lanes[l].restore_sketch(p, &k);
+        }
+    }
+
+    /// Per chunk of `lane`, what it needs now.
+    fn chunk_work(&self, seq: &Sequence, lane: &StoreLane) -> Vec<ChunkWork> {
+        let index = lane.index();
+        let chunks = lane.num_pages().div_ceil(SKETCH_CHUNK_PAGES);
+        let mut out = Vec::new();
+        for chunk in 0..chunks {
+            let pages = chunk_pages(lane, chunk);
+            let spilled = pages.clone().filter(|&p| index.sketch(p).is_none()).count();
+            let (mut nvme_only, mut in_memory) = (0, 0);
+            for p in pages.clone() {
+                // A partial page still grows, and its sketch with it.
+                let full = lane.rows_in(p) == seq.layout.page_size();
+                if let Some(LogicalPage::Physical(r)) = lane.page(p).filter(|_| full) {
+                    let place = r.page.place.read();
+                    if place.lost().is_some() {
+                        continue;
+                    }
+                    if place.host().is_some() || place.device().is_some() {
+                        in_memory += 1;
+                    } else if place.nvme().is_some() {
+                        nvme_only += 1;
+                    }
+                }
+            }
+            if spilled < pages.len() && nvme_only == pages.len() {
+                out.push(ChunkWork::Spill(pages));
+            } else if spilled > 0 && 2 * in_memory >= pages.len() {
+                let wanted: Vec<usize> = pages.filter(|&p| index.sketch(p).is_none()).collect();
+                let cold = LaneSketches {
+                    reader: self.reader(),
+                    layout: &seq.layout,
+                    lane,
+                };
+                let keys = wanted
+                    .iter()
+                    .zip(cold.keys(&wanted))
+                    .filter_map(|(&p, k)| Some((p, k?)))
+                    .collect();
+                out.push(ChunkWork::Restore(keys));
+            }
+        }
+        out
+    }
+}
+
+/// The pages of chunk `chunk` of `lane`.
+fn chunk_pages(lane: &StoreLane, chunk: usize) -> std::ops::Range<usize> {
+    chunk * SKETCH_CHUNK_PAGES..((chunk + 1) * SKETCH_CHUNK_PAGES).min(lane.num_pages())
+}

@@ -1,0 +1,221 @@
+//! Sketches of NVMe-cold pages leave memory (docs/CONCEPTS.md §3.1): the
+//! sweep spills whole chunks of NVMe-only pages, and every ranking, every
+//! page that goes, every checkpoint, restart and move sees the index as
+//! if they had stayed. A twin sequence with the same keys, kept in memory,
+//! is the model: both must always rank alike.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use kvtier_core::rank::{Mode, Ranking};
+use kvtier_core::select::{Aggregation, Budget};
+use kvtier_core::sketch_column::SKETCH_CHUNK_PAGES;
+use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, Reason, SequenceKey};
+use kvtier_store::{
+    EngineChoice, HeadRange, IndexMemory, NvmeConfig, PageSelection, PutPages, SelectPages, SetPageState, Store,
+    StoreConfig,
+};
+
+const PAGE: usize = 4;
+const DIM: usize = 16;
+const HEADS: u32 = 2;
+/// Three full chunks and a partial one per lane, its last page partial.
+const PAGES: usize = 3 * SKETCH_CHUNK_PAGES + 9;
+const TOKENS: usize = PAGES * PAGE - 1;
+
+fn layout() -> Layout {
+    Layout::new(LayoutSpec {
+        num_layers: 1,
+        num_kv_heads: HEADS,
+        num_query_heads: 2 * HEADS,
+        head_dim: DIM as u32,
+        dtype: DType::F16,
+        page_size: PAGE as u32,
+        layer_groups: vec![],
+    })
+    .unwrap()
+}
+
+fn open(dir: &Path) -> Arc<Store> {
+    Store::new(StoreConfig {
+        device_bytes: 1 << 20,
+        host_bytes: 64 << 20,
+        nvme: Some(NvmeConfig {
+            path: dir.join("nvme.data"),
+            capacity: 64 << 20,
+            engine: EngineChoice::Auto,
+            queue_depth: 8,
+            direct: true,
+        }),
+        ..StoreConfig::default()
+    })
+    .unwrap()
+}
+
+fn key(s: &str) -> SequenceKey {
+    SequenceKey::parse("t", s).unwrap()
+}
+
+fn heads() -> HeadRange {
+    HeadRange { start: 0, count: HEADS }
+}
+
+/// Keys with a few heavy tokens, so that the sketch modes choose
+/// differently from Quest; values a function of the position.
+fn kv() -> Vec<u8> {
+    let mut values = Vec::new();
+    for h in 0..HEADS as usize {
+        for part in 0..2 {
+            for t in 0..TOKENS {
+                for i in 0..DIM {
+                    let x = ((t * 31 + i * 7 + h * 13 + part) % 17) as f32 / 4.0 - 2.0;
+                    let heavy = if part == 0 && t % 37 == 5 { 3.0 } else { 1.0 };
+                    values.push(x * heavy);
+                }
+            }
+        }
+    }
+    DType::F16.encode(&values)
+}
+
+fn create(store: &Store, seq: &str) {
+    store.create_sequence(key(seq), layout(), vec![]).unwrap();
+    let req = PutPages {
+        layer: 0,
+        heads: heads(),
+        first_page: 0,
+        num_tokens: TOKENS as u32,
+        kv: &kv(),
+        persist: true,
+    };
+    store.put_pages(&key(seq), req).unwrap();
+}
+
+fn set_state(store: &Store, seq: &str, pages: PageSelection<'_>, action: Action) {
+    let req = SetPageState {
+        layer_start: 0,
+        layer_count: 1,
+        heads: heads(),
+        pages,
+        action,
+        summary_rows: 1,
+        reason: Reason::Explicit,
+    };
+    store.set_page_state(&key(seq), req).unwrap();
+}
+
+/// Every mode's choice and scores, for two queries and each aggregation.
+fn rankings(store: &Arc<Store>, seq: &str) -> Vec<(Vec<u32>, Vec<f32>)> {
+    let mut out = Vec::new();
+    for salt in 0..2 {
+        let queries: Vec<f32> = (0..2 * HEADS as usize * DIM)
+            .map(|i| ((i * 5 + salt * 3) % 9) as f32 - 4.0)
+            .collect();
+        for mode in Mode::ALL {
+            for aggregation in [Aggregation::Max, Aggregation::Mean, Aggregation::PerQueryHead] {
+                let budget = Budget {
+                    pages: 24,
+                    sinks: 1,
+                    window: 2,
+                };
+                let req = SelectPages {
+                    ranking: Ranking::new(mode),
+                    aggregation: Some(aggregation),
+                    ..SelectPages::new(0, heads(), &queries, budget)
+                };
+                let selection = store.select_pages(&key(seq), req).unwrap();
+                out.extend(selection.heads.into_iter().map(|h| {
+                    (
+                        h.pages.iter().map(|p| p.page).collect(),
+                        h.pages.iter().map(|p| p.bound).collect(),
+                    )
+                }));
+            }
+        }
+    }
+    out
+}
+
+fn offload(store: &Store, seq: &str) {
+    set_state(
+        store,
+        seq,
+        PageSelection::Range {
+            first: 0,
+            count: PAGES as u32,
+        },
+        Action::Offload(ColdTier::Nvme),
+    );
+}
+
+#[test]
+fn spilled_sketches_rank_go_restart_and_come_back_as_resident_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    create(&store, "spilled");
+    create(&store, "model");
+    let resident = store.index_memory();
+    assert_eq!(resident.spilled_pages, 0);
+    assert_eq!(rankings(&store, "spilled"), rankings(&store, "model"));
+
+    // Only "spilled" goes to NVMe: its chunks leave memory, the model's stay.
+    offload(&store, "spilled");
+    // (The background sweeps too, about once a second: what is checked is
+    // the state a sweep leaves, not which sweep did it.) The chunk holding
+    // the partial last page stays: that page still grows.
+    store.sweep_sketches();
+    let after = store.index_memory();
+    assert_eq!(after.spilled_pages, 2 * 3 * SKETCH_CHUNK_PAGES as u64);
+    let chunk_bytes = (SKETCH_CHUNK_PAGES * PAGE * kvtier_core::sketch::row_bytes(DIM)) as u64;
+    assert!(
+        after.sketch_bytes + 2 * 3 * chunk_bytes <= resident.sketch_bytes,
+        "six chunks' memory given back: {after:?} against {resident:?}"
+    );
+    assert_eq!(store.sweep_sketches(), (0, 0), "a second sweep finds nothing new");
+    assert_eq!(rankings(&store, "spilled"), rankings(&store, "model"));
+
+    // Pages that go keep their index: evicted and summarised ones too.
+    for seq in ["spilled", "model"] {
+        set_state(&store, seq, PageSelection::Range { first: 70, count: 3 }, Action::Evict);
+        set_state(
+            &store,
+            seq,
+            PageSelection::Range { first: 150, count: 2 },
+            Action::Summarize,
+        );
+    }
+    assert_eq!(rankings(&store, "spilled"), rankings(&store, "model"));
+    let want = rankings(&store, "model");
+
+    // A checkpoint taken while spilled, then restarts: every page comes
+    // back NVMe-cold, the model's too.
+    store.checkpoint();
+    drop(store);
+    for _ in 0..2 {
+        let store = open(dir.path());
+        assert_eq!(rankings(&store, "spilled"), want);
+        assert_eq!(rankings(&store, "model"), want);
+        store.sweep_sketches();
+        assert_eq!(rankings(&store, "spilled"), want);
+        store.checkpoint();
+    }
+
+    // Pages back in memory: a chunk most of whose pages are is restored.
+    let store = open(dir.path());
+    store.sweep_sketches();
+    let cold = store.index_memory();
+    set_state(
+        &store,
+        "spilled",
+        PageSelection::Range {
+            first: 0,
+            count: SKETCH_CHUNK_PAGES as u32,
+        },
+        Action::Migrate(ColdTier::Host),
+    );
+    store.sweep_sketches();
+    let warm: IndexMemory = store.index_memory();
+    assert_eq!(warm.spilled_pages, cold.spilled_pages - 2 * SKETCH_CHUNK_PAGES as u64);
+    assert!(warm.sketch_bytes > cold.sketch_bytes);
+    assert_eq!(rankings(&store, "spilled"), want);
+}
