@@ -1,21 +1,37 @@
 //! A lane's sketch rows, page by page, each page's either resident or
 //! *spilled*: left to be derived again from the page's key rows wherever
-//! its bytes are (on NVMe, for the pages the store spills). Memory is
-//! given back by whole chunks, once every page of one is spilled, so a
-//! page that comes back costs its chunk again only when it is the first.
+//! its bytes are (on NVMe, for the pages the store spills). Memory is held
+//! by chunks of pages; a chunk most of whose pages are spilled gives its
+//! memory back and keeps its few resident pages *loose*, each its own
+//! allocation — so a page that must keep its sketch (evicted: no bytes to
+//! derive it from) costs its own rows, not a whole chunk.
 
-/// Pages per chunk: a chunk is freed when all of them are spilled. Small
-/// enough that the old, NVMe-cold part of a long lane frees most of its
-/// chunks; large enough that a chunk is one allocation of tens of KiB.
+use std::collections::BTreeMap;
+
+/// Pages per chunk. Small enough that the old, NVMe-cold part of a long
+/// lane frees most of its chunks; large enough that a chunk is one
+/// allocation of tens of KiB.
 pub const SKETCH_CHUNK_PAGES: usize = 64;
+
+/// A held chunk whose resident pages fall to this many gives its memory
+/// back, keeping them loose.
+pub const SKETCH_LOOSE_KEPT: usize = SKETCH_CHUNK_PAGES / 16;
+
+/// A chunk not held keeps at most this many resident pages loose; one
+/// more and it is held again (twice [`SKETCH_LOOSE_KEPT`], so that a page
+/// going back and forth does not make and free the chunk each time).
+const LOOSE_MAX: usize = 2 * SKETCH_LOOSE_KEPT;
 
 /// Sketch rows of `entry_bytes` per page, in chunks of
 /// [`SKETCH_CHUNK_PAGES`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct SketchColumn {
     entry_bytes: usize,
-    /// `None`: every page of the chunk is spilled.
+    /// `None`: the chunk's memory is given back; its resident pages (at
+    /// most `LOOSE_MAX`) are in `loose`.
     chunks: Vec<Option<Vec<u8>>>,
+    /// The resident pages of chunks not held, by page.
+    loose: BTreeMap<usize, Box<[u8]>>,
     spilled: Vec<bool>,
     /// Pages spilled, of `spilled.len()`.
     spilled_pages: usize,
@@ -27,6 +43,7 @@ impl SketchColumn {
         Self {
             entry_bytes,
             chunks: Vec::new(),
+            loose: BTreeMap::new(),
             spilled: Vec::new(),
             spilled_pages: 0,
         }
@@ -47,9 +64,10 @@ impl SketchColumn {
         self.spilled_pages
     }
 
-    /// Bytes held in memory (whole chunks, spilled pages in them included).
+    /// Bytes held in memory: whole chunks (spilled pages in them
+    /// included) and loose pages.
     pub fn resident_bytes(&self) -> usize {
-        self.chunks.iter().flatten().map(Vec::capacity).sum()
+        self.chunks.iter().flatten().map(Vec::capacity).sum::<usize>() + self.loose.len() * self.entry_bytes
     }
 
     /// Page `page`'s rows, or `None` when spilled. Panics past the end.
@@ -57,27 +75,35 @@ impl SketchColumn {
         if self.spilled[page] {
             return None;
         }
-        let chunk = self.chunks[page / SKETCH_CHUNK_PAGES]
-            .as_ref()
-            .expect("a resident page's chunk is kept");
-        let at = page % SKETCH_CHUNK_PAGES * self.entry_bytes;
-        Some(&chunk[at..at + self.entry_bytes])
+        Some(match &self.chunks[page / SKETCH_CHUNK_PAGES] {
+            Some(chunk) => {
+                let at = page % SKETCH_CHUNK_PAGES * self.entry_bytes;
+                &chunk[at..at + self.entry_bytes]
+            }
+            None => &self.loose[&page],
+        })
     }
 
     /// Page `page`'s rows to write; the page must be resident.
     pub fn get_mut(&mut self, page: usize) -> &mut [u8] {
         assert!(!self.spilled[page], "writing the sketch of a spilled page");
-        let at = page % SKETCH_CHUNK_PAGES * self.entry_bytes;
-        let chunk = self.chunks[page / SKETCH_CHUNK_PAGES]
-            .as_mut()
-            .expect("a resident page's chunk is kept");
-        &mut chunk[at..at + self.entry_bytes]
+        let entry_bytes = self.entry_bytes;
+        match &mut self.chunks[page / SKETCH_CHUNK_PAGES] {
+            Some(chunk) => {
+                let at = page % SKETCH_CHUNK_PAGES * entry_bytes;
+                &mut chunk[at..at + entry_bytes]
+            }
+            None => self
+                .loose
+                .get_mut(&page)
+                .expect("a resident page of a chunk not held is loose"),
+        }
     }
 
     /// Appends a resident page of zeroed rows and returns them.
     pub fn push_zeroed(&mut self) -> &mut [u8] {
         let page = self.push(false);
-        self.chunk_of(page);
+        self.hold(page / SKETCH_CHUNK_PAGES);
         self.get_mut(page)
     }
 
@@ -95,55 +121,102 @@ impl SketchColumn {
         self.spilled.len() - 1
     }
 
-    /// The chunk holding `page`, made (zeroed) or grown to hold it.
-    fn chunk_of(&mut self, page: usize) -> &mut Vec<u8> {
-        let c = page / SKETCH_CHUNK_PAGES;
+    /// The pages of chunk `c`.
+    fn pages_of(&self, c: usize) -> std::ops::Range<usize> {
+        c * SKETCH_CHUNK_PAGES..((c + 1) * SKETCH_CHUNK_PAGES).min(self.spilled.len())
+    }
+
+    /// Resident pages of chunk `c`.
+    fn resident_in(&self, c: usize) -> usize {
+        self.spilled[self.pages_of(c)].iter().filter(|&&s| !s).count()
+    }
+
+    /// Holds chunk `c` (made zeroed, or grown to its pages), its loose
+    /// pages moved in.
+    fn hold(&mut self, c: usize) {
         if self.chunks.len() <= c {
             self.chunks.push(None);
         }
-        let held = (self.spilled.len() - c * SKETCH_CHUNK_PAGES).min(SKETCH_CHUNK_PAGES) * self.entry_bytes;
+        let pages = self.pages_of(c);
         let entry_bytes = self.entry_bytes;
         let chunk = self.chunks[c].get_or_insert_with(|| {
             // The first chunk grows as needed (most lanes stay short);
             // later ones are made whole.
             Vec::with_capacity(if c == 0 { 0 } else { SKETCH_CHUNK_PAGES * entry_bytes })
         });
-        if chunk.len() < held {
-            chunk.resize(held, 0);
+        if chunk.len() < pages.len() * entry_bytes {
+            chunk.resize(pages.len() * entry_bytes, 0);
         }
-        chunk
+        let loose: Vec<usize> = self.loose.range(pages).map(|(&p, _)| p).collect();
+        for p in loose {
+            let rows = self.loose.remove(&p).expect("listed just now");
+            let at = p % SKETCH_CHUNK_PAGES * entry_bytes;
+            chunk[at..at + entry_bytes].copy_from_slice(&rows);
+        }
     }
 
-    /// Marks page `page` spilled, freeing its chunk when it is the last
-    /// resident page of it. Returns whether the page was resident.
+    /// Gives chunk `c`'s memory back, its resident pages kept loose.
+    fn release(&mut self, c: usize) {
+        let Some(chunk) = self.chunks[c].take() else { return };
+        for p in self.pages_of(c).filter(|&p| !self.spilled[p]) {
+            let at = p % SKETCH_CHUNK_PAGES * self.entry_bytes;
+            self.loose.insert(p, chunk[at..at + self.entry_bytes].into());
+        }
+    }
+
+    /// Marks page `page` spilled; its chunk gives its memory back once at
+    /// most [`SKETCH_LOOSE_KEPT`] of its pages stay resident. Returns
+    /// whether the page was resident.
     pub fn spill(&mut self, page: usize) -> bool {
         if std::mem::replace(&mut self.spilled[page], true) {
             return false;
         }
         self.spilled_pages += 1;
         let c = page / SKETCH_CHUNK_PAGES;
-        let end = ((c + 1) * SKETCH_CHUNK_PAGES).min(self.spilled.len());
-        if self.spilled[c * SKETCH_CHUNK_PAGES..end].iter().all(|&s| s) {
-            self.chunks[c] = None;
+        if self.chunks[c].is_none() {
+            self.loose.remove(&page);
+        } else if self.resident_in(c) <= SKETCH_LOOSE_KEPT {
+            self.release(c);
         }
         true
     }
 
     /// Makes page `page` resident again with `rows` (at most a page's
-    /// rows; the rest zeroed). Returns whether it was spilled.
+    /// rows; the rest zeroed): loose while its chunk is not held and has
+    /// few resident pages. Returns whether it was spilled.
     pub fn restore(&mut self, page: usize, rows: &[u8]) -> bool {
         if !std::mem::replace(&mut self.spilled[page], false) {
             return false;
         }
         self.spilled_pages -= 1;
-        let entry_bytes = self.entry_bytes;
-        let at = page % SKETCH_CHUNK_PAGES * entry_bytes;
-        let slot = &mut self.chunk_of(page)[at..at + entry_bytes];
+        let c = page / SKETCH_CHUNK_PAGES;
+        if self.chunks[c].is_none() {
+            self.loose.insert(page, vec![0; self.entry_bytes].into());
+            if self.resident_in(c) > LOOSE_MAX {
+                self.hold(c);
+            }
+        } else {
+            // Grown to pages spilled when pushed.
+            self.hold(c);
+        }
+        let slot = self.get_mut(page);
         slot[..rows.len()].copy_from_slice(rows);
         slot[rows.len()..].fill(0);
         true
     }
 }
+
+/// Equal when every page is alike, resident with the same rows or
+/// spilled, however its memory is held (in a chunk, or loose).
+impl PartialEq for SketchColumn {
+    fn eq(&self, other: &Self) -> bool {
+        self.entry_bytes == other.entry_bytes
+            && self.spilled == other.spilled
+            && (0..self.len()).all(|p| self.get(p) == other.get(p))
+    }
+}
+
+impl Eq for SketchColumn {}
 
 #[cfg(test)]
 mod tests {
@@ -203,8 +276,16 @@ mod tests {
                 prop_assert_eq!(column.get(p), want.as_ref().map(|r| &r[..]));
             }
             prop_assert_eq!(column.spilled_pages(), model.iter().filter(|r| r.is_none()).count());
+            // Memory: a chunk not held keeps only a few pages, loose; a
+            // loose page belongs to a chunk not held.
             for (c, chunk) in model.chunks(SKETCH_CHUNK_PAGES).enumerate() {
-                prop_assert_eq!(column.chunks[c].is_some(), chunk.iter().any(Option::is_some), "chunk {}", c);
+                let resident = chunk.iter().filter(|r| r.is_some()).count();
+                if column.chunks[c].is_none() {
+                    prop_assert!(resident <= LOOSE_MAX, "chunk {} keeps {} loose", c, resident);
+                    prop_assert_eq!(column.loose.range(column.pages_of(c)).count(), resident);
+                } else {
+                    prop_assert_eq!(column.loose.range(column.pages_of(c)).count(), 0);
+                }
             }
         }
     }

@@ -105,6 +105,7 @@ impl Parts {
             durable: &self.durable,
             counters: &self.counters,
             promote: false,
+            touch: true,
         }
     }
 

@@ -37,7 +37,12 @@ fn layout() -> Layout {
 }
 
 fn open(dir: &Path) -> Arc<Store> {
+    open_with(dir, true)
+}
+
+fn open_with(dir: &Path, spill_sketches: bool) -> Arc<Store> {
     Store::new(StoreConfig {
+        spill_sketches,
         device_bytes: 1 << 20,
         host_bytes: 64 << 20,
         nvme: Some(NvmeConfig {
@@ -218,4 +223,64 @@ fn spilled_sketches_rank_go_restart_and_come_back_as_resident_ones() {
     assert_eq!(warm.spilled_pages, cold.spilled_pages - 2 * SKETCH_CHUNK_PAGES as u64);
     assert!(warm.sketch_bytes > cold.sketch_bytes);
     assert_eq!(rankings(&store, "spilled"), want);
+}
+
+#[test]
+fn pages_without_bytes_keep_their_sketches_loose_and_spilling_off_keeps_all() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    create(&store, "spilled");
+    create(&store, "model");
+    let resident = store.index_memory();
+    // Three pages of the second chunk go before the NVMe offload: with
+    // no bytes to derive them from, they keep their sketches, and the
+    // chunk still gives its memory back (they are kept loose).
+    for seq in ["spilled", "model"] {
+        set_state(&store, seq, PageSelection::Range { first: 70, count: 3 }, Action::Evict);
+    }
+    for (first, count) in [(0, 70), (73, PAGES as u32 - 73)] {
+        let pages = PageSelection::Range { first, count };
+        set_state(&store, "spilled", pages, Action::Offload(ColdTier::Nvme));
+    }
+    store.sweep_sketches();
+    let after = store.index_memory();
+    assert_eq!(after.spilled_pages, 2 * (3 * SKETCH_CHUNK_PAGES as u64 - 3));
+    let entry = (PAGE * kvtier_core::sketch::row_bytes(DIM)) as u64;
+    let chunk_bytes = SKETCH_CHUNK_PAGES as u64 * entry;
+    assert!(
+        after.sketch_bytes + 2 * 3 * chunk_bytes <= resident.sketch_bytes + 2 * 3 * entry,
+        "six chunks' memory given back, six loose pages kept: {after:?} against {resident:?}"
+    );
+    assert_eq!(rankings(&store, "spilled"), rankings(&store, "model"));
+
+    // Evicting and summarising spilled pages brings back theirs alone.
+    for seq in ["spilled", "model"] {
+        set_state(&store, seq, PageSelection::Range { first: 3, count: 2 }, Action::Evict);
+        set_state(
+            &store,
+            seq,
+            PageSelection::Range { first: 140, count: 1 },
+            Action::Summarize,
+        );
+    }
+    let went = store.index_memory();
+    assert_eq!(went.spilled_pages, after.spilled_pages - 2 * 3);
+    assert_eq!(
+        went.sketch_bytes,
+        after.sketch_bytes + 2 * 3 * entry,
+        "loose pages cost their own rows"
+    );
+    assert_eq!(rankings(&store, "spilled"), rankings(&store, "model"));
+    let want = rankings(&store, "model");
+    store.checkpoint();
+    drop(store);
+
+    // Spilling off: what the checkpoint left spilled comes back, and
+    // ranks the same.
+    let store = open_with(dir.path(), false);
+    store.sweep_sketches();
+    let all = store.index_memory();
+    assert_eq!(all.spilled_pages, 0);
+    assert_eq!(rankings(&store, "spilled"), want);
+    assert_eq!(rankings(&store, "model"), want);
 }

@@ -132,6 +132,18 @@ impl<T> RwLock<T> {
             _held: held,
         }
     }
+
+    /// Write-locks it unless that would wait (a reader or a writer holds
+    /// it): for background work that skips what is busy.
+    pub fn try_write(&self) -> Option<RwLockWriteGuard<'_, T>> {
+        let held = Held::take(self.rank);
+        let inner = match self.inner.try_write() {
+            Ok(inner) => inner,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(RwLockWriteGuard { inner, _held: held })
+    }
 }
 
 /// A read-held [`RwLock`].

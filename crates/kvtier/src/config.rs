@@ -135,6 +135,8 @@ pub(crate) struct TierFileConfig {
     pub(crate) host_high_watermark: Option<f64>,
     pub(crate) host_low_watermark: Option<f64>,
     pub(crate) promote_on_read: Option<bool>,
+    /// Sketches of NVMe-only pages leave host memory.
+    pub(crate) spill_sketches: Option<bool>,
     /// `kernel` or `copy_engine`.
     pub(crate) swap_in_path: Option<String>,
     /// `inclusive` or `exclusive`.

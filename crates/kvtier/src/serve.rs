@@ -49,6 +49,11 @@ pub(crate) struct ServeArgs {
     /// push them out) [default: lru].
     #[arg(long, value_name = "POLICY")]
     host_policy: Option<HostPolicy>,
+    /// Sketches of NVMe-only pages leave host memory and are read back
+    /// from the pages for two-stage's candidates (less memory, more NVMe
+    /// reads per ranking): true or false [default: true].
+    #[arg(long, value_name = "BOOL")]
+    spill_sketches: Option<bool>,
     /// NVMe tier capacity; 0 disables it [default: 1/4 of the free space, at most 16GiB].
     #[arg(long, value_name = "SIZE")]
     nvme_bytes: Option<ByteSize>,
@@ -245,6 +250,10 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             .host_low_watermark
             .unwrap_or(defaults_store.host_low_watermark),
         promote_on_read: file.tiers.promote_on_read.unwrap_or(defaults_store.promote_on_read),
+        spill_sketches: args
+            .spill_sketches
+            .or(file.tiers.spill_sketches)
+            .unwrap_or(defaults_store.spill_sketches),
         durability: match args.durability.or(file.durability).as_deref() {
             None | Some("relaxed") => Durability::Relaxed,
             Some("fsync") => Durability::Fsync,

@@ -57,6 +57,13 @@ impl Cell {
         guard
     }
 
+    /// The write lock unless a reader or writer holds it now: the
+    /// background's only way to write a sequence, so that it never waits
+    /// out a call's NVMe I/O (it skips the sequence until its next pass).
+    pub(crate) fn try_write(&self) -> Option<RwLockWriteGuard<'_, Sequence>> {
+        self.seq.try_write()
+    }
+
     /// Whether a reader would wait now: a writer holds the lock or waits
     /// for it (std's lock lets waiting writers go first). A hint: by the
     /// time the reader takes the lock, that may have changed.

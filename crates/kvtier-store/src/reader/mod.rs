@@ -32,6 +32,9 @@ pub(crate) struct Reader<'a> {
     pub(crate) counters: &'a Counters,
     /// Reading an NVMe-only page gives it a host copy again.
     pub(crate) promote: bool,
+    /// Reading a page from host memory counts as a use of it (its place in
+    /// the host's eviction order); a ranking's reads do not.
+    pub(crate) touch: bool,
 }
 
 /// A page's content as read: its bytes are a `B`, owned (`Vec<u8>`) or a
@@ -282,7 +285,7 @@ impl Reader<'_> {
         Ok(
             match self.source(page, layout, rows, &mut bytes.spare_capacity_mut()[..len])? {
                 Some(read @ (Source::Read | Source::ReadFromHost)) => {
-                    if matches!(read, Source::ReadFromHost) {
+                    if self.touch && matches!(read, Source::ReadFromHost) {
                         self.host.touch([page]);
                     }
                     // SAFETY: `source` wrote all `len` bytes (it returned Read

@@ -32,6 +32,7 @@ impl LaneSketches<'_> {
         let mut out = vec![None; pages.len()];
         let reader = Reader {
             promote: false,
+            touch: false,
             ..self.reader
         };
         match reader.originals(self.layout, &wanted) {

@@ -107,6 +107,7 @@ impl<K: Eq + Hash + Clone> DeviceSimulation<K> {
             durable: &self.durable,
             counters: &self.mini.counters,
             promote: false,
+            touch: true,
         };
         let (report, ahead) = self.device.serve_selection((&key, layer, layers), &chosen, true, || {
             let pins = Pins::new(chosen.clone());

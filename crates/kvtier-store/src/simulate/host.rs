@@ -145,6 +145,7 @@ impl<K: Eq + Hash + Clone> HostSimulation<K> {
             durable: &self.durable,
             counters: &self.mini.counters,
             promote: self.promote_on_read,
+            touch: true,
         };
         reader.originals(&self.mini.layout, &stored)?;
         Ok(missed)

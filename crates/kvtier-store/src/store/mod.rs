@@ -34,13 +34,15 @@
 //! A page lock is never held across I/O (the in-place fill of an append
 //! writes memory only). Calls that hold a sequence's lock across NVMe I/O:
 //! writes (migrating to make room, persisting), selections and fetches
-//! (reading NVMe-only pages, swap-in), policies (reading pages for the
-//! attention of given queries). They hold it because the lane must not
+//! (reading NVMe-only pages, swap-in, spilled sketches), policies (reading
+//! pages for the attention of given queries), evictions and summaries
+//! (reading spilled pages' keys). They hold it because the lane must not
 //! change under them: a write owns the lane's end, and a selection's pages
 //! must be the ones its bounds ranked. A sequence's I/O therefore delays
 //! only that sequence; the background migration, demotion and checkpoint
 //! never take a sequence's write lock (a checkpoint takes each sequence's
-//! read lock for one lane at a time).
+//! read lock for one lane at a time), and the background sketch sweep
+//! takes it only when it is free (`try_write`), skipping it otherwise.
 
 mod fetch;
 mod moves;
@@ -104,6 +106,10 @@ pub struct StoreConfig {
     pub host_low_watermark: f64,
     /// Reading an NVMe-only page gives it a host copy again.
     pub promote_on_read: bool,
+    /// The index's sketches of NVMe-only pages leave host memory (read
+    /// back from the pages for two-stage's candidates): less memory, more
+    /// NVMe reads per ranking. Off: every sketch stays in memory.
+    pub spill_sketches: bool,
     /// What a persisting write waits for.
     pub durability: Durability,
     /// The manifest; default: the NVMe file's path with extension
@@ -131,6 +137,7 @@ impl Default for StoreConfig {
             host_high_watermark: 0.9,
             host_low_watermark: 0.8,
             promote_on_read: true,
+            spill_sketches: true,
             durability: Durability::Relaxed,
             manifest_path: None,
             checkpoint_bytes: 64 << 20,
@@ -168,6 +175,8 @@ pub struct Store {
     trace: AccessTrace,
     /// Background ticks so far, to sweep sketches every so many.
     sketch_sweep_ticks: std::sync::atomic::AtomicU32,
+    /// A sketch sweep is running: one at a time.
+    sketch_sweeping: std::sync::atomic::AtomicBool,
 }
 
 /// A locked manifest, its path and what it says to recover.
@@ -278,6 +287,7 @@ impl Store {
             durable,
             leases: Leases::default(),
             sketch_sweep_ticks: std::sync::atomic::AtomicU32::new(0),
+            sketch_sweeping: std::sync::atomic::AtomicBool::new(false),
             accounts: Accounts::new(config.limits.clone()),
             counters,
             config,
@@ -338,6 +348,7 @@ impl Store {
             durable: &self.durable,
             counters: &self.counters,
             promote: self.config.promote_on_read,
+            touch: true,
         }
     }
 

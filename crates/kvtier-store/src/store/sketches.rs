@@ -8,7 +8,7 @@
 use std::sync::atomic::Ordering;
 
 use kvtier_core::LogicalPage;
-use kvtier_core::sketch_column::SKETCH_CHUNK_PAGES;
+use kvtier_core::sketch_column::{SKETCH_CHUNK_PAGES, SKETCH_LOOSE_KEPT};
 
 use super::Store;
 use crate::catalog::{Sequence, Target};
@@ -22,9 +22,9 @@ const SWEEP_EVERY_TICKS: u32 = 50;
 
 /// What one chunk of a lane needs.
 enum ChunkWork {
-    /// Every page is full and NVMe-only: its sketches can leave memory
-    /// (the chunk's pages when it was decided: more may come since).
-    Spill(std::ops::Range<usize>),
+    /// Every page with bytes is full and NVMe-only: these pages' sketches
+    /// can leave memory (the chunk's, bar a few kept loose).
+    Spill(Vec<usize>),
     /// Spilled, but half its pages or more are in memory again: their
     /// sketches come back (from the pages' key rows), as do the rest's.
     Restore(Vec<(usize, Vec<u8>)>),
@@ -47,26 +47,40 @@ impl Store {
     }
 
     /// Spills and restores sketches where placements changed, every
-    /// [`SWEEP_EVERY_TICKS`] background ticks.
+    /// [`SWEEP_EVERY_TICKS`] background ticks; skips what is busy.
     pub(super) fn sweep_sketches_if_due(&self) {
         if self
             .sketch_sweep_ticks
             .fetch_add(1, Ordering::Relaxed)
             .is_multiple_of(SWEEP_EVERY_TICKS)
+            && !self.sketch_sweeping.swap(true, Ordering::Acquire)
         {
-            self.sweep_sketches();
+            self.sweep(false);
+            self.sketch_sweeping.store(false, Ordering::Release);
         }
     }
 
-    /// One sweep over every sequence not busy now; returns the pages
-    /// spilled and restored. Without an NVMe tier nothing is NVMe-only.
+    /// One sweep over every sequence now, waiting for busy ones (and for a
+    /// background sweep under way); returns the pages spilled and restored.
     pub fn sweep_sketches(&self) -> (u64, u64) {
+        while self.sketch_sweeping.swap(true, Ordering::Acquire) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let moved = self.sweep(true);
+        self.sketch_sweeping.store(false, Ordering::Release);
+        moved
+    }
+
+    /// One sweep: `wait` for busy sequences, or skip them (the background
+    /// never waits out a call's NVMe I/O). Without an NVMe tier nothing is
+    /// NVMe-only.
+    fn sweep(&self, wait: bool) -> (u64, u64) {
         let mut moved = (0, 0);
         if self.durable.nvme().is_none() {
             return moved;
         }
         for cell in self.catalog.cells() {
-            if cell.would_wait() {
+            if !wait && cell.would_wait() {
                 continue;
             }
             let lanes = cell.read().lanes.len();
@@ -84,7 +98,10 @@ impl Store {
                 if work.is_empty() {
                     continue;
                 }
-                let mut seq = cell.write();
+                // Busy now (a call holds it, perhaps across NVMe I/O): the
+                // next sweep comes back to it.
+                let seq = if wait { Some(cell.write()) } else { cell.try_write() };
+                let Some(mut seq) = seq else { break };
                 if seq.dropped {
                     break;
                 }
@@ -151,25 +168,35 @@ impl Store {
         for chunk in 0..chunks {
             let pages = chunk_pages(lane, chunk);
             let spilled = pages.clone().filter(|&p| index.sketch(p).is_none()).count();
-            let (mut nvme_only, mut in_memory) = (0, 0);
+            // NVMe-only pages whose sketches are resident; pages that must
+            // keep theirs (no original bytes to derive them from: gone,
+            // summarised, lost); pages in memory; partial pages (they
+            // still grow, and their sketches with them).
+            let (mut spillable, mut keep, mut in_memory, mut partial) = (Vec::new(), 0, 0, false);
             for p in pages.clone() {
-                // A partial page still grows, and its sketch with it.
-                let full = lane.rows_in(p) == seq.layout.page_size();
-                if let Some(LogicalPage::Physical(r)) = lane.page(p).filter(|_| full) {
-                    let place = r.page.place.read();
-                    if place.lost().is_some() {
-                        continue;
-                    }
-                    if place.host().is_some() || place.device().is_some() {
-                        in_memory += 1;
-                    } else if place.nvme().is_some() {
-                        nvme_only += 1;
-                    }
+                let Some(LogicalPage::Physical(r)) = lane.page(p) else {
+                    keep += usize::from(index.sketch(p).is_some());
+                    continue;
+                };
+                let place = r.page.place.read();
+                if lane.rows_in(p) < seq.layout.page_size() {
+                    partial = true;
+                } else if place.lost().is_some() {
+                    keep += usize::from(index.sketch(p).is_some());
+                } else if place.host().is_some() || place.device().is_some() {
+                    in_memory += 1;
+                } else if index.sketch(p).is_some() {
+                    spillable.push(p);
                 }
             }
-            if spilled < pages.len() && nvme_only == pages.len() {
-                out.push(ChunkWork::Spill(pages));
-            } else if spilled > 0 && 2 * in_memory >= pages.len() {
+            // Spill only what gives the chunk's memory back: every page
+            // with bytes NVMe-only, and few enough kept that they go loose.
+            let spill = self.config.spill_sketches;
+            if spill && !spillable.is_empty() && in_memory == 0 && !partial && keep <= SKETCH_LOOSE_KEPT {
+                out.push(ChunkWork::Spill(spillable));
+            } else if spilled > 0 && (!spill || 2 * in_memory >= pages.len()) {
+                // (With spilling off, what a checkpoint left spilled comes
+                // back.)
                 let wanted: Vec<usize> = pages.filter(|&p| index.sketch(p).is_none()).collect();
                 let cold = LaneSketches {
                     reader: self.reader(),

@@ -101,6 +101,10 @@ pub(crate) struct DecodeArgs {
     /// frequency).
     #[arg(long, default_value_t = kvtier_store::HostPolicy::Lru)]
     host_policy: kvtier_store::HostPolicy,
+    /// In-process server: sketches of NVMe-only pages leave host memory
+    /// (true or false).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    spill_sketches: bool,
     /// In-process server: host tier as a share of the working set (below 1,
     /// the rest lives on NVMe).
     #[arg(long, default_value_t = 1.0)]
@@ -667,6 +671,7 @@ fn config(args: &DecodeArgs) -> anyhow::Result<RunConfig> {
         device_policy: a.device_policy,
         device: a.device,
         host_policy: a.host_policy,
+        spill_sketches: a.spill_sketches,
         host_fraction: a.host_fraction,
         queries: a.queries.clone(),
         source,

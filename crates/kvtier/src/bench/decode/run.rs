@@ -45,6 +45,8 @@ pub(crate) struct RunConfig {
     pub(crate) device: DeviceChoice,
     #[serde(serialize_with = "policy_name")]
     pub(crate) host_policy: kvtier_store::HostPolicy,
+    /// Sketches of NVMe-only pages leave host memory.
+    pub(crate) spill_sketches: bool,
     pub(crate) host_fraction: f64,
     pub(crate) queries: String,
     #[serde(skip)]
@@ -230,6 +232,7 @@ async fn target(cfg: &RunConfig) -> anyhow::Result<Target> {
         device_bytes,
         device_policy: cfg.device_policy,
         host_policy: cfg.host_policy,
+        spill_sketches: cfg.spill_sketches,
         host_bytes: host,
         cache_writes_on_device: true,
         nvme: (cfg.host_fraction < 1.0).then(|| NvmeConfig {
