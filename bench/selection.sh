@@ -8,7 +8,7 @@
 # bench at llama3-8b 32K (host holds all, device 25 %), every mode in the
 # same run; then quest and two-stage with the host at 25 % (the rest on
 # NVMe), their rank time and the index's host memory against the host-only
-# runs'. Writes bench/results/selection.md and bench/results/selection/*.json.
+# runs', and two-stage there with every sketch kept in memory. Writes bench/results/selection.md and bench/results/selection/*.json.
 # Usage: bench/selection.sh [path/to/kvtier] [decode steps, default 32]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,5 +51,6 @@ decode --mode two-stage --reuse-similarity 0.9 > "$out/decode-two-stage-reuse.js
 for mode in quest two-stage; do
   decode --mode "$mode" --host-fraction 0.25 > "$out/decode-nvme-$mode.json"
 done
+decode --mode two-stage --host-fraction 0.25 --spill-sketches false > "$out/decode-nvme-two-stage-resident.json"
 python3 bench/selection_table.py "$out" "$steps" > bench/results/selection.md
 echo "wrote bench/results/selection.md"

@@ -34,8 +34,8 @@ print()
 print(f"- command: `bench/selection.sh` (eval rows: `kvtier eval data/realkv/DATA --layers 4,13,29 --last 128 "
       f"--budget-tokens B --sinks F --window F --mode all --json`; reuse rows: the same with `--sinks 1 --window 1 "
       f"--mode two-stage,quest --reuse-similarity S`; decode rows: `kvtier bench decode --preset llama3-8b "
-      f"--context 32768 --steps {steps} --device-fraction 0.25 --mode M [--reuse-similarity S] [--host-fraction 0.25] "
-      f"--json`)")
+      f"--context 32768 --steps {steps} --device-fraction 0.25 --mode M [--reuse-similarity S] [--host-fraction 0.25 "
+      f"[--spill-sketches false]] --json`)")
 cpu = sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'")
 mem = sh("free -g | awk '/Mem:/{print $2}'")
 print(f"- machine: {os.cpu_count()} cores, {cpu}, {mem} GiB; {platform.release()}; no GPU (emulated device)")
@@ -126,7 +126,8 @@ print("Host 100 %: the rows above (every page host-resident, every sketch in mem
 print("the pages NVMe-only, their sketches spilled per 64-page chunk and read back (whole pages, CRC-checked, not")
 print("promoted) only for two-stage's candidates; Quest ranks on the digests, which stay. Sketch MB: the index's")
 print("sketch rows in host memory as the server reported them when the measured steps began and ended (1 MB =")
-print("10^6 B). rank ÷ quest: against Quest at the same host size.")
+print("10^6 B). rank ÷ quest: against Quest at the same host size. `two-stage, resident`: `--spill-sketches false`,")
+print("every sketch kept in memory, nothing read to rank.")
 print()
 print("| mode | host | index pages | spilled before | sketch MB before | spilled after | sketch MB after | "
       "rank ms/step | rank ÷ quest | read ms/step | step p50 ms | step p99 ms |")
@@ -150,3 +151,4 @@ def memory_row(mode, host, name, quest_rank):
 for host, prefix in (("100 %", "decode-"), ("25 %", "decode-nvme-")):
     q = memory_row("quest", host, f"{prefix}quest.json", None)
     memory_row("two-stage", host, f"{prefix}two-stage.json", q)
+memory_row("two-stage, resident", "25 %", "decode-nvme-two-stage-resident.json", q)
