@@ -8,7 +8,8 @@
 # bench at llama3-8b 32K (host holds all, device 25 %), every mode in the
 # same run; then quest and two-stage with the host at 25 % (the rest on
 # NVMe), their rank time and the index's host memory against the host-only
-# runs', and two-stage there with every sketch kept in memory. Writes bench/results/selection.md and bench/results/selection/*.json.
+# runs', with sketches kept (the default) and spilled (--spill-sketches
+# true). Writes bench/results/selection.md and bench/results/selection/*.json.
 # Usage: bench/selection.sh [path/to/kvtier] [decode steps, default 32]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,8 +50,8 @@ decode --mode two-stage --reuse-similarity 0.9 > "$out/decode-two-stage-reuse.js
 # The same context with the host holding a quarter: most pages NVMe-only,
 # their sketches spilled (read back only for two-stage's candidates).
 for mode in quest two-stage; do
-  decode --mode "$mode" --host-fraction 0.25 > "$out/decode-nvme-$mode.json"
+  decode --mode "$mode" --host-fraction 0.25 > "$out/decode-nvme-$mode-resident.json"
+  decode --mode "$mode" --host-fraction 0.25 --spill-sketches true > "$out/decode-nvme-$mode.json"
 done
-decode --mode two-stage --host-fraction 0.25 --spill-sketches false > "$out/decode-nvme-two-stage-resident.json"
 python3 bench/selection_table.py "$out" "$steps" > bench/results/selection.md
 echo "wrote bench/results/selection.md"

@@ -86,6 +86,13 @@ impl PageIndex {
         self.sketches.restore(page, &sketch::encode(dtype, d, keys))
     }
 
+    /// Makes page `page`'s sketches resident again from `rows`, as
+    /// [`ColdSketches`](crate::rank::ColdSketches) derived them; returns
+    /// whether they were spilled.
+    pub fn restore_sketch_rows(&mut self, page: usize, rows: &[u8]) -> bool {
+        self.sketches.restore(page, rows)
+    }
+
     /// Bytes of one token's sketch row.
     pub fn sketch_row_bytes(&self) -> usize {
         sketch::row_bytes(self.digests.head_dim())

@@ -144,6 +144,18 @@ impl<P, S> Lane<P, S> {
         self.index.restore_sketch(page, keys)
     }
 
+    /// Makes page `page`'s sketches resident again from its sketch rows
+    /// (`[rows_in(page)]`, as a ranking derived them); returns whether
+    /// they were spilled.
+    pub fn restore_sketch_rows(&mut self, page: usize, rows: &[u8]) -> bool {
+        assert_eq!(
+            rows.len(),
+            self.rows_in(page) as usize * self.index.sketch_row_bytes(),
+            "a page's sketch rows"
+        );
+        self.index.restore_sketch_rows(page, rows)
+    }
+
     /// Page `page`'s index entry, for its rows.
     pub fn index_entry(&self, page: usize) -> Vec<u8> {
         self.index.entry(page, self.rows_in(page))

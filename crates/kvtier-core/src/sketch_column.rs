@@ -17,10 +17,10 @@ pub const SKETCH_CHUNK_PAGES: usize = 64;
 /// back, keeping them loose.
 pub const SKETCH_LOOSE_KEPT: usize = SKETCH_CHUNK_PAGES / 16;
 
-/// A chunk not held keeps at most this many resident pages loose; one
-/// more and it is held again (twice [`SKETCH_LOOSE_KEPT`], so that a page
-/// going back and forth does not make and free the chunk each time).
-const LOOSE_MAX: usize = 2 * SKETCH_LOOSE_KEPT;
+/// A chunk not held keeps at most this many resident pages loose (a
+/// quarter of it: the sketches rankings read back, which the next steps'
+/// rankings mostly want again); one more and it is held again.
+pub const SKETCH_LOOSE_MAX: usize = SKETCH_CHUNK_PAGES / 4;
 
 /// Sketch rows of `entry_bytes` per page, in chunks of
 /// [`SKETCH_CHUNK_PAGES`].
@@ -28,7 +28,7 @@ const LOOSE_MAX: usize = 2 * SKETCH_LOOSE_KEPT;
 pub struct SketchColumn {
     entry_bytes: usize,
     /// `None`: the chunk's memory is given back; its resident pages (at
-    /// most `LOOSE_MAX`) are in `loose`.
+    /// most `SKETCH_LOOSE_MAX`) are in `loose`.
     chunks: Vec<Option<Vec<u8>>>,
     /// The resident pages of chunks not held, by page.
     loose: BTreeMap<usize, Box<[u8]>>,
@@ -192,7 +192,7 @@ impl SketchColumn {
         let c = page / SKETCH_CHUNK_PAGES;
         if self.chunks[c].is_none() {
             self.loose.insert(page, vec![0; self.entry_bytes].into());
-            if self.resident_in(c) > LOOSE_MAX {
+            if self.resident_in(c) > SKETCH_LOOSE_MAX {
                 self.hold(c);
             }
         } else {
@@ -281,7 +281,7 @@ mod tests {
             for (c, chunk) in model.chunks(SKETCH_CHUNK_PAGES).enumerate() {
                 let resident = chunk.iter().filter(|r| r.is_some()).count();
                 if column.chunks[c].is_none() {
-                    prop_assert!(resident <= LOOSE_MAX, "chunk {} keeps {} loose", c, resident);
+                    prop_assert!(resident <= SKETCH_LOOSE_MAX, "chunk {} keeps {} loose", c, resident);
                     prop_assert_eq!(column.loose.range(column.pages_of(c)).count(), resident);
                 } else {
                     prop_assert_eq!(column.loose.range(column.pages_of(c)).count(), 0);

@@ -180,6 +180,8 @@ fn spilled_sketches_rank_go_restart_and_come_back_as_resident_ones() {
     assert_eq!(rankings(&store, "spilled"), rankings(&store, "model"));
 
     // Pages that go keep their index: evicted and summarised ones too.
+    // (These writes also give back, first, the sketches the rankings
+    // above read: `sketch` and `cuboid` read every spilled page.)
     for seq in ["spilled", "model"] {
         set_state(&store, seq, PageSelection::Range { first: 70, count: 3 }, Action::Evict);
         set_state(
@@ -189,6 +191,11 @@ fn spilled_sketches_rank_go_restart_and_come_back_as_resident_ones() {
             Action::Summarize,
         );
     }
+    let read_back = store.index_memory();
+    assert!(
+        read_back.spilled_pages + 2 * 5 < after.spilled_pages,
+        "sketches read to rank are back: {read_back:?} against {after:?}"
+    );
     assert_eq!(rankings(&store, "spilled"), rankings(&store, "model"));
     let want = rankings(&store, "model");
 
@@ -251,7 +258,6 @@ fn pages_without_bytes_keep_their_sketches_loose_and_spilling_off_keeps_all() {
         after.sketch_bytes + 2 * 3 * chunk_bytes <= resident.sketch_bytes + 2 * 3 * entry,
         "six chunks' memory given back, six loose pages kept: {after:?} against {resident:?}"
     );
-    assert_eq!(rankings(&store, "spilled"), rankings(&store, "model"));
 
     // Evicting and summarising spilled pages brings back theirs alone.
     for seq in ["spilled", "model"] {
@@ -270,6 +276,44 @@ fn pages_without_bytes_keep_their_sketches_loose_and_spilling_off_keeps_all() {
         after.sketch_bytes + 2 * 3 * entry,
         "loose pages cost their own rows"
     );
+    assert_eq!(rankings(&store, "spilled"), rankings(&store, "model"));
+    // Two-stage alone: it reads back its candidates only (8 × 4 a lane),
+    // and they stay for the rankings after: loose, or in a chunk held
+    // again once a quarter of its pages are (at most 4 × their memory).
+    // First the rankings above are given back (the next write) and
+    // spilled again (a sweep).
+    for seq in ["spilled", "model"] {
+        set_state(&store, seq, PageSelection::Range { first: 1, count: 1 }, Action::Evict);
+    }
+    store.sweep_sketches();
+    let before = store.index_memory();
+    let two_stage = |store: &Arc<Store>| {
+        let queries: Vec<f32> = (0..2 * HEADS as usize * DIM).map(|i| (i % 7) as f32 - 3.0).collect();
+        let budget = Budget {
+            pages: 8,
+            sinks: 1,
+            window: 2,
+        };
+        let req = SelectPages {
+            ranking: Ranking::new(Mode::TwoStage),
+            ..SelectPages::new(0, heads(), &queries, budget)
+        };
+        store.select_pages(&key("spilled"), req).unwrap().heads
+    };
+    let first = two_stage(&store);
+    for seq in ["spilled", "model"] {
+        set_state(&store, seq, PageSelection::Range { first: 2, count: 1 }, Action::Evict);
+    }
+    let read = store.index_memory();
+    assert!(
+        read.spilled_pages + 2 * 8 < before.spilled_pages,
+        "{read:?} against {before:?}"
+    );
+    assert!(
+        read.sketch_bytes <= before.sketch_bytes + 4 * 2 * 8 * 4 * entry,
+        "candidates kept loose: {read:?} against {before:?}"
+    );
+    assert_eq!(first, two_stage(&store), "the same choice from the sketches read back");
     assert_eq!(rankings(&store, "spilled"), rankings(&store, "model"));
     let want = rankings(&store, "model");
     store.checkpoint();

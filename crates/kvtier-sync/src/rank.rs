@@ -45,6 +45,9 @@ pub enum Rank {
     /// A lane's last ranking, kept for reuse across decode steps
     /// (`catalog/sequence.rs`).
     LaneLastRanking,
+    /// Work the background left for a sequence's next writer
+    /// (`catalog`'s `Cell`).
+    DeferredWrites,
     /// The tenants' accounts (`accounts/`).
     Tenants,
     /// Page leases (`lease.rs`).

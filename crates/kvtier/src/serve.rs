@@ -49,9 +49,9 @@ pub(crate) struct ServeArgs {
     /// push them out) [default: lru].
     #[arg(long, value_name = "POLICY")]
     host_policy: Option<HostPolicy>,
-    /// Sketches of NVMe-only pages leave host memory and are read back
+    /// Sketches of NVMe-cold pages leave host memory and are read back
     /// from the pages for two-stage's candidates (less memory, more NVMe
-    /// reads per ranking): true or false [default: true].
+    /// reads per ranking): true or false [default: false].
     #[arg(long, value_name = "BOOL")]
     spill_sketches: Option<bool>,
     /// NVMe tier capacity; 0 disables it [default: 1/4 of the free space, at most 16GiB].

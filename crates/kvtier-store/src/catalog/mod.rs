@@ -50,18 +50,28 @@ impl Cell {
         self.seq.read()
     }
 
+    /// The write lock, with what the background left done first.
     pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Sequence> {
         self.writers.fetch_add(1, Ordering::AcqRel);
-        let guard = self.seq.write();
+        let mut guard = self.seq.write();
         self.writers.fetch_sub(1, Ordering::AcqRel);
+        self.run_deferred(&mut guard);
         guard
+    }
+
+    /// Makes the changes left for this writer ([`Sequence::deferred`]).
+    fn run_deferred(&self, seq: &mut Sequence) {
+        let deferred = std::mem::take(&mut *seq.deferred.lock());
+        deferred.run(seq);
     }
 
     /// The write lock unless a reader or writer holds it now: the
     /// background's only way to write a sequence, so that it never waits
-    /// out a call's NVMe I/O (it skips the sequence until its next pass).
+    /// out a call's NVMe I/O (it leaves its change to the next writer).
     pub(crate) fn try_write(&self) -> Option<RwLockWriteGuard<'_, Sequence>> {
-        self.seq.try_write()
+        let mut guard = self.seq.try_write()?;
+        self.run_deferred(&mut guard);
+        Some(guard)
     }
 
     /// Whether a reader would wait now: a writer holds the lock or waits

@@ -39,6 +39,50 @@ pub(crate) struct Sequence {
     /// Per lane, its last full ranking, kept while selections ask to reuse
     /// it (taken out while a selection ranks the lane, put back after).
     pub(crate) last_rankings: Vec<Mutex<Option<LastRanking>>>,
+    /// Changes made under the read lock's watch but not under it (the
+    /// sketch sweep's, a ranking's sketches read back), left for the next
+    /// writer, which makes them first (`Cell::write`).
+    pub(crate) deferred: Mutex<Deferred>,
+}
+
+/// A change left for a sequence's next writer.
+type Change = Box<dyn FnOnce(&mut Sequence) + Send>;
+
+/// Changes left for a sequence's next writer.
+#[derive(Default)]
+pub(crate) struct Deferred(Vec<Change>);
+
+impl std::fmt::Debug for Deferred {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Deferred({} changes)", self.0.len())
+    }
+}
+
+impl Deferred {
+    /// Leaves `change` for the next writer.
+    pub(crate) fn push(&mut self, change: impl FnOnce(&mut Sequence) + Send + 'static) {
+        self.0.push(Box::new(change));
+    }
+
+    /// Leaves `change` unless `max` changes wait already: for changes
+    /// that only save work later, which must not pile up while no writer
+    /// comes.
+    pub(crate) fn push_unless(&mut self, max: usize, change: impl FnOnce(&mut Sequence) + Send + 'static) {
+        if self.0.len() < max {
+            self.push(change);
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Makes the changes, in the order they were left.
+    pub(crate) fn run(self, seq: &mut Sequence) {
+        for change in self.0 {
+            change(seq);
+        }
+    }
 }
 
 /// A page named by a request or a policy, located.
@@ -91,6 +135,7 @@ impl Sequence {
             persisted,
             charge,
             last_rankings,
+            deferred: Mutex::new(Rank::DeferredWrites, Deferred::default()),
         }
     }
 

@@ -15,6 +15,26 @@ pub(crate) struct LaneSketches<'a> {
     pub(crate) reader: Reader<'a>,
     pub(crate) layout: &'a Layout,
     pub(crate) lane: &'a StoreLane,
+    /// The sketches derived so far, by page: a ranking gives them back to
+    /// the index (through the sequence's next writer), so that the next
+    /// step's candidates, mostly the same, are not read again.
+    pub(crate) derived: std::sync::Mutex<Vec<(usize, Vec<u8>)>>,
+}
+
+impl<'a> LaneSketches<'a> {
+    pub(crate) fn new(reader: Reader<'a>, layout: &'a Layout, lane: &'a StoreLane) -> Self {
+        Self {
+            reader,
+            layout,
+            lane,
+            derived: std::sync::Mutex::default(),
+        }
+    }
+
+    /// The sketches derived so far, by page.
+    pub(crate) fn take_derived(&self) -> Vec<(usize, Vec<u8>)> {
+        std::mem::take(&mut *self.derived.lock().unwrap_or_else(|p| p.into_inner()))
+    }
 }
 
 impl LaneSketches<'_> {
@@ -53,9 +73,13 @@ impl LaneSketches<'_> {
 impl ColdSketches for LaneSketches<'_> {
     fn sketches(&self, pages: &[usize]) -> Vec<Option<Vec<u8>>> {
         let (dtype, d) = (self.layout.dtype(), self.layout.head_dim() as usize);
-        self.keys(pages)
+        let out: Vec<Option<Vec<u8>>> = self
+            .keys(pages)
             .into_iter()
             .map(|keys| keys.map(|k| sketch::encode(dtype, d, &k)))
-            .collect()
+            .collect();
+        let mut derived = self.derived.lock().unwrap_or_else(|p| p.into_inner());
+        derived.extend(pages.iter().zip(&out).filter_map(|(&p, s)| Some((p, s.clone()?))));
+        out
     }
 }

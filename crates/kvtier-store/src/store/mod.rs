@@ -106,9 +106,11 @@ pub struct StoreConfig {
     pub host_low_watermark: f64,
     /// Reading an NVMe-only page gives it a host copy again.
     pub promote_on_read: bool,
-    /// The index's sketches of NVMe-only pages leave host memory (read
+    /// The index's sketches of NVMe-cold pages leave host memory (read
     /// back from the pages for two-stage's candidates): less memory, more
-    /// NVMe reads per ranking. Off: every sketch stays in memory.
+    /// NVMe reads per ranking. Off (the default: two-stage's steps cost
+    /// about twice as much with it, bench/results/selection.md): every
+    /// sketch stays in memory.
     pub spill_sketches: bool,
     /// What a persisting write waits for.
     pub durability: Durability,
@@ -137,7 +139,7 @@ impl Default for StoreConfig {
             host_high_watermark: 0.9,
             host_low_watermark: 0.8,
             promote_on_read: true,
-            spill_sketches: true,
+            spill_sketches: false,
             durability: Durability::Relaxed,
             manifest_path: None,
             checkpoint_bytes: 64 << 20,

@@ -525,7 +525,7 @@ fn rank_lane(
     let lane = &seq.lanes[lane_index];
     // Sketches spilled from the index (NVMe-cold pages') are read again
     // only for the pages the mode scores by them.
-    let cold = LaneSketches { reader, layout, lane };
+    let cold = LaneSketches::new(reader, layout, lane);
     let query = LaneQuery {
         index: lane.index(),
         cold: (lane.index().spilled_pages() > 0).then_some(&cold as &dyn ColdSketches),
@@ -547,6 +547,18 @@ fn rank_lane(
     let (ranked, reused) = rank_lane_reusing(&query, &mut last);
     if last.is_some() {
         *slot.lock() = last;
+    }
+    // Sketches read back stay for the steps after (until a sweep finds
+    // their chunk cold again), given back by the next writer: this call
+    // holds the read lock only. At most a step's worth waits (one change
+    // per lane): selections with no write between them read again.
+    let derived = cold.take_derived();
+    if !derived.is_empty() {
+        seq.deferred.lock().push_unless(seq.lanes.len(), move |seq| {
+            for (p, rows) in derived {
+                seq.lanes[lane_index].restore_sketch_rows(p, &rows);
+            }
+        });
     }
     let mut out = LaneRank {
         heads: Vec::new(),

@@ -8,7 +8,7 @@
 use std::sync::atomic::Ordering;
 
 use kvtier_core::LogicalPage;
-use kvtier_core::sketch_column::{SKETCH_CHUNK_PAGES, SKETCH_LOOSE_KEPT};
+use kvtier_core::sketch_column::{SKETCH_CHUNK_PAGES, SKETCH_LOOSE_KEPT, SKETCH_LOOSE_MAX};
 
 use super::Store;
 use crate::catalog::{Sequence, Target};
@@ -71,59 +71,48 @@ impl Store {
         moved
     }
 
-    /// One sweep: `wait` for busy sequences, or skip them (the background
-    /// never waits out a call's NVMe I/O). Without an NVMe tier nothing is
-    /// NVMe-only.
+    /// One sweep: `wait` for busy sequences, or leave the change to a busy
+    /// sequence's next writer (the background never waits out a call's
+    /// NVMe I/O, and skips a sequence whose last change still waits).
+    /// Without an NVMe tier nothing is NVMe-only.
     fn sweep(&self, wait: bool) -> (u64, u64) {
         let mut moved = (0, 0);
         if self.durable.nvme().is_none() {
             return moved;
         }
         for cell in self.catalog.cells() {
-            if !wait && cell.would_wait() {
+            // A sequence whose last change still waits is decided again
+            // once its next writer has made it.
+            if !wait && (cell.would_wait() || !cell.read().deferred.lock().is_empty()) {
                 continue;
             }
             let lanes = cell.read().lanes.len();
-            // One lane at a time: decided, and restored keys read, under the
-            // read lock (behind waiting writers, so an append never waits
-            // out a whole sequence's scan); applied under the write lock.
+            // One lane at a time, decided (and restored keys read) under the
+            // read lock, behind waiting writers: an append never waits out
+            // a whole sequence's scan.
+            let mut work = Vec::new();
             for l in 0..lanes {
-                let work = {
-                    let seq = cell.read_behind_writers();
-                    if seq.dropped {
-                        break;
-                    }
-                    self.chunk_work(&seq, &seq.lanes[l])
-                };
-                if work.is_empty() {
-                    continue;
-                }
-                // Busy now (a call holds it, perhaps across NVMe I/O): the
-                // next sweep comes back to it.
-                let seq = if wait { Some(cell.write()) } else { cell.try_write() };
-                let Some(mut seq) = seq else { break };
+                let seq = cell.read_behind_writers();
                 if seq.dropped {
                     break;
                 }
-                let lane = &mut seq.lanes[l];
-                for w in work {
-                    match w {
-                        ChunkWork::Spill(pages) => {
-                            for p in pages {
-                                // Safe whatever moved meanwhile, as long as
-                                // the page keeps its original bytes.
-                                if matches!(lane.page(p), Some(LogicalPage::Physical(_))) {
-                                    moved.0 += u64::from(lane.spill_sketch(p));
-                                }
-                            }
-                        }
-                        ChunkWork::Restore(keys) => {
-                            for (p, keys) in keys {
-                                moved.1 += u64::from(lane.restore_sketch(p, &keys));
-                            }
-                        }
-                    }
+                let lane_work = self.chunk_work(&seq, &seq.lanes[l]);
+                if !lane_work.is_empty() {
+                    work.push((l, lane_work));
                 }
+            }
+            if work.is_empty() {
+                continue;
+            }
+            let seq = if wait { Some(cell.write()) } else { cell.try_write() };
+            match seq {
+                Some(mut seq) => {
+                    let (spilled, restored) = apply(&mut seq, work);
+                    moved = (moved.0 + spilled, moved.1 + restored);
+                }
+                None => cell.read_behind_writers().deferred.lock().push(move |seq| {
+                    apply(seq, work);
+                }),
             }
         }
         if moved != (0, 0) {
@@ -146,11 +135,7 @@ impl Store {
             if spilled.is_empty() {
                 continue;
             }
-            let cold = LaneSketches {
-                reader: self.reader(),
-                layout: &seq.layout,
-                lane,
-            };
+            let cold = LaneSketches::new(self.reader(), &seq.layout, lane);
             for (p, k) in spilled.iter().zip(cold.keys(&spilled)) {
                 keys.extend(k.map(|k| (l, *p, k)));
             }
@@ -168,7 +153,7 @@ impl Store {
         for chunk in 0..chunks {
             let pages = chunk_pages(lane, chunk);
             let spilled = pages.clone().filter(|&p| index.sketch(p).is_none()).count();
-            // NVMe-only pages whose sketches are resident; pages that must
+            // Pages with bytes whose sketches are resident; pages that must
             // keep theirs (no original bytes to derive them from: gone,
             // summarised, lost); pages in memory; partial pages (they
             // still grow, and their sketches with them).
@@ -183,26 +168,28 @@ impl Store {
                     partial = true;
                 } else if place.lost().is_some() {
                     keep += usize::from(index.sketch(p).is_some());
-                } else if place.host().is_some() || place.device().is_some() {
-                    in_memory += 1;
-                } else if index.sketch(p).is_some() {
-                    spillable.push(p);
+                } else {
+                    in_memory += usize::from(place.host().is_some() || place.device().is_some());
+                    if index.sketch(p).is_some() {
+                        spillable.push(p);
+                    }
                 }
             }
-            // Spill only what gives the chunk's memory back: every page
-            // with bytes NVMe-only, and few enough kept that they go loose.
+            // Spill only what gives a held chunk's memory back (few enough
+            // kept that they go loose; a chunk not held keeps only the few
+            // sketches rankings read back), and where three quarters of the
+            // pages or more are NVMe-only: the others' sketches are read
+            // from memory. At half, they come back.
             let spill = self.config.spill_sketches;
-            if spill && !spillable.is_empty() && in_memory == 0 && !partial && keep <= SKETCH_LOOSE_KEPT {
+            let cold_enough = 4 * in_memory <= pages.len();
+            let frees = spillable.len() > SKETCH_LOOSE_MAX && keep <= SKETCH_LOOSE_KEPT;
+            if spill && frees && cold_enough && !partial {
                 out.push(ChunkWork::Spill(spillable));
             } else if spilled > 0 && (!spill || 2 * in_memory >= pages.len()) {
                 // (With spilling off, what a checkpoint left spilled comes
                 // back.)
                 let wanted: Vec<usize> = pages.filter(|&p| index.sketch(p).is_none()).collect();
-                let cold = LaneSketches {
-                    reader: self.reader(),
-                    layout: &seq.layout,
-                    lane,
-                };
+                let cold = LaneSketches::new(self.reader(), &seq.layout, lane);
                 let keys = wanted
                     .iter()
                     .zip(cold.keys(&wanted))
@@ -213,6 +200,38 @@ impl Store {
         }
         out
     }
+}
+
+/// Makes the sweep's decisions: spills and restores per lane; returns the
+/// pages spilled and restored. Safe whatever changed since they were made:
+/// a sketch is spilled only while its page keeps its original bytes (to
+/// derive it from), and restored only while spilled, with the keys of a
+/// full page (which never change).
+fn apply(seq: &mut Sequence, work: Vec<(usize, Vec<ChunkWork>)>) -> (u64, u64) {
+    let mut moved = (0, 0);
+    if seq.dropped {
+        return moved;
+    }
+    for (l, lane_work) in work {
+        let lane = &mut seq.lanes[l];
+        for w in lane_work {
+            match w {
+                ChunkWork::Spill(pages) => {
+                    for p in pages {
+                        if matches!(lane.page(p), Some(LogicalPage::Physical(_))) {
+                            moved.0 += u64::from(lane.spill_sketch(p));
+                        }
+                    }
+                }
+                ChunkWork::Restore(keys) => {
+                    for (p, keys) in keys {
+                        moved.1 += u64::from(lane.restore_sketch(p, &keys));
+                    }
+                }
+            }
+        }
+    }
+    moved
 }
 
 /// The pages of chunk `chunk` of `lane`.

@@ -101,9 +101,9 @@ pub(crate) struct DecodeArgs {
     /// frequency).
     #[arg(long, default_value_t = kvtier_store::HostPolicy::Lru)]
     host_policy: kvtier_store::HostPolicy,
-    /// In-process server: sketches of NVMe-only pages leave host memory
+    /// In-process server: sketches of NVMe-cold pages leave host memory
     /// (true or false).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, value_name = "BOOL")]
     spill_sketches: bool,
     /// In-process server: host tier as a share of the working set (below 1,
     /// the rest lives on NVMe).
