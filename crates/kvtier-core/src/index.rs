@@ -86,11 +86,11 @@ impl PageIndex {
         self.sketches.restore(page, &sketch::encode(dtype, d, keys))
     }
 
-    /// Makes page `page`'s sketches resident again from `rows`, as
-    /// [`ColdSketches`](crate::rank::ColdSketches) derived them; returns
-    /// whether they were spilled.
-    pub fn restore_sketch_rows(&mut self, page: usize, rows: &[u8]) -> bool {
-        self.sketches.restore(page, rows)
+    /// Takes back page `page`'s spilled sketch rows as
+    /// [`ColdSketches`](crate::rank::ColdSketches) derived them, where that
+    /// costs only their own memory; returns whether they were taken.
+    pub fn readmit_sketch(&mut self, page: usize, rows: &[u8]) -> bool {
+        self.sketches.readmit(page, rows)
     }
 
     /// Bytes of one token's sketch row.

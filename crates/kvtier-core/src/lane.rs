@@ -144,16 +144,17 @@ impl<P, S> Lane<P, S> {
         self.index.restore_sketch(page, keys)
     }
 
-    /// Makes page `page`'s sketches resident again from its sketch rows
-    /// (`[rows_in(page)]`, as a ranking derived them); returns whether
-    /// they were spilled.
-    pub fn restore_sketch_rows(&mut self, page: usize, rows: &[u8]) -> bool {
+    /// Takes back page `page`'s spilled sketch rows (`[rows_in(page)]`)
+    /// as a ranking derived them, where that costs only their own memory
+    /// ([`SketchColumn::readmit`](crate::sketch_column::SketchColumn::readmit));
+    /// returns whether they were taken.
+    pub fn readmit_sketch(&mut self, page: usize, rows: &[u8]) -> bool {
         assert_eq!(
             rows.len(),
             self.rows_in(page) as usize * self.index.sketch_row_bytes(),
             "a page's sketch rows"
         );
-        self.index.restore_sketch_rows(page, rows)
+        self.index.readmit_sketch(page, rows)
     }
 
     /// Page `page`'s index entry, for its rows.

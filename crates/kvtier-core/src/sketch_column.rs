@@ -67,7 +67,9 @@ impl SketchColumn {
     /// Bytes held in memory: whole chunks (spilled pages in them
     /// included) and loose pages.
     pub fn resident_bytes(&self) -> usize {
-        self.chunks.iter().flatten().map(Vec::capacity).sum::<usize>() + self.loose.len() * self.entry_bytes
+        // A loose page also costs its map entry (key and pointer).
+        let loose = self.entry_bytes + std::mem::size_of::<(usize, Box<[u8]>)>();
+        self.chunks.iter().flatten().map(Vec::capacity).sum::<usize>() + self.loose.len() * loose
     }
 
     /// Page `page`'s rows, or `None` when spilled. Panics past the end.
@@ -181,6 +183,18 @@ impl SketchColumn {
         true
     }
 
+    /// Like [`Self::restore`], but only where it costs the page's own rows:
+    /// into a held chunk, or loose while its chunk keeps fewer than
+    /// [`SKETCH_LOOSE_MAX`]; never makes a chunk held. Returns whether the
+    /// page was spilled and is resident now.
+    pub fn readmit(&mut self, page: usize, rows: &[u8]) -> bool {
+        let c = page / SKETCH_CHUNK_PAGES;
+        if !self.spilled[page] || (self.chunks[c].is_none() && self.resident_in(c) >= SKETCH_LOOSE_MAX) {
+            return false;
+        }
+        self.restore(page, rows)
+    }
+
     /// Makes page `page` resident again with `rows` (at most a page's
     /// rows; the rest zeroed): loose while its chunk is not held and has
     /// few resident pages. Returns whether it was spilled.
@@ -229,6 +243,7 @@ mod tests {
         PushSpilled,
         Spill(usize),
         Restore(usize, u8),
+        Readmit(usize, u8),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -237,6 +252,7 @@ mod tests {
             1 => Just(Op::PushSpilled),
             3 => any::<usize>().prop_map(Op::Spill),
             2 => (any::<usize>(), any::<u8>()).prop_map(|(p, v)| Op::Restore(p, v)),
+            2 => (any::<usize>(), any::<u8>()).prop_map(|(p, v)| Op::Readmit(p, v)),
         ]
     }
 
@@ -268,6 +284,16 @@ mod tests {
                         let p = p % model.len();
                         prop_assert_eq!(column.restore(p, &[v, v]), model[p].is_none());
                         model[p].get_or_insert([v, v, 0]);
+                    }
+                    Op::Readmit(p, v) if !model.is_empty() => {
+                        let p = p % model.len();
+                        let held = column.chunks[p / SKETCH_CHUNK_PAGES].is_some();
+                        let taken = column.readmit(p, &[v, v]);
+                        prop_assert!(!taken || model[p].is_none());
+                        prop_assert_eq!(column.chunks[p / SKETCH_CHUNK_PAGES].is_some(), held, "never holds a chunk");
+                        if taken {
+                            model[p] = Some([v, v, 0]);
+                        }
                     }
                     _ => {}
                 }

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use kvtier_core::{Layout, LogicalPage, PageTableError, PhysicalPages, SequenceKey, TenantId};
 use kvtier_sync::{Mutex, Rank, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use sequence::Deferred;
 pub use sequence::HeadRange;
 pub(crate) use sequence::{Sequence, Target};
 
@@ -31,16 +32,20 @@ use crate::{StoreError, StoreResult};
 /// machine, short enough that a stream of writers cannot hold it off.
 const YIELD_TO_WRITERS: Duration = Duration::from_millis(10);
 
-/// A sequence behind its lock, and how many writers wait for it.
+/// A sequence behind its lock, how many writers wait for it, and what
+/// is left for the next one (the sequence's own list, reached here
+/// without its lock).
 #[derive(Debug)]
 pub(crate) struct Cell {
     seq: RwLock<Sequence>,
     writers: AtomicU32,
+    deferred: Arc<Mutex<Deferred>>,
 }
 
 impl Cell {
     fn new(seq: Sequence) -> Arc<Self> {
         Arc::new(Self {
+            deferred: Arc::clone(&seq.deferred),
             seq: RwLock::new(Rank::Sequence, seq),
             writers: AtomicU32::new(0),
         })
@@ -61,8 +66,13 @@ impl Cell {
 
     /// Makes the changes left for this writer ([`Sequence::deferred`]).
     fn run_deferred(&self, seq: &mut Sequence) {
-        let deferred = std::mem::take(&mut *seq.deferred.lock());
+        let deferred = std::mem::take(&mut *self.deferred.lock());
         deferred.run(seq);
+    }
+
+    /// What is left for the next writer, without the sequence's lock.
+    pub(crate) fn deferred(&self) -> kvtier_sync::MutexGuard<'_, Deferred> {
+        self.deferred.lock()
     }
 
     /// The write lock unless a reader or writer holds it now: the

@@ -39,10 +39,12 @@ pub(crate) struct Sequence {
     /// Per lane, its last full ranking, kept while selections ask to reuse
     /// it (taken out while a selection ranks the lane, put back after).
     pub(crate) last_rankings: Vec<Mutex<Option<LastRanking>>>,
-    /// Changes made under the read lock's watch but not under it (the
-    /// sketch sweep's, a ranking's sketches read back), left for the next
-    /// writer, which makes them first (`Cell::write`).
-    pub(crate) deferred: Mutex<Deferred>,
+    /// Changes that need the write lock but were decided without it (the
+    /// sketch sweep's on a busy sequence, a ranking's sketches read back),
+    /// left for the next writer, which makes them first (`Cell::write`).
+    /// Shared with the sequence's `Cell`, which reaches it without the
+    /// sequence's lock.
+    pub(crate) deferred: Arc<Mutex<Deferred>>,
 }
 
 /// A change left for a sequence's next writer.
@@ -50,36 +52,43 @@ type Change = Box<dyn FnOnce(&mut Sequence) + Send>;
 
 /// Changes left for a sequence's next writer.
 #[derive(Default)]
-pub(crate) struct Deferred(Vec<Change>);
+pub(crate) struct Deferred {
+    changes: Vec<Change>,
+    /// A sweep's change is among them: the sweep decides again once it is
+    /// made.
+    sweep_waiting: bool,
+}
 
 impl std::fmt::Debug for Deferred {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Deferred({} changes)", self.0.len())
+        write!(f, "Deferred({} changes)", self.changes.len())
     }
 }
 
 impl Deferred {
-    /// Leaves `change` for the next writer.
-    pub(crate) fn push(&mut self, change: impl FnOnce(&mut Sequence) + Send + 'static) {
-        self.0.push(Box::new(change));
+    /// Leaves the sketch sweep's `change` for the next writer.
+    pub(crate) fn push_sweep(&mut self, change: impl FnOnce(&mut Sequence) + Send + 'static) {
+        self.changes.push(Box::new(change));
+        self.sweep_waiting = true;
+    }
+
+    /// Whether a sweep's change waits.
+    pub(crate) fn sweep_waiting(&self) -> bool {
+        self.sweep_waiting
     }
 
     /// Leaves `change` unless `max` changes wait already: for changes
     /// that only save work later, which must not pile up while no writer
     /// comes.
     pub(crate) fn push_unless(&mut self, max: usize, change: impl FnOnce(&mut Sequence) + Send + 'static) {
-        if self.0.len() < max {
-            self.push(change);
+        if self.changes.len() < max {
+            self.changes.push(Box::new(change));
         }
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.0.is_empty()
     }
 
     /// Makes the changes, in the order they were left.
     pub(crate) fn run(self, seq: &mut Sequence) {
-        for change in self.0 {
+        for change in self.changes {
             change(seq);
         }
     }
@@ -135,7 +144,7 @@ impl Sequence {
             persisted,
             charge,
             last_rankings,
-            deferred: Mutex::new(Rank::DeferredWrites, Deferred::default()),
+            deferred: Arc::new(Mutex::new(Rank::DeferredWrites, Deferred::default())),
         }
     }
 

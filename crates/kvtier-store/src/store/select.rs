@@ -548,15 +548,15 @@ fn rank_lane(
     if last.is_some() {
         *slot.lock() = last;
     }
-    // Sketches read back stay for the steps after (until a sweep finds
-    // their chunk cold again), given back by the next writer: this call
-    // holds the read lock only. At most a step's worth waits (one change
-    // per lane): selections with no write between them read again.
+    // Sketches read back stay for the steps after, where that costs only
+    // their own memory, taken back by the next writer: this call holds the
+    // read lock only. At most as many changes wait as the sequence has
+    // lanes: selections with no write between them read again.
     let derived = cold.take_derived();
     if !derived.is_empty() {
         seq.deferred.lock().push_unless(seq.lanes.len(), move |seq| {
             for (p, rows) in derived {
-                seq.lanes[lane_index].restore_sketch_rows(p, &rows);
+                seq.lanes[lane_index].readmit_sketch(p, &rows);
             }
         });
     }

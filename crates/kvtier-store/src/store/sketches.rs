@@ -81,9 +81,12 @@ impl Store {
             return moved;
         }
         for cell in self.catalog.cells() {
-            // A sequence whose last change still waits is decided again
-            // once its next writer has made it.
-            if !wait && (cell.would_wait() || !cell.read().deferred.lock().is_empty()) {
+            if !wait && cell.would_wait() {
+                continue;
+            }
+            // The last sweep's change waits for a writer: made now if the
+            // sequence is idle (it may stay so), decided again after.
+            if !wait && cell.deferred().sweep_waiting() && cell.try_write().is_none() {
                 continue;
             }
             let lanes = cell.read().lanes.len();
@@ -110,7 +113,7 @@ impl Store {
                     let (spilled, restored) = apply(&mut seq, work);
                     moved = (moved.0 + spilled, moved.1 + restored);
                 }
-                None => cell.read_behind_writers().deferred.lock().push(move |seq| {
+                None => cell.deferred().push_sweep(move |seq| {
                     apply(seq, work);
                 }),
             }
@@ -175,14 +178,17 @@ impl Store {
                     }
                 }
             }
-            // Spill only what gives a held chunk's memory back (few enough
-            // kept that they go loose; a chunk not held keeps only the few
-            // sketches rankings read back), and where three quarters of the
-            // pages or more are NVMe-only: the others' sketches are read
-            // from memory. At half, they come back.
+            // Spill where three quarters of the pages or more are NVMe-only
+            // (the others' sketches are read from memory; at half, they
+            // come back), and only what gives memory back: a held chunk's
+            // (few enough kept that they go loose), or the sketches
+            // rankings read back into a chunk not held once it has no room
+            // left for more (a quarter of it), so that later rankings'
+            // candidates find room.
             let spill = self.config.spill_sketches;
             let cold_enough = 4 * in_memory <= pages.len();
-            let frees = spillable.len() > SKETCH_LOOSE_MAX && keep <= SKETCH_LOOSE_KEPT;
+            let frees =
+                !spillable.is_empty() && spillable.len() + keep >= SKETCH_LOOSE_MAX && keep <= SKETCH_LOOSE_KEPT;
             if spill && frees && cold_enough && !partial {
                 out.push(ChunkWork::Spill(spillable));
             } else if spilled > 0 && (!spill || 2 * in_memory >= pages.len()) {
