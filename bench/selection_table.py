@@ -126,9 +126,9 @@ print("Host 100 %: the rows above (every page host-resident, every sketch in mem
 print("the pages NVMe-only. `kept`: every sketch in memory (the default). `spilled` (`--spill-sketches true`): a")
 print("64-page chunk's sketches leave memory once three quarters of its pages are NVMe-only; a ranking reads the")
 print("pages back (whole pages, CRC-checked, not promoted) for the sketches it needs — two-stage its candidates,")
-print("Quest none — and gives them back to the index, where they stay for the next steps (at most a quarter of a")
-print("chunk loose) until a sweep finds the chunk cold again. Sketch MB: the index's sketch rows in host memory as")
-print("the server reported them when the measured steps began and ended (1 MB = 10^6 B). rank ÷ quest: against")
+print("Quest none — and gives them back to the index, where they stay for the next steps (loose, up to a quarter")
+print("of the chunk; a sweep spills them again once it is full). Sketch MB: the index's sketch rows in host memory")
+print("as the server reported them when the measured steps began and ended (1 MB = 10^6 B). rank ÷ quest: against")
 print("Quest at the same host size and sketches.")
 print()
 print("| mode | host | sketches | index pages | spilled before | sketch MB before | spilled after | sketch MB after | "
