@@ -18,8 +18,8 @@ use kvtier_core::rank::{Mode, Ranking};
 use kvtier_core::select::Budget;
 use kvtier_core::{Action, ColdTier, DType, LayerGroup, Layout, LayoutSpec, PageState, Reason, SequenceKey};
 use kvtier_store::{
-    AppendTokens, EngineChoice, FetchPages, FetchedPage, HeadRange, MovedContent, NvmeConfig, PageContent, PageList,
-    PageSelection, PutPages, SelectPages, SetPageState, Store, StoreConfig,
+    AppendTokens, FetchPages, FetchedPage, HeadRange, MovedContent, PageContent, PageList, PageSelection, PutPages,
+    SelectPages, SetPageState, Store, StoreConfig,
 };
 use proptest::prelude::*;
 
@@ -48,13 +48,7 @@ fn open(dir: &Path) -> Arc<Store> {
     Store::new(StoreConfig {
         device_bytes: 64 << 10,
         host_bytes: 1 << 20,
-        nvme: Some(NvmeConfig {
-            path: dir.join("nvme.data"),
-            capacity: 8 << 20,
-            engine: EngineChoice::Auto,
-            queue_depth: 8,
-            direct: false,
-        }),
+        nvme: common::nvme(dir, 8 << 20, false),
         ..StoreConfig::default()
     })
     .unwrap()

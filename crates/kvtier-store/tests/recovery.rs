@@ -3,6 +3,8 @@
 //! memory come back gone with reason `lost_on_restart`, evictions stay
 //! evictions, dropped sequences stay dropped, and writing continues.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -10,8 +12,8 @@ use kvtier_core::rank::{Mode, Ranking};
 use kvtier_core::select::Budget;
 use kvtier_core::{ColdTier, DType, Layout, LayoutSpec, PageState, Reason, SequenceKey};
 use kvtier_store::{
-    AppendTokens, EngineChoice, FetchPages, HeadRange, NvmeConfig, PageContent, PageList, PageSelection, PutPages,
-    SelectPages, SetPageState, Store, StoreConfig,
+    AppendTokens, FetchPages, HeadRange, PageContent, PageList, PageSelection, PutPages, SelectPages, SetPageState,
+    Store, StoreConfig,
 };
 
 const PAGE: usize = 4;
@@ -36,13 +38,7 @@ fn open(dir: &Path) -> Arc<Store> {
     Store::new(StoreConfig {
         device_bytes: 1 << 20,
         host_bytes: 8 << 20,
-        nvme: Some(NvmeConfig {
-            path: dir.join("nvme.data"),
-            capacity: 8 << 20,
-            engine: EngineChoice::Auto,
-            queue_depth: 8,
-            direct: true,
-        }),
+        nvme: common::nvme(dir, 8 << 20, true),
         ..StoreConfig::default()
     })
     .unwrap()

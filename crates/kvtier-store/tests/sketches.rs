@@ -4,6 +4,8 @@
 //! if they had stayed. A twin sequence with the same keys, kept in memory,
 //! is the model: both must always rank alike.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -11,10 +13,7 @@ use kvtier_core::rank::{Mode, Ranking};
 use kvtier_core::select::{Aggregation, Budget};
 use kvtier_core::sketch_column::SKETCH_CHUNK_PAGES;
 use kvtier_core::{Action, ColdTier, DType, Layout, LayoutSpec, Reason, SequenceKey};
-use kvtier_store::{
-    EngineChoice, HeadRange, IndexMemory, NvmeConfig, PageSelection, PutPages, SelectPages, SetPageState, Store,
-    StoreConfig,
-};
+use kvtier_store::{HeadRange, IndexMemory, PageSelection, PutPages, SelectPages, SetPageState, Store, StoreConfig};
 
 const PAGE: usize = 4;
 const DIM: usize = 16;
@@ -45,13 +44,7 @@ fn open_with(dir: &Path, spill_sketches: bool) -> Arc<Store> {
         spill_sketches,
         device_bytes: 1 << 20,
         host_bytes: 64 << 20,
-        nvme: Some(NvmeConfig {
-            path: dir.join("nvme.data"),
-            capacity: 64 << 20,
-            engine: EngineChoice::Auto,
-            queue_depth: 8,
-            direct: true,
-        }),
+        nvme: common::nvme(dir, 64 << 20, true),
         ..StoreConfig::default()
     })
     .unwrap()
@@ -141,6 +134,15 @@ fn rankings(store: &Arc<Store>, seq: &str) -> Vec<(Vec<u32>, Vec<f32>)> {
     out
 }
 
+/// In both sequences: evicts pages `(first, count)` and summarises others.
+fn evict_and_summarize(store: &Store, (first, count): (u32, u32), summarized: (u32, u32)) {
+    for seq in ["spilled", "model"] {
+        set_state(store, seq, PageSelection::Range { first, count }, Action::Evict);
+        let (first, count) = summarized;
+        set_state(store, seq, PageSelection::Range { first, count }, Action::Summarize);
+    }
+}
+
 fn offload(store: &Store, seq: &str) {
     set_state(
         store,
@@ -182,15 +184,7 @@ fn spilled_sketches_rank_go_restart_and_come_back_as_resident_ones() {
     // Pages that go keep their index: evicted and summarised ones too.
     // (These writes also give back, first, the sketches the rankings
     // above read: `sketch` and `cuboid` read every spilled page.)
-    for seq in ["spilled", "model"] {
-        set_state(&store, seq, PageSelection::Range { first: 70, count: 3 }, Action::Evict);
-        set_state(
-            &store,
-            seq,
-            PageSelection::Range { first: 150, count: 2 },
-            Action::Summarize,
-        );
-    }
+    evict_and_summarize(&store, (70, 3), (150, 2));
     let read_back = store.index_memory();
     assert!(
         read_back.spilled_pages + 2 * 5 < after.spilled_pages,
@@ -262,15 +256,7 @@ fn pages_without_bytes_keep_their_sketches_loose_and_spilling_off_keeps_all() {
     );
 
     // Evicting and summarising spilled pages brings back theirs alone.
-    for seq in ["spilled", "model"] {
-        set_state(&store, seq, PageSelection::Range { first: 3, count: 2 }, Action::Evict);
-        set_state(
-            &store,
-            seq,
-            PageSelection::Range { first: 140, count: 1 },
-            Action::Summarize,
-        );
-    }
+    evict_and_summarize(&store, (3, 2), (140, 1));
     let went = store.index_memory();
     assert_eq!(went.spilled_pages, after.spilled_pages - 2 * 3);
     assert_eq!(
