@@ -45,9 +45,11 @@ pub enum Rank {
     /// A lane's last ranking, kept for reuse across decode steps
     /// (`catalog/sequence.rs`).
     LaneLastRanking,
-    /// Work the background left for a sequence's next writer
-    /// (`catalog`'s `Cell`).
+    /// Changes left for a sequence's next writer by the sketch sweep and
+    /// by rankings (`catalog`'s `Sequence::deferred`).
     DeferredWrites,
+    /// The sketches one lane's ranking read back (`reader/sketches.rs`).
+    DerivedSketches,
     /// The tenants' accounts (`accounts/`).
     Tenants,
     /// Page leases (`lease.rs`).

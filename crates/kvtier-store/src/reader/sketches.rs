@@ -5,6 +5,7 @@
 
 use kvtier_core::rank::ColdSketches;
 use kvtier_core::{Layout, LogicalPage, sketch};
+use kvtier_sync::{Mutex, Rank};
 
 use super::Reader;
 use crate::page::StoreLane;
@@ -18,7 +19,7 @@ pub(crate) struct LaneSketches<'a> {
     /// The sketches derived so far, by page: a ranking gives them back to
     /// the index (through the sequence's next writer), so that the next
     /// step's candidates, mostly the same, are not read again.
-    pub(crate) derived: std::sync::Mutex<Vec<(usize, Vec<u8>)>>,
+    derived: Mutex<Vec<(usize, Vec<u8>)>>,
 }
 
 impl<'a> LaneSketches<'a> {
@@ -27,13 +28,13 @@ impl<'a> LaneSketches<'a> {
             reader,
             layout,
             lane,
-            derived: std::sync::Mutex::default(),
+            derived: Mutex::new(Rank::DerivedSketches, Vec::new()),
         }
     }
 
     /// The sketches derived so far, by page.
     pub(crate) fn take_derived(&self) -> Vec<(usize, Vec<u8>)> {
-        std::mem::take(&mut *self.derived.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut *self.derived.lock())
     }
 }
 
@@ -78,7 +79,7 @@ impl ColdSketches for LaneSketches<'_> {
             .into_iter()
             .map(|keys| keys.map(|k| sketch::encode(dtype, d, &k)))
             .collect();
-        let mut derived = self.derived.lock().unwrap_or_else(|p| p.into_inner());
+        let mut derived = self.derived.lock();
         derived.extend(pages.iter().zip(&out).filter_map(|(&p, s)| Some((p, s.clone()?))));
         out
     }

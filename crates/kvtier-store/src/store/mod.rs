@@ -42,7 +42,8 @@
 //! only that sequence; the background migration, demotion and checkpoint
 //! never take a sequence's write lock (a checkpoint takes each sequence's
 //! read lock for one lane at a time), and the background sketch sweep
-//! takes it only when it is free (`try_write`), skipping it otherwise.
+//! takes it only when it is free (`try_write`), leaving its change to the
+//! sequence's next writer otherwise.
 
 mod fetch;
 mod moves;

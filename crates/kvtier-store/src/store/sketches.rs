@@ -1,8 +1,8 @@
-//! Where a lane's key sketches live (docs/CONCEPTS.md §3.1): in memory
-//! while any page of their chunk is, and on NVMe — as the pages' own key
-//! rows, from which a sketch is derived again bit for bit — once every
-//! page of the chunk is NVMe-only. A background sweep spills and restores
-//! chunks; a ranking reads the spilled sketches it needs
+//! Where a lane's key sketches live (docs/CONCEPTS.md §3.1): in memory,
+//! and with `spill_sketches` on NVMe — as the pages' own key rows, from
+//! which a sketch is derived again bit for bit — once three quarters of
+//! their chunk's pages are NVMe-only. A background sweep spills and
+//! restores chunks; a ranking reads the spilled sketches it needs
 //! (`reader/sketches.rs`).
 
 use std::sync::atomic::Ordering;
@@ -22,8 +22,8 @@ const SWEEP_EVERY_TICKS: u32 = 50;
 
 /// What one chunk of a lane needs.
 enum ChunkWork {
-    /// Every page with bytes is full and NVMe-only: these pages' sketches
-    /// can leave memory (the chunk's, bar a few kept loose).
+    /// Cold enough, every page full: these pages' sketches can leave
+    /// memory (the chunk's, bar a few kept loose).
     Spill(Vec<usize>),
     /// Spilled, but half its pages or more are in memory again: their
     /// sketches come back (from the pages' key rows), as do the rest's.
@@ -89,7 +89,16 @@ impl Store {
             if !wait && cell.deferred().sweep_waiting() && cell.try_write().is_none() {
                 continue;
             }
-            let lanes = cell.read().lanes.len();
+            let lanes = {
+                let seq = cell.read();
+                // With spilling off, only what a checkpoint left spilled
+                // needs the sweep.
+                let spilled = || seq.lanes.iter().any(|l| l.index().spilled_pages() > 0);
+                if !self.config.spill_sketches && !spilled() {
+                    continue;
+                }
+                seq.lanes.len()
+            };
             // One lane at a time, decided (and restored keys read) under the
             // read lock, behind waiting writers: an append never waits out
             // a whole sequence's scan.
