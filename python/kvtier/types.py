@@ -257,6 +257,23 @@ class ShmRegion:
     def spin(self, seconds: float) -> None:
         self._registered().spin = seconds
 
+    @property
+    def server_poll(self) -> float:
+        """Seconds the server's thread for this region polls for its next
+        call at most before it sleeps on it, as every call asks (0 until
+        set: asks nothing, and the server's ``shm_poll_us`` applies; the
+        server cuts an ask to its ``shm_poll_max_us``). Where calls come a
+        few milliseconds apart, as an engine's decode loop makes them (one
+        per layer, a layer's compute apart), each then skips that thread's
+        wake-up, at the cost of a core polling between them; the thread
+        polls only while calls come within this. Setting 0 asks nothing
+        more: the thread keeps what it was last asked."""
+        return float(self._registered().server_poll)
+
+    @server_poll.setter
+    def server_poll(self, seconds: float) -> None:
+        self._registered().server_poll = seconds
+
     def window(self, offset: int = 0, length: Optional[int] = None) -> "ShmWindow":
         """A window of the region for one call (the whole region by
         default). The arrays a call returns view its window until a later

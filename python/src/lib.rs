@@ -423,9 +423,23 @@ impl Region {
 
     #[setter]
     fn set_spin(&self, py: Python<'_>, seconds: f64) -> PyResult<()> {
-        let spin = Duration::try_from_secs_f64(seconds)
-            .map_err(|_| PyValueError::new_err(format!("spin: is {seconds}, give seconds from 0 up")))?;
+        let spin = seconds_from(seconds, "spin")?;
         py.detach(|| self.held().set_spin(spin));
+        Ok(())
+    }
+
+    /// Seconds the server's thread for this region polls for its next call
+    /// at most, as every call asks (`kvtier_client::ShmRegion::set_server_poll`;
+    /// 0, until set: asks nothing).
+    #[getter]
+    fn server_poll(&self, py: Python<'_>) -> f64 {
+        py.detach(|| self.held().server_poll().as_secs_f64())
+    }
+
+    #[setter]
+    fn set_server_poll(&self, py: Python<'_>, seconds: f64) -> PyResult<()> {
+        let poll = seconds_from(seconds, "server_poll")?;
+        py.detach(|| self.held().set_server_poll(poll));
         Ok(())
     }
 
@@ -492,6 +506,12 @@ impl Region {
             .map_err(|status| status_error(py, &status))?
             .into_py(py)
     }
+}
+
+/// `seconds` for the setter of `field`: from 0 up, finite.
+fn seconds_from(seconds: f64, field: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(seconds)
+        .map_err(|_| PyValueError::new_err(format!("{field}: is {seconds}, give seconds from 0 up")))
 }
 
 /// The answer to `method` in a region's `reply`: its refusal, the

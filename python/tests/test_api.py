@@ -132,6 +132,13 @@ def test_refusals_raise_typed_exceptions_naming_the_field_and_change_nothing(cli
         with pytest.raises(ValueError, match="spin: is"):
             region.spin = bad_spin
     assert region.spin == pytest.approx(1e-4)
+    assert region.server_poll == 0.0
+    region.server_poll = 0.003
+    assert region.server_poll == pytest.approx(0.003)
+    for bad_poll in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="server_poll: is"):
+            region.server_poll = bad_poll
+    assert region.server_poll == pytest.approx(0.003)
     region.close()
     # none of it changed the sequence
     assert client.info("e")["max_tokens"] == 6

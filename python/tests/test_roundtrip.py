@@ -63,8 +63,10 @@ layouts = st.fixed_dictionaries(
         "seed": st.integers(0, 2**32 - 1),
         "way_in": st.sampled_from(["numpy", "dlpack", "memoryview", "list"]),
         # how calls over the region wait for their replies: sleeping at once
-        # (the default), or polling first
+        # (the default), or polling first; and whether the calls ask the
+        # server's thread to poll for the next one
         "spin": st.sampled_from([None, 0.0001]),
+        "server_poll": st.sampled_from([None, 0.002]),
     }
 )
 
@@ -98,6 +100,8 @@ def test_put_append_fetch_are_bit_exact_inline_and_over_shm(client, case):
         region = client.register_shm(heads * pages_per_head * page * 2 * dim * k.dtype.itemsize)
         if case["spin"] is not None:
             region.spin = case["spin"]
+        if case["server_poll"] is not None:
+            region.server_poll = case["server_poll"]
         for i in range(case["appended"]):
             k1 = random_kv(rng, dtype, heads, 1, dim)
             v1 = random_kv(rng, dtype, heads, 1, dim)

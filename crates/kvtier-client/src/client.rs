@@ -860,7 +860,12 @@ pub struct SelectResult {
 /// `call` over `region`'s own connection: the reply, or the server's
 /// refusal.
 async fn local(region: &mut ShmRegion, call: pb::local_call::Call) -> Result<pb::LocalReply> {
-    Ok(region.call(&pb::LocalCall { call: Some(call) }).await??)
+    Ok(region
+        .call(&pb::LocalCall {
+            call: Some(call),
+            ..Default::default()
+        })
+        .await??)
 }
 
 impl SelectResult {

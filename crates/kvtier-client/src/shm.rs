@@ -64,6 +64,28 @@ pub enum ShmError {
 /// -> 40-48 ms, though the CPU is yielded at every turn).
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(100);
 
+/// `LocalCall.poll_next_us`'s field number.
+const LOCAL_CALL_POLL_NEXT_US: u32 = 4;
+
+/// The frame of an encoded call: its length, then its bytes, with
+/// `LocalCall.poll_next_us` set to `server_poll_us` unless that is zero.
+/// A field appended to an encoded message is that field set (protobuf
+/// merges), so the ask goes with calls however they were encoded (the
+/// Python client's, by reflection).
+fn frame(call: &[u8], server_poll_us: u32) -> io::Result<Vec<u8>> {
+    let mut ask = Vec::new();
+    if server_poll_us > 0 {
+        prost::encoding::uint32::encode(LOCAL_CALL_POLL_NEXT_US, &server_poll_us, &mut ask);
+    }
+    let len = u32::try_from(call.len() + ask.len())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a call over 4 GiB"))?;
+    let mut frame = Vec::with_capacity(4 + call.len() + ask.len());
+    frame.extend_from_slice(&len.to_le_bytes());
+    frame.extend_from_slice(call);
+    frame.extend_from_slice(&ask);
+    Ok(frame)
+}
+
 /// A shared-memory region registered with a server.
 #[derive(Debug)]
 pub struct ShmRegion {
@@ -85,6 +107,9 @@ pub struct ShmRegion {
     /// Whether, and how long, a call polls for its reply before it sleeps
     /// on it: up to the spin, from how long recent replies took.
     poll: AdaptivePoll,
+    /// What every call asks of the server's thread
+    /// (`LocalCall.poll_next_us`); zero: nothing.
+    server_poll_us: u32,
 }
 
 impl ShmRegion {
@@ -128,6 +153,7 @@ impl ShmRegion {
                     reply: Vec::new(),
                     reply_read: 0,
                     poll: AdaptivePoll::new(DEFAULT_SPIN),
+                    server_poll_us: 0,
                 })
             }
             ["error", code, message] => {
@@ -171,12 +197,7 @@ impl ShmRegion {
         while self.owed > 0 {
             self.read_reply().await?;
         }
-        let len =
-            u32::try_from(call.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a call over 4 GiB"))?;
-        let mut frame = Vec::with_capacity(4 + call.len());
-        frame.extend_from_slice(&len.to_le_bytes());
-        frame.extend_from_slice(call);
-        self.unsent = Some((frame, 0));
+        self.unsent = Some((frame(call, self.server_poll_us)?, 0));
         // Timed only where it is answered: a call dropped on the way is
         // finished, unclocked, by the next.
         let sent = Instant::now();
@@ -296,6 +317,22 @@ impl ShmRegion {
         self.poll.cap()
     }
 
+    /// Asks the server's thread for this region's connection to poll for
+    /// the next call for up to `poll` after each (`LocalCall.poll_next_us`,
+    /// bounded by the server's `shm_poll_max_us`; whole microseconds, at
+    /// most `u32::MAX`), from the next call on; zero asks nothing more (the
+    /// thread keeps what it was last asked). Where calls come a few
+    /// milliseconds apart (an engine's decode loop), each then skips the
+    /// thread's wake-up, at the cost of a core polling between them.
+    pub fn set_server_poll(&mut self, poll: Duration) {
+        self.server_poll_us = u32::try_from(poll.as_micros()).unwrap_or(u32::MAX);
+    }
+
+    /// See [`ShmRegion::set_server_poll`].
+    pub fn server_poll(&self) -> Duration {
+        Duration::from_micros(self.server_poll_us.into())
+    }
+
     /// A window of the region for a request's `shm` field.
     pub fn window(&self, offset: u64, length: u64) -> pb::ShmWindow {
         pb::ShmWindow {
@@ -403,4 +440,29 @@ fn send_with_fd(stream: &UnixStream, bytes: &[u8], fd: RawFd) -> io::Result<usiz
         return Err(io::Error::last_os_error());
     }
     Ok(sent as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_calls_frame_carries_the_server_poll_asked_whoever_encoded_the_call() {
+        let call = pb::LocalCall {
+            call: Some(pb::local_call::Call::AppendTokens(pb::AppendTokensRequest {
+                sequence_id: "s".into(),
+                num_tokens: 3,
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        for ask in [0, 1, 5000, u32::MAX] {
+            let framed = frame(&call.encode_to_vec(), ask).unwrap();
+            let len = u32::from_le_bytes(framed[..4].try_into().unwrap()) as usize;
+            assert_eq!(len, framed.len() - 4);
+            let sent = pb::LocalCall::decode(&framed[4..]).unwrap();
+            assert_eq!(sent.call, call.call, "the call itself, unchanged");
+            assert_eq!(sent.poll_next_us, ask);
+        }
+    }
 }

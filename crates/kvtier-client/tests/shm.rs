@@ -426,14 +426,17 @@ async fn windows_outside_the_region_are_refused_and_nothing_is_written() {
     ];
     for (call, message) in calls {
         let refusal = region
-            .call(&pb::LocalCall { call: Some(call) })
+            .call(&pb::LocalCall {
+                call: Some(call),
+                ..Default::default()
+            })
             .await
             .unwrap()
             .unwrap_err();
         assert_eq!(refusal.code(), tonic::Code::InvalidArgument, "{}", refusal.message());
         assert!(refusal.message().starts_with(message), "{}", refusal.message());
     }
-    let refusal = region.call(&pb::LocalCall { call: None }).await.unwrap().unwrap_err();
+    let refusal = region.call(&pb::LocalCall::default()).await.unwrap().unwrap_err();
     assert_eq!(refusal.code(), tonic::Code::InvalidArgument);
     assert!(
         refusal.message().starts_with("call: names no call"),

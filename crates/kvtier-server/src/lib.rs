@@ -70,8 +70,12 @@ pub struct ServerConfig {
     pub shm_socket: Option<PathBuf>,
     /// How long a thread serving a region's connection polls for the next
     /// call at most before sleeping on it, while the connection's calls
-    /// have been coming within that (zero: never polls).
+    /// have been coming within that (zero: never polls), until a call asks
+    /// for another (`LocalCall.poll_next_us`).
     pub shm_poll: Duration,
+    /// The longest poll a call may ask for; a longer ask counts as this
+    /// (zero: calls cannot ask).
+    pub shm_poll_max: Duration,
     /// Where recordings that `SetAccessTrace` starts go; `None`: the RPC
     /// cannot start one.
     pub access_trace_dir: Option<PathBuf>,
@@ -84,6 +88,11 @@ pub struct ServerConfig {
 /// worker's back-to-back calls costs tens of microseconds on VMs, and
 /// polling stops by itself where calls come further apart.
 pub const DEFAULT_SHM_POLL: Duration = Duration::from_micros(50);
+
+/// The longest poll a region's call may ask its thread for
+/// ([`ServerConfig::shm_poll_max`]): an engine's decode loop calls once per
+/// layer, a layer's compute apart (SmolLM2 on 2 cores: about 3 ms).
+pub const DEFAULT_SHM_POLL_MAX: Duration = Duration::from_millis(10);
 
 /// How long a shutdown waits for scrapes in flight.
 const METRICS_DRAIN: Duration = Duration::from_secs(2);
@@ -110,6 +119,7 @@ impl Default for ServerConfig {
             insecure: false,
             shm_socket: None,
             shm_poll: DEFAULT_SHM_POLL,
+            shm_poll_max: DEFAULT_SHM_POLL_MAX,
             access_trace_dir: None,
             access_trace_max_bytes: 1 << 30,
         }
@@ -353,6 +363,7 @@ impl BoundServer {
                 metrics: Arc::clone(&rpc_metrics),
                 max_frame: limit,
                 poll: self.config.shm_poll,
+                poll_max: self.config.shm_poll_max,
             };
             let auth = Arc::new(self.config.auth.clone());
             Some(tokio::spawn(shm::serve(listener, path.clone(), ctx, auth, stop)))
@@ -403,6 +414,7 @@ impl BoundServer {
             auth = self.config.auth.enabled(),
             shm_socket = %self.config.shm_socket.as_ref().map_or("off".to_owned(), |p| p.display().to_string()),
             shm_poll_us = self.config.shm_poll.as_micros() as u64,
+            shm_poll_max_us = self.config.shm_poll_max.as_micros() as u64,
             "serving kvtier.v1"
         );
         // Larger HTTP/2 windows and frames: the defaults cap one client at

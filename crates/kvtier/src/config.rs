@@ -88,6 +88,8 @@ pub(crate) struct FileConfig {
     pub(crate) shm_socket: Option<String>,
     /// How long a region's connection thread polls for the next call, µs.
     pub(crate) shm_poll_us: Option<u64>,
+    /// The longest poll for the next call a region's call may ask for, µs.
+    pub(crate) shm_poll_max_us: Option<u64>,
     pub(crate) tls: Option<TlsFileConfig>,
     #[serde(default)]
     pub(crate) auth: AuthFileConfig,

@@ -107,10 +107,16 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "PATH")]
     shm_socket: Option<String>,
     /// How long a region's connection thread polls for the next call at
-    /// most before sleeping on it, while calls come within that; 0: never
-    /// [default: 50].
+    /// most before sleeping on it, while calls come within that, until a
+    /// call asks for another; 0: never [default: 50].
     #[arg(long, value_name = "MICROSECONDS")]
     shm_poll_us: Option<u64>,
+    /// The longest poll for the next call a region's call may ask for
+    /// (`LocalCall.poll_next_us`; a longer ask counts as this); 0: calls
+    /// cannot ask
+    /// [default: 10000].
+    #[arg(long, value_name = "MICROSECONDS")]
+    shm_poll_max_us: Option<u64>,
     /// Record page accesses from startup into this file, the input of
     /// `kvtier tune` (recordings can also be started over gRPC).
     #[arg(long, value_name = "FILE")]
@@ -223,6 +229,10 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<()> {
             .shm_poll_us
             .or(file.shm_poll_us)
             .map_or(defaults.shm_poll, std::time::Duration::from_micros),
+        shm_poll_max: args
+            .shm_poll_max_us
+            .or(file.shm_poll_max_us)
+            .map_or(defaults.shm_poll_max, std::time::Duration::from_micros),
         access_trace_dir: None,
         access_trace_max_bytes: args
             .access_trace_max_bytes

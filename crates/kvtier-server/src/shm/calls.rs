@@ -46,8 +46,12 @@ pub(crate) struct CallContext {
     /// The largest call frame accepted: the server's message limit.
     pub(crate) max_frame: usize,
     /// How long a connection's thread polls for its next call at most
-    /// before sleeping on it (`ServerConfig::shm_poll`).
+    /// before sleeping on it (`ServerConfig::shm_poll`), until a call asks
+    /// for another.
     pub(crate) poll: Duration,
+    /// The longest poll a call may ask for (`ServerConfig::shm_poll_max`;
+    /// zero: calls cannot ask).
+    pub(crate) poll_max: Duration,
 }
 
 /// The registered connections' threads, so that a stopping server can end
@@ -163,7 +167,12 @@ fn serve(stream: &UnixStream, caller: &Caller, ctx: &CallContext) -> io::Result<
         // The call's bytes stay charged until its reply is written.
         let (_held, call) = read_call(stream, len, ctx)?;
         let (method, reply) = match call {
-            Ok(call) => answer(call, caller, ctx),
+            Ok(call) => {
+                if let Some(asked) = asked_poll(call.poll_next_us, ctx.poll_max) {
+                    poll.set_cap(asked);
+                }
+                answer(call, caller, ctx)
+            }
             Err(status) => (None, Err(status)),
         };
         let code = reply.as_ref().err().map_or(Code::Ok, Status::code);
@@ -172,6 +181,13 @@ fn serve(stream: &UnixStream, caller: &Caller, ctx: &CallContext) -> io::Result<
         write_reply(stream, reply)?;
     }
     Ok(())
+}
+
+/// The poll for the next call a call's `poll_next_us` asks for, cut to
+/// `max`: `None` where it asks nothing, or where `max` is zero (calls
+/// cannot ask).
+fn asked_poll(poll_next_us: u32, max: Duration) -> Option<Duration> {
+    (poll_next_us > 0 && !max.is_zero()).then(|| Duration::from_micros(poll_next_us.into()).min(max))
 }
 
 /// The next call's length; `None` once the client has closed. Polled for
@@ -381,6 +397,7 @@ mod tests {
             metrics: Arc::new(RpcMetrics::default()),
             max_frame,
             poll,
+            poll_max: crate::DEFAULT_SHM_POLL_MAX,
         };
         let caller = Auth::default().caller_with_token("").unwrap();
         let (ours, theirs) = UnixStream::pair().unwrap();
@@ -434,6 +451,7 @@ mod tests {
                 kv_head_count: 1,
                 ..Default::default()
             })),
+            ..Default::default()
         };
         send(&stream, &call.encode_to_vec());
         let (code, message) = refusal(&stream);
@@ -443,6 +461,15 @@ mod tests {
         std::io::Write::write_all(&mut &stream, &[10, 0, 0, 0, 1]).unwrap();
         drop(stream);
         assert!(thread.join().unwrap().is_err());
+    }
+
+    #[test]
+    fn a_call_asks_for_a_poll_up_to_the_servers_longest() {
+        let max = Duration::from_millis(10);
+        assert_eq!(asked_poll(0, max), None, "asks nothing");
+        assert_eq!(asked_poll(3000, max), Some(Duration::from_millis(3)));
+        assert_eq!(asked_poll(u32::MAX, max), Some(max), "cut to the longest");
+        assert_eq!(asked_poll(3000, Duration::ZERO), None, "a server that takes no asks");
     }
 
     #[test]
@@ -469,6 +496,7 @@ mod tests {
                 kv_head_count: 1,
                 ..Default::default()
             })),
+            ..Default::default()
         }
         .encode_to_vec()
     }
