@@ -260,14 +260,14 @@ class ShmRegion:
     @property
     def server_poll(self) -> float:
         """Seconds the server's thread for this region polls for its next
-        call at most before it sleeps on it, as every call asks (0 until
-        set: asks nothing, and the server's ``shm_poll_us`` applies; the
-        server cuts an ask to its ``shm_poll_max_us``). Where calls come a
-        few milliseconds apart, as an engine's decode loop makes them (one
-        per layer, a layer's compute apart), each then skips that thread's
+        call at most before it sleeps on it, as every call asks (0, until
+        set: the server's own ``shm_poll_us``; the server cuts an ask to its
+        ``shm_poll_max_us``, and gives polls longer than its own to as many
+        regions at once as half its cores). Where calls come a few
+        milliseconds apart, as an engine's decode loop makes them (one per
+        layer, a layer's compute apart), each then skips that thread's
         wake-up, at the cost of a core polling between them; the thread
-        polls only while calls come within this. Setting 0 asks nothing
-        more: the thread keeps what it was last asked."""
+        polls only while calls come within this."""
         return float(self._registered().server_poll)
 
     @server_poll.setter

@@ -430,7 +430,7 @@ impl Region {
 
     /// Seconds the server's thread for this region polls for its next call
     /// at most, as every call asks (`kvtier_client::ShmRegion::set_server_poll`;
-    /// 0, until set: asks nothing).
+    /// 0, until set: the server's own poll).
     #[getter]
     fn server_poll(&self, py: Python<'_>) -> f64 {
         py.detach(|| self.held().server_poll().as_secs_f64())

@@ -57,7 +57,8 @@ pub enum ShmError {
 /// that sleeps is woken tens of microseconds after its reply arrives on
 /// these VMs (an empty call: 6-14 us polling, 40-50 sleeping, client and
 /// server on different CPUs), most of a small call, which polling saves.
-/// A region polls only while its recent replies came within the poll
+/// A region polls only while its recent replies came within the poll, and
+/// on one wait in 16 to see whether they would again
 /// (`kvtier_core::poll::AdaptivePoll`): where a call takes longer (a long context's selection),
 /// polling takes its CPU from the server's work and shortens nothing (on 2
 /// cores, a 100 us poll on every call made a llama3-8b 32K decode step 35
@@ -177,9 +178,10 @@ impl ShmRegion {
         self.call_encoded(&call.encode_to_vec()).await
     }
 
-    /// [`ShmRegion::call`] with the call's bytes as given: whatever does not
-    /// decode as a `LocalCall` the server refuses (INVALID_ARGUMENT), and
-    /// the connection goes on.
+    /// [`ShmRegion::call`] with the call's bytes as given, and the server
+    /// poll asked ([`ShmRegion::set_server_poll`]) appended as a field:
+    /// whatever does not decode as a `LocalCall` the server refuses
+    /// (INVALID_ARGUMENT), and the connection goes on.
     pub async fn call_encoded(&mut self, call: &[u8]) -> Result<Result<pb::LocalReply, tonic::Status>, ShmError> {
         let reply = pb::LocalReply::decode(self.call_raw(call).await?)?;
         Ok(match reply.error {
@@ -318,14 +320,16 @@ impl ShmRegion {
     }
 
     /// Asks the server's thread for this region's connection to poll for
-    /// the next call for up to `poll` after each (`LocalCall.poll_next_us`,
-    /// bounded by the server's `shm_poll_max_us`; whole microseconds, at
-    /// most `u32::MAX`), from the next call on; zero asks nothing more (the
-    /// thread keeps what it was last asked). Where calls come a few
-    /// milliseconds apart (an engine's decode loop), each then skips the
-    /// thread's wake-up, at the cost of a core polling between them.
+    /// the next call for up to `poll` after each call
+    /// (`LocalCall.poll_next_us`: bounded by the server's
+    /// `shm_poll_max_us`, and past the server's own poll given to as many
+    /// connections at once as half its cores; microseconds, rounded up, at
+    /// most `u32::MAX`); zero: the server's own poll. Where calls come a
+    /// few milliseconds apart (an engine's decode loop), each then skips
+    /// the thread's wake-up, at the cost of a core polling between them.
     pub fn set_server_poll(&mut self, poll: Duration) {
-        self.server_poll_us = u32::try_from(poll.as_micros()).unwrap_or(u32::MAX);
+        let micros = poll.as_nanos().div_ceil(1000);
+        self.server_poll_us = u32::try_from(micros).unwrap_or(u32::MAX);
     }
 
     /// See [`ShmRegion::set_server_poll`].

@@ -28,13 +28,13 @@ pub const PROBE_EVERY: u32 = 16;
 /// not. A wait is counted at most 4 × `cap` long: how long a wait was, once
 /// well past the poll, says nothing more, and a long pause must not keep a
 /// waiter from polling for dozens of events after.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct AdaptivePoll {
     cap: Duration,
     mean: Option<Duration>,
-    /// Waits slept on without polling since the last probe.
+    /// Waits slept on without polling since the last probe or poll.
     slept: u32,
-    /// The last poll was a probe and caught its event.
+    /// The last poll was a probe and caught its event, not yet observed.
     caught: bool,
 }
 
@@ -87,13 +87,17 @@ impl AdaptivePoll {
     /// between tries (the other end may be waiting for this very CPU):
     /// `None` once it is spent, and the caller sleeps instead.
     pub fn poll<T, E>(&mut self, mut attempt: impl FnMut() -> Result<Option<T>, E>) -> Result<Option<T>, E> {
+        // A catch not observed (a wait the caller did not clock) is stale.
+        self.caught = false;
         let mut budget = self.budget();
         let probe = budget.is_zero() && !self.cap.is_zero() && {
             self.slept += 1;
             self.slept >= PROBE_EVERY
         };
-        if probe {
+        if !budget.is_zero() || probe {
             self.slept = 0;
+        }
+        if probe {
             budget = self.cap;
         }
         if budget.is_zero() {
@@ -246,5 +250,26 @@ mod tests {
             0,
             "a zero cap never probes"
         );
+        // Waits slept on count afresh after polling: locked out again
+        // after PROBE_EVERY - 1 sleeps and a spell of polling, the next
+        // probe is PROBE_EVERY sleeps away.
+        p = settled(5000);
+        assert_eq!(polls_among(&mut p, PROBE_EVERY - 1, us(5000)), 0);
+        p.mean = Some(us(10));
+        assert_eq!(polls_among(&mut p, 1, us(10)), 1, "polls while quick");
+        p.mean = Some(us(5000));
+        assert_eq!(polls_among(&mut p, PROBE_EVERY - 1, us(5000)), 0, "probed too soon");
+        assert_eq!(polls_among(&mut p, 1, us(5000)), 1);
+        // A probe's catch the caller never observed does not restart a
+        // later wait's mean.
+        p = settled(5000);
+        for _ in 1..PROBE_EVERY {
+            assert_eq!(p.poll(|| Ok::<_, ()>(Some(()))), Ok(None));
+            p.observe(us(5000));
+        }
+        assert_eq!(p.poll(|| Ok::<_, ()>(Some(()))), Ok(Some(())), "the probe, unclocked");
+        assert_eq!(p.poll(|| Ok::<_, ()>(Some(()))), Ok(None), "slept on");
+        p.observe(us(20));
+        assert_ne!(p.mean, Some(us(20)), "a stale catch restarted the mean");
     }
 }

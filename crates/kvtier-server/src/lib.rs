@@ -70,11 +70,12 @@ pub struct ServerConfig {
     pub shm_socket: Option<PathBuf>,
     /// How long a thread serving a region's connection polls for the next
     /// call at most before sleeping on it, while the connection's calls
-    /// have been coming within that (zero: never polls), until a call asks
-    /// for another (`LocalCall.poll_next_us`).
+    /// have been coming within that (zero: never polls), unless a call asks
+    /// for another after it (`LocalCall.poll_next_us`).
     pub shm_poll: Duration,
     /// The longest poll a call may ask for; a longer ask counts as this
-    /// (zero: calls cannot ask).
+    /// (zero: calls cannot ask). Polls longer than `shm_poll` are given to
+    /// as many connections at once as half the cores.
     pub shm_poll_max: Duration,
     /// Where recordings that `SetAccessTrace` starts go; `None`: the RPC
     /// cannot start one.
@@ -86,7 +87,9 @@ pub struct ServerConfig {
 /// How long a region's connection thread polls for the next call at most
 /// ([`ServerConfig::shm_poll`]). Waking a thread that sleeps between a
 /// worker's back-to-back calls costs tens of microseconds on VMs, and
-/// polling stops by itself where calls come further apart.
+/// polling stops by itself where calls come further apart (but for one
+/// wait in 16, which polls to see whether they would come within it
+/// again).
 pub const DEFAULT_SHM_POLL: Duration = Duration::from_micros(50);
 
 /// The longest poll a region's call may ask its thread for
@@ -364,6 +367,7 @@ impl BoundServer {
                 max_frame: limit,
                 poll: self.config.shm_poll,
                 poll_max: self.config.shm_poll_max,
+                long_polls: shm::LongPolls::for_cores(),
             };
             let auth = Arc::new(self.config.auth.clone());
             Some(tokio::spawn(shm::serve(listener, path.clone(), ctx, auth, stop)))

@@ -107,13 +107,14 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "PATH")]
     shm_socket: Option<String>,
     /// How long a region's connection thread polls for the next call at
-    /// most before sleeping on it, while calls come within that, until a
-    /// call asks for another; 0: never [default: 50].
+    /// most before sleeping on it, while calls come within that, unless a
+    /// call asks for another after it; 0: never [default: 50].
     #[arg(long, value_name = "MICROSECONDS")]
     shm_poll_us: Option<u64>,
     /// The longest poll for the next call a region's call may ask for
-    /// (`LocalCall.poll_next_us`; a longer ask counts as this); 0: calls
-    /// cannot ask
+    /// (`LocalCall.poll_next_us`; a longer ask counts as this; polls longer
+    /// than --shm-poll-us go to as many connections at once as half the
+    /// cores); 0: calls cannot ask
     /// [default: 10000].
     #[arg(long, value_name = "MICROSECONDS")]
     shm_poll_max_us: Option<u64>,

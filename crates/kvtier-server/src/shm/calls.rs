@@ -23,6 +23,7 @@ use prost::Message;
 use tonic::{Code, Status};
 
 use super::Regions;
+use super::long_polls::{LongPoll, LongPolls};
 use crate::auth::Caller;
 use crate::inflight::{Held, InFlight};
 use crate::rpc_metrics::{RpcMetrics, Transport};
@@ -52,6 +53,8 @@ pub(crate) struct CallContext {
     /// The longest poll a call may ask for (`ServerConfig::shm_poll_max`;
     /// zero: calls cannot ask).
     pub(crate) poll_max: Duration,
+    /// Who may poll longer than `poll`.
+    pub(crate) long_polls: Arc<LongPolls>,
 }
 
 /// The registered connections' threads, so that a stopping server can end
@@ -162,16 +165,21 @@ fn serve(stream: &UnixStream, caller: &Caller, ctx: &CallContext) -> io::Result<
     stream.set_write_timeout(Some(FRAME_TIME))?;
     stream.set_read_timeout(Some(FRAME_TIME))?;
     let mut poll = AdaptivePoll::new(ctx.poll);
-    while let Some(len) = next_len(stream, &mut poll)? {
+    // Held while this thread may poll longer than the server's own poll.
+    let mut long: Option<LongPoll> = None;
+    while let Some(len) = next_len(stream, &mut poll, &mut long)? {
         let start = Instant::now();
         // The call's bytes stay charged until its reply is written.
         let (_held, call) = read_call(stream, len, ctx)?;
         let (method, reply) = match call {
             Ok(call) => {
-                if let Some(asked) = asked_poll(call.poll_next_us, ctx.poll_max) {
-                    poll.set_cap(asked);
+                let asked = asked_poll(call.poll_next_us, ctx.poll_max);
+                let (method, reply) = answer(call, caller, ctx);
+                // A refused call changes nothing, its ask included.
+                if reply.is_ok() {
+                    poll.set_cap(next_poll(asked, ctx, &mut long));
                 }
-                answer(call, caller, ctx)
+                (method, reply)
             }
             Err(status) => (None, Err(status)),
         };
@@ -183,9 +191,28 @@ fn serve(stream: &UnixStream, caller: &Caller, ctx: &CallContext) -> io::Result<
     Ok(())
 }
 
+/// The poll for the next call after an answered call that asked for
+/// `asked`: the server's own when it asked nothing, the ask when shorter,
+/// and when longer the ask while this thread holds one of the server's
+/// long-poll slots (`long`, taken here when free), else the server's own.
+fn next_poll(asked: Option<Duration>, ctx: &CallContext, long: &mut Option<LongPoll>) -> Duration {
+    match asked {
+        Some(asked) if asked > ctx.poll => {
+            if long.is_none() {
+                *long = ctx.long_polls.try_take();
+            }
+            if long.is_some() { asked } else { ctx.poll }
+        }
+        asked => {
+            *long = None;
+            asked.unwrap_or(ctx.poll)
+        }
+    }
+}
+
 /// The poll for the next call a call's `poll_next_us` asks for, cut to
-/// `max`: `None` where it asks nothing, or where `max` is zero (calls
-/// cannot ask).
+/// `max`: `None` where it asks nothing (the server's own poll), or where
+/// `max` is zero (calls cannot ask).
 fn asked_poll(poll_next_us: u32, max: Duration) -> Option<Duration> {
     (poll_next_us > 0 && !max.is_zero()).then(|| Duration::from_micros(poll_next_us.into()).min(max))
 }
@@ -195,8 +222,13 @@ fn asked_poll(poll_next_us: u32, max: Duration) -> Option<Duration> {
 /// and a thread that sleeps between them is woken tens of microseconds
 /// after each arrives (an smollm2 fetch over a region: 38 -> 17 us at p50
 /// with this poll). Between calls a client may wait as long as it likes:
-/// the read timeout only wakes this to wait again.
-fn next_len(mut stream: &UnixStream, poll: &mut AdaptivePoll) -> io::Result<Option<usize>> {
+/// the read timeout only wakes this to wait again. A thread that sleeps
+/// gives its long-poll slot (`long`) back: it polls no more.
+fn next_len(
+    mut stream: &UnixStream,
+    poll: &mut AdaptivePoll,
+    long: &mut Option<LongPoll>,
+) -> io::Result<Option<usize>> {
     let waiting = Instant::now();
     let mut len = [0u8; 4];
     let fd = stream.as_raw_fd();
@@ -212,6 +244,9 @@ fn next_len(mut stream: &UnixStream, poll: &mut AdaptivePoll) -> io::Result<Opti
             },
         }
     })?;
+    if polled.is_none() {
+        *long = None;
+    }
     let mut have = match polled {
         Some(0) => return Ok(None),
         Some(n) => n,
@@ -362,13 +397,24 @@ mod tests {
     /// pair for the test to write frames to, and the server's in-flight
     /// bytes.
     fn connection(max_frame: usize) -> (UnixStream, std::thread::JoinHandle<io::Result<()>>, Arc<InFlight>) {
-        polling_connection(max_frame, crate::DEFAULT_SHM_POLL)
+        polling_connection(
+            max_frame,
+            crate::DEFAULT_SHM_POLL,
+            crate::DEFAULT_SHM_POLL_MAX,
+            LongPolls::new(1),
+        )
     }
 
-    /// [`connection`], its thread polling for calls for up to `poll`.
+    /// [`connection`], its thread polling for calls for up to `poll`, and
+    /// longer as its calls ask (up to `poll_max`) while it holds one of
+    /// `long_polls`. The
+    /// store holds sequence `s` (default tenant): one layer, one KV head
+    /// of 4 dimensions, f32.
     fn polling_connection(
         max_frame: usize,
         poll: Duration,
+        poll_max: Duration,
+        long_polls: Arc<LongPolls>,
     ) -> (UnixStream, std::thread::JoinHandle<io::Result<()>>, Arc<InFlight>) {
         let store = Store::new(StoreConfig {
             device_bytes: 0,
@@ -376,6 +422,19 @@ mod tests {
             ..StoreConfig::default()
         })
         .unwrap();
+        let layout = kvtier_core::Layout::new(kvtier_core::LayoutSpec {
+            num_layers: 1,
+            num_kv_heads: 1,
+            num_query_heads: 1,
+            head_dim: 4,
+            dtype: kvtier_core::DType::F32,
+            page_size: 4,
+            layer_groups: Vec::new(),
+        })
+        .unwrap();
+        store
+            .create_sequence(kvtier_core::SequenceKey::parse("", "s").unwrap(), layout, Vec::new())
+            .unwrap();
         let regions = Arc::new(Regions::default());
         let in_flight = InFlight::new(1 << 20);
         let traces = TraceSettings {
@@ -397,7 +456,8 @@ mod tests {
             metrics: Arc::new(RpcMetrics::default()),
             max_frame,
             poll,
-            poll_max: crate::DEFAULT_SHM_POLL_MAX,
+            poll_max,
+            long_polls,
         };
         let caller = Auth::default().caller_with_token("").unwrap();
         let (ours, theirs) = UnixStream::pair().unwrap();
@@ -463,6 +523,92 @@ mod tests {
         assert!(thread.join().unwrap().is_err());
     }
 
+    /// An append of one token to `s`, asking for a poll of `poll_next_us`.
+    fn append_asking(poll_next_us: u32) -> Vec<u8> {
+        pb::LocalCall {
+            call: Some(pb::local_call::Call::AppendTokens(pb::AppendTokensRequest {
+                sequence_id: "s".into(),
+                kv_head_count: 1,
+                num_tokens: 1,
+                kv: vec![0u8; 2 * 4 * 4].into(),
+                ..Default::default()
+            })),
+            poll_next_us,
+        }
+        .encode_to_vec()
+    }
+
+    #[test]
+    fn answered_calls_that_ask_poll_long_while_a_slot_is_free() {
+        // Polls asked for last a minute: no slot is given back meanwhile,
+        // however slowly this test runs.
+        const LONG: u32 = 60_000_000;
+        let slots = LongPolls::new(1);
+        let (stream, thread, _) = polling_connection(
+            1 << 20,
+            crate::DEFAULT_SHM_POLL,
+            Duration::from_secs(60),
+            Arc::clone(&slots),
+        );
+        // A refused call's ask changes nothing.
+        let mut refused = pb::LocalCall::decode(missing_fetch().as_slice()).unwrap();
+        refused.poll_next_us = LONG;
+        send(&stream, &refused.encode_to_vec());
+        assert_eq!(refusal(&stream).0, Code::NotFound);
+        assert_eq!(slots.held(), 0, "a refused call took a slot");
+        // Answered, asking past the server's own poll: the slot is taken
+        // before the reply is written.
+        send(&stream, &append_asking(LONG));
+        assert!(reply(&stream).error.is_none());
+        assert_eq!(slots.held(), 1);
+        // The next call asks nothing: the server's own poll, the slot back.
+        send(&stream, &append_asking(0));
+        assert!(reply(&stream).error.is_none());
+        assert_eq!(slots.held(), 0);
+        // Asking within the server's own poll needs no slot.
+        send(&stream, &append_asking(10));
+        assert!(reply(&stream).error.is_none());
+        assert_eq!(slots.held(), 0);
+        // A slot taken by someone else: this thread polls its own.
+        let elsewhere = slots.try_take().unwrap();
+        send(&stream, &append_asking(LONG));
+        assert!(reply(&stream).error.is_none());
+        assert_eq!(slots.held(), 1, "took a slot that was not free");
+        drop(elsewhere);
+        send(&stream, &append_asking(LONG));
+        assert!(reply(&stream).error.is_none());
+        assert_eq!(slots.held(), 1, "a free slot is taken by the next ask");
+        // The connection ends, polling: its slot with it.
+        drop(stream);
+        thread.join().unwrap().unwrap();
+        assert_eq!(slots.held(), 0);
+    }
+
+    #[test]
+    fn a_thread_gives_its_slot_back_when_it_sleeps() {
+        let slots = LongPolls::new(1);
+        let (stream, thread, _) = polling_connection(
+            1 << 20,
+            crate::DEFAULT_SHM_POLL,
+            crate::DEFAULT_SHM_POLL_MAX,
+            Arc::clone(&slots),
+        );
+        // Asks for 1 ms, then no call comes: past its poll the thread
+        // sleeps and gives the slot back.
+        send(&stream, &append_asking(1000));
+        assert!(reply(&stream).error.is_none());
+        let given_back = Instant::now();
+        while slots.held() > 0 {
+            assert!(
+                given_back.elapsed() < Duration::from_secs(10),
+                "a sleeping thread kept its slot"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(stream);
+        thread.join().unwrap().unwrap();
+    }
+
     #[test]
     fn a_call_asks_for_a_poll_up_to_the_servers_longest() {
         let max = Duration::from_millis(10);
@@ -509,7 +655,7 @@ mod tests {
         // Where the length is cut, and how long each piece waits: within
         // the poll, past it, and none (a thread that never polls).
         for poll in [Duration::ZERO, Duration::from_millis(5)] {
-            let (stream, thread, _) = polling_connection(1 << 20, poll);
+            let (stream, thread, _) = polling_connection(1 << 20, poll, crate::DEFAULT_SHM_POLL_MAX, LongPolls::new(1));
             for cut in 1..4 {
                 for pause in [Duration::ZERO, Duration::from_micros(200), Duration::from_millis(20)] {
                     std::thread::sleep(pause);

@@ -7,6 +7,7 @@
 //! mapping goes once the last call writing into it is done.
 
 mod calls;
+mod long_polls;
 mod socket;
 
 use std::collections::HashMap;
@@ -27,6 +28,7 @@ use crate::responses::page_to_pb;
 use crate::status::invalid;
 
 pub(crate) use calls::{CallContext, LocalCalls};
+pub(crate) use long_polls::LongPolls;
 pub(crate) use socket::{bind, serve};
 
 /// Largest region one client may register. Regions cost the server address
