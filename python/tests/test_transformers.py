@@ -155,6 +155,22 @@ def test_a_small_budget_attends_over_the_selection_only(model_and_tokenizer, cli
     assert torch.equal(ours.logits[0], reference.logits[0])
 
 
+def test_over_a_polling_region_a_budget_decodes_as_over_grpc(model_and_tokenizer, client):
+    """Shared memory with both ends polling (``region.spin``, and
+    ``region.server_poll``, which every call asks of the server's thread)
+    changes how pages travel and how threads wait, never what is decoded."""
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT * 3)
+    with KVTierCache(client, 3, model=model) as cache:
+        over_grpc = generate(model, ids, cache, new_tokens=6)
+    region = client.register_shm(8 << 20)
+    region.spin, region.server_poll = 1e-3, 5e-3
+    with KVTierCache(client, 3, model=model, shm=region) as cache:
+        over_shm = generate(model, ids, cache, new_tokens=6)
+        assert cache.calls["select_kv"] == 5 * model.config.num_hidden_layers
+    assert_identical(over_shm, over_grpc)
+
+
 @pytest.mark.parametrize("options", [{"mode": "quest"}, {"mode": "two_stage", "top_p": 0.5, "min_pages": 2}])
 def test_modes_and_top_p_reach_the_selection(model_and_tokenizer, client, options, monkeypatch):
     model, tokenizer = model_and_tokenizer
