@@ -74,16 +74,19 @@ const LOCAL_CALL_POLL_NEXT_US: u32 = 4;
 /// merges), so the ask goes with calls however they were encoded (the
 /// Python client's, by reflection).
 fn frame(call: &[u8], server_poll_us: u32) -> io::Result<Vec<u8>> {
-    let mut ask = Vec::new();
-    if server_poll_us > 0 {
-        prost::encoding::uint32::encode(LOCAL_CALL_POLL_NEXT_US, &server_poll_us, &mut ask);
-    }
-    let len = u32::try_from(call.len() + ask.len())
+    use prost::encoding::uint32;
+    let ask = match server_poll_us {
+        0 => 0,
+        us => uint32::encoded_len(LOCAL_CALL_POLL_NEXT_US, &us),
+    };
+    let len = u32::try_from(call.len() + ask)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a call over 4 GiB"))?;
-    let mut frame = Vec::with_capacity(4 + call.len() + ask.len());
+    let mut frame = Vec::with_capacity(4 + call.len() + ask);
     frame.extend_from_slice(&len.to_le_bytes());
     frame.extend_from_slice(call);
-    frame.extend_from_slice(&ask);
+    if ask > 0 {
+        uint32::encode(LOCAL_CALL_POLL_NEXT_US, &server_poll_us, &mut frame);
+    }
     Ok(frame)
 }
 

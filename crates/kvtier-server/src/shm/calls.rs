@@ -47,8 +47,8 @@ pub(crate) struct CallContext {
     /// The largest call frame accepted: the server's message limit.
     pub(crate) max_frame: usize,
     /// How long a connection's thread polls for its next call at most
-    /// before sleeping on it (`ServerConfig::shm_poll`), until a call asks
-    /// for another.
+    /// before sleeping on it (`ServerConfig::shm_poll`), unless a call asks
+    /// for another after it.
     pub(crate) poll: Duration,
     /// The longest poll a call may ask for (`ServerConfig::shm_poll_max`;
     /// zero: calls cannot ask).
@@ -407,9 +407,8 @@ mod tests {
 
     /// [`connection`], its thread polling for calls for up to `poll`, and
     /// longer as its calls ask (up to `poll_max`) while it holds one of
-    /// `long_polls`. The
-    /// store holds sequence `s` (default tenant): one layer, one KV head
-    /// of 4 dimensions, f32.
+    /// `long_polls`. The store holds sequence `s` (default tenant): one
+    /// layer, one KV head of 4 dimensions, f32.
     fn polling_connection(
         max_frame: usize,
         poll: Duration,
