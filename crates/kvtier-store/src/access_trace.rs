@@ -21,11 +21,10 @@
 //! waits for the disk: a record that finds the channel full is dropped and
 //! counted; the file stops at its size bound with an `end` record.
 //!
-//! A server's recording also marks each round of host memory's background
-//! migration (`round` records): when they ended against the calls decides
-//! which pages a read finds in memory, and a replay cannot know it from
-//! the store's cadence alone (a round's own length delays the next, and
-//! the clock's phase is the store's).
+//! Host memory's background migration needs no marks: its rounds fall due
+//! where the calls make them (`host/`), so a replay of the calls runs them
+//! there. Format 3 marked where each ended (`round` records); they are
+//! read and ignored.
 
 use std::collections::HashSet;
 use std::collections::hash_map::RandomState;
@@ -46,7 +45,7 @@ use serde::{Deserialize, Serialize};
 use crate::{StoreError, StoreResult};
 
 /// The format's version, in every header.
-pub const TRACE_FORMAT: u32 = 3;
+pub const TRACE_FORMAT: u32 = 4;
 
 /// Records waiting for the writer thread before the next one is dropped.
 const CHANNEL_RECORDS: usize = 4096;
@@ -68,11 +67,6 @@ pub struct TraceHeader {
     /// (in host memory; no GPU number).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
-    /// The recording marks the background migration's rounds (`round`
-    /// records): a store's does (`kvtier serve`, `bench burst`), `bench
-    /// decode`'s (the client's side) does not.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub rounds: bool,
 }
 
 /// One line after the header.
@@ -110,12 +104,8 @@ pub enum TraceRecord {
         /// The dropped sequence's hash.
         seq: u64,
     },
-    /// A round of host memory's background migration ended (one every
-    /// 20 ms or so, about 2 KB a second, while calls come; none while
-    /// the store is idle). A round that finds memory above
-    /// the high watermark migrates until it is down to the low one,
-    /// chasing the writes that go on meanwhile (unless nothing more can
-    /// move).
+    /// Format 3's mark of the end of a round of host memory's background
+    /// migration: no longer written, and ignored (see the module's doc).
     Round {
         /// Microseconds since the recording began.
         t_us: u64,
@@ -247,9 +237,9 @@ struct Counts {
 }
 
 /// A record on its way to the writer, with its sequence's layout and
-/// chain (for its `sequence` record; none for a `round`).
+/// chain (for its `sequence` record).
 struct Event {
-    of: Option<(Arc<Layout>, Chain)>,
+    of: (Arc<Layout>, Chain),
     record: TraceRecord,
 }
 
@@ -280,10 +270,6 @@ struct Recorder {
     tx: SyncSender<Event>,
     counts: Arc<Counts>,
     writer: Mutex<Option<JoinHandle<()>>>,
-    /// A call began or ended since the last round marked: a round with
-    /// none is not marked (the replay runs the last round before each
-    /// call, and rounds in a row with no call between change nothing).
-    busy: AtomicBool,
 }
 
 impl std::fmt::Debug for Event {
@@ -341,7 +327,6 @@ impl AccessTrace {
             scope: recorder.salt.hash_one((&key.tenant, &**layout)),
             hashes: Arc::clone(hashes),
         };
-        recorder.busy.store(true, Ordering::Relaxed);
         Some(Tracer {
             seq: recorder.salt.hash_one(key) & NAME_BITS,
             recorder,
@@ -365,7 +350,6 @@ impl AccessTrace {
             sample: config.sample,
             working_set_bytes: None,
             device: Some(device.into()),
-            rounds: true,
         };
         let io = |e: std::io::Error| {
             StoreError::Unavailable(kvtier_tiers::TierError::Io {
@@ -402,7 +386,6 @@ impl AccessTrace {
             tx,
             counts,
             writer: Mutex::new(Rank::TraceWriter, Some(writer)),
-            busy: AtomicBool::new(false),
         });
         let status = recorder.status(true);
         tracing::info!(path = %status.config.path.display(), sample = status.config.sample, max_bytes = status.config.max_bytes, "recording page accesses");
@@ -438,30 +421,6 @@ impl AccessTrace {
         self.status()
     }
 
-    /// Records, if a recording runs and a call began or ended since the
-    /// last round marked, that a round of host memory's background
-    /// migration that took `took` ends now.
-    pub(crate) fn round(&self, took: std::time::Duration) {
-        if !self.on.load(Ordering::Relaxed) {
-            return;
-        }
-        let Some(recorder) = self.current.read().clone() else {
-            return;
-        };
-        // A full file takes no more: a round would only count as dropped.
-        if recorder.counts.full.load(Ordering::Relaxed) || !recorder.busy.swap(false, Ordering::Relaxed) {
-            return;
-        }
-        let t_us = recorder.now_us();
-        recorder.send(Event {
-            of: None,
-            record: TraceRecord::Round {
-                t_us,
-                us: took.as_micros() as u64,
-            },
-        });
-    }
-
     /// The running recording's status, or the last one's.
     pub(crate) fn status(&self) -> Option<TraceStatus> {
         // One lock at a time: the recorder's is a leaf.
@@ -481,9 +440,6 @@ impl Recorder {
 
     /// Hands `event` to the writer; drops it if the writer is behind.
     fn send(&self, event: Event) {
-        if event.of.is_some() {
-            self.busy.store(true, Ordering::Relaxed);
-        }
         if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.tx.try_send(event) {
             self.counts.dropped.fetch_add(1, Ordering::Relaxed);
         }
@@ -546,7 +502,7 @@ impl Tracer {
     /// Hands `record` to the writer; drops it if the writer is behind.
     pub(crate) fn record(&self, record: TraceRecord) {
         self.recorder.send(Event {
-            of: Some((Arc::clone(&self.layout), self.chain.clone())),
+            of: (Arc::clone(&self.layout), self.chain.clone()),
             record,
         });
     }
@@ -570,16 +526,14 @@ fn write_records(
         }
         // The sequence a record names, and whether it is an access (after
         // which the sequence is described) or its drop.
-        let named = match &event.record {
-            TraceRecord::Read(a) | TraceRecord::Write(a) => Some((a.seq, true)),
-            TraceRecord::Drop { seq, .. } => Some((*seq, false)),
-            TraceRecord::Round { .. } => None,
-            TraceRecord::Sequence { .. } | TraceRecord::End { .. } => continue,
+        let (seq, access) = match &event.record {
+            TraceRecord::Read(a) | TraceRecord::Write(a) => (a.seq, true),
+            TraceRecord::Drop { seq, .. } => (*seq, false),
+            TraceRecord::Sequence { .. } | TraceRecord::Round { .. } | TraceRecord::End { .. } => continue,
         };
         let mut lines = String::new();
-        if let (Some((seq, true)), Some((l, chain))) = (named, &event.of)
-            && !seen.contains(&seq)
-        {
+        if access && !seen.contains(&seq) {
+            let (l, chain) = &event.of;
             let shape = TraceRecord::Sequence {
                 seq,
                 shape: [l.num_layers(), l.num_kv_heads(), l.num_query_heads(), l.head_dim()],
@@ -601,12 +555,10 @@ fn write_records(
             failed = Some(e.to_string());
             continue;
         }
-        if let Some((seq, access)) = named {
-            if access {
-                seen.insert(seq);
-            } else {
-                seen.remove(&seq);
-            }
+        if access {
+            seen.insert(seq);
+        } else {
+            seen.remove(&seq);
         }
         counts.bytes.fetch_add(lines.len() as u64, Ordering::Relaxed);
         counts.records.fetch_add(1, Ordering::Relaxed);

@@ -52,9 +52,9 @@ pub use stats::{
     TransitionCount,
 };
 pub use store::{
-    AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, BACKGROUND_TICK, Created, DeviceCache,
-    ExportedPage, FetchCursor, FetchPages, FetchedChunk, FetchedPage, HeadSelection, LaneAt, Miss, MovedContent,
-    PageList, PageSelection, PutOutcome, PutPages, ReportAttention, SelectPages, SelectTiming, SelectedPage, Selection,
+    AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, Created, DeviceCache, ExportedPage,
+    FetchCursor, FetchPages, FetchedChunk, FetchedPage, HeadSelection, LaneAt, Miss, MovedContent, PageList,
+    PageSelection, PutOutcome, PutPages, ReportAttention, SelectPages, SelectTiming, SelectedPage, Selection,
     SequenceExport, SetPageState, Store, StoreConfig, TransitionOutcome, data_bound, index_scan_bytes,
 };
 

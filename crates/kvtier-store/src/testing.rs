@@ -54,12 +54,19 @@ impl Parts {
 
     /// [`Parts::new`] with the device under `policy`.
     pub(crate) fn with_policy(device_pages: u64, host_pages: u64, exclusive: bool, policy: DevicePolicy) -> Self {
-        Self::with_policies(device_pages, host_pages, exclusive, policy, HostPolicy::Lru)
+        Self::with_policies(device_pages, host_pages, exclusive, policy, HostPolicy::Lru, (1.0, 1.0))
     }
 
     /// [`Parts::new`] with host memory under `policy`.
     pub(crate) fn with_host_policy(device_pages: u64, host_pages: u64, policy: HostPolicy) -> Self {
-        Self::with_policies(device_pages, host_pages, false, DevicePolicy::Lru, policy)
+        Self::with_policies(device_pages, host_pages, false, DevicePolicy::Lru, policy, (1.0, 1.0))
+    }
+
+    /// [`Parts::new`] with host memory's background rounds between
+    /// `watermarks` (high, low). Elsewhere they are 1,1: pages migrate
+    /// only when memory is full, in the policies' own order.
+    pub(crate) fn with_host_watermarks(host_pages: u64, policy: HostPolicy, watermarks: (f64, f64)) -> Self {
+        Self::with_policies(1, host_pages, false, DevicePolicy::Lru, policy, watermarks)
     }
 
     fn with_policies(
@@ -68,6 +75,7 @@ impl Parts {
         exclusive: bool,
         policy: DevicePolicy,
         host_policy: HostPolicy,
+        (high, low): (f64, f64),
     ) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let nvme = NvmeTier::open(NvmeConfig {
@@ -87,7 +95,7 @@ impl Parts {
         let owner = accounts.account(&TenantId::parse("tenant", "t").expect("a tenant"));
         Self {
             durable: Durable::new(None, 0, [&device, &host], Some(nvme), Arc::clone(&counters)),
-            host: HostCache::new(host, host_policy, 0.9, 0.8),
+            host: HostCache::new(host, host_policy, high, low),
             device: HotSet::new(device, exclusive, policy, Arc::clone(&counters)),
             counters,
             accounts,
@@ -118,13 +126,33 @@ impl Parts {
     /// LRU.
     pub(crate) fn page(&self, id: u64) -> Arc<PhysPage> {
         let host = self.host.tier();
-        let mut slot = self
+        let slot = self
             .owner
             .slot(kvtier_tiers::TierKind::Host, PAGE_BYTES, true, || {
                 host.allocate(PAGE_BYTES)
             })
             .expect("host room");
-        host.write(&mut slot, 0, &Self::bytes(id)).expect("host write");
+        self.in_line(id, slot)
+    }
+
+    /// [`Parts::page`], its slot taken as a write takes one: through the
+    /// host cache, which makes room when memory is full.
+    pub(crate) fn write_page(&self, id: u64) -> crate::StoreResult<Arc<PhysPage>> {
+        let slot = self.host.allocate(
+            PAGE_BYTES,
+            &self.durable,
+            &mut crate::host::MigrationTime::default(),
+            &self.owner,
+        )?;
+        Ok(self.in_line(id, slot))
+    }
+
+    /// Page `id`'s bytes written to `slot`, the page then in line.
+    fn in_line(&self, id: u64, mut slot: kvtier_tiers::Slot) -> Arc<PhysPage> {
+        self.host
+            .tier()
+            .write(&mut slot, 0, &Self::bytes(id))
+            .expect("host write");
         let charge = self.accounts.page_charge(&self.owner, 0);
         let place = Placement::written(None, slot, self.layout.page_size());
         let page = Arc::new(PhysPage::new(id, Arc::clone(&self.layout), None, place, charge));

@@ -36,6 +36,9 @@ pub enum Rank {
     /// The host cache's main queue under the frequency policy
     /// (`host/mod.rs`).
     HostMain,
+    /// The pages the host's background round due migrates, chosen where
+    /// it fell due (`host/mod.rs`).
+    HostRound,
     /// The device cache's LRU (the loop policy's stream region).
     DeviceLru,
     /// The loop policy's resident subset (`device/policy.rs`).

@@ -34,10 +34,6 @@ pub(crate) struct Trace {
     pub(crate) drops: Vec<(usize, usize)>,
     /// Reads and writes, in the order recorded.
     pub(crate) events: Vec<Event>,
-    /// When host memory's background migration rounds ended (µs into the
-    /// recording; in order, as its one thread ran them), where the
-    /// recording marks them.
-    pub(crate) rounds: Option<Vec<u64>>,
     /// Why the recording stopped early, and how many records it dropped.
     pub(crate) ended: Option<(String, u64)>,
 }
@@ -55,8 +51,8 @@ impl Trace {
                 path.display()
             )
         })?;
-        // Format 3 only added the background's rounds: a format 2 trace
-        // reads as one that does not mark them.
+        // Formats 3 and 4 differ from 2 only by the background's `round`
+        // records, which 3 has and a replay ignores.
         ensure!(
             (2..=TRACE_FORMAT).contains(&header.kvtier_trace),
             "{}: format {} (this kvtier reads 2 to {TRACE_FORMAT}); record it again",
@@ -69,14 +65,12 @@ impl Trace {
             path.display(),
             header.sample
         );
-        let rounds = header.rounds.then(Vec::new);
         let mut trace = Trace {
             header,
             shapes: Vec::new(),
             prefixes: Vec::new(),
             drops: Vec::new(),
             events: Vec::new(),
-            rounds,
             ended: None,
         };
         let mut index: HashMap<u64, usize> = HashMap::new();
@@ -99,12 +93,7 @@ impl Trace {
                     trace.prefixes.push(prefix);
                     continue;
                 }
-                TraceRecord::Round { t_us, .. } => {
-                    if let Some(rounds) = trace.rounds.as_mut() {
-                        rounds.push(t_us);
-                    }
-                    continue;
-                }
+                TraceRecord::Round { .. } => continue,
                 TraceRecord::End { reason, dropped } => {
                     trace.ended = Some((reason, dropped));
                     continue;

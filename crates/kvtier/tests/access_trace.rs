@@ -201,9 +201,6 @@ async fn recordings_over_grpc_are_sampled_bounded_and_for_admins() {
     assert_eq!(c, tonic::Code::FailedPrecondition);
     assert!(m.starts_with("record:"), "{m}");
     let fetched = workload(&mut tenant).await;
-    // Long enough for host memory's background migration to run a round
-    // (every 20 ms), which the recording marks.
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let stopped = admin.stop_access_trace().await.unwrap();
     assert!(
         !stopped.recording && !stopped.full && stopped.dropped == 0,
@@ -211,20 +208,6 @@ async fn recordings_over_grpc_are_sampled_bounded_and_for_admins() {
     );
     let (header, recorded) = records(Path::new(&stopped.path));
     assert_eq!(header.sample, 0.5);
-    assert!(header.rounds);
-    // Each round as (began, ended): the next begins a tick's pause after.
-    let rounds: Vec<(u64, u64)> = recorded
-        .iter()
-        .filter_map(|r| match r {
-            TraceRecord::Round { t_us, us } => Some((t_us.saturating_sub(*us), *t_us)),
-            _ => None,
-        })
-        .collect();
-    assert!(!rounds.is_empty(), "no round marked");
-    assert!(
-        rounds.windows(2).all(|w| w[1].0 >= w[0].1 + 19_000),
-        "rounds (began, ended) at {rounds:?}"
-    );
     let mut seen: HashMap<Page, u32> = HashMap::new();
     for r in &recorded {
         if let TraceRecord::Read(a) = r {

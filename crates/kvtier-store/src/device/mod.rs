@@ -205,7 +205,7 @@ impl HotSet {
         let len = bytes.len() as u64;
         let Ok(mut slot) = page
             .owner()
-            .slot(TierKind::Host, len, true, || host.tier().allocate(len))
+            .slot(TierKind::Host, len, true, || host.allocate_if_room(len))
         else {
             return false;
         };

@@ -4,6 +4,14 @@
 //! watermarks), and nothing here is ever dropped to make room without an
 //! NVMe copy.
 //!
+//! A background round falls due at the allocation that takes memory past
+//! the high watermark, sized then (what is above the low one), and runs
+//! on the background thread, woken for it. Not on a timer, and not
+//! chasing the writes that go on while it runs: how much migrates, and
+//! after which call, is then a function of the calls alone, so that a
+//! replay of them (`kvtier tune`'s simulation, which runs this code)
+//! migrates the same pages the store does.
+//!
 //! Locks: the LRU is held only to update or pop one entry, never while a
 //! page's placement lock is taken (a reader touches the LRU after releasing
 //! the page; migration pops its victims one entry at a time). `migrating`
@@ -14,7 +22,9 @@ mod policy;
 #[cfg(test)]
 mod tests;
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use kvtier_core::Reason;
@@ -29,6 +39,27 @@ pub use policy::HostPolicy;
 
 /// Pages migrated per batch when making room in host memory.
 const MIGRATION_BATCH: usize = 64;
+
+/// Pages chosen for the round open per page allocated or touched, at most:
+/// a written page is both, so the round's choice stays well ahead of the
+/// writes that fill memory, and no call pays for more than its own pages'
+/// worth (counting pages, not calls, a replay that batches its calls
+/// differently chooses the same).
+const CHOSEN_PER_PAGE: usize = 2;
+
+/// How many pages one choice takes: at least `fewest` (room asked for or
+/// not), at most `most`.
+#[derive(Debug, Clone, Copy)]
+struct Take {
+    fewest: usize,
+    most: usize,
+}
+
+/// A migration's choice: a batch at least, four at most.
+const MIGRATION: Take = Take {
+    fewest: MIGRATION_BATCH,
+    most: 4 * MIGRATION_BATCH,
+};
 
 /// Most main-queue pages one migration passes over for their second
 /// chances: past it, the least recent go whatever their chances (a bound
@@ -59,6 +90,19 @@ pub(crate) struct HostCache {
     high: f64,
     /// ... down to this one.
     low: f64,
+    /// The pages the rounds due migrate, chosen where each fell due, with
+    /// the host bytes each held then.
+    round: Mutex<Vec<(Arc<PhysPage>, u64)>>,
+    /// Host bytes the pages chosen will free: memory counts as holding its
+    /// used bytes less these, so that where the next round falls due does
+    /// not depend on how far the background thread has got.
+    due_bytes: AtomicU64,
+    /// Bytes of the round open still to choose (0: none open).
+    unchosen: AtomicU64,
+    /// A thread is choosing a round's pages (one at a time).
+    choosing: AtomicBool,
+    /// The background thread, woken when a round falls due.
+    background: OnceLock<Thread>,
 }
 
 impl HostCache {
@@ -71,7 +115,18 @@ impl HostCache {
             migrating: Mutex::new(Rank::HostMigration, ()),
             high: high_watermark,
             low: low_watermark,
+            round: Mutex::new(Rank::HostRound, Vec::new()),
+            due_bytes: AtomicU64::new(0),
+            unchosen: AtomicU64::new(0),
+            choosing: AtomicBool::new(false),
+            background: OnceLock::new(),
         }
+    }
+
+    /// The thread that runs the rounds that fall due ([`Self::rebalance`]).
+    pub(crate) fn run_rounds_on(&self, thread: Thread) {
+        // Set once, when the store starts its background thread.
+        let _ = self.background.set(thread);
     }
 
     pub(crate) fn tier(&self) -> &Arc<dyn Tier> {
@@ -96,7 +151,118 @@ impl HostCache {
                 break;
             }
         }
-        owner.slot(TierKind::Host, len, false, || self.allocate_room(len, durable, spent))
+        let slot = owner.slot(TierKind::Host, len, false, || self.allocate_room(len, durable, spent))?;
+        self.fall_due_if_above(1);
+        Ok(slot)
+    }
+
+    /// A host slot of `len` bytes if memory has room, never making any
+    /// (for copies that are only worth it then: promotions on read,
+    /// demotions from the device).
+    pub(crate) fn allocate_if_room(&self, len: u64) -> Result<Slot, TierError> {
+        let slot = self.tier.allocate(len)?;
+        self.fall_due_if_above(1);
+        Ok(slot)
+    }
+
+    /// After `pages` slots were taken or pages were touched. Past the high
+    /// watermark (counting what the pages already chosen will free), a
+    /// round opens of what is above the low one; while one is open, each
+    /// such call chooses up to [`CHOSEN_PER_PAGE`] of its pages per page,
+    /// least recently used first, and the background thread is woken to migrate
+    /// them a batch at a time. So the calls alone, not that thread's
+    /// timing, decide which pages go and where the next round opens, and
+    /// no call pays for a whole round. Pages not yet in line (a write's,
+    /// until it publishes them) cannot be chosen.
+    fn fall_due_if_above(&self, pages: usize) {
+        if self.unchosen.load(Ordering::Acquire) == 0 && self.held() <= self.watermark(self.high) {
+            return;
+        }
+        // One chooser at a time; a call that finds another choosing leaves
+        // it the round.
+        if self.choosing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut left = self.unchosen.load(Ordering::Acquire);
+        if left == 0 {
+            left = self.held().saturating_sub(self.watermark(self.low));
+        }
+        let take = Take {
+            fewest: 0,
+            most: CHOSEN_PER_PAGE * pages,
+        };
+        let victims = match left > 0 && self.held() > self.watermark(self.low) {
+            true => self.take_victims(left, None, take),
+            false => Vec::new(),
+        };
+        let bytes: u64 = victims.iter().map(|(_, held)| held).sum();
+        // Nothing left to choose closes the round.
+        let left = if victims.is_empty() {
+            0
+        } else {
+            left.saturating_sub(bytes)
+        };
+        self.due_bytes.fetch_add(bytes, Ordering::AcqRel);
+        self.unchosen.store(left, Ordering::Release);
+        self.choosing.store(false, Ordering::Release);
+        self.hand_over(victims, left == 0);
+    }
+
+    /// Memory's used bytes less what the pages chosen will free.
+    fn held(&self) -> u64 {
+        self.tier
+            .used_bytes()
+            .saturating_sub(self.due_bytes.load(Ordering::Acquire))
+    }
+
+    /// The bytes at a watermark (a share of capacity).
+    fn watermark(&self, share: f64) -> u64 {
+        (self.tier.capacity_bytes() as f64 * share) as u64
+    }
+
+    /// Adds chosen pages to the round due; wakes the background thread once
+    /// a batch waits (or the round's choice is `complete`).
+    fn hand_over(&self, victims: Vec<(Arc<PhysPage>, u64)>, complete: bool) {
+        if victims.is_empty() {
+            return;
+        }
+        let waiting = {
+            let mut round = self.round.lock();
+            round.extend(victims);
+            round.len()
+        };
+        if (complete || waiting >= MIGRATION_BATCH)
+            && let Some(thread) = self.background.get()
+        {
+            thread.unpark();
+        }
+    }
+
+    /// Chooses what is left of the round open, all at once (a write that
+    /// found memory full needs its room now).
+    fn choose_rest(&self) {
+        if self.choosing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut left = self.unchosen.load(Ordering::Acquire);
+        let mut chosen = Vec::new();
+        let take = Take {
+            fewest: 0,
+            most: MIGRATION.most,
+        };
+        while left > 0 {
+            let victims = self.take_victims(left, None, take);
+            if victims.is_empty() {
+                break;
+            }
+            let bytes: u64 = victims.iter().map(|(_, held)| held).sum();
+            self.due_bytes.fetch_add(bytes, Ordering::AcqRel);
+            left = left.saturating_sub(bytes);
+            chosen.extend(victims);
+        }
+        self.unchosen.store(0, Ordering::Release);
+        self.choosing.store(false, Ordering::Release);
+        self.hand_over(chosen, true);
     }
 
     /// A host slot of `len` bytes, migrating anyone's pages for room.
@@ -110,8 +276,26 @@ impl HostCache {
                     let waiting = Instant::now();
                     let one = self.migrating.lock();
                     spent.waited += waiting.elapsed();
+                    // A migration that ran while this call waited may have
+                    // made room.
+                    if let ok @ Ok(_) = self.tier.allocate(len) {
+                        return ok;
+                    }
+                    // The pages chosen go first, where the background had
+                    // not moved them yet (then the call tries again: where
+                    // they had moved, it would have found that room); then
+                    // the rest of the round open; then a batch of its own.
                     let moving = Instant::now();
-                    let moved = self.relieve_locked(len, durable, &one, None);
+                    let moved = match self.run_round_locked(durable, &one) {
+                        0 => {
+                            self.choose_rest();
+                            match self.run_round_locked(durable, &one) {
+                                0 => self.relieve_locked(len, durable, &one, None),
+                                rest => Ok(rest),
+                            }
+                        }
+                        chosen => Ok(chosen),
+                    };
                     spent.moving += moving.elapsed();
                     drop(one);
                     match moved {
@@ -128,25 +312,42 @@ impl HostCache {
         }
     }
 
-    /// Keeps host memory between the watermarks: above the high one, least
-    /// recently used pages migrate to NVMe until the low one.
+    /// Runs the background round due, if one is (see the module's doc).
     pub(crate) fn rebalance(&self, durable: &Durable) {
-        if durable.nvme().is_none() {
+        if self.due_bytes.load(Ordering::Acquire) == 0 {
             return;
         }
-        let capacity = self.tier.capacity_bytes() as f64;
-        let (high, low) = ((capacity * self.high) as u64, (capacity * self.low) as u64);
-        if self.tier.used_bytes() <= high {
-            return;
+        let one = self.migrating.lock();
+        self.run_round_locked(durable, &one);
+    }
+
+    /// Migrates the rounds due, if any; returns the pages migrated. The
+    /// bytes due drop as each page's host slot frees (or, for a page that
+    /// could not move, once it is back in line), so that memory's count
+    /// less them never depends on how far the migration has got.
+    fn run_round_locked(&self, durable: &Durable, migrating: &MutexGuard<'_, ()>) -> usize {
+        let mut round = std::mem::take(&mut *self.round.lock());
+        if round.is_empty() {
+            return 0;
         }
-        // Read once per round: a concurrent free may shrink `used` between
-        // two reads, and the excess must not underflow.
-        while let Some(excess) = self.tier.used_bytes().checked_sub(low).filter(|&e| e > 0) {
-            let one = self.migrating.lock();
-            if !matches!(self.relieve_locked(excess, durable, &one, None), Ok(n) if n > 0) {
-                break;
+        round.sort_by_key(|(page, _)| page.id);
+        let pages: Vec<Arc<PhysPage>> = round.iter().map(|(page, _)| Arc::clone(page)).collect();
+        let mut freed = vec![false; round.len()];
+        let moved = self.migrate_noting(pages, durable, migrating, &mut |page| {
+            if let Ok(i) = round.binary_search_by_key(&page.id, |(p, _)| p.id)
+                && !std::mem::replace(&mut freed[i], true)
+            {
+                self.due_bytes.fetch_sub(round[i].1, Ordering::AcqRel);
             }
-        }
+        });
+        let kept: u64 = round
+            .iter()
+            .zip(&freed)
+            .filter(|(_, f)| !**f)
+            .map(|((_, held), _)| held)
+            .sum();
+        self.due_bytes.fetch_sub(kept, Ordering::AcqRel);
+        moved.unwrap_or(0)
     }
 
     /// Migrates least recently used host pages (of `owner` only, if given)
@@ -156,21 +357,30 @@ impl HostCache {
         &self,
         bytes: u64,
         durable: &Durable,
-        _migrating: &MutexGuard<'_, ()>,
+        migrating: &MutexGuard<'_, ()>,
         owner: Option<&Arc<Account>>,
     ) -> StoreResult<usize> {
+        let victims = self.take_victims(bytes, owner, MIGRATION);
+        let victims = victims.into_iter().map(|(page, _)| page).collect();
+        self.migrate_noting(victims, durable, migrating, &mut |_| {})
+    }
+
+    /// The least recently used pages (of `owner` only, if given) for about
+    /// `bytes` (as many as `take` says), out of line, each with the host
+    /// bytes it holds; the pages passed over are back in their queues.
+    fn take_victims(&self, bytes: u64, owner: Option<&Arc<Account>>, take: Take) -> Vec<(Arc<PhysPage>, u64)> {
         let Chosen {
             mut victims,
             small,
             main,
-        } = self.choose(bytes, owner);
+        } = self.choose(bytes, owner, take);
         // Pages created together (one write, one lane's run) have adjacent
         // ids: allocating their NVMe slots in id order keeps them adjacent on
         // disk too, so the reads of a later step can run sequentially.
-        victims.sort_by_key(|p| p.id);
+        victims.sort_by_key(|(p, _)| p.id);
         // A page a reader touched while it was out of line is back in the
         // small queue already: taken twice, it would be copied twice.
-        victims.dedup_by_key(|p| p.id);
+        victims.dedup_by_key(|(p, _)| p.id);
         touch_lru(&self.lru, small.iter());
         touch_lru(&self.main, main.iter());
         // ... and one moving to the main queue leaves the small one.
@@ -180,30 +390,42 @@ impl HostCache {
                 small.pop(&page.id);
             }
         }
-        let moved = durable.write_copies(&victims, Keep::Nothing, Reason::CapacityPressure);
-        // Pages that did not move keep their place in line.
+        victims
+    }
+
+    /// Copies `victims` to NVMe and frees their host slots (calling
+    /// `host_freed` with each just before); those that did not move go
+    /// back in line.
+    fn migrate_noting(
+        &self,
+        victims: Vec<Arc<PhysPage>>,
+        durable: &Durable,
+        _migrating: &MutexGuard<'_, ()>,
+        host_freed: &mut dyn FnMut(&PhysPage),
+    ) -> StoreResult<usize> {
+        let moved = durable.write_copies_noting(&victims, Keep::Nothing, Reason::CapacityPressure, host_freed);
         let kept: Vec<Arc<PhysPage>> = victims
             .into_iter()
             .filter(|p| p.place.read().host().is_some())
             .collect();
-        self.touch(&kept);
+        self.touch_queues(&kept);
         if let Err(e) = &moved {
             tracing::warn!(error = %e, "could not migrate host pages to nvme");
         }
         moved
     }
 
-    /// The pages to migrate for about `bytes` (at least one batch), taken
-    /// out of their queues, and those to put back at the most recent end
+    /// The pages to migrate for about `bytes` (as many as `take` says),
+    /// taken out of their queues, and those to put back at the most recent end
     /// of each: pinned pages, and under the frequency policy the pages
     /// passed over, into the main queue: the small queue's that hold a
     /// second chance, and the main queue's that spent one.
-    fn choose(&self, bytes: u64, owner: Option<&Arc<Account>>) -> Chosen {
+    fn choose(&self, bytes: u64, owner: Option<&Arc<Account>>, take: Take) -> Chosen {
         let mut chosen = Chosen::default();
         let mut freed = 0u64;
         let mut passed_over = Vec::new();
-        let wanted = |victims: &Vec<Arc<PhysPage>>, freed: u64| {
-            (freed < bytes || victims.len() < MIGRATION_BATCH) && victims.len() < 4 * MIGRATION_BATCH
+        let wanted = |victims: &Vec<(Arc<PhysPage>, u64)>, freed: u64| {
+            (freed < bytes || victims.len() < take.fewest) && victims.len() < take.most
         };
         // Past the bound on pages passed over, the rest of the room comes
         // from them, least recent first, with no more popped.
@@ -215,9 +437,9 @@ impl HostCache {
             // A batch fills from the queue whose turn it is; the other gives
             // only the room still asked for (a host of few batches would
             // otherwise empty its main queue to fill one).
-            let more = |victims: &Vec<Arc<PhysPage>>, freed: u64| match turn {
+            let more = |victims: &Vec<(Arc<PhysPage>, u64)>, freed: u64| match turn {
                 0 => wanted(victims, freed),
-                _ => freed < bytes && victims.len() < 4 * MIGRATION_BATCH,
+                _ => freed < bytes && victims.len() < take.most,
             };
             while more(&chosen.victims, freed) {
                 if passed_over.len() >= MOST_PASSED_OVER {
@@ -248,7 +470,7 @@ impl HostCache {
                     passed_over.push((page, reserved));
                 } else {
                     freed += reserved;
-                    chosen.victims.push(page);
+                    chosen.victims.push((page, reserved));
                 }
             }
         }
@@ -256,16 +478,16 @@ impl HostCache {
         // without them, the pages passed over go too, least recent first
         // (and a whole batch, once capped).
         let mut passed_over = passed_over.into_iter();
-        let more = |victims: &Vec<Arc<PhysPage>>, freed: u64| match capped {
+        let more = |victims: &Vec<(Arc<PhysPage>, u64)>, freed: u64| match capped {
             true => wanted(victims, freed),
-            false => freed < bytes && victims.len() < 4 * MIGRATION_BATCH,
+            false => freed < bytes && victims.len() < take.most,
         };
         while more(&chosen.victims, freed) {
             let Some((page, reserved)) = passed_over.next() else {
                 break;
             };
             freed += reserved;
-            chosen.victims.push(page);
+            chosen.victims.push((page, reserved));
         }
         chosen.main.extend(passed_over.map(|(page, _)| page));
         chosen
@@ -293,6 +515,15 @@ impl HostCache {
     /// are in it, else in the LRU). Never called with a page's placement
     /// lock held.
     pub(crate) fn touch<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
+        let mut touched = 0;
+        self.touch_queues(pages.into_iter().inspect(|_| touched += 1));
+        if touched > 0 {
+            self.fall_due_if_above(touched);
+        }
+    }
+
+    /// [`Self::touch`], leaving the watermarks to the caller.
+    fn touch_queues<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
         match self.policy {
             HostPolicy::Lru => touch_lru(&self.lru, pages),
             HostPolicy::Frequency => {
@@ -319,7 +550,8 @@ impl HostCache {
 /// What one migration takes and puts back (see [`HostCache::choose`]).
 #[derive(Default)]
 struct Chosen {
-    victims: Vec<Arc<PhysPage>>,
+    /// With the host bytes each holds.
+    victims: Vec<(Arc<PhysPage>, u64)>,
     /// Back at the most recent end of the LRU (the small queue).
     small: Vec<Arc<PhysPage>>,
     /// Back at the most recent end of the main queue.

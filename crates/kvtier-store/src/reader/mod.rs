@@ -305,7 +305,10 @@ impl Reader<'_> {
         let host = self.host.tier();
         for (page, buf, version) in pages {
             let len = layout.page_bytes() as u64;
-            let Ok(mut slot) = page.owner().slot(TierKind::Host, len, false, || host.allocate(len)) else {
+            let Ok(mut slot) = page
+                .owner()
+                .slot(TierKind::Host, len, false, || self.host.allocate_if_room(len))
+            else {
                 continue;
             };
             if host.write(&mut slot, 0, &buf[..layout.page_bytes()]).is_err() {

@@ -9,11 +9,11 @@
 //! ideal one (a read does not evict to promote, so a loop a little larger
 //! than memory keeps part of itself where an ideal LRU keeps none). The
 //! store's background migration (down from the high watermark to the low
-//! one) runs when the caller says, [`HostSimulation::background`]: where
-//! the recording marks its rounds (or at the store's cadence in the
-//! recording's time), since which pages a burst of writes leaves in
-//! memory, and whether a read from NVMe finds room to promote its page,
-//! depend on it.
+//! one) is its own code too: a round falls due, its pages chosen, at the
+//! call that takes memory past the high watermark, whatever the timing
+//! of the thread that migrates them (`host/`); here a round due runs at
+//! the end of the call, where the store's has most often run by the next
+//! (a benchmark that reads right after a write lets it: `Store::wait_idle`).
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -75,12 +75,9 @@ impl<K: Eq + Hash + Clone> HostSimulation<K> {
     /// the pages in line takes its room from wherever it is; pages written
     /// again are touched. A call larger than host memory, which the store
     /// would refuse, is taken in parts (a tier that small is still drawn
-    /// on the curve). `background`: a round of the background migration
-    /// fell inside the call; it runs once the call's pages hold their
-    /// slots, before they join the queues (where the store's own round
-    /// finds them: a write reserves its room first and publishes its pages
-    /// last).
-    pub fn write(&mut self, keys: &[K], background: bool) -> StoreResult<()> {
+    /// on the curve). A background round that fell due meanwhile runs at
+    /// its end.
+    pub fn write(&mut self, keys: &[K]) -> StoreResult<()> {
         let mut written = Vec::with_capacity(keys.len());
         for key in keys {
             let page = match self.pages.get(key) {
@@ -101,16 +98,13 @@ impl<K: Eq + Hash + Clone> HostSimulation<K> {
             };
             written.push(page);
         }
-        if background {
-            self.background();
+        // One at a time, as the store publishes them: a round may fall due
+        // at any of them.
+        for page in &written {
+            self.host.touch([page]);
         }
-        self.host.touch(&written);
-        Ok(())
-    }
-
-    /// One round of the store's background migration.
-    pub fn background(&mut self) {
         self.host.rebalance(&self.durable);
+        Ok(())
     }
 
     /// Another sequence attached page `key` (through its prefix hash
@@ -148,6 +142,8 @@ impl<K: Eq + Hash + Clone> HostSimulation<K> {
             touch: true,
         };
         reader.originals(&self.mini.layout, &stored)?;
+        // Promotions may have made a round due.
+        self.host.rebalance(&self.durable);
         Ok(missed)
     }
 

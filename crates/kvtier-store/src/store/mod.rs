@@ -278,13 +278,14 @@ impl Store {
         let next_page_id = image.as_ref().map_or(0, |(_, i)| i.next_page_id);
         let durable = Durable::new(manifest, next_page_id, [&device, &host], nvme, Arc::clone(&counters));
         let exclusive = config.device_cache == DeviceCache::Exclusive;
+        // Without NVMe there is nowhere to migrate to: no round ever falls
+        // due (memory may fill to its capacity).
+        let (high, low) = match durable.nvme() {
+            Some(_) => (config.host_high_watermark, config.host_low_watermark),
+            None => (1.0, 1.0),
+        };
         let store = Arc::new(Self {
-            host: HostCache::new(
-                host,
-                config.host_policy,
-                config.host_high_watermark,
-                config.host_low_watermark,
-            ),
+            host: HostCache::new(host, config.host_policy, high, low),
             device: HotSet::new(device, exclusive, config.device_policy, Arc::clone(&counters)),
             catalog: Catalog::default(),
             durable,
@@ -308,8 +309,11 @@ impl Store {
             );
             store.durable.checkpoint(&store.catalog);
         }
-        if let Err(e) = spawn_loop("kvtier-background", &store, Self::background_tick) {
-            tracing::error!(error = %e, "cannot start the background thread; migration happens only under pressure");
+        match spawn_loop("kvtier-background", &store, Self::background_tick) {
+            Ok(thread) => store.host.run_rounds_on(thread),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the background thread; migration happens only under pressure")
+            }
         }
         // Its own thread: a checkpoint of a large manifest takes seconds, and
         // host memory must keep draining meanwhile (or appends migrate pages
@@ -322,16 +326,14 @@ impl Store {
         Ok(store)
     }
 
-    /// One round of background work: expired leases, host watermarks (the
-    /// round marked in a running access trace) and a manifest flush.
+    /// One round of background work: expired leases, host memory's round
+    /// due (woken early for it), sketches and a manifest flush.
     fn background_tick(&self) {
         let expired = self.leases.expire(std::time::Instant::now());
         if expired > 0 {
             tracing::debug!(expired, "leases expired");
         }
-        let started = std::time::Instant::now();
         self.host.rebalance(&self.durable);
-        self.trace.round(started.elapsed());
         self.sweep_sketches_if_due();
         self.durable.flush_if_idle();
     }
@@ -375,10 +377,12 @@ impl Store {
         self.durable.checkpoint(&self.catalog);
     }
 
-    /// Waits until background swap-ins and prefetches have finished (for
-    /// benchmarks and tests that measure their effect).
+    /// Waits until background swap-ins and prefetches, and host memory's
+    /// background round due, have finished (for benchmarks and tests that
+    /// measure their effect).
     pub fn wait_idle(&self) {
         self.device.workers().wait_idle();
+        self.host.rebalance(&self.durable);
     }
 
     /// Where the store's time goes (histograms for the metrics endpoint).
@@ -460,24 +464,23 @@ fn open_manifest(path: PathBuf, config: &StoreConfig) -> StoreResult<Recovering>
     Ok((path, manifest, image))
 }
 
-/// The pause between two rounds of a background loop (host watermarks,
-/// leases, checkpoints): also the cadence `kvtier tune` replays the host
-/// tier's background migration at for a trace that does not mark its
-/// rounds.
-pub const BACKGROUND_TICK: std::time::Duration = std::time::Duration::from_millis(20);
+/// The pause between two rounds of a background loop (leases, sketches,
+/// checkpoints; host memory's rounds wake the loop when they fall due).
+const BACKGROUND_TICK: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// Runs `tick` every [`BACKGROUND_TICK`] on a thread of its own for as
 /// long as the store lives (the thread holds it only during a tick).
-fn spawn_loop(name: &str, store: &Arc<Store>, tick: fn(&Store)) -> std::io::Result<()> {
+fn spawn_loop(name: &str, store: &Arc<Store>, tick: fn(&Store)) -> std::io::Result<std::thread::Thread> {
     let weak = Arc::downgrade(store);
-    std::thread::Builder::new().name(name.into()).spawn(move || {
+    let handle = std::thread::Builder::new().name(name.into()).spawn(move || {
         while let Some(store) = weak.upgrade() {
             tick(&store);
             drop(store);
-            std::thread::sleep(BACKGROUND_TICK);
+            // Unparked early when there is work (a host round due).
+            std::thread::park_timeout(BACKGROUND_TICK);
         }
     })?;
-    Ok(())
+    Ok(handle.thread().clone())
 }
 
 impl Drop for Store {

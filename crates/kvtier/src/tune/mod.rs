@@ -728,13 +728,11 @@ mod tests {
                 sample: 1.0,
                 working_set_bytes: None,
                 device: None,
-                rounds: false,
             },
             shapes: vec![Shape::custom([1, 4, 4, 64], "f16", 16).unwrap()],
             prefixes: vec![Vec::new()],
             drops: Vec::new(),
             events,
-            rounds: None,
             ended: None,
         }
     }

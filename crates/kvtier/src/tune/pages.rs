@@ -244,13 +244,11 @@ pub(crate) mod tests {
                 sample: 1.0,
                 working_set_bytes: None,
                 device: None,
-                rounds: false,
             },
             shapes: vec![Shape::custom([1, 1, 1, 64], "f16", 16).unwrap(); prefixes.len()],
             prefixes: prefixes.iter().map(|p| p.to_vec()).collect(),
             drops: drops.to_vec(),
             events,
-            rounds: None,
             ended: None,
         }
     }

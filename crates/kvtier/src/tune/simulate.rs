@@ -2,7 +2,7 @@
 //! subset and layer-ahead stream), host memory's frequency policy
 //! (S3-FIFO's queues and second chances) and the store's host LRU (which
 //! promotes a page read from NVMe only where memory has room, and
-//! migrates in background rounds) — run rather than modelled: the
+//! migrates in background rounds the calls make due) — run rather than modelled: the
 //! trace's writes, reads, attaches and frees, of the pages the replay
 //! samples, go through `kvtier_store::DeviceSimulation` or
 //! `HostSimulation` (the store's own policy code) on a miniature tier, a
@@ -55,24 +55,13 @@ pub(crate) struct Stream {
     page_bytes: f64,
     /// The share of the workload's pages the stream holds.
     rate: f64,
-    /// When host memory's background migration rounds ended (µs into the
-    /// recording, in order): a round that finds memory above its high
-    /// watermark chases the writes that go on while it runs and ends with
-    /// memory at the low one (unless nothing more can move).
-    rounds: Vec<u64>,
 }
 
 enum Step {
-    /// Pages a call placed, which ran from `start_us` to `t_us` (µs into
-    /// the recording).
-    Write {
-        start_us: u64,
-        t_us: u64,
-        pages: Vec<PageKey>,
-    },
+    /// Pages a call placed.
+    Write(Vec<PageKey>),
     /// A selection that swapped in (`hot`), or a read where the pages are.
     Read {
-        t_us: u64,
         hot: bool,
         sequence: u64,
         layer: u32,
@@ -106,15 +95,9 @@ impl Stream {
             for &k in &pages {
                 seen.insert(k, bytes);
             }
-            let t_us = e.access.t_us;
             events.push(match e.write {
-                true => Step::Write {
-                    start_us: t_us.saturating_sub(e.access.us),
-                    t_us,
-                    pages,
-                },
+                true => Step::Write(pages),
                 false => Step::Read {
-                    t_us,
                     hot: e.access.hot,
                     sequence: e.sequence as u64,
                     layer: e.access.layer,
@@ -131,14 +114,6 @@ impl Stream {
             }
         }
         let pages = seen.len() as u64;
-        // Where the recording does not mark the rounds: at the store's
-        // cadence from its start (whole ticks; the store's phase, and its
-        // rounds' own length, are not in such a trace).
-        let rounds = trace.rounds.clone().unwrap_or_else(|| {
-            let tick = kvtier_store::BACKGROUND_TICK.as_micros() as u64;
-            let end = trace.events.iter().map(|e| e.access.t_us).max().unwrap_or(0);
-            (0..=end / tick).map(|k| k * tick).collect()
-        });
         Self {
             events,
             selected,
@@ -146,7 +121,6 @@ impl Stream {
             pages,
             page_bytes: seen.values().sum::<u64>() as f64 / pages.max(1) as f64,
             rate: trace.header.sample * rate,
-            rounds,
         }
     }
 
@@ -176,14 +150,13 @@ impl Stream {
         let mut missed = 0u64;
         for event in &self.events {
             match event {
-                Step::Write { pages, .. } => {
+                Step::Write(pages) => {
                     for &k in pages {
                         sim.write(k)?;
                     }
                 }
                 Step::Read {
                     hot: true,
-                    t_us: _,
                     sequence,
                     layer,
                     layers,
@@ -207,37 +180,15 @@ impl Stream {
     }
 
     /// Pages read but not in host memory of `host_pages` under `policy`
-    /// (NVMe holds every page), run as `host` says, with its background
-    /// migration rounds where the stream has them.
+    /// (NVMe holds every page), run as `host` says (its background rounds
+    /// fall due where the calls make them).
     fn host_misses(&self, policy: HostPolicy, host_pages: u64, host: HostSetting) -> anyhow::Result<u64> {
         let (high, low) = host.watermarks;
         let mut sim = HostSimulation::new(policy, host_pages, self.pages, (high, low), host.promote_on_read)?;
-        let mut rounds = self.rounds.iter().copied().peekable();
         let mut missed = 0u64;
         for event in &self.events {
-            // The rounds ended by the end of this call: those that ended
-            // before it began run once before it (a second in a row would
-            // find memory below its watermarks), those that ended while a
-            // write ran, once inside it.
-            let mut inside = false;
-            if let Step::Write { t_us, .. } | Step::Read { t_us, .. } = event {
-                let write_began = match event {
-                    Step::Write { start_us, .. } => Some(*start_us),
-                    _ => None,
-                };
-                let mut before = false;
-                while let Some(r) = rounds.next_if(|&r| r <= *t_us) {
-                    match write_began {
-                        Some(began) if r >= began => inside = true,
-                        _ => before = true,
-                    }
-                }
-                if before {
-                    sim.background();
-                }
-            }
             match event {
-                Step::Write { pages, .. } => {
+                Step::Write(pages) => {
                     // A chain page already stored is shared, not written
                     // (one more request uses it; its place in line stays).
                     let written: Vec<PageKey> = pages
@@ -245,7 +196,7 @@ impl Stream {
                         .filter(|&&k| !(matches!(k.name, PageName::Chain(_)) && sim.attach(&k)))
                         .copied()
                         .collect();
-                    sim.write(&written, inside)?
+                    sim.write(&written)?
                 }
                 Step::Read { pages, .. } => missed += sim.read(pages)?,
                 Step::Attach(pages) => {
@@ -318,64 +269,34 @@ mod tests {
         assert_eq!(miss(0.5, 0.5), 0.5);
     }
 
-    /// A recording that marks the background's rounds is replayed with
-    /// those rounds, not the cadence: the same write and two reads as
-    /// above, with no round, with one between the reads (only the second
-    /// read misses), with one before each read, and, without promotion
-    /// on read, with one ending exactly as the first read does (both
-    /// reads miss the pages it migrated).
+    /// A round falls due inside the write that takes memory past its high
+    /// watermark and migrates the pages in line then (the first write's),
+    /// however far apart the calls were recorded: host memory of 512
+    /// pages, watermarks 0.5, 256 pages written, 256 more, all read.
     #[test]
-    fn marked_rounds_replace_the_stores_cadence() {
-        let pages: Vec<u32> = (0..512).collect();
-        let mut t = trace(
-            &[&[]],
-            &[(0, true, &pages), (0, false, &pages), (0, false, &pages)],
-            &[],
-        );
-        let bytes = 512 * t.shapes[0].page_bytes() as u64;
-        let mut miss = |rounds: &[u64], promote_on_read| {
-            t.rounds = Some(rounds.to_vec());
-            let host = HostSetting {
-                watermarks: (0.5, 0.5),
-                promote_on_read,
-            };
-            Stream::of(&t, 1.0)
-                .miss_ratio(Simulated::Host(HostPolicy::Lru), bytes, host)
-                .unwrap()
-        };
-        assert_eq!(miss(&[], true), 0.0);
-        assert_eq!(miss(&[45_000], true), 0.25);
-        assert_eq!(miss(&[0, 30_000, 60_000], true), 0.5);
-        assert_eq!(miss(&[30_000], false), 0.5);
-    }
-
-    /// A round that ended while a write ran runs inside it, after its
-    /// pages hold their slots and before they join the queues, so it
-    /// migrates older pages; one that ended before the write began runs
-    /// before it. Host memory of 512 pages, watermarks 0.5: 256 pages
-    /// written at 0, 256 more by a write from 20 to 30 ms, all read at
-    /// 60 ms. Inside the second write the round finds the first write's
-    /// 256 in line and migrates them (the read misses half); before it,
-    /// memory is at its low watermark and nothing moves.
-    #[test]
-    fn a_round_inside_a_write_migrates_older_pages() {
+    fn a_round_falls_due_inside_the_write_that_passes_the_high_watermark_whatever_the_clock() {
         let (old, new): (Vec<u32>, Vec<u32>) = ((0..256).collect(), (256..512).collect());
         let all: Vec<u32> = (0..512).collect();
         let mut t = trace(&[&[]], &[(0, true, &old), (0, true, &new), (0, false, &all)], &[]);
-        // Events are 30 ms apart: the second write ends at 30 ms.
-        t.events[1].access.us = 10_000;
         let bytes = 512 * t.shapes[0].page_bytes() as u64;
-        let mut miss = |rounds: &[u64]| {
-            t.rounds = Some(rounds.to_vec());
-            let host = HostSetting {
-                watermarks: (0.5, 0.5),
-                promote_on_read: false,
-            };
-            Stream::of(&t, 1.0)
-                .miss_ratio(Simulated::Host(HostPolicy::Lru), bytes, host)
-                .unwrap()
+        let host = |high| HostSetting {
+            watermarks: (high, high),
+            promote_on_read: false,
         };
-        assert_eq!(miss(&[25_000]), 0.5);
-        assert_eq!(miss(&[15_000]), 0.0);
+        let mut misses = Vec::new();
+        for gap_us in [0, 30_000, 10_000_000] {
+            for (i, e) in t.events.iter_mut().enumerate() {
+                e.access.t_us = i as u64 * gap_us;
+            }
+            let stream = Stream::of(&t, 1.0);
+            for high in [0.5, 1.0] {
+                misses.push(
+                    stream
+                        .miss_ratio(Simulated::Host(HostPolicy::Lru), bytes, host(high))
+                        .unwrap(),
+                );
+            }
+        }
+        assert_eq!(misses, [0.5, 0.0].repeat(3));
     }
 }

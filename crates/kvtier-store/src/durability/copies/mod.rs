@@ -61,6 +61,19 @@ impl Durable {
     /// the journal orders it with the page's other records. Returns the
     /// pages that moved or were copied.
     pub(crate) fn write_copies(&self, pages: &[Arc<PhysPage>], keep: Keep, reason: Reason) -> StoreResult<usize> {
+        self.write_copies_noting(pages, keep, reason, &mut |_| {})
+    }
+
+    /// [`Self::write_copies`], calling `host_freed` with each page whose
+    /// host copy it drops, just before that slot frees (the host cache
+    /// keeps its count of bytes about to free in step with the tier's).
+    pub(crate) fn write_copies_noting(
+        &self,
+        pages: &[Arc<PhysPage>],
+        keep: Keep,
+        reason: Reason,
+        host_freed: &mut dyn FnMut(&PhysPage),
+    ) -> StoreResult<usize> {
         let Some(nvme) = self.nvme.as_ref() else {
             return Err(StoreError::precondition(
                 wire::ACTION,
@@ -80,7 +93,7 @@ impl Durable {
             if place.nvme().is_some() {
                 // Already current on NVMe: no I/O needed.
                 drop(place);
-                moved += usize::from(self.settle_current(page, keep, reason));
+                moved += usize::from(self.settle_current(page, keep, reason, host_freed));
                 continue;
             }
             let (tier, slot): (&dyn Tier, &Slot) = match (place.host(), place.device()) {
@@ -140,7 +153,7 @@ impl Durable {
             self.counters.latency.nvme_write.observe(writing.elapsed());
         }
         for (job, (slot, buf)) in pending.iter().zip(written) {
-            if self.install(job, slot, &buf, keep, reason) {
+            if self.install(job, slot, &buf, keep, reason, host_freed) {
                 moved += 1;
                 self.counters
                     .moved(TierKind::Host, TierKind::Nvme, job.page.layout.page_bytes() as u64);
@@ -151,7 +164,15 @@ impl Durable {
 
     /// Installs a written copy, unless the page changed meanwhile (then the
     /// new slot is freed as it drops here).
-    fn install(&self, job: &CopyJob, slot: Slot, bytes: &[u8], keep: Keep, reason: Reason) -> bool {
+    fn install(
+        &self,
+        job: &CopyJob,
+        slot: Slot,
+        bytes: &[u8],
+        keep: Keep,
+        reason: Reason,
+        host_freed: &mut dyn FnMut(&PhysPage),
+    ) -> bool {
         let CopyJob {
             page,
             version,
@@ -174,7 +195,9 @@ impl Durable {
         // record after any earlier one about the page.
         self.journal_retiring(vec![record], done.superseded.into_iter().collect());
         drop(place);
-        if done.dropped_host.is_some() {
+        if let Some(host) = done.dropped_host {
+            host_freed(page);
+            drop(host);
             self.host_copy_dropped(reason);
         }
         self.counters.counted(done.change.from, done.change.to, reason);
@@ -191,7 +214,13 @@ impl Durable {
 
     /// A page whose NVMe copy is current: drops its host copy unless asked
     /// to keep it (or pinned). Whether it counts as moved or copied.
-    fn settle_current(&self, page: &PhysPage, keep: Keep, reason: Reason) -> bool {
+    fn settle_current(
+        &self,
+        page: &PhysPage,
+        keep: Keep,
+        reason: Reason,
+        host_freed: &mut dyn FnMut(&PhysPage),
+    ) -> bool {
         let mut place = page.place.write();
         if place.lost().is_some() || place.nvme().is_none() || place.host().is_none() {
             return false;
@@ -201,6 +230,7 @@ impl Durable {
             && let Some((change, host)) = place.drop_host()
         {
             drop(place);
+            host_freed(page);
             drop(host);
             self.host_copy_dropped(reason);
             self.counters.counted(change.from, change.to, reason);

@@ -704,8 +704,6 @@ fn write_trace(path: &std::path::Path, cfg: &RunConfig, m: &Measured, emulated: 
         sample: 1.0,
         working_set_bytes: Some(lanes * (pages_per_lane + 1) * s.page_bytes() as u64),
         device: Some(if emulated { "emulated" } else { "gpu" }.into()),
-        // The client's side sees no server rounds.
-        rounds: false,
     };
     let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut out = std::io::BufWriter::new(file);
