@@ -4,13 +4,15 @@
 //! watermarks), and nothing here is ever dropped to make room without an
 //! NVMe copy.
 //!
-//! A background round falls due at the allocation that takes memory past
-//! the high watermark, sized then (what is above the low one), and runs
-//! on the background thread, woken for it. Not on a timer, and not
-//! chasing the writes that go on while it runs: how much migrates, and
-//! after which call, is then a function of the calls alone, so that a
-//! replay of them (`kvtier tune`'s simulation, which runs this code)
-//! migrates the same pages the store does.
+//! Between the watermarks: a round opens at the allocation or touch that
+//! takes memory past the high one, sized then (what is above the low
+//! one), and the calls that follow choose its pages, two per page they
+//! allocate or touch; the background thread, woken once a batch is
+//! chosen, migrates them. Not on a timer, and not chasing the writes that
+//! go on meanwhile: which pages migrate, and where the next round opens,
+//! are then a function of the calls alone, so that a replay of them
+//! (`kvtier tune`'s simulation, which runs this code) migrates the same
+//! pages the store does.
 //!
 //! Locks: the LRU is held only to update or pop one entry, never while a
 //! page's placement lock is taken (a reader touches the LRU after releasing

@@ -9,11 +9,12 @@
 //! ideal one (a read does not evict to promote, so a loop a little larger
 //! than memory keeps part of itself where an ideal LRU keeps none). The
 //! store's background migration (down from the high watermark to the low
-//! one) is its own code too: a round falls due, its pages chosen, at the
-//! call that takes memory past the high watermark, whatever the timing
-//! of the thread that migrates them (`host/`); here a round due runs at
-//! the end of the call, where the store's has most often run by the next
-//! (a benchmark that reads right after a write lets it: `Store::wait_idle`).
+//! one) is its own code too: a round opens at the call that takes memory
+//! past the high watermark and the calls that follow choose its pages,
+//! whatever the timing of the thread that migrates them (`host/`); here
+//! what is chosen migrates at the end of each call, where the store's has
+//! most often moved by the next (a benchmark that reads right after a
+//! write lets it: `Store::wait_idle`).
 
 use std::collections::HashMap;
 use std::hash::Hash;
