@@ -74,7 +74,7 @@ def test_an_access_recording_lists_the_pages_fetched(client):
         lines = [json.loads(line) for line in f]
     # The sequence, its write, read and drop.
     assert len(lines[1:]) >= 4
-    assert lines[0]["kvtier_trace"] == 3 and lines[0]["source"] == "server"
+    assert lines[0]["kvtier_trace"] == 4 and lines[0]["source"] == "server"
     reads = [line for line in lines if line.get("op") == "read"]
     fetched = sorted((h["head"], h["pages"]) for r in reads for h in r["heads"])
     assert fetched == [(0, [1]), (1, [1])]
