@@ -156,7 +156,7 @@ impl Parts {
         let charge = self.accounts.page_charge(&self.owner, 0);
         let place = Placement::written(None, slot, self.layout.page_size());
         let page = Arc::new(PhysPage::new(id, Arc::clone(&self.layout), None, place, charge));
-        self.host.touch([&page]);
+        self.host.touch_written([&page]);
         page
     }
 }

@@ -4,21 +4,25 @@
 //! watermarks), and nothing here is ever dropped to make room without an
 //! NVMe copy.
 //!
-//! Between the watermarks: a round opens at the allocation or touch that
-//! takes memory past the high one, sized then (what is above the low
-//! one), and the calls that follow choose its pages, two per page they
-//! allocate or touch; the background thread, woken once a batch is
-//! chosen, migrates them. Not on a timer, and not chasing the writes that
-//! go on meanwhile: which pages migrate, and where the next round opens,
-//! are then a function of the calls alone, so that a replay of them
-//! (`kvtier tune`'s simulation, which runs this code) migrates the same
-//! pages the store does.
+//! Between the watermarks: a round opens at the allocation (or a write's
+//! pages joining the queues) that takes memory past the high one, less
+//! the pages already chosen, sized then (what is above the low one); the
+//! pages allocated or written after it choose its pages, two each, in the
+//! policy's order (reads choose nothing), marking them `in_round`; the
+//! store's rounds thread, woken once a batch is chosen, migrates them. Not
+//! on a timer, and not chasing the writes that go on meanwhile: which
+//! pages migrate, and where the next round opens, are then a function of
+//! the calls alone, so that a replay of them (`kvtier tune`'s simulation,
+//! which runs this code) migrates the same pages the store does, and no
+//! call pays for more than its own pages' worth of choosing.
 //!
 //! Locks: the LRU is held only to update or pop one entry, never while a
 //! page's placement lock is taken (a reader touches the LRU after releasing
 //! the page; migration pops its victims one entry at a time). `migrating`
 //! is held for a whole migration, so that a second allocation waits for
-//! the first one's room instead of finding its victims taken.
+//! the first one's room instead of finding its victims taken. The round's
+//! chosen pages (`round`) are a leaf, taken alone; one thread chooses at a
+//! time (`choosing`), and pays the choices the others owe.
 
 mod policy;
 #[cfg(test)]
@@ -101,6 +105,9 @@ pub(crate) struct HostCache {
     due_bytes: AtomicU64,
     /// Bytes of the round open still to choose (0: none open).
     unchosen: AtomicU64,
+    /// Choices owed by pages allocated or written while another thread
+    /// was choosing (paid by whoever chooses next).
+    owed: AtomicU64,
     /// A thread is choosing a round's pages (one at a time).
     choosing: AtomicBool,
     /// The background thread, woken when a round falls due.
@@ -120,6 +127,7 @@ impl HostCache {
             round: Mutex::new(Rank::HostRound, Vec::new()),
             due_bytes: AtomicU64::new(0),
             unchosen: AtomicU64::new(0),
+            owed: AtomicU64::new(0),
             choosing: AtomicBool::new(false),
             background: OnceLock::new(),
         }
@@ -149,6 +157,10 @@ impl HostCache {
     ) -> StoreResult<Slot> {
         while !owner.fits(TierKind::Host, len) && durable.nvme().is_some() {
             let one = self.migrating.lock();
+            // The pages chosen (some maybe the owner's) first.
+            if matches!(self.run_round_locked(durable, &one), Ok(n) if n > 0) {
+                continue;
+            }
             if !matches!(self.relieve_locked(len, durable, &one, Some(owner)), Ok(n) if n > 0) {
                 break;
             }
@@ -167,34 +179,43 @@ impl HostCache {
         Ok(slot)
     }
 
-    /// After `pages` slots were taken or pages were touched. Past the high
-    /// watermark (counting what the pages already chosen will free), a
-    /// round opens of what is above the low one; while one is open, each
-    /// such call chooses up to [`CHOSEN_PER_PAGE`] of its pages per page,
-    /// least recently used first, and the background thread is woken to migrate
-    /// them a batch at a time. So the calls alone, not that thread's
-    /// timing, decide which pages go and where the next round opens, and
-    /// no call pays for a whole round. Pages not yet in line (a write's,
-    /// until it publishes them) cannot be chosen.
+    /// After `pages` slots were taken, or written pages joined the queues.
+    /// Past the high watermark (counting what the pages already chosen
+    /// will free), a round opens of what is above the low one; while one
+    /// is open, each such page owes [`CHOSEN_PER_PAGE`] choices of its
+    /// pages, in the policy's order, and the rounds thread is woken to
+    /// migrate them once a batch waits. So the calls alone, not that
+    /// thread's timing, decide which pages go and where the next round
+    /// opens, and no call pays for more than its own pages' worth. Reads
+    /// choose nothing (a read of a page chosen but not yet moved finds it,
+    /// which is timing; the fewer such, the better).
     fn fall_due_if_above(&self, pages: usize) {
         if self.unchosen.load(Ordering::Acquire) == 0 && self.held() <= self.watermark(self.high) {
             return;
         }
-        // One chooser at a time; a call that finds another choosing leaves
-        // it the round.
-        if self.choosing.swap(true, Ordering::AcqRel) {
-            return;
+        self.owed.fetch_add((CHOSEN_PER_PAGE * pages) as u64, Ordering::AcqRel);
+        // One chooser at a time; it pays what others owe too.
+        while self.owed.load(Ordering::Acquire) > 0 {
+            let Some(_choosing) = Choosing::take(&self.choosing) else {
+                return;
+            };
+            let owed = self.owed.swap(0, Ordering::AcqRel) as usize;
+            self.choose_for_round(owed);
         }
+    }
+
+    /// Chooses up to `most` pages of the round open (opening one if memory
+    /// is past the high watermark), with [`Choosing`] held.
+    fn choose_for_round(&self, most: usize) {
         let mut left = self.unchosen.load(Ordering::Acquire);
         if left == 0 {
+            if self.held() <= self.watermark(self.high) {
+                return;
+            }
             left = self.held().saturating_sub(self.watermark(self.low));
         }
-        let take = Take {
-            fewest: 0,
-            most: CHOSEN_PER_PAGE * pages,
-        };
-        let victims = match left > 0 && self.held() > self.watermark(self.low) {
-            true => self.take_victims(left, None, take),
+        let victims = match self.held() > self.watermark(self.low) {
+            true => self.take_victims(left, None, Take { fewest: 0, most }),
             false => Vec::new(),
         };
         let bytes: u64 = victims.iter().map(|(_, held)| held).sum();
@@ -206,7 +227,9 @@ impl HostCache {
         };
         self.due_bytes.fetch_add(bytes, Ordering::AcqRel);
         self.unchosen.store(left, Ordering::Release);
-        self.choosing.store(false, Ordering::Release);
+        if left == 0 {
+            self.owed.store(0, Ordering::Release);
+        }
         self.hand_over(victims, left == 0);
     }
 
@@ -222,11 +245,14 @@ impl HostCache {
         (self.tier.capacity_bytes() as f64 * share) as u64
     }
 
-    /// Adds chosen pages to the round due; wakes the background thread once
-    /// a batch waits (or the round's choice is `complete`).
+    /// Adds chosen pages to the round due; wakes the rounds thread once a
+    /// batch waits (or the round's choice is `complete`).
     fn hand_over(&self, victims: Vec<(Arc<PhysPage>, u64)>, complete: bool) {
         if victims.is_empty() {
             return;
+        }
+        for (page, _) in &victims {
+            page.in_round.store(true, Ordering::Release);
         }
         let waiting = {
             let mut round = self.round.lock();
@@ -238,33 +264,6 @@ impl HostCache {
         {
             thread.unpark();
         }
-    }
-
-    /// Chooses what is left of the round open, all at once (a write that
-    /// found memory full needs its room now).
-    fn choose_rest(&self) {
-        if self.choosing.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let mut left = self.unchosen.load(Ordering::Acquire);
-        let mut chosen = Vec::new();
-        let take = Take {
-            fewest: 0,
-            most: MIGRATION.most,
-        };
-        while left > 0 {
-            let victims = self.take_victims(left, None, take);
-            if victims.is_empty() {
-                break;
-            }
-            let bytes: u64 = victims.iter().map(|(_, held)| held).sum();
-            self.due_bytes.fetch_add(bytes, Ordering::AcqRel);
-            left = left.saturating_sub(bytes);
-            chosen.extend(victims);
-        }
-        self.unchosen.store(0, Ordering::Release);
-        self.choosing.store(false, Ordering::Release);
-        self.hand_over(chosen, true);
     }
 
     /// A host slot of `len` bytes, migrating anyone's pages for room.
@@ -283,20 +282,23 @@ impl HostCache {
                     if let ok @ Ok(_) = self.tier.allocate(len) {
                         return ok;
                     }
-                    // The pages chosen go first, where the background had
+                    // The pages chosen go first, where the rounds thread had
                     // not moved them yet (then the call tries again: where
                     // they had moved, it would have found that room); then
-                    // the rest of the round open; then a batch of its own.
+                    // a batch more of the round open; then a batch of its
+                    // own.
                     let moving = Instant::now();
                     let moved = match self.run_round_locked(durable, &one) {
-                        0 => {
-                            self.choose_rest();
+                        Ok(0) => {
+                            if let Some(_choosing) = Choosing::take(&self.choosing) {
+                                self.choose_for_round(MIGRATION.most);
+                            }
                             match self.run_round_locked(durable, &one) {
-                                0 => self.relieve_locked(len, durable, &one, None),
-                                rest => Ok(rest),
+                                Ok(0) => self.relieve_locked(len, durable, &one, None),
+                                more => more,
                             }
                         }
-                        chosen => Ok(chosen),
+                        chosen => chosen,
                     };
                     spent.moving += moving.elapsed();
                     drop(one);
@@ -314,42 +316,61 @@ impl HostCache {
         }
     }
 
-    /// Runs the background round due, if one is (see the module's doc).
+    /// Migrates the pages chosen, if any (the rounds thread's work; see
+    /// the module's doc).
     pub(crate) fn rebalance(&self, durable: &Durable) {
         if self.due_bytes.load(Ordering::Acquire) == 0 {
             return;
         }
         let one = self.migrating.lock();
-        self.run_round_locked(durable, &one);
+        // Failures are logged where they happen; the pages stay in line.
+        let _ = self.run_round_locked(durable, &one);
     }
 
-    /// Migrates the rounds due, if any; returns the pages migrated. The
-    /// bytes due drop as each page's host slot frees (or, for a page that
-    /// could not move, once it is back in line), so that memory's count
+    /// Migrates the pages chosen; returns how many moved. The bytes due
+    /// drop as each page's host slot frees, or at once for a page that
+    /// no longer needs moving (chosen twice, freed since, its host copy
+    /// gone another way) or could not move (back in line), so that memory
     /// less them never depends on how far the migration has got.
-    fn run_round_locked(&self, durable: &Durable, migrating: &MutexGuard<'_, ()>) -> usize {
+    fn run_round_locked(&self, durable: &Durable, migrating: &MutexGuard<'_, ()>) -> StoreResult<usize> {
         let mut round = std::mem::take(&mut *self.round.lock());
         if round.is_empty() {
-            return 0;
+            return Ok(0);
         }
         round.sort_by_key(|(page, _)| page.id);
-        let pages: Vec<Arc<PhysPage>> = round.iter().map(|(page, _)| Arc::clone(page)).collect();
-        let mut freed = vec![false; round.len()];
+        for (page, _) in &round {
+            page.in_round.store(false, Ordering::Release);
+        }
+        let mut settled = 0u64;
+        let mut moving: Vec<(Arc<PhysPage>, u64)> = Vec::with_capacity(round.len());
+        for (page, held) in round {
+            // The round's is the last reference: freed by its sequence.
+            let freed = Arc::strong_count(&page) == 1;
+            let twice = moving.last().is_some_and(|(p, _)| p.id == page.id);
+            if freed || twice || page.place.read().host().is_none() {
+                settled += held;
+            } else {
+                moving.push((page, held));
+            }
+        }
+        self.due_bytes.fetch_sub(settled, Ordering::AcqRel);
+        let pages: Vec<Arc<PhysPage>> = moving.iter().map(|(page, _)| Arc::clone(page)).collect();
+        let mut freed = vec![false; moving.len()];
         let moved = self.migrate_noting(pages, durable, migrating, &mut |page| {
-            if let Ok(i) = round.binary_search_by_key(&page.id, |(p, _)| p.id)
+            if let Ok(i) = moving.binary_search_by_key(&page.id, |(p, _)| p.id)
                 && !std::mem::replace(&mut freed[i], true)
             {
-                self.due_bytes.fetch_sub(round[i].1, Ordering::AcqRel);
+                self.due_bytes.fetch_sub(moving[i].1, Ordering::AcqRel);
             }
         });
-        let kept: u64 = round
+        let kept: u64 = moving
             .iter()
             .zip(&freed)
             .filter(|(_, f)| !**f)
             .map(|((_, held), _)| held)
             .sum();
         self.due_bytes.fetch_sub(kept, Ordering::AcqRel);
-        moved.unwrap_or(0)
+        moved
     }
 
     /// Migrates least recently used host pages (of `owner` only, if given)
@@ -410,7 +431,7 @@ impl HostCache {
             .into_iter()
             .filter(|p| p.place.read().host().is_some())
             .collect();
-        self.touch_queues(&kept);
+        self.touch(&kept);
         if let Err(e) = &moved {
             tracing::warn!(error = %e, "could not migrate host pages to nvme");
         }
@@ -432,6 +453,10 @@ impl HostCache {
         // Past the bound on pages passed over, the rest of the room comes
         // from them, least recent first, with no more popped.
         let mut capped = false;
+        // Pinned pages cost a pop and a put-back each and count toward
+        // nothing: a bound on them keeps a mostly pinned queue from being
+        // walked whole by every choice.
+        let mut pinned = 0;
         let frequency = self.policy == HostPolicy::Frequency;
         for (turn, queue) in self.queues_in_turn().into_iter().enumerate() {
             let from_main = std::ptr::eq(queue, &self.main);
@@ -450,8 +475,16 @@ impl HostCache {
                 }
                 let Some((_, weak)) = candidates.pop() else { break };
                 let Some(page) = weak.upgrade() else { continue };
+                // Out of line already: it migrates with the round.
+                if page.in_round.load(Ordering::Acquire) {
+                    continue;
+                }
                 if page.pinned() {
                     if from_main { &mut chosen.main } else { &mut chosen.small }.push(page);
+                    pinned += 1;
+                    if pinned >= MIGRATION_BATCH.max(4 * take.most) {
+                        break;
+                    }
                     continue;
                 }
                 let place = page.place.read();
@@ -513,19 +546,22 @@ impl HostCache {
         }
     }
 
-    /// Marks pages as just used in host memory (in the main queue if they
-    /// are in it, else in the LRU). Never called with a page's placement
-    /// lock held.
-    pub(crate) fn touch<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
-        let mut touched = 0;
-        self.touch_queues(pages.into_iter().inspect(|_| touched += 1));
-        if touched > 0 {
-            self.fall_due_if_above(touched);
+    /// Pages a write placed join the queues ([`Self::touch`]); like
+    /// allocations, they count toward the round open (a write's pages
+    /// cannot be chosen until they are in line). Never called with a
+    /// page's placement lock, or any leaf, held.
+    pub(crate) fn touch_written<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
+        let mut written = 0;
+        self.touch(pages.into_iter().inspect(|_| written += 1));
+        if written > 0 {
+            self.fall_due_if_above(written);
         }
     }
 
-    /// [`Self::touch`], leaving the watermarks to the caller.
-    fn touch_queues<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
+    /// Marks pages as just used in host memory (in the main queue if they
+    /// are in it, else in the LRU). Never called with a page's placement
+    /// lock, or any leaf, held.
+    pub(crate) fn touch<'a>(&self, pages: impl IntoIterator<Item = &'a Arc<PhysPage>>) {
         match self.policy {
             HostPolicy::Lru => touch_lru(&self.lru, pages),
             HostPolicy::Frequency => {
@@ -558,4 +594,21 @@ struct Chosen {
     small: Vec<Arc<PhysPage>>,
     /// Back at the most recent end of the main queue.
     main: Vec<Arc<PhysPage>>,
+}
+
+/// The one thread choosing a round's pages: the flag is cleared when this
+/// drops, even if the choosing panicked.
+struct Choosing<'a>(&'a AtomicBool);
+
+impl<'a> Choosing<'a> {
+    /// The flag, if no other thread holds it.
+    fn take(flag: &'a AtomicBool) -> Option<Self> {
+        (!flag.swap(true, Ordering::AcqRel)).then_some(Self(flag))
+    }
+}
+
+impl Drop for Choosing<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }

@@ -8,7 +8,7 @@ mod placement;
 mod rows;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 
 use kvtier_core::{Lane, Layout, LogicalPage, PageState, PhysId, Reason, TenantId};
 use kvtier_sync::{Rank, RwLock};
@@ -55,6 +55,9 @@ pub(crate) struct PhysPage {
     /// The same count, never spent: the device's loop policy ranks pages
     /// other requests share above one request's (`device/policy.rs`).
     sharers: AtomicU8,
+    /// Chosen for host memory's round and not yet taken to migrate: no
+    /// later choice takes it again (`host/`).
+    pub(crate) in_round: AtomicBool,
     /// Its metadata, charged to the tenant whose quotas its slots count
     /// against too (pages are shared only within a tenant).
     charge: PageCharge,
@@ -78,6 +81,7 @@ impl PhysPage {
             reuse: AtomicU64::new(0),
             chances: AtomicU8::new(0),
             sharers: AtomicU8::new(0),
+            in_round: AtomicBool::new(false),
             charge,
         }
     }

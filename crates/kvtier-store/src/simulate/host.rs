@@ -87,7 +87,7 @@ impl<K: Eq + Hash + Clone> HostSimulation<K> {
                 None => {
                     let page = match self.new_page() {
                         Err(StoreError::ResourceExhausted(_)) if !written.is_empty() => {
-                            self.host.touch(&written);
+                            self.host.touch_written(&written);
                             written.clear();
                             self.new_page()?
                         }
@@ -102,7 +102,7 @@ impl<K: Eq + Hash + Clone> HostSimulation<K> {
         // One at a time, as the store publishes them: a round may fall due
         // at any of them.
         for page in &written {
-            self.host.touch([page]);
+            self.host.touch_written([page]);
         }
         self.host.rebalance(&self.durable);
         Ok(())
@@ -129,7 +129,7 @@ impl<K: Eq + Hash + Clone> HostSimulation<K> {
                 None => {
                     missed += 1;
                     let page = self.new_page()?;
-                    self.host.touch([&page]);
+                    self.host.touch_written([&page]);
                     self.pages.insert(key.clone(), page);
                 }
             }

@@ -100,8 +100,9 @@ pub struct StoreConfig {
     pub device_cache: DeviceCache,
     /// The NVMe tier; `None` keeps everything in memory.
     pub nvme: Option<NvmeConfig>,
-    /// Above this share of host capacity, least recently used host pages
-    /// migrate to NVMe in the background ...
+    /// Past this share of host capacity a round opens: the calls that
+    /// follow choose least recently used host pages (in the host policy's
+    /// order), which migrate to NVMe in the background ...
     pub host_high_watermark: f64,
     /// ... until host use is down to this share.
     pub host_low_watermark: f64,
@@ -237,8 +238,8 @@ impl Store {
 
     /// A store over the given tiers (their capacities override the config's).
     /// With an NVMe tier and a manifest, pages recorded there are recovered
-    /// first, and a background thread keeps host memory between the
-    /// watermarks and the manifest flushed for as long as the store lives.
+    /// first; background threads migrate the pages host memory's rounds
+    /// chose and keep the manifest flushed for as long as the store lives.
     pub fn with_tiers(
         device: Arc<dyn Tier>,
         host: Arc<dyn Tier>,
@@ -309,10 +310,16 @@ impl Store {
             );
             store.durable.checkpoint(&store.catalog);
         }
-        match spawn_loop("kvtier-background", &store, Self::background_tick) {
+        if let Err(e) = spawn_loop("kvtier-background", &store, Self::background_tick) {
+            tracing::error!(error = %e, "cannot start the background thread; leases expire only when looked at");
+        }
+        // Host memory's rounds: woken as their pages are chosen.
+        match spawn_loop("kvtier-host-rounds", &store, |store| {
+            store.host.rebalance(&store.durable)
+        }) {
             Ok(thread) => store.host.run_rounds_on(thread),
             Err(e) => {
-                tracing::error!(error = %e, "cannot start the background thread; migration happens only under pressure")
+                tracing::error!(error = %e, "cannot start the host rounds thread; migration happens only under pressure")
             }
         }
         // Its own thread: a checkpoint of a large manifest takes seconds, and
@@ -326,14 +333,13 @@ impl Store {
         Ok(store)
     }
 
-    /// One round of background work: expired leases, host memory's round
-    /// due (woken early for it), sketches and a manifest flush.
+    /// One round of background work: expired leases, sketches and a
+    /// manifest flush.
     fn background_tick(&self) {
         let expired = self.leases.expire(std::time::Instant::now());
         if expired > 0 {
             tracing::debug!(expired, "leases expired");
         }
-        self.host.rebalance(&self.durable);
         self.sweep_sketches_if_due();
         self.durable.flush_if_idle();
     }
@@ -465,7 +471,8 @@ fn open_manifest(path: PathBuf, config: &StoreConfig) -> StoreResult<Recovering>
 }
 
 /// The pause between two rounds of a background loop (leases, sketches,
-/// checkpoints; host memory's rounds wake the loop when they fall due).
+/// checkpoints; host memory's rounds thread is also woken when it has
+/// pages to move).
 const BACKGROUND_TICK: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// Runs `tick` every [`BACKGROUND_TICK`] on a thread of its own for as
@@ -476,7 +483,7 @@ fn spawn_loop(name: &str, store: &Arc<Store>, tick: fn(&Store)) -> std::io::Resu
         while let Some(store) = weak.upgrade() {
             tick(&store);
             drop(store);
-            // Unparked early when there is work (a host round due).
+            // The host rounds thread is unparked early when it has work.
             std::thread::park_timeout(BACKGROUND_TICK);
         }
     })?;

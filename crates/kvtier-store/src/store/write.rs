@@ -559,7 +559,7 @@ impl Store {
             .map(|_| Box::from(PageIndex::entry_of(layout.dtype(), layout.head_dim() as usize, keys)));
         let place = Placement::written(page.device_slot, page.host_slot, rows as u32);
         let physical = Arc::new(PhysPage::new(page.id, Arc::clone(layout), entry, place, charge));
-        self.host.touch([&physical]);
+        self.host.touch_written([&physical]);
         self.catalog.publish(physical, page.key)
     }
 
