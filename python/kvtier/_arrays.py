@@ -65,9 +65,9 @@ def encode(x: Any, dtype: str, name: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=DTYPES[dtype])
 
 
-def pack_kv(k: Any, v: Any, dtype: str, head_dim: int) -> Tuple[bytes, int, int]:
-    """K and V, each ``[kv_heads, tokens, head_dim]``, as one ``kv`` field;
-    returns ``(bytes, kv_heads, tokens)``."""
+def kv_arrays(k: Any, v: Any, dtype: str, head_dim: int) -> Tuple[np.ndarray, np.ndarray]:
+    """K and V, each ``[kv_heads, tokens, head_dim]``, checked and in the
+    layout's storage dtype, contiguous."""
     k = encode(k, dtype, "k")
     v = encode(v, dtype, "v")
     if k.ndim != 3:
@@ -76,6 +76,13 @@ def pack_kv(k: Any, v: Any, dtype: str, head_dim: int) -> Tuple[bytes, int, int]
         raise ValueError(f"v: shape {v.shape} differs from k's {k.shape}")
     if k.shape[2] != head_dim:
         raise ValueError(f"k: head_dim is {k.shape[2]}, the layout's is {head_dim}")
+    return k, v
+
+
+def pack_kv(k: Any, v: Any, dtype: str, head_dim: int) -> Tuple[bytes, int, int]:
+    """K and V, each ``[kv_heads, tokens, head_dim]``, as one ``kv`` field;
+    returns ``(bytes, kv_heads, tokens)``."""
+    k, v = kv_arrays(k, v, dtype, head_dim)
     return np.stack([k, v], axis=1).tobytes(), k.shape[0], k.shape[1]
 
 

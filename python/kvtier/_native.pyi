@@ -1,6 +1,6 @@
 """Type stubs of the native module (python/src/lib.rs)."""
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 __version__: str
 
@@ -48,3 +48,13 @@ class Region:
     @server_poll.setter
     def server_poll(self, seconds: float) -> None: ...
     def call(self, method: str, request: Any, gather: bool = False) -> Any: ...
+
+class SelectRequest:
+    def __init__(self, fields: Dict[str, Any]) -> None: ...
+    def step(
+        self,
+        layer: int,
+        queries: bytes,
+        budget_pages: int,
+        append: Optional[Tuple[int, int, bytes, bytes, Optional[int], bool]] = None,
+    ) -> "SelectRequest": ...

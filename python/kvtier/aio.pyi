@@ -4,7 +4,7 @@ their documentation)."""
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from .client import Heads, Shm
+from .client import Heads, SelectKvCall, Shm
 from .types import Layout, Page, Selection, SelectionKV, ShmRegion
 
 class AsyncClient:
@@ -42,6 +42,8 @@ class AsyncClient:
     async def select(self, sequence_id: str, layer: int, queries: Any, budget_pages: int, *, kv_heads: Heads=None, sink_pages: int=0, window_pages: int=0, aggregation: Optional[str]=None, shard: Any=None, include_data: bool=True, swap_in: bool=False, deadline_us: int=0, prefetch_pages: int=0, lease_ms: int=0, shm: Shm=None, mode: Optional[str]=None, candidates: int=0, softmax_scale: float=0.0, top_p: float=0.0, min_pages: int=0, reuse_similarity: float=0.0, append: Optional[Tuple[Any, Any]]=None, append_position: Optional[int]=None) -> Selection:
         ...
     async def select_kv(self, sequence_id: str, layer: int, queries: Any, budget_pages: int, *, kv_heads: Heads=None, sink_pages: int=0, window_pages: int=0, aggregation: Optional[str]=None, shard: Any=None, swap_in: bool=False, deadline_us: int=0, prefetch_pages: int=0, lease_ms: int=0, shm: Shm=None, mode: Optional[str]=None, candidates: int=0, softmax_scale: float=0.0, top_p: float=0.0, min_pages: int=0, reuse_similarity: float=0.0, append: Optional[Tuple[Any, Any]]=None, append_position: Optional[int]=None) -> SelectionKV:
+        ...
+    async def select_kv_call(self, sequence_id: str, *, kv_heads: Heads=None, sink_pages: int=0, window_pages: int=0, aggregation: Optional[str]=None, shard: Any=None, swap_in: bool=False, deadline_us: int=0, prefetch_pages: int=0, lease_ms: int=0, shm: Shm=None, mode: Optional[str]=None, candidates: int=0, softmax_scale: float=0.0, top_p: float=0.0, min_pages: int=0, reuse_similarity: float=0.0) -> SelectKvCall:
         ...
     async def prefetch(self, sequence_id: str, layer: int, queries: Any, budget_pages: int, *, kv_heads: Heads=None, sink_pages: int=0, window_pages: int=0, aggregation: Optional[str]=None, shard: Any=None, mode: Optional[str]=None, candidates: int=0) -> int:
         ...

@@ -14,7 +14,7 @@ from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tup
 import numpy as np
 
 from . import _arrays
-from ._native import Connection
+from ._native import Connection, SelectRequest
 from .types import (
     Layout,
     Page,
@@ -190,20 +190,19 @@ class _Api:
             "persist": self.persist if persist is None else persist,
         }
 
-    def _step_append(
+    def _step_kv(
         self, layout: Layout, append: Optional[Tuple[Any, Any]], position: Optional[int]
-    ) -> Optional[Dict[str, Any]]:
+    ) -> Optional[Tuple[np.ndarray, np.ndarray]]:
         """A selection's ``append`` (``SelectPagesRequest.append``): the
-        step's own ``(k, v)`` packed, at ``position`` if given."""
+        step's own ``(k, v)`` checked, in the layout's dtype."""
         if append is None:
             if position is not None:
                 raise ValueError("append_position: applies to an append; give append=(k, v) too")
             return None
-        k, v = append
-        kv, _, tokens = _arrays.pack_kv(k, v, layout.dtype, layout.head_dim)
-        if len(kv) > MAX_MESSAGE_BYTES - 4096:
-            raise ValueError(f"append: {len(kv)} bytes of K and V; at most {MAX_MESSAGE_BYTES} fit in one message")
-        return {"num_tokens": tokens, "kv": kv, "position": position, "persist": self.persist}
+        k, v = _arrays.kv_arrays(*append, layout.dtype, layout.head_dim)
+        if 2 * k.nbytes > MAX_MESSAGE_BYTES - 4096:
+            raise ValueError(f"append: {2 * k.nbytes} bytes of K and V; at most {MAX_MESSAGE_BYTES} fit in one message")
+        return k, v
 
     def _layout(self, sequence_id: str) -> Steps[Layout]:
         """The sequence's layout: known from ``create``, else asked once.
@@ -448,7 +447,10 @@ class _Api:
         def steps() -> Steps[Selection]:
             layout = yield from self._layout(sequence_id)
             request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
-            request["append"] = self._step_append(layout, append, append_position)
+            step = self._step_kv(layout, append, append_position)
+            if step is not None:
+                kv, _, tokens = _arrays.pack_kv(*step, layout.dtype, layout.head_dim)
+                request["append"] = {"num_tokens": tokens, "kv": kv, "position": append_position, "persist": self.persist}
             replies = yield _Rpc("SelectPages", request, self._via(window))
             return selection_from_proto(replies, layout, window)
 
@@ -487,22 +489,98 @@ class _Api:
         ``select`` and :meth:`Selection.gather`. The arrays are the
         answer's own. With ``shm``, a region this client registered, the
         call goes over the region's connection and the pages are copied
-        out of it as the call returns; the arguments are ``select``'s."""
-        via = self._via(shm)
-        window = window_of(shm) if via is not None else None
-        options = _select_options(
-            sink_pages, window_pages, aggregation, shard, True, swap_in, deadline_us, prefetch_pages, lease_ms
+        out of it as the call returns; the arguments are ``select``'s.
+        ``append=(k, v)`` (``[kv_heads, tokens, head_dim]``) appends the
+        step's own tokens once selected, at ``append_position`` if given
+        (``SelectPagesRequest.append``). A loop making this call every
+        step: :meth:`select_kv_call`."""
+        options = dict(
+            kv_heads=kv_heads,
+            sink_pages=sink_pages,
+            window_pages=window_pages,
+            aggregation=aggregation,
+            shard=shard,
+            swap_in=swap_in,
+            deadline_us=deadline_us,
+            prefetch_pages=prefetch_pages,
+            lease_ms=lease_ms,
+            shm=shm,
+            mode=mode,
+            candidates=candidates,
+            softmax_scale=softmax_scale,
+            top_p=top_p,
+            min_pages=min_pages,
+            reuse_similarity=reuse_similarity,
         )
-        options.update(shm=window.to_proto() if window else None, **_ranking(mode, candidates, softmax_scale, top_p, min_pages, reuse_similarity))
 
         def steps() -> Steps[SelectionKV]:
-            layout = yield from self._layout(sequence_id)
-            request = self._select_request(sequence_id, layout, layer, queries, budget_pages, kv_heads, options)
-            request["append"] = self._step_append(layout, append, append_position)
-            gathered = yield _Rpc("SelectPages", request, via, gather=True)
-            return selection_kv_from_native(gathered, layout)
+            call = yield from self._select_kv_call(sequence_id, options)
+            return (yield from call._steps(layer, queries, budget_pages, append, append_position))
 
         return self._run(steps())
+
+    def select_kv_call(
+        self,
+        sequence_id: str,
+        *,
+        kv_heads: Heads = None,
+        sink_pages: int = 0,
+        window_pages: int = 0,
+        aggregation: Optional[str] = None,
+        shard: Any = None,
+        swap_in: bool = False,
+        deadline_us: int = 0,
+        prefetch_pages: int = 0,
+        lease_ms: int = 0,
+        shm: Shm = None,
+        mode: Optional[str] = None,
+        candidates: int = 0,
+        softmax_scale: float = 0.0,
+        top_p: float = 0.0,
+        min_pages: int = 0,
+        reuse_similarity: float = 0.0,
+    ) -> SelectKvCall:
+        """:meth:`select_kv` with every argument but a step's own made
+        once (checked and converted when made, not on every call): a
+        decode loop's selection, ``call(layer, queries, budget_pages,
+        append=(k, v), append_position=p)`` per layer and step."""
+        options = dict(
+            kv_heads=kv_heads,
+            sink_pages=sink_pages,
+            window_pages=window_pages,
+            aggregation=aggregation,
+            shard=shard,
+            swap_in=swap_in,
+            deadline_us=deadline_us,
+            prefetch_pages=prefetch_pages,
+            lease_ms=lease_ms,
+            shm=shm,
+            mode=mode,
+            candidates=candidates,
+            softmax_scale=softmax_scale,
+            top_p=top_p,
+            min_pages=min_pages,
+            reuse_similarity=reuse_similarity,
+        )
+        return self._run(self._select_kv_call(sequence_id, options))
+
+    def _select_kv_call(self, sequence_id: str, options: Dict[str, Any]) -> Steps[SelectKvCall]:
+        layout = yield from self._layout(sequence_id)
+        shm = options.pop("shm")
+        via = self._via(shm)
+        window = window_of(shm) if via is not None else None
+        ranking = _ranking(*(options.pop(k) for k in ("mode", "candidates", "softmax_scale", "top_p", "min_pages", "reuse_similarity")))
+        start, count = _heads(options.pop("kv_heads"), layout.num_kv_heads)
+        fields = {
+            **self._seq(sequence_id),
+            "kv_head_start": start,
+            "kv_head_count": count,
+            **_select_options(include_data=True, **options),
+            "shard": _shard(options["shard"]),
+            "shm": window.to_proto() if window else None,
+            **ranking,
+        }
+        return SelectKvCall(self, layout, SelectRequest(fields), via, self.persist)
 
     def prefetch(
         self,
@@ -699,6 +777,47 @@ class _Api:
             return (yield _Rpc(method, request))
 
         return self._run(steps())
+
+
+class SelectKvCall:
+    """One sequence's :meth:`Client.select_kv` with every argument but a
+    step's own fixed (:meth:`Client.select_kv_call`): calling it selects
+    in ``layer`` for ``queries`` and returns the pages' K and V
+    (:class:`SelectionKV`), a coroutine for :class:`kvtier.AsyncClient`'s."""
+
+    __slots__ = ("_api", "_layout", "_request", "_via", "_persist")
+
+    def __init__(self, api: "_Api", layout: Layout, request: SelectRequest, via: Optional[ShmRegion], persist: bool):
+        self._api = api
+        self._layout = layout
+        self._request = request
+        self._via = via
+        self._persist = persist
+
+    def __call__(
+        self,
+        layer: int,
+        queries: Any,
+        budget_pages: int,
+        *,
+        append: Optional[Tuple[Any, Any]] = None,
+        append_position: Optional[int] = None,
+    ) -> SelectionKV:
+        return self._api._run(self._steps(layer, queries, budget_pages, append, append_position))
+
+    def _steps(
+        self, layer: int, queries: Any, budget_pages: int, append: Optional[Tuple[Any, Any]], position: Optional[int]
+    ) -> Steps[SelectionKV]:
+        layout = self._layout
+        step_append = None
+        step = self._api._step_kv(layout, append, position)
+        if step is not None:
+            k, v = step
+            # Interleaved per head (K rows, then V rows) by the native side.
+            step_append = (k.shape[0], k.shape[1], k.tobytes(), v.tobytes(), position, self._persist)
+        request = self._request.step(layer, _queries(queries), budget_pages, step_append)
+        gathered = yield _Rpc("SelectPages", request, self._via, gather=True)
+        return selection_kv_from_native(gathered, layout)
 
 
 def _ranking(

@@ -36,7 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from . import errors
-from .client import MAX_MESSAGE_BYTES, Client
+from .client import MAX_MESSAGE_BYTES, Client, SelectKvCall
 from .types import Layout, ShmRegion, ShmWindow, gather
 
 __all__ = ["KVTierCache", "install_attention", "prompt_hashes"]
@@ -354,6 +354,7 @@ class KVTierCache(Cache):
             "reuse_similarity": reuse_similarity,
         }
         self.shm = shm
+        self._select_calls: Dict[float, SelectKvCall] = {}
         self.sequence_id = sequence_id or f"hf-{uuid.uuid4().hex}"
         key = model_key or _model_key(model, self.layout)
         hashes = prompt_hashes(prompt_ids, page_size, key) if prompt_ids is not None else []
@@ -379,13 +380,14 @@ class KVTierCache(Cache):
 
     # kvtier calls, each counted
 
-    def _call(self, fn, *args, **kwargs):
+    def _call(self, kind: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, counted as a call of ``kind``."""
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             self.kvtier_seconds += time.perf_counter() - start
-            self.calls[fn.__name__] = self.calls.get(fn.__name__, 0) + 1
+            self.calls[kind] = self.calls.get(kind, 0) + 1
 
     def _check_batch(self, key_states: torch.Tensor) -> None:
         if key_states.shape[0] != 1:
@@ -403,6 +405,7 @@ class KVTierCache(Cache):
         fill = min((-layer.tokens) % page, count)
         if fill:
             self._call(
+                "append",
                 self.client.append,
                 self.sequence_id,
                 layer.index,
@@ -418,7 +421,7 @@ class KVTierCache(Cache):
             end = min(start + per_call, count)
             first_page = (layer.tokens + start) // page
             self._call(
-                self.client.put, self.sequence_id, layer.index, k[:, start:end], v[:, start:end], first_page=first_page
+                "put", self.client.put, self.sequence_id, layer.index, k[:, start:end], v[:, start:end], first_page=first_page
             )
         # A prompt's tokens: a forward of several, or the first after what was attached.
         if layer.index == 0 and (count > 1 or layer.tokens == self.attached_tokens):
@@ -427,7 +430,7 @@ class KVTierCache(Cache):
 
     def _read_all(self, layer: KVTierLayer) -> Tuple[torch.Tensor, torch.Tensor]:
         """Every stored token of the layer, ``[kv_heads, tokens, head_dim]``."""
-        pages = self._call(self.client.fetch, self.sequence_id, layer.index, shm=self.shm)
+        pages = self._call("fetch", self.client.fetch, self.sequence_id, layer.index, shm=self.shm)
         for p in pages:
             if p.state not in ("hot", "cold"):
                 raise RuntimeError(f"layer {layer.index} KV head {p.kv_head} page {p.page} is {p.state}")
@@ -457,22 +460,32 @@ class KVTierCache(Cache):
         call, after them: one round trip per layer and step."""
         q = queries.detach().to("cpu", torch.float32).numpy()
         selection = self._call(
-            self.client.select_kv,
-            self.sequence_id,
+            "select_kv",
+            self._select_call(float(scaling)),
             layer.index,
             q,
             self.budget_pages(stored),
-            sink_pages=self.sink_pages,
-            window_pages=self.window_pages,
-            softmax_scale=float(scaling),
-            shm=self.shm,
             append=(_numpy(step[0]), _numpy(step[1])),
             append_position=stored,
-            **self.select_options,
         )
         appended = (selection.appended or {}).get("timing") or {}
         self.store_seconds += (selection.timing.get("store_us", 0) + appended.get("store_us", 0)) / 1e6
         return selection
+
+    def _select_call(self, scaling: float) -> SelectKvCall:
+        """The decode steps' selection at the attention's ``scaling``
+        (one model's layers share it), made once."""
+        call = self._select_calls.get(scaling)
+        if call is None:
+            call = self._select_calls[scaling] = self.client.select_kv_call(
+                self.sequence_id,
+                sink_pages=self.sink_pages,
+                window_pages=self.window_pages,
+                softmax_scale=scaling,
+                shm=self.shm,
+                **self.select_options,
+            )
+        return call
 
     def close(self) -> None:
         """Drops the sequence (pages another sequence shares stay), raising

@@ -1,7 +1,9 @@
 //! `kvtier._native`: the Rust client (connection, TLS, token, the
 //! shared-memory registration) under one reflection-driven `call`, which
 //! the pure-Python package (`python/kvtier/`) wraps in typed methods and
-//! numpy arrays. A call blocks with the GIL released, or, given a `done`
+//! numpy arrays; a decode step's selection is made once and sent every
+//! step as the generated type (`select_request.rs`, `gathered.rs`). A call
+//! blocks with the GIL released, or, given a `done`
 //! callback, runs on the package's runtime and reports through it (the
 //! asyncio client).
 
@@ -9,6 +11,7 @@ mod codec;
 mod gathered;
 mod partitioned;
 mod reflect;
+mod select_request;
 
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
@@ -29,6 +32,7 @@ use tonic::{Code, Status};
 use codec::DynamicCodec;
 use gathered::Gathered;
 use kvtier_proto::v1 as pb;
+use select_request::SelectRequest;
 
 /// The runtime the connections of this process share, with the process it
 /// belongs to: a child after `fork()` has none of its threads.
@@ -95,6 +99,23 @@ fn service() -> PyResult<&'static ServiceDescriptor> {
         .map_err(|e| PyRuntimeError::new_err(e.clone()))
 }
 
+/// The service's method `name`.
+fn method(name: &str) -> PyResult<MethodDescriptor> {
+    service()?
+        .methods()
+        .find(|m| m.name() == name)
+        .ok_or_else(|| PyValueError::new_err(format!("method: kvtier.v1.KvTier has no method {name:?}")))
+}
+
+/// `request` as a message of `method`'s input: a dict, or for SelectPages
+/// a [`SelectRequest`]; errors name the field (`path`).
+fn request_message(request: &Bound<'_, PyAny>, method: &MethodDescriptor, path: &str) -> PyResult<DynamicMessage> {
+    match request.cast::<SelectRequest>() {
+        Ok(typed) if method.name() == "SelectPages" => typed.get().dynamic(),
+        _ => reflect::to_message(request, &method.input(), path),
+    }
+}
+
 /// A failed call as the package's exception for its status code
 /// (`kvtier.errors`); a status made on this side (a broken connection:
 /// UNAVAILABLE) as the Rust client reads it (`kvtier_client::call_status`).
@@ -122,7 +143,9 @@ enum Reply {
 }
 
 impl Reply {
-    fn into_py(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+    /// The reply as Python values; a gathered selection's pages in
+    /// `region` read from it (held by the caller).
+    fn into_py(self, py: Python<'_>, region: Option<&ShmRegion>) -> PyResult<Py<PyAny>> {
         Ok(match self {
             Reply::One(m) => reflect::to_dict(py, &m)?.into_any().unbind(),
             Reply::Many(ms) => {
@@ -132,7 +155,7 @@ impl Reply {
                     .collect::<PyResult<Vec<_>>>()?;
                 PyList::new(py, dicts)?.into_any().unbind()
             }
-            Reply::Gathered(gathered, output) => gathered.into_py(py, &output)?,
+            Reply::Gathered(gathered, output) => gathered.into_py(py, &output, region)?,
         })
     }
 }
@@ -218,19 +241,16 @@ impl Connection {
         gather: bool,
     ) -> PyResult<Py<PyAny>> {
         let rt = self.runtime()?;
-        let method = service()?
-            .methods()
-            .find(|m| m.name() == method)
-            .ok_or_else(|| PyValueError::new_err(format!("method: kvtier.v1.KvTier has no method {method:?}")))?;
+        let method = self::method(method)?;
         let requests = if method.is_client_streaming() {
             let items: Vec<Bound<'_, PyAny>> = request.try_iter()?.collect::<PyResult<_>>()?;
             items
                 .iter()
                 .enumerate()
-                .map(|(i, r)| reflect::to_message(r, &method.input(), &format!("requests[{i}]")))
+                .map(|(i, r)| request_message(r, &method, &format!("requests[{i}]")))
                 .collect::<PyResult<Vec<_>>>()?
         } else {
-            vec![reflect::to_message(request, &method.input(), "")?]
+            vec![request_message(request, &method, "")?]
         };
         let gather = gather.then(|| gatherable(&method)).transpose()?;
         let client = self.client.clone().with_incarnation(incarnation.unwrap_or(0));
@@ -244,14 +264,14 @@ impl Connection {
                         .map(DynamicMessage::transcode_to::<pb::SelectPagesResponse>)
                         .collect::<Result<Vec<_>, _>>()
                         .map_err(|e| Status::internal(format!("the server's reply: {e}")))?;
-                    Ok(Reply::Gathered(Box::new(Gathered::new(typed, None)?), output))
+                    Ok(Reply::Gathered(Box::new(Gathered::new(typed)?), output))
                 }
                 (Some(_), _) => Err(Status::internal("SelectPages answered with one message, not a stream")),
             }
         });
         match done {
             None => match wait(py, rt, reply)? {
-                Ok(reply) => reply.into_py(py),
+                Ok(reply) => reply.into_py(py, None),
                 Err(status) => Err(status_error(py, &status)),
             },
             Some(done) => {
@@ -260,7 +280,7 @@ impl Connection {
                     Python::attach(|py| {
                         let result = reply
                             .map_err(|status| status_error(py, &status))
-                            .and_then(|r| r.into_py(py));
+                            .and_then(|r| r.into_py(py, None));
                         let args = match result {
                             Ok(value) => (value, py.None()),
                             Err(e) => (py.None(), e.into_value(py).into_any()),
@@ -457,10 +477,7 @@ impl Region {
                 "this region was registered before fork(); register a new one in the child process",
             ));
         }
-        let descriptor = service()?
-            .methods()
-            .find(|m| m.name() == method)
-            .ok_or_else(|| PyValueError::new_err(format!("method: kvtier.v1.KvTier has no method {method:?}")))?;
+        let descriptor = self::method(method)?;
         // The LocalCall field that carries the request.
         let field = match method {
             "FetchPages" => "fetch_pages",
@@ -472,16 +489,26 @@ impl Region {
                 )));
             }
         };
-        let local_call = descriptor
-            .parent_pool()
-            .get_message_by_name("kvtier.v1.LocalCall")
-            .ok_or_else(|| PyRuntimeError::new_err("kvtier.v1.LocalCall is not in the descriptor"))?;
-        let mut call = DynamicMessage::new(local_call);
-        call.set_field_by_name(
-            field,
-            Value::Message(reflect::to_message(request, &descriptor.input(), "")?),
-        );
-        let call = call.encode_to_vec();
+        let call = match request.cast::<SelectRequest>() {
+            // A decode step's selection: encoded as the generated type.
+            Ok(typed) if method == "SelectPages" => pb::LocalCall {
+                call: Some(pb::local_call::Call::SelectPages(typed.get().request.clone())),
+                poll_next_us: 0,
+            }
+            .encode_to_vec(),
+            _ => {
+                let local_call = descriptor
+                    .parent_pool()
+                    .get_message_by_name("kvtier.v1.LocalCall")
+                    .ok_or_else(|| PyRuntimeError::new_err("kvtier.v1.LocalCall is not in the descriptor"))?;
+                let mut call = DynamicMessage::new(local_call);
+                call.set_field_by_name(
+                    field,
+                    Value::Message(reflect::to_message(request, &descriptor.input(), "")?),
+                );
+                call.encode_to_vec()
+            }
+        };
         if gather {
             gatherable(&descriptor)?;
         }
@@ -490,21 +517,24 @@ impl Region {
         // effect, as over gRPC; the region stays usable.
         let reply = async {
             let mut region = self.region.lock().await;
-            limited(self.timeout, async {
+            let answer = limited(self.timeout, async {
                 let raw = region
                     .call_raw(&call)
                     .await
                     .map_err(|e| Status::unavailable(format!("the region's connection failed: {e}")))?;
                 let reply =
                     pb::LocalReply::decode(raw).map_err(|e| Status::internal(format!("the server's reply: {e}")))?;
-                // Read before the next call on the region can overwrite its pages.
-                local_answer(reply, &descriptor, gather, &region)
+                local_answer(reply, &descriptor, gather)
             })
-            .await
+            .await;
+            (region, answer)
         };
-        wait(py, &self.runtime, reply)?
+        let (region, answer) = wait(py, &self.runtime, reply)?;
+        // Its pages are read while the region is still this call's: the
+        // next call on it may overwrite them.
+        answer
             .map_err(|status| status_error(py, &status))?
-            .into_py(py)
+            .into_py(py, Some(&region))
     }
 }
 
@@ -515,23 +545,15 @@ fn seconds_from(seconds: f64, field: &str) -> PyResult<Duration> {
 }
 
 /// The answer to `method` in a region's `reply`: its refusal, the
-/// selection gathered per head (with `gather`, from `region`), or its
-/// messages as the method's reply type.
-fn local_answer(
-    reply: pb::LocalReply,
-    method: &MethodDescriptor,
-    gather: bool,
-    region: &ShmRegion,
-) -> Result<Reply, Status> {
+/// selection to gather per head (with `gather`), or its messages as the
+/// method's reply type.
+fn local_answer(reply: pb::LocalReply, method: &MethodDescriptor, gather: bool) -> Result<Reply, Status> {
     if let Some(e) = reply.error {
         return Err(Status::new(Code::from_i32(e.code), e.message));
     }
     let output = method.output();
     match method.name() {
-        "SelectPages" if gather => Ok(Reply::Gathered(
-            Box::new(Gathered::new(reply.select_pages, Some(region))?),
-            output,
-        )),
+        "SelectPages" if gather => Ok(Reply::Gathered(Box::new(Gathered::new(reply.select_pages)?), output)),
         "SelectPages" => all_dynamic(&reply.select_pages, &output),
         "FetchPages" => all_dynamic(&reply.fetch_pages, &output),
         _ => match &reply.append_tokens {
@@ -594,6 +616,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(partitioned::select_partitioned, m)?)?;
     m.add_class::<Connection>()?;
     m.add_class::<Region>()?;
+    m.add_class::<SelectRequest>()?;
     m.add_class::<Pending>()?;
     Ok(())
 }

@@ -173,3 +173,48 @@ def test_gather_is_refused_for_other_calls(client, regions):
             regions[0]._call("FetchPages", fetch, True)
     finally:
         client.drop("kv-gather")
+
+
+@pytest.mark.parametrize("plane", ["grpc", "shm"])
+def test_a_call_made_once_selects_and_appends_as_select_kv_every_step(client, regions, plane):
+    rng = np.random.default_rng(11)
+    layout = kvtier.Layout(2, 2, 4, 16, "f32", 4)
+    mine, theirs = f"kv-call-{plane}", f"kv-calls-{plane}"
+    shm = regions[0] if plane == "shm" else None
+    options = dict(sink_pages=1, window_pages=1, mode="quest", shm=shm)
+    for seq in (mine, theirs):
+        client.create(seq, layout)
+    try:
+        for layer in (0, 1):
+            k, v = rows(rng, (2, 20, 16), "f32"), rows(rng, (2, 20, 16), "f32")
+            for seq in (mine, theirs):
+                client.put(seq, layer, k, v)
+        call = client.select_kv_call(mine, **options)
+        position = 20
+        for _ in range(4):
+            for layer in (0, 1):
+                q = rng.standard_normal((4, 16)).astype(np.float32)
+                # Two tokens a step: the native side lays them out per head.
+                new = rows(rng, (2, 2, 16), "f32"), rows(rng, (2, 2, 16), "f32")
+                got = call(layer, q, 3, append=new, append_position=position)
+                want = client.select_kv(theirs, layer, q, 3, append=new, append_position=position, **options)
+                assert got.appended["tokens"] == want.appended["tokens"] == position + 2
+                for a, b in zip(got.heads, want.heads):
+                    assert (a.kv_head, a.pages.tolist()) == (b.kv_head, b.pages.tolist())
+                    assert a.k.tobytes() == b.k.tobytes() and a.v.tobytes() == b.v.tobytes()
+            position += 2
+        for layer in (0, 1):
+            for a, b in zip(client.fetch(mine, layer), client.fetch(theirs, layer)):
+                assert (a.kv_head, a.page, a.k.tobytes(), a.v.tobytes()) == (b.kv_head, b.page, b.k.tobytes(), b.v.tobytes())
+        last = client.fetch(mine, 1, [6])
+        assert [p.tokens for p in last] == [4, 4]
+        assert last[1].v[-2:].tobytes() == new[1][1].tobytes()
+        # A step's own arguments are checked as select_kv checks them.
+        with pytest.raises(ValueError, match="append_position"):
+            call(0, q, 3, append_position=position)
+        with pytest.raises(ValueError, match="v: shape"):
+            call(0, q, 3, append=(new[0], new[1][:, :1]), append_position=position)
+        assert client.info(mine)["tokens"] == position
+    finally:
+        client.drop(mine)
+        client.drop(theirs)

@@ -176,14 +176,19 @@ def test_modes_and_top_p_reach_the_selection(model_and_tokenizer, client, option
     model, tokenizer = model_and_tokenizer
     ids = ids_of(tokenizer, TEXT * 3)
     seen = []
-    select = client.select_kv
+    make = client.select_kv_call
 
     def spy(*args, **kw):
-        reply = select(*args, **kw)
-        seen.append((kw["mode"], kw["top_p"], [len(h.pages) for h in reply.heads]))
-        return reply
+        call = make(*args, **kw)
 
-    monkeypatch.setattr(client, "select_kv", spy)
+        def step(*a, **k):
+            reply = call(*a, **k)
+            seen.append((kw["mode"], kw["top_p"], [len(h.pages) for h in reply.heads]))
+            return reply
+
+        return step
+
+    monkeypatch.setattr(client, "select_kv_call", spy)
     with KVTierCache(client, 6, model=model, **options) as cache:
         generate(model, ids, cache, new_tokens=3)
     assert len(seen) == 2 * model.config.num_hidden_layers

@@ -26,9 +26,10 @@ const BLOCK: usize = 64;
 pub struct SketchQueries {
     head_dim: usize,
     group: usize,
-    /// Per head, `Σ_r q_r` of the query as given.
+    /// Per head, `Σ_r q_r` of the query as given (and three zeros).
     sums: Vec<f32>,
-    /// Per head, the int8 step: `max|q_r| / 127` (0 for a zero query).
+    /// Per head, the int8 step: `max|q_r| / 127` (0 for a zero query; and
+    /// three zeros).
     steps: Vec<f32>,
     /// Per head, `head_dim` int8 values laid out as the codes are packed:
     /// in each whole block of 64 channels the 32 even channels (low
@@ -53,8 +54,8 @@ impl SketchQueries {
         let group = queries.len() / head_dim;
         let blocks = head_dim / BLOCK;
         let mut q8 = vec![0i8; queries.len()];
-        let mut steps = Vec::with_capacity(group);
-        let mut sums = Vec::with_capacity(group);
+        let mut steps = Vec::with_capacity(group + 3);
+        let mut sums = Vec::with_capacity(group + 3);
         for (q, out) in queries.chunks_exact(head_dim).zip(q8.chunks_exact_mut(head_dim)) {
             sums.push(q.iter().sum());
             let top = q.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -73,6 +74,10 @@ impl SketchQueries {
                 out[at] = (v / step).round().clamp(-127.0, 127.0) as i8;
             }
         }
+        // Padded so that a kernel loads any four heads' from a head of the
+        // group (the padding is never used).
+        sums.extend([0.0; 3]);
+        steps.extend([0.0; 3]);
         Self {
             head_dim,
             group,
@@ -203,16 +208,22 @@ mod avx2 {
             // SAFETY: the row's scale and zero are its last 4 bytes.
             let (scale, zero) = unsafe { scale_zero_f16c(row) };
             let at = t * group + first;
-            if N == 4 && !tail {
-                // The four logits at once, the same operations as `finish`.
-                let dots = _mm_cvtepi32_ps(sum4(&acc));
-                // SAFETY: `steps` and `sums` hold heads `first..first + 4`,
-                // and `out` slots `at..at + 4`.
-                unsafe {
+            if !tail {
+                // The logits at once (up to four, the missing accumulators
+                // zero), the same operations as `finish`.
+                let mut four = [_mm256_setzero_si256(); 4];
+                four[..N].copy_from_slice(&acc);
+                let dots = _mm_cvtepi32_ps(sum4(&four));
+                // SAFETY: `steps` and `sums` hold heads `first..first + 4`
+                // (padded past the group: `SketchQueries::with_kernel`).
+                let logits = unsafe {
                     let estimate = _mm_mul_ps(_mm_set1_ps(scale), _mm_mul_ps(_mm_loadu_ps(steps.add(first)), dots));
-                    let logits = _mm_add_ps(_mm_mul_ps(_mm_set1_ps(zero), _mm_loadu_ps(sums.add(first))), estimate);
-                    _mm_storeu_ps(out[at..at + 4].as_mut_ptr(), logits);
-                }
+                    _mm_add_ps(_mm_mul_ps(_mm_set1_ps(zero), _mm_loadu_ps(sums.add(first))), estimate)
+                };
+                let mut lanes = [0f32; 4];
+                // SAFETY: `lanes` holds four f32.
+                unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), logits) };
+                out[at..at + N].copy_from_slice(&lanes[..N]);
                 continue;
             }
             for j in 0..N {
