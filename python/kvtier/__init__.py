@@ -12,7 +12,7 @@ from . import errors
 from ._arrays import storage_dtype
 from ._native import __version__
 from .aio import AsyncClient
-from .client import DEFAULT_ADDRESS, DEFAULT_SHM_SOCKET, Client
+from .client import DEFAULT_ADDRESS, DEFAULT_SHM_SOCKET, Client, SelectKvCall
 from .cluster import Cluster
 from .errors import KvtierError
 from .types import HeadKV, HeadSelection, Layout, Page, SelectedPage, Selection, SelectionKV, ShmRegion, ShmWindow
@@ -28,6 +28,7 @@ __all__ = [
     "KvtierError",
     "Layout",
     "Page",
+    "SelectKvCall",
     "SelectedPage",
     "Selection",
     "SelectionKV",

@@ -60,7 +60,7 @@ class AsyncClient(_Api):
                         region = rpc.via
                         loop = asyncio.get_running_loop()
                         reply = await loop.run_in_executor(
-                            region._executor(), region._call, rpc.method, rpc.request, rpc.gather
+                            region._executor(), region._call, rpc.method, rpc.request, rpc.gather, rpc.views
                         )
                     else:
                         reply = await self._call(rpc.method, rpc.request, rpc.gather)

@@ -47,13 +47,18 @@ class _Rpc:
     (``None``: gRPC), and whether its answer (SelectPages') comes gathered
     per head (``(info, heads)``, see ``python/src/gathered.rs``)."""
 
-    __slots__ = ("method", "request", "via", "gather")
+    __slots__ = ("method", "request", "via", "gather", "views")
 
-    def __init__(self, method: str, request: Any, via: Optional[ShmRegion] = None, gather: bool = False):
+    def __init__(
+        self, method: str, request: Any, via: Optional[ShmRegion] = None, gather: bool = False, views: bool = False
+    ):
         self.method = method
         self.request = request
         self.via = via
         self.gather = gather
+        #: With ``gather`` over a region: heads laid out in one run each
+        #: come as where they are in it (``(offset, length)``), not copied.
+        self.views = views
 
 
 Steps = Generator[_Rpc, Any, T]
@@ -481,6 +486,7 @@ class _Api:
         reuse_similarity: float = 0.0,
         append: Optional[Tuple[Any, Any]] = None,
         append_position: Optional[int] = None,
+        views: bool = False,
     ) -> SelectionKV:
         """:meth:`select` for a decode step's attention: per head, the chosen
         pages' K and V rows concatenated in position order
@@ -492,8 +498,13 @@ class _Api:
         out of it as the call returns; the arguments are ``select``'s.
         ``append=(k, v)`` (``[kv_heads, tokens, head_dim]``) appends the
         step's own tokens once selected, at ``append_position`` if given
-        (``SelectPagesRequest.append``). A loop making this call every
-        step: :meth:`select_kv_call`."""
+        (``SelectPagesRequest.append``). ``views`` (with ``shm``, a region
+        of this client's): the server lays each head's K rows out in one
+        run of the region, and its V rows in another
+        (``SelectPagesRequest.gather_heads``), and ``k``, ``v`` are
+        read-only views of them, copied nowhere: valid until the next call
+        on the region. A loop making this call every step:
+        :meth:`select_kv_call`."""
         options = dict(
             kv_heads=kv_heads,
             sink_pages=sink_pages,
@@ -511,6 +522,7 @@ class _Api:
             top_p=top_p,
             min_pages=min_pages,
             reuse_similarity=reuse_similarity,
+            views=views,
         )
 
         def steps() -> Steps[SelectionKV]:
@@ -539,6 +551,7 @@ class _Api:
         top_p: float = 0.0,
         min_pages: int = 0,
         reuse_similarity: float = 0.0,
+        views: bool = False,
     ) -> SelectKvCall:
         """:meth:`select_kv` with every argument but a step's own made
         once (checked and converted when made, not on every call): a
@@ -561,14 +574,17 @@ class _Api:
             top_p=top_p,
             min_pages=min_pages,
             reuse_similarity=reuse_similarity,
+            views=views,
         )
         return self._run(self._select_kv_call(sequence_id, options))
 
     def _select_kv_call(self, sequence_id: str, options: Dict[str, Any]) -> Steps[SelectKvCall]:
         layout = yield from self._layout(sequence_id)
-        shm = options.pop("shm")
+        shm, views = options.pop("shm"), options.pop("views")
         via = self._via(shm)
         window = window_of(shm) if via is not None else None
+        if views and via is None:
+            raise ValueError("views: the pages are viewed in a region; give shm, a region this client registered")
         ranking = _ranking(*(options.pop(k) for k in ("mode", "candidates", "softmax_scale", "top_p", "min_pages", "reuse_similarity")))
         start, count = _heads(options.pop("kv_heads"), layout.num_kv_heads)
         fields = {
@@ -578,9 +594,10 @@ class _Api:
             **_select_options(include_data=True, **options),
             "shard": _shard(options["shard"]),
             "shm": window.to_proto() if window else None,
+            "gather_heads": views,
             **ranking,
         }
-        return SelectKvCall(self, layout, SelectRequest(fields), via, self.persist)
+        return SelectKvCall(self, layout, SelectRequest(fields), via, self.persist, views)
 
     def prefetch(
         self,
@@ -785,14 +802,17 @@ class SelectKvCall:
     in ``layer`` for ``queries`` and returns the pages' K and V
     (:class:`SelectionKV`), a coroutine for :class:`kvtier.AsyncClient`'s."""
 
-    __slots__ = ("_api", "_layout", "_request", "_via", "_persist")
+    __slots__ = ("_api", "_layout", "_request", "_via", "_persist", "_views")
 
-    def __init__(self, api: "_Api", layout: Layout, request: SelectRequest, via: Optional[ShmRegion], persist: bool):
+    def __init__(
+        self, api: "_Api", layout: Layout, request: SelectRequest, via: Optional[ShmRegion], persist: bool, views: bool
+    ):
         self._api = api
         self._layout = layout
         self._request = request
         self._via = via
         self._persist = persist
+        self._views = views
 
     def __call__(
         self,
@@ -816,8 +836,8 @@ class SelectKvCall:
             # Interleaved per head (K rows, then V rows) by the native side.
             step_append = (k.shape[0], k.shape[1], k.tobytes(), v.tobytes(), position, self._persist)
         request = self._request.step(layer, _queries(queries), budget_pages, step_append)
-        gathered = yield _Rpc("SelectPages", request, self._via, gather=True)
-        return selection_kv_from_native(gathered, layout)
+        gathered = yield _Rpc("SelectPages", request, self._via, gather=True, views=self._views)
+        return selection_kv_from_native(gathered, layout, self._via)
 
 
 def _ranking(
@@ -875,7 +895,7 @@ class Client(_Api):
             while True:
                 try:
                     if rpc.via is not None:
-                        reply = rpc.via._call(rpc.method, rpc.request, rpc.gather)
+                        reply = rpc.via._call(rpc.method, rpc.request, rpc.gather, rpc.views)
                     else:
                         reply = self._conn.call(rpc.method, rpc.request, incarnation=self.incarnation, gather=rpc.gather)
                 except BaseException as e:  # let the method see its RPC's failure

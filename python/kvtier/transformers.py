@@ -227,8 +227,9 @@ class KVTierLayer(CacheLayerMixin):
         cache = self.cache
         self.tagged = False
         stored = self.tokens - 1
+        step_k, step_v = _numpy(key[0]), _numpy(value[0])
         try:
-            selection = cache._select(self, stored, query[0, :, 0, :], (key[0], value[0]), scaling)
+            selection = cache._select(self, stored, query[0, :, 0, :], (step_k, step_v), scaling)
         except _REFUSALS:
             # Refused as a whole: neither selected nor appended.
             self.tokens = stored
@@ -242,11 +243,13 @@ class KVTierLayer(CacheLayerMixin):
         groups = query.shape[1] // cache.layout.num_kv_heads
         outputs = []
         for head in range(cache.layout.num_kv_heads):
-            k, v = key[0, head], value[0, head]
             chosen = selection.head(head)
-            k = torch.cat([_tensor(chosen.k, query.dtype).to(query.device), k])
-            v = torch.cat([_tensor(chosen.v, query.dtype).to(query.device), v])
-            k, v = k[None, None], v[None, None]
+            # One copy: the chosen rows (views of the region, or the
+            # answer's own) and the step's own, into an array of its own.
+            k = np.concatenate([chosen.k, step_k[head].view(chosen.k.dtype)])
+            v = np.concatenate([chosen.v, step_v[head].view(chosen.v.dtype)])
+            k = _tensor(k, query.dtype).to(query.device)[None, None]
+            v = _tensor(v, query.dtype).to(query.device)[None, None]
             q = query[:, head * groups : (head + 1) * groups]
             outputs.append(
                 torch.nn.functional.scaled_dot_product_attention(
@@ -296,7 +299,10 @@ class KVTierCache(Cache):
     stored and published for later prompts: they must be the ids the model
     runs on (a hash is a promise, to every later prompt of the tenant, that
     its page holds those tokens' K/V). ``shm``: a registered region
-    of ``client`` to read pages through. Batch size 1; beam search,
+    of ``client`` to read pages through (a decode step's attention reads
+    its pages as views of the region, copied once, by the attention:
+    no other thread may call on it while the model runs; for a decode
+    loop, poll: ``region.spin, region.server_poll = 1e-3, 5e-3``). Batch size 1; beam search,
     sliding-window layers, per-query-head aggregation, rewriting stored
     positions and padding under a budget are refused. A model on a GPU gets
     its K/V through host memory (untested: no GPU here).
@@ -452,12 +458,13 @@ class KVTierCache(Cache):
         layer: KVTierLayer,
         stored: int,
         queries: torch.Tensor,
-        step: Tuple[torch.Tensor, torch.Tensor],
+        step: Tuple[np.ndarray, np.ndarray],
         scaling: float,
     ):
         """The pages ``queries`` select among the layer's ``stored``
-        tokens, with the step's own K/V (``step``) appended by the same
-        call, after them: one round trip per layer and step."""
+        tokens, with the step's own K/V (``step``, as :func:`_numpy` gives
+        them) appended by the same call, after them: one round trip per
+        layer and step."""
         q = queries.detach().to("cpu", torch.float32).numpy()
         selection = self._call(
             "select_kv",
@@ -465,7 +472,7 @@ class KVTierCache(Cache):
             layer.index,
             q,
             self.budget_pages(stored),
-            append=(_numpy(step[0]), _numpy(step[1])),
+            append=step,
             append_position=stored,
         )
         appended = (selection.appended or {}).get("timing") or {}
@@ -483,6 +490,9 @@ class KVTierCache(Cache):
                 window_pages=self.window_pages,
                 softmax_scale=scaling,
                 shm=self.shm,
+                # Over a region of the client's: each head's pages as views
+                # of it, which the step's attention copies before the next call.
+                views=self.client._via(self.shm) is not None,
                 **self.select_options,
             )
         return call

@@ -144,7 +144,8 @@ class HeadKV:
     """One head's chosen pages that came with data (gone pages never), in
     position order, and their K and V rows concatenated: ``[rows,
     head_dim]`` in the layout's dtype, writable arrays of their own (a
-    summary page gives its summary rows, as :func:`gather` does)."""
+    summary page gives its summary rows, as :func:`gather` does), or with
+    ``views`` read-only views of the region, valid until its next call."""
 
     kv_head: int
     #: With per-query-head aggregation.
@@ -219,9 +220,9 @@ class ShmRegion:
             raise ValueError("shm: this region was closed")
         return self._native
 
-    def _call(self, method: str, request: Any, gather: bool = False) -> Any:
+    def _call(self, method: str, request: Any, gather: bool = False, views: bool = False) -> Any:
         """``method`` over the region's connection (blocking)."""
-        return self._registered().call(method, request, gather)
+        return self._registered().call(method, request, gather, views)
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         """The one thread asyncio calls on this region run on: they run one
@@ -378,19 +379,24 @@ def _selection_totals(first: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def selection_kv_from_native(gathered: Tuple[Dict[str, Any], List[Tuple[Any, ...]]], layout: Layout) -> SelectionKV:
-    """A selection the native client gathered per head (``gather=True``)."""
+def selection_kv_from_native(
+    gathered: Tuple[Dict[str, Any], List[Tuple[Any, ...]]], layout: Layout, region: Optional["ShmRegion"] = None
+) -> SelectionKV:
+    """A selection the native client gathered per head (``gather=True``):
+    each head's K and V its own bytes, or where they lie in ``region``
+    (``(offset, length)``, with ``views``), as read-only views of it."""
     info, heads = gathered
     dtype = _arrays.storage_dtype(layout.dtype)
+
+    def rows(data: Any) -> np.ndarray:
+        if isinstance(data, tuple):
+            offset, length = data
+            return region.buffer[offset : offset + length].view(dtype).reshape(-1, layout.head_dim)  # type: ignore[union-attr]
+        return np.frombuffer(data, dtype=dtype).reshape(-1, layout.head_dim)
+
     return SelectionKV(
         heads=[
-            HeadKV(
-                kv_head=kv_head,
-                query_head=query_head,
-                pages=np.frombuffer(pages, dtype="<u4"),
-                k=np.frombuffer(k, dtype=dtype).reshape(-1, layout.head_dim),
-                v=np.frombuffer(v, dtype=dtype).reshape(-1, layout.head_dim),
-            )
+            HeadKV(kv_head=kv_head, query_head=query_head, pages=np.frombuffer(pages, dtype="<u4"), k=rows(k), v=rows(v))
             for kv_head, query_head, pages, k, v in heads
         ],
         **_selection_totals(info),

@@ -6,22 +6,24 @@
 //! what a small selection cost through the reflection-driven `call`.
 
 use std::collections::HashMap;
+use std::mem::MaybeUninit;
 
 use kvtier_client::ShmRegion;
 use kvtier_proto::v1 as pb;
 use prost_reflect::MessageDescriptor;
 use pyo3::exceptions::PyRuntimeError;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyList, PyTuple};
 use tonic::Status;
 
 use crate::reflect;
 
-/// Where one chosen page's bytes are: in the region (at an offset) or in
-/// a message (reply, page), and how long each half (K, V) is.
+/// Where one chosen page's bytes are: in the region (its K rows' offset,
+/// its V rows'), or in a message (reply, page).
 #[derive(Debug, Clone, Copy)]
 enum Source {
-    Region(u64),
+    Region(u64, u64),
     Message(usize, usize),
 }
 
@@ -80,12 +82,15 @@ impl Gathered {
     /// `(kv_head, query_head, pages, k, v)` with `pages` the page indices as
     /// little-endian u32 `bytes` and `k`, `v` `bytearray`s. Pages in
     /// `region` are read from it: the caller holds it, so that no later
-    /// call overwrites them first.
+    /// call overwrites them first. With `views`, a head whose K rows and V
+    /// rows each lie in one run of the region (`gather_heads`) gives `k`
+    /// and `v` as `(offset, length)` in it instead, copied nowhere.
     pub(crate) fn into_py(
         self,
         py: Python<'_>,
         output: &MessageDescriptor,
         region: Option<&ShmRegion>,
+        views: bool,
     ) -> PyResult<Py<PyAny>> {
         let info =
             crate::as_dynamic(&self.info, output).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
@@ -95,16 +100,24 @@ impl Gathered {
             .iter()
             .map(|h| {
                 let pages: Vec<u8> = h.pages.iter().flat_map(|(p, ..)| p.to_le_bytes()).collect();
-                let k = self.half(py, h, 0, region)?;
-                let v = self.half(py, h, 1, region)?;
+                let (k, v) = match h.runs().filter(|_| views && region.is_some()) {
+                    Some((k, v, length)) => (
+                        (k, length).into_pyobject(py)?.into_any(),
+                        (v, length).into_pyobject(py)?.into_any(),
+                    ),
+                    None => (
+                        self.half(py, h, 0, region)?.into_any(),
+                        self.half(py, h, 1, region)?.into_any(),
+                    ),
+                };
                 PyTuple::new(
                     py,
                     [
                         h.kv_head.into_pyobject(py)?.into_any(),
                         h.query_head.into_pyobject(py)?.into_any(),
                         PyBytes::new(py, &pages).into_any(),
-                        k.into_any(),
-                        v.into_any(),
+                        k,
+                        v,
                     ],
                 )
             })
@@ -124,18 +137,19 @@ impl Gathered {
         region: Option<&ShmRegion>,
     ) -> PyResult<Bound<'py, PyByteArray>> {
         let total = head.pages.iter().map(|&(.., n)| n).sum();
-        PyByteArray::new_with(py, total, |out| {
+        filled_bytearray(py, total, |out| {
             let mut at = 0;
             for &(page, source, n) in &head.pages {
                 let dst = &mut out[at..at + n];
                 match source {
-                    Source::Region(offset) => {
+                    Source::Region(k, v) => {
+                        let offset = if half == 0 { k } else { v };
                         let region = region.ok_or_else(|| {
                             PyRuntimeError::new_err(
                                 "the server wrote pages into a region this call cannot read (another client's)",
                             )
                         })?;
-                        region.read(offset + (half * n) as u64, dst).map_err(|e| {
+                        region.read_uninit(offset, dst).map_err(|e| {
                             PyRuntimeError::new_err(format!(
                                 "KV head {} page {page}: the server's page in the region: {e}",
                                 head.kv_head
@@ -143,7 +157,10 @@ impl Gathered {
                         })?;
                     }
                     Source::Message(r, i) => {
-                        dst.copy_from_slice(&self.replies[r].pages[i].kv[half * n..(half + 1) * n]);
+                        let src = &self.replies[r].pages[i].kv[half * n..(half + 1) * n];
+                        for (d, &s) in dst.iter_mut().zip(src) {
+                            d.write(s);
+                        }
                     }
                 }
                 at += n;
@@ -151,6 +168,51 @@ impl Gathered {
             Ok(())
         })
     }
+}
+
+impl HeadPages {
+    /// Where its K rows and its V rows lie in the region, each one run:
+    /// `(k_offset, v_offset, length)`; `None` when they do not (pages from
+    /// the messages, or apart), or it has none.
+    fn runs(&self) -> Option<(u64, u64, usize)> {
+        let &(_, Source::Region(k, v), _) = self.pages.first()? else {
+            return None;
+        };
+        let mut length = 0;
+        for &(_, source, n) in &self.pages {
+            match source {
+                Source::Region(pk, pv) if pk == k + length as u64 && pv == v + length as u64 => length += n,
+                _ => return None,
+            }
+        }
+        Some((k, v, length))
+    }
+}
+
+/// A new `bytearray` of `len` bytes, every one written by `fill` (which
+/// must, when it returns `Ok`): not zeroed first, as `PyByteArray::new_with`
+/// would, since each is copied over anyway (a step's pages: hundreds of
+/// kilobytes).
+fn filled_bytearray<'py>(
+    py: Python<'py>,
+    len: usize,
+    fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> PyResult<()>,
+) -> PyResult<Bound<'py, PyByteArray>> {
+    let size = ffi::Py_ssize_t::try_from(len).map_err(|_| PyRuntimeError::new_err("a selection larger than memory"))?;
+    // SAFETY: a null source makes a bytearray of `len` bytes whose contents
+    // are not set; it is a new reference, owned here (or null with an
+    // exception set, which `from_owned_ptr_or_err` takes).
+    let array =
+        unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyByteArray_FromStringAndSize(std::ptr::null(), size))? }
+            .cast_into::<PyByteArray>()?;
+    // SAFETY: the bytearray's buffer holds `len` bytes and lives as long as
+    // `array`, which no other code has seen yet; `MaybeUninit` claims
+    // nothing of its contents. On an error the array is dropped unread.
+    let room = unsafe {
+        std::slice::from_raw_parts_mut(ffi::PyByteArray_AsString(array.as_ptr()).cast::<MaybeUninit<u8>>(), len)
+    };
+    fill(room)?;
+    Ok(array)
 }
 
 /// Where one head's pages that came with bytes (gone pages come without)
@@ -167,7 +229,8 @@ fn plan_head(
         .map(|(r, i)| {
             let p = &replies[r].pages[i];
             let (len, source) = if p.shm_bytes > 0 {
-                (p.shm_bytes, Source::Region(p.shm_offset))
+                let v = p.shm_v_offset.unwrap_or(p.shm_offset + p.shm_bytes / 2);
+                (p.shm_bytes, Source::Region(p.shm_offset, v))
             } else {
                 (p.kv.len() as u64, Source::Message(r, i))
             };

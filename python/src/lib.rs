@@ -145,7 +145,9 @@ enum Reply {
 impl Reply {
     /// The reply as Python values; a gathered selection's pages in
     /// `region` read from it (held by the caller).
-    fn into_py(self, py: Python<'_>, region: Option<&ShmRegion>) -> PyResult<Py<PyAny>> {
+    /// With `views`, a gathered selection's heads laid out in `region` in
+    /// one run each are given as where they are (`Gathered::into_py`).
+    fn into_py(self, py: Python<'_>, region: Option<&ShmRegion>, views: bool) -> PyResult<Py<PyAny>> {
         Ok(match self {
             Reply::One(m) => reflect::to_dict(py, &m)?.into_any().unbind(),
             Reply::Many(ms) => {
@@ -155,7 +157,7 @@ impl Reply {
                     .collect::<PyResult<Vec<_>>>()?;
                 PyList::new(py, dicts)?.into_any().unbind()
             }
-            Reply::Gathered(gathered, output) => gathered.into_py(py, &output, region)?,
+            Reply::Gathered(gathered, output) => gathered.into_py(py, &output, region, views)?,
         })
     }
 }
@@ -271,7 +273,7 @@ impl Connection {
         });
         match done {
             None => match wait(py, rt, reply)? {
-                Ok(reply) => reply.into_py(py, None),
+                Ok(reply) => reply.into_py(py, None, false),
                 Err(status) => Err(status_error(py, &status)),
             },
             Some(done) => {
@@ -280,7 +282,7 @@ impl Connection {
                     Python::attach(|py| {
                         let result = reply
                             .map_err(|status| status_error(py, &status))
-                            .and_then(|r| r.into_py(py, None));
+                            .and_then(|r| r.into_py(py, None, false));
                         let args = match result {
                             Ok(value) => (value, py.None()),
                             Err(e) => (py.None(), e.into_value(py).into_any()),
@@ -469,9 +471,18 @@ impl Region {
     /// SelectPages, as `Connection.call` returns, a dict for AppendTokens.
     /// Blocks with the GIL released; calls on one region run one at a time.
     /// With `gather` (SelectPages only), returns the selection gathered per
-    /// head, as `Connection.call` does.
-    #[pyo3(signature = (method, request, gather=false))]
-    fn call(&self, py: Python<'_>, method: &str, request: &Bound<'_, PyAny>, gather: bool) -> PyResult<Py<PyAny>> {
+    /// head, as `Connection.call` does; with `views` too, heads the server
+    /// laid out in one run each (`gather_heads`) as `(offset, length)` of
+    /// their K rows and of their V rows in the region, not copied.
+    #[pyo3(signature = (method, request, gather=false, views=false))]
+    fn call(
+        &self,
+        py: Python<'_>,
+        method: &str,
+        request: &Bound<'_, PyAny>,
+        gather: bool,
+        views: bool,
+    ) -> PyResult<Py<PyAny>> {
         if self.runtime.pid != std::process::id() {
             return Err(PyRuntimeError::new_err(
                 "this region was registered before fork(); register a new one in the child process",
@@ -534,7 +545,7 @@ impl Region {
         // next call on it may overwrite them.
         answer
             .map_err(|status| status_error(py, &status))?
-            .into_py(py, Some(&region))
+            .into_py(py, Some(&region), views)
     }
 }
 

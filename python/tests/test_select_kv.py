@@ -28,7 +28,7 @@ cases = st.fixed_dictionaries(
         "budget": st.integers(2, 10),
         "aggregation": st.sampled_from(["max", "mean", "per_query_head"]),
         "mode": st.sampled_from(["quest", "two_stage"]),
-        "plane": st.sampled_from(["grpc", "shm", "foreign"]),
+        "plane": st.sampled_from(["grpc", "shm", "foreign", "views"]),
         "seed": st.integers(0, 2**32 - 1),
     }
 )
@@ -63,10 +63,11 @@ def test_select_kv_gathers_what_select_chooses(client, regions, case):
     try:
         client.put(seq, 0, rows(rng, (h, case["tokens"], d), case["dtype"]), rows(rng, (h, case["tokens"], d), case["dtype"]))
         q = rng.standard_normal((h * g, d)).astype(np.float32)
-        shm = {"grpc": None, "shm": regions[0], "foreign": regions[1]}[case["plane"]]
+        shm = {"grpc": None, "shm": regions[0], "foreign": regions[1], "views": regions[0]}[case["plane"]]
+        views = case["plane"] == "views"
         options = dict(sink_pages=1, window_pages=1, aggregation=case["aggregation"], mode=case["mode"])
         sel = client.select(seq, 0, q, case["budget"], **options)
-        got = client.select_kv(seq, 0, q, case["budget"], shm=shm, **options)
+        got = client.select_kv(seq, 0, q, case["budget"], shm=shm, views=views, **options)
         assert (got.pages_scored, got.mode) == (sel.pages_scored, sel.mode)
         data = {(p.kv_head, p.page): p for p in sel.pages}
         assert len(got.heads) == len(sel.heads)
@@ -77,8 +78,13 @@ def test_select_kv_gathers_what_select_chooses(client, regions, case):
             assert mine.k.tobytes() == b"".join(data[(head.kv_head, p)].k.tobytes() for p in pages)
             assert mine.v.tobytes() == b"".join(data[(head.kv_head, p)].v.tobytes() for p in pages)
             assert mine.k.shape == (sum(data[(head.kv_head, p)].k.shape[0] for p in pages), d)
-            # The answer's own arrays, not views of a region a later call reuses.
-            if shm is not None:
+            # The answer's own arrays, not views of a region a later call
+            # reuses; with views, read-only views of it, where the head's
+            # rows lie in one run (per query head, its pages need not).
+            if views and case["aggregation"] != "per_query_head" and pages:
+                assert np.shares_memory(mine.k, shm.buffer) and np.shares_memory(mine.v, shm.buffer)
+                assert not mine.k.flags.writeable
+            elif shm is not None and not views:
                 assert not np.shares_memory(mine.k, shm.buffer)
     finally:
         client.drop(seq)
@@ -218,3 +224,22 @@ def test_a_call_made_once_selects_and_appends_as_select_kv_every_step(client, re
     finally:
         client.drop(mine)
         client.drop(theirs)
+
+
+def test_views_need_a_region_and_the_server_lays_out_heads_only_into_one(client, regions):
+    layout = kvtier.Layout(1, 2, 2, 8, "f32", 4)
+    seq = "kv-views"
+    client.create(seq, layout)
+    try:
+        client.put(seq, 0, np.ones((2, 8, 8), np.float32), np.ones((2, 8, 8), np.float32))
+        q = np.ones((2, 8), np.float32)
+        with pytest.raises(ValueError, match="views: "):
+            client.select_kv(seq, 0, q, 2, views=True)
+        with pytest.raises(ValueError, match="views: "):
+            client.select_kv(seq, 0, q, 2, shm=regions[1], views=True)
+        request = {"sequence_id": seq, "kv_head_count": 2, "queries": q.tobytes(), "budget_pages": 2}
+        with pytest.raises(errors.InvalidArgument, match="gather_heads: ") as refused:
+            client._conn.call("SelectPages", {**request, "include_data": True, "gather_heads": True})
+        assert refused.value.field == "gather_heads"
+    finally:
+        client.drop(seq)

@@ -585,6 +585,7 @@ impl Client {
             min_pages: req.min_pages,
             append: req.append.clone(),
             reuse_similarity: req.reuse_similarity,
+            gather_heads: req.gather_heads,
         }
     }
 
@@ -762,6 +763,9 @@ pub struct SelectRequest {
     /// similarity to the query that made it is at least this (0: rank
     /// every time).
     pub reuse_similarity: f32,
+    /// With `shm`: each KV head's pages go into the window as one run of K
+    /// rows then one of V rows (each page's V rows at its `shm_v_offset`).
+    pub gather_heads: bool,
 }
 
 impl SelectRequest {
@@ -790,6 +794,7 @@ impl SelectRequest {
             min_pages: 0,
             append: None,
             reuse_similarity: 0.0,
+            gather_heads: false,
         }
     }
 
@@ -824,6 +829,7 @@ impl SelectRequest {
             min_pages: m.min_pages,
             append: m.append.clone(),
             reuse_similarity: m.reuse_similarity,
+            gather_heads: m.gather_heads,
         }
     }
 }

@@ -10,6 +10,7 @@
 
 use std::fs::File;
 use std::io;
+use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, RawFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -356,6 +357,16 @@ impl ShmRegion {
 
     /// Copies `dst.len()` bytes at `offset` out of the region.
     pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), ShmError> {
+        // SAFETY: `[u8]` and `[MaybeUninit<u8>]` have one layout, and
+        // `read_uninit` writes only initialised bytes into it.
+        self.read_uninit(offset, unsafe {
+            &mut *(std::ptr::from_mut(dst) as *mut [MaybeUninit<u8>])
+        })
+    }
+
+    /// [`Self::read`] into memory not yet initialised: every byte of
+    /// `dst` is written when it returns `Ok`.
+    pub fn read_uninit(&self, offset: u64, dst: &mut [MaybeUninit<u8>]) -> Result<(), ShmError> {
         let len = dst.len() as u64;
         if offset.checked_add(len).is_none_or(|end| end > self.map.len() as u64) {
             return Err(ShmError::OutOfRange {
@@ -370,15 +381,24 @@ impl ShmRegion {
         // is this process's own memory and cannot overlap the mapping.
         unsafe {
             let src = self.map.as_ptr().add(offset as usize);
-            std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len());
+            std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr().cast::<u8>(), dst.len());
         }
         Ok(())
     }
 
-    /// A served page's bytes, copied out of the region.
+    /// A served page's bytes, copied out of the region: K rows then V rows
+    /// (which a selection's `gather_heads` placed apart, at `shm_v_offset`).
     pub fn page_bytes(&self, page: &pb::Page) -> Result<Vec<u8>, ShmError> {
         let mut out = vec![0u8; page.shm_bytes as usize];
-        self.read(page.shm_offset, &mut out)?;
+        match page.shm_v_offset {
+            Some(v_offset) => {
+                let half = out.len() / 2;
+                let (k, v) = out.split_at_mut(half);
+                self.read(page.shm_offset, k)?;
+                self.read(v_offset, v)?;
+            }
+            None => self.read(page.shm_offset, &mut out)?,
+        }
         Ok(out)
     }
 

@@ -89,6 +89,7 @@ fn without_bytes(p: &pb::Page) -> pb::Page {
         kv: Default::default(),
         shm_offset: 0,
         shm_bytes: 0,
+        shm_v_offset: None,
         ..p.clone()
     }
 }
@@ -114,6 +115,48 @@ fn same_pages(region: &ShmRegion, window: &pb::ShmWindow, inline: &[pb::Page], s
             a.kv_head
         );
         next += b.shm_bytes;
+    }
+    assert!(next <= window.offset + window.length);
+}
+
+/// Checks a `gather_heads` selection's shm pages against inline ones: same
+/// pages, same bytes, and from the window's start, head after head, the
+/// head's K rows in one run then its V rows in another.
+fn gathered_pages(region: &ShmRegion, window: &pb::ShmWindow, inline: &[pb::Page], shm: &[pb::Page]) {
+    assert_eq!(inline.len(), shm.len());
+    let mut next = window.offset;
+    for head in inline
+        .iter()
+        .map(|p| p.kv_head)
+        .collect::<std::collections::BTreeSet<_>>()
+    {
+        let pages: Vec<(&pb::Page, &pb::Page)> = inline
+            .iter()
+            .zip(shm)
+            .filter(|(a, b)| a.kv_head == head && b.shm_bytes > 0)
+            .collect();
+        let k_rows: u64 = pages.iter().map(|(_, b)| b.shm_bytes / 2).sum();
+        let (mut k, mut v) = (next, next + k_rows);
+        for (a, b) in pages {
+            assert_eq!(
+                (b.shm_offset, b.shm_v_offset),
+                (k, Some(v)),
+                "page {} head {head}",
+                b.page
+            );
+            assert_eq!(
+                region.page_bytes(b).unwrap(),
+                a.kv.to_vec(),
+                "page {} head {head}",
+                a.page
+            );
+            (k, v) = (k + b.shm_bytes / 2, v + b.shm_bytes / 2);
+        }
+        next = v;
+    }
+    for (a, b) in inline.iter().zip(shm) {
+        assert_eq!(without_bytes(a), without_bytes(b));
+        assert_eq!(b.shm_bytes, a.kv.len() as u64, "page {} head {}", a.page, a.kv_head);
     }
     assert!(next <= window.offset + window.length);
 }
@@ -197,6 +240,16 @@ async fn check(client: &mut Client, region: &mut ShmRegion, seq: &str, c: Case) 
     assert_eq!(inline.heads, local.heads);
     assert_eq!(inline.mode, local.mode);
     same_pages(region, &window, &inline.pages, &local.pages);
+    // Each head's rows together, over gRPC and over the socket.
+    select.gather_heads = true;
+    clear(region);
+    let shm = client.select_pages(seq, &select).await.unwrap();
+    assert_eq!(inline.heads, shm.heads);
+    gathered_pages(region, &window, &inline.pages, &shm.pages);
+    clear(region);
+    let local = client.select_pages_local(region, seq, &select).await.unwrap();
+    assert_eq!(inline.heads, local.heads);
+    gathered_pages(region, &window, &inline.pages, &local.pages);
     client.drop_sequence(seq).await.unwrap();
 }
 

@@ -102,6 +102,7 @@ fields! {
     TOP_P = "top_p" in &[SELECT];
     MIN_PAGES = "min_pages" in &[SELECT];
     REUSE_SIMILARITY = "reuse_similarity" in &[SELECT];
+    GATHER_HEADS = "gather_heads" in &[SELECT];
     SELECTION_APPEND = "append" in &[SELECT];
     APPEND_NUM_TOKENS = "append.num_tokens" in &[SELECT];
     APPEND_KV = "append.kv" in &[SELECT];

@@ -190,6 +190,10 @@ impl LocalCalls for KvTierService {
     fn append_tokens(&self, caller: &Caller, r: pb::AppendTokensRequest) -> Result<pb::AppendTokensResponse, Status> {
         write::append_tokens_local(self, caller, r)
     }
+
+    fn warm_after(&self, caller: &Caller, r: &pb::SelectPagesRequest) {
+        select::warm_after(self, caller, r);
+    }
 }
 
 /// Each RPC in its own file: its checks, its store call, its response.

@@ -79,6 +79,16 @@ pub(super) fn select_pages_local(
     Ok(messages)
 }
 
+/// After selection `r` answered over a region: the next layer's index and
+/// pages' places warmed on this thread, where a decode loop's next call
+/// comes (`Store::warm_next_layer`).
+pub(super) fn warm_after(svc: &KvTierService, caller: &Caller, r: &pb::SelectPagesRequest) {
+    if let Ok(key) = svc.key(caller, &r.tenant, &r.sequence_id) {
+        let heads = convert::heads(r.kv_head_start, r.kv_head_count);
+        svc.store.warm_next_layer(&key, r.layer, heads);
+    }
+}
+
 pub(super) async fn prefetch(
     svc: &KvTierService,
     request: Request<pb::SelectPagesRequest>,
@@ -227,7 +237,8 @@ impl SelectCall {
         }
         let room = self.room();
         let req = select_request(&self.request, &self.inputs);
-        let (selection, data) = select_into(store, &self.key, req, self.window.as_mut(), room)?;
+        let gather_heads = self.request.gather_heads;
+        let (selection, data) = select_into(store, &self.key, req, self.window.as_mut(), gather_heads, room)?;
         Ok((selection, data, append))
     }
 }
@@ -250,6 +261,12 @@ impl KvTierService {
         }
         if shm.is_some() && !r.include_data {
             return Err(invalid(wire::SHM, "carries page bytes; set include_data too"));
+        }
+        if r.gather_heads && shm.is_none() {
+            return Err(invalid(
+                wire::GATHER_HEADS,
+                "lays out the pages written into a shared-memory window; set shm (and include_data) too",
+            ));
         }
         let shape = self.shape(&key)?;
         let scanned = index_scanned(r.kv_head_count, r.budget_pages, &inputs.ranking, &shape);
@@ -313,14 +330,22 @@ pub(crate) fn index_scanned(
 
 /// A selection with its data read straight into `window`, or into a new
 /// buffer of `room` bytes when there is none; the pages' messages apart.
+/// With `gather_heads`, the window gets each KV head's K rows then its V
+/// rows, copied from such a buffer.
 pub(crate) fn select_into(
     store: &Arc<Store>,
     key: &SequenceKey,
     req: SelectPages<'_>,
     window: Option<&mut Window>,
+    gather_heads: bool,
     room: usize,
 ) -> StoreResult<(Selection<Range<usize>>, Vec<pb::Page>)> {
     Ok(match window {
+        Some(w) if gather_heads => {
+            let (mut selection, bytes) = read_to_bytes(room, |buf| store.select_pages_into(key, req, buf))?;
+            let pages = w.gathered_pages(std::mem::take(&mut selection.data), &bytes);
+            (selection, pages)
+        }
         Some(w) => {
             let mut selection = store.select_pages_into(key, req, &mut w.buf())?;
             let pages = w.pages(std::mem::take(&mut selection.data));

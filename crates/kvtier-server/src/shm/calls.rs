@@ -35,6 +35,9 @@ pub(crate) trait LocalCalls: std::fmt::Debug + Send + Sync + 'static {
     fn fetch_pages(&self, caller: &Caller, r: pb::FetchPagesRequest) -> Result<Vec<pb::FetchPagesResponse>, Status>;
     fn select_pages(&self, caller: &Caller, r: pb::SelectPagesRequest) -> Result<Vec<pb::SelectPagesResponse>, Status>;
     fn append_tokens(&self, caller: &Caller, r: pb::AppendTokensRequest) -> Result<pb::AppendTokensResponse, Status>;
+    /// After an answered selection `r` (its fields but the bytes): warms
+    /// what the decode loop's next call, the next layer's, reads first.
+    fn warm_after(&self, caller: &Caller, r: &pb::SelectPagesRequest);
 }
 
 /// What every connection's thread shares.
@@ -171,8 +174,18 @@ fn serve(stream: &UnixStream, caller: &Caller, ctx: &CallContext) -> io::Result<
         let start = Instant::now();
         // The call's bytes stay charged until its reply is written.
         let (_held, call) = read_call(stream, len, ctx)?;
+        let mut warm = None;
         let (method, reply) = match call {
             Ok(call) => {
+                if let Some(pb::local_call::Call::SelectPages(r)) = &call.call {
+                    warm = Some(pb::SelectPagesRequest {
+                        queries: Default::default(),
+                        append: None,
+                        tenant: r.tenant.clone(),
+                        sequence_id: r.sequence_id.clone(),
+                        ..*r
+                    });
+                }
                 let asked = asked_poll(call.poll_next_us, ctx.poll_max);
                 let (method, reply) = answer(call, caller, ctx);
                 // A refused call changes nothing, its ask included.
@@ -186,7 +199,11 @@ fn serve(stream: &UnixStream, caller: &Caller, ctx: &CallContext) -> io::Result<
         let code = reply.as_ref().err().map_or(Code::Ok, Status::code);
         ctx.metrics
             .record_named(Transport::ShmSocket, method.unwrap_or("unknown"), code, start);
+        let ok = code == Code::Ok;
         write_reply(stream, reply)?;
+        if let (true, Some(r)) = (ok, &warm) {
+            ctx.calls.warm_after(caller, r);
+        }
     }
     Ok(())
 }
