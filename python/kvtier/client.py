@@ -503,8 +503,9 @@ class _Api:
         run of the region, and its V rows in another
         (``SelectPagesRequest.gather_heads``), and ``k``, ``v`` are
         read-only views of them, copied nowhere: valid until the next call
-        on the region. A loop making this call every step:
-        :meth:`select_kv_call`."""
+        on the region (calls that may overlap, an asyncio client's, need
+        windows of their own: :meth:`ShmRegion.window`). A loop making
+        this call every step: :meth:`select_kv_call`."""
         options = dict(
             kv_heads=kv_heads,
             sink_pages=sink_pages,
@@ -594,10 +595,10 @@ class _Api:
             **_select_options(include_data=True, **options),
             "shard": _shard(options["shard"]),
             "shm": window.to_proto() if window else None,
-            "gather_heads": views,
+            "gather_heads": bool(views),
             **ranking,
         }
-        return SelectKvCall(self, layout, SelectRequest(fields), via, self.persist, views)
+        return SelectKvCall(self, layout, SelectRequest(fields), via, bool(views))
 
     def prefetch(
         self,
@@ -802,16 +803,13 @@ class SelectKvCall:
     in ``layer`` for ``queries`` and returns the pages' K and V
     (:class:`SelectionKV`), a coroutine for :class:`kvtier.AsyncClient`'s."""
 
-    __slots__ = ("_api", "_layout", "_request", "_via", "_persist", "_views")
+    __slots__ = ("_api", "_layout", "_request", "_via", "_views")
 
-    def __init__(
-        self, api: "_Api", layout: Layout, request: SelectRequest, via: Optional[ShmRegion], persist: bool, views: bool
-    ):
+    def __init__(self, api: "_Api", layout: Layout, request: SelectRequest, via: Optional[ShmRegion], views: bool):
         self._api = api
         self._layout = layout
         self._request = request
         self._via = via
-        self._persist = persist
         self._views = views
 
     def __call__(
@@ -834,7 +832,7 @@ class SelectKvCall:
         if step is not None:
             k, v = step
             # Interleaved per head (K rows, then V rows) by the native side.
-            step_append = (k.shape[0], k.shape[1], k.tobytes(), v.tobytes(), position, self._persist)
+            step_append = (k.shape[0], k.shape[1], k.tobytes(), v.tobytes(), position, self._api.persist)
         request = self._request.step(layer, _queries(queries), budget_pages, step_append)
         gathered = yield _Rpc("SelectPages", request, self._via, gather=True, views=self._views)
         return selection_kv_from_native(gathered, layout, self._via)

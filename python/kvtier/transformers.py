@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from . import errors
+from . import _arrays, errors
 from .client import MAX_MESSAGE_BYTES, Client, SelectKvCall
 from .types import Layout, ShmRegion, ShmWindow, gather
 
@@ -227,7 +227,9 @@ class KVTierLayer(CacheLayerMixin):
         cache = self.cache
         self.tagged = False
         stored = self.tokens - 1
-        step_k, step_v = _numpy(key[0]), _numpy(value[0])
+        # In the layout's dtype: what is appended, and what the views'
+        # rows are joined with.
+        step_k, step_v = _arrays.kv_arrays(_numpy(key[0]), _numpy(value[0]), cache.layout.dtype, cache.layout.head_dim)
         try:
             selection = cache._select(self, stored, query[0, :, 0, :], (step_k, step_v), scaling)
         except _REFUSALS:
@@ -462,9 +464,9 @@ class KVTierCache(Cache):
         scaling: float,
     ):
         """The pages ``queries`` select among the layer's ``stored``
-        tokens, with the step's own K/V (``step``, as :func:`_numpy` gives
-        them) appended by the same call, after them: one round trip per
-        layer and step."""
+        tokens, with the step's own K/V (``step``, in the layout's dtype)
+        appended by the same call, after them: one round trip per layer
+        and step."""
         q = queries.detach().to("cpu", torch.float32).numpy()
         selection = self._call(
             "select_kv",

@@ -391,7 +391,7 @@ def selection_kv_from_native(
     def rows(data: Any) -> np.ndarray:
         if isinstance(data, tuple):
             offset, length = data
-            return region.buffer[offset : offset + length].view(dtype).reshape(-1, layout.head_dim)  # type: ignore[union-attr]
+            data = region.buffer[offset : offset + length]  # type: ignore[union-attr]
         return np.frombuffer(data, dtype=dtype).reshape(-1, layout.head_dim)
 
     return SelectionKV(

@@ -100,7 +100,11 @@ impl Gathered {
             .iter()
             .map(|h| {
                 let pages: Vec<u8> = h.pages.iter().flat_map(|(p, ..)| p.to_le_bytes()).collect();
-                let (k, v) = match h.runs().filter(|_| views && region.is_some()) {
+                // A run the region does not hold is copied, which refuses it.
+                let in_region = |(k, v, length): &(u64, u64, usize)| {
+                    region.is_some_and(|r| [k, v].iter().all(|&&at| at + *length as u64 <= r.len() as u64))
+                };
+                let (k, v) = match h.runs().filter(|run| views && in_region(run)) {
                     Some((k, v, length)) => (
                         (k, length).into_pyobject(py)?.into_any(),
                         (v, length).into_pyobject(py)?.into_any(),
@@ -144,13 +148,15 @@ impl Gathered {
                 match source {
                     Source::Region(k, v) => {
                         let offset = if half == 0 { k } else { v };
+                        let internal = |message: String| crate::status_error(py, &Status::internal(message));
                         let region = region.ok_or_else(|| {
-                            PyRuntimeError::new_err(
-                                "the server wrote pages into a region this call cannot read (another client's)",
+                            internal(
+                                "the server wrote pages into a region this call cannot read (another client's)"
+                                    .to_owned(),
                             )
                         })?;
                         region.read_uninit(offset, dst).map_err(|e| {
-                            PyRuntimeError::new_err(format!(
+                            internal(format!(
                                 "KV head {} page {page}: the server's page in the region: {e}",
                                 head.kv_head
                             ))

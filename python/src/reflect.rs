@@ -63,8 +63,14 @@ pub(crate) fn to_message(obj: &Bound<'_, PyAny>, desc: &MessageDescriptor, path:
     Ok(msg)
 }
 
+/// A value of field `path` that could not be converted, as the error that
+/// names the field.
+pub(crate) fn wrong_value(path: &str) -> impl Fn(PyErr) -> PyErr + '_ {
+    move |e| PyTypeError::new_err(format!("{path}: {e}"))
+}
+
 fn to_value(obj: &Bound<'_, PyAny>, field: &FieldDescriptor, path: &str) -> PyResult<Value> {
-    let wrong = |e: PyErr| PyTypeError::new_err(format!("{path}: {e}"));
+    let wrong = wrong_value(path);
     Ok(match field.kind() {
         Kind::Double => Value::F64(obj.extract().map_err(wrong)?),
         Kind::Float => Value::F32(obj.extract().map_err(wrong)?),

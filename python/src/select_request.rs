@@ -15,7 +15,7 @@ use crate::reflect;
 
 /// A step's tokens to append, as Python gives them: `(kv_heads,
 /// num_tokens, k, v, position, persist)`.
-type StepAppend<'a> = (usize, u32, &'a [u8], &'a [u8], Option<u64>, bool);
+type StepAppend<'a, 'py> = (usize, u32, &'a [u8], &'a [u8], Option<Bound<'py, PyAny>>, bool);
 
 /// A `SelectPagesRequest`: a step's, or the fields the steps share.
 #[pyclass(frozen, module = "kvtier._native")]
@@ -42,12 +42,23 @@ impl SelectRequest {
     /// rows in the layout's dtype) the step's tokens to append once
     /// selected, laid out per head as `AppendAfterSelection.kv` has them.
     #[pyo3(signature = (layer, queries, budget_pages, append=None))]
-    fn step(&self, layer: u32, queries: &[u8], budget_pages: u32, append: Option<StepAppend<'_>>) -> PyResult<Self> {
+    fn step(
+        &self,
+        layer: &Bound<'_, PyAny>,
+        queries: &[u8],
+        budget_pages: &Bound<'_, PyAny>,
+        append: Option<StepAppend<'_, '_>>,
+    ) -> PyResult<Self> {
         let mut request = self.request.clone();
-        request.layer = layer;
+        // Converted as `call` converts its dicts: errors name the field.
+        request.layer = layer.extract().map_err(reflect::wrong_value("layer"))?;
         request.queries = Bytes::copy_from_slice(queries);
-        request.budget_pages = budget_pages;
+        request.budget_pages = budget_pages.extract().map_err(reflect::wrong_value("budget_pages"))?;
         if let Some((heads, num_tokens, k, v, position, persist)) = append {
+            let position = position
+                .map(|p| p.extract())
+                .transpose()
+                .map_err(reflect::wrong_value("append.position"))?;
             request.append = Some(pb::AppendAfterSelection {
                 num_tokens,
                 kv: interleave(heads, k, v)?,

@@ -215,9 +215,17 @@ def test_a_call_made_once_selects_and_appends_as_select_kv_every_step(client, re
         last = client.fetch(mine, 1, [6])
         assert [p.tokens for p in last] == [4, 4]
         assert last[1].v[-2:].tobytes() == new[1][1].tobytes()
-        # A step's own arguments are checked as select_kv checks them.
+        # A step's own arguments are checked as select_kv checks them,
+        # before anything is sent, each error naming its field.
         with pytest.raises(ValueError, match="append_position"):
             call(0, q, 3, append_position=position)
+        for args, kw, field in (
+            ((-1, q, 3), {}, "layer: "),
+            ((0, q, 2**32), {}, "budget_pages: "),
+            ((0, q, 3), {"append": new, "append_position": -1}, "append.position: "),
+        ):
+            with pytest.raises(TypeError, match=field):
+                call(*args, **kw)
         with pytest.raises(ValueError, match="v: shape"):
             call(0, q, 3, append=(new[0], new[1][:, :1]), append_position=position)
         assert client.info(mine)["tokens"] == position
@@ -241,5 +249,7 @@ def test_views_need_a_region_and_the_server_lays_out_heads_only_into_one(client,
         with pytest.raises(errors.InvalidArgument, match="gather_heads: ") as refused:
             client._conn.call("SelectPages", {**request, "include_data": True, "gather_heads": True})
         assert refused.value.field == "gather_heads"
+        with pytest.raises(errors.InvalidArgument, match="gather_heads: "):
+            client._conn.call("Prefetch", {**request, "gather_heads": True})
     finally:
         client.drop(seq)

@@ -689,3 +689,58 @@ async fn a_killed_clients_region_is_reclaimed() {
     let status = client.fetch(fetch).await.unwrap_err().to_string();
     assert!(status.contains("shm.region_id"), "{status}");
 }
+
+/// A selection laid out per head (`gather_heads`) is read into a buffer of
+/// the server's first: its room is held in flight as an inline answer's
+/// is, over gRPC and the socket, and one larger than responses may ever
+/// hold is refused, where the same selection straight into the window is
+/// not.
+#[tokio::test]
+async fn a_per_head_layout_holds_its_buffer_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("shm.sock");
+    let config = ServerConfig {
+        shm_socket: Some(socket.clone()),
+        max_message_bytes: 1 << 20,
+        // Responses may hold 1 MiB at once.
+        max_inflight_bytes: 2 << 20,
+        ..ServerConfig::default()
+    };
+    let server = TestServer::start_with(small_store(), config).await;
+    let mut client = server.client().await;
+    let mut region = client.register_shm(&socket, REGION).await.unwrap();
+    let (heads, dim, tokens) = (2u32, 128u32, 1024u32);
+    let layout = kvtier_client::layout(1, heads, heads, dim, pb::DType::DtypeF32, 16);
+    client.create_sequence("s", layout, vec![]).await.unwrap();
+    let mut lanes = vec![LaneData::default(); heads as usize];
+    for first in (0..tokens).step_by(256) {
+        let kv = random_kv(
+            pb::DType::DtypeF32,
+            dim as usize,
+            &mut lanes.iter_mut().collect::<Vec<_>>(),
+            256,
+            5,
+        );
+        client.put_pages("s", 0, 0..heads, first / 16, 256, kv).await.unwrap();
+    }
+    // Every page of both heads: 2 MiB, in a window that holds it.
+    let mut select = SelectRequest::new(0, 0..heads, vec![0.5; (heads * dim) as usize], tokens / 16);
+    select.include_data = true;
+    select.shm = Some(region.window(0, 2 << 20));
+    let straight = client.select_pages_local(&mut region, "s", &select).await.unwrap();
+    assert_eq!(straight.pages.len(), 2 * 64);
+    select.gather_heads = true;
+    let grpc = client.select_pages("s", &select).await.map(|_| ());
+    let local = client.select_pages_local(&mut region, "s", &select).await.map(|_| ());
+    for refusal in [grpc, local] {
+        let Err(kvtier_client::ClientError::Status(status)) = refusal else {
+            panic!("{refusal:?}");
+        };
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{}", status.message());
+        assert!(status.message().contains("in flight"), "{}", status.message());
+    }
+    // Half the pages fit: laid out per head, as asked.
+    select.budget_pages = tokens / 32;
+    let half = client.select_pages_local(&mut region, "s", &select).await.unwrap();
+    assert!(half.pages.iter().all(|p| p.shm_v_offset.is_some()));
+}

@@ -227,7 +227,7 @@ mod avx2 {
                 continue;
             }
             for j in 0..N {
-                let dot = sum_i32(acc[j]) + if tail { q.tail_dot(row, heads[j]) } else { 0 };
+                let dot = sum_i32(acc[j]) + q.tail_dot(row, heads[j]);
                 out[at + j] = q.finish(first + j, (scale, zero), dot);
             }
         }

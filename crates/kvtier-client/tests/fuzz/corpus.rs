@@ -187,8 +187,8 @@ impl Corpus {
                             min_pages: if mass { 2 } else { 0 },
                             // Reuse across calls with the mass modes.
                             reuse_similarity: if mass { 0.9 } else { 0.0 },
-                            // Each head's rows laid out together, with and without a window.
-                            gather_heads: data && lease == 0,
+                            // Each head's rows laid out together where a window takes them.
+                            gather_heads: data && !swap && lease == 0,
                             // A decode step's token with the leased selections.
                             append: (lease > 0).then(|| pb::AppendAfterSelection {
                                 num_tokens: 1,

@@ -38,8 +38,9 @@ pub(super) async fn select_pages(
     let call = svc.plan_select(&caller, r)?;
     // The data's room in flight, at most what the selection can choose,
     // is taken before the store reads any of it. Data over shm goes to
-    // the client's memory: nothing held in flight.
-    let held = match call.data_inline() {
+    // the client's memory: nothing held in flight, unless it is laid out
+    // per head from a buffer of the server's first.
+    let held = match call.buffered() {
         true => Some(svc.in_flight.hold("a selection's data", call.bound).await?),
         false => None,
     };
@@ -69,6 +70,12 @@ pub(super) fn select_pages_local(
             "is required with include_data over the shm socket, which carries no page bytes",
         ));
     }
+    // Its per-head layout's buffer, where it has one: this thread cannot
+    // wait for room.
+    let _held = match call.buffered() {
+        true => Some(svc.in_flight.try_hold_response("a selection's data", call.bound)?),
+        false => None,
+    };
     let (key, limit) = (call.key.clone(), call.limit);
     let (selection, data, append) = call.run(&svc.store).map_err(to_status)?;
     let mut messages = svc.selection_messages(&key.tenant, selection, data, limit, append.is_some())?;
@@ -103,6 +110,7 @@ pub(super) async fn prefetch(
         (r.deadline_us > 0, wire::DEADLINE_US.path),
         (r.lease_ms > 0, wire::LEASE_MS.path),
         (r.append.is_some(), wire::SELECTION_APPEND.path),
+        (r.gather_heads, wire::GATHER_HEADS.path),
     ] {
         if set {
             return Err(invalid(
@@ -212,6 +220,13 @@ impl SelectCall {
     /// Whether its page bytes travel in the messages.
     fn data_inline(&self) -> bool {
         self.request.include_data && self.window.is_none()
+    }
+
+    /// Whether its page bytes are read into a buffer of the server's:
+    /// the messages', or one they are laid out per head from
+    /// (`gather_heads`).
+    fn buffered(&self) -> bool {
+        self.data_inline() || (self.window.is_some() && self.request.gather_heads)
     }
 
     /// Bytes it scans and copies, for where it runs.
