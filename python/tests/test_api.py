@@ -315,6 +315,16 @@ def test_asyncio_calls_in_flight_together_use_windows_of_their_own_and_can_be_ca
         fetched = await asyncio.gather(*(client.fetch("aio-shm", layer, shm=windows[layer]) for layer in range(4)))
         for layer, pages in enumerate(fetched):
             assert all((p.k == layer).all() for p in pages)
+        # a decode step's selection, made once: its answers viewed in the
+        # call's own window, or over gRPC with the step's token appended
+        q = np.ones((1, 8), np.float32)
+        viewed = await client.select_kv_call("aio-shm", shm=windows[1], views=True)
+        sel = await viewed(1, q, 2)
+        assert (sel.head(0).k == 1).all() and np.shares_memory(sel.head(0).k, region.buffer)
+        plain = await client.select_kv_call("aio-shm")
+        step = np.full((1, 1, 8), 9, np.float32)
+        sel = await plain(2, q, 2, append=(step, step), append_position=8)
+        assert sel.appended["tokens"] == 9 and (sel.head(0).k == 2).all()
         # a cancelled call stops waiting; the client goes on working
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(client.fetch("aio-shm", 0), timeout=1e-9)
