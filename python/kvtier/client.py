@@ -63,6 +63,28 @@ class _Rpc:
 
 Steps = Generator[_Rpc, Any, T]
 
+#: The arguments of :meth:`_Api.select_kv` that every step of a decode
+#: loop shares: :meth:`_Api.select_kv_call`'s.
+_KV_CALL_OPTIONS = (
+    "kv_heads",
+    "sink_pages",
+    "window_pages",
+    "aggregation",
+    "shard",
+    "swap_in",
+    "deadline_us",
+    "prefetch_pages",
+    "lease_ms",
+    "shm",
+    "mode",
+    "candidates",
+    "softmax_scale",
+    "top_p",
+    "min_pages",
+    "reuse_similarity",
+    "views",
+)
+
 
 def _select_options(
     sink_pages: int,
@@ -506,25 +528,8 @@ class _Api:
         on the region (calls that may overlap, an asyncio client's, need
         windows of their own: :meth:`ShmRegion.window`). A loop making
         this call every step: :meth:`select_kv_call`."""
-        options = dict(
-            kv_heads=kv_heads,
-            sink_pages=sink_pages,
-            window_pages=window_pages,
-            aggregation=aggregation,
-            shard=shard,
-            swap_in=swap_in,
-            deadline_us=deadline_us,
-            prefetch_pages=prefetch_pages,
-            lease_ms=lease_ms,
-            shm=shm,
-            mode=mode,
-            candidates=candidates,
-            softmax_scale=softmax_scale,
-            top_p=top_p,
-            min_pages=min_pages,
-            reuse_similarity=reuse_similarity,
-            views=views,
-        )
+        args = locals()
+        options = {name: args[name] for name in _KV_CALL_OPTIONS}
 
         def steps() -> Steps[SelectionKV]:
             call = yield from self._select_kv_call(sequence_id, options)
@@ -558,25 +563,8 @@ class _Api:
         once (checked and converted when made, not on every call): a
         decode loop's selection, ``call(layer, queries, budget_pages,
         append=(k, v), append_position=p)`` per layer and step."""
-        options = dict(
-            kv_heads=kv_heads,
-            sink_pages=sink_pages,
-            window_pages=window_pages,
-            aggregation=aggregation,
-            shard=shard,
-            swap_in=swap_in,
-            deadline_us=deadline_us,
-            prefetch_pages=prefetch_pages,
-            lease_ms=lease_ms,
-            shm=shm,
-            mode=mode,
-            candidates=candidates,
-            softmax_scale=softmax_scale,
-            top_p=top_p,
-            min_pages=min_pages,
-            reuse_similarity=reuse_similarity,
-            views=views,
-        )
+        args = locals()
+        options = {name: args[name] for name in _KV_CALL_OPTIONS}
         return self._run(self._select_kv_call(sequence_id, options))
 
     def _select_kv_call(self, sequence_id: str, options: Dict[str, Any]) -> Steps[SelectKvCall]:
