@@ -9,15 +9,17 @@
 //! into the region over it costs one socket round trip, no HTTP/2.
 
 use std::fs::File;
-use std::io;
+use std::io::{self, Read};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, RawFd};
+use std::os::unix::net::UnixStream as Connection;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use memmap2::{MmapOptions, MmapRaw};
 use prost::Message;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interest};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Interest};
 use tokio::net::UnixStream;
 
 use crate::pb;
@@ -99,7 +101,9 @@ pub struct ShmRegion {
     /// The memfd, for processes or runtimes that map the region themselves.
     file: File,
     /// Open as long as the region is the client's; carries its calls.
-    connection: UnixStream,
+    /// Non-blocking, and in the runtime's reactor only while a call waits
+    /// on it ([`wait_for`]).
+    connection: Connection,
     /// A call's frame and how much of it is written, until all of it is.
     unsent: Option<(Vec<u8>, usize)>,
     /// Replies the server still owes: calls sent whole, not yet answered.
@@ -150,7 +154,7 @@ impl ShmRegion {
                     id,
                     map,
                     file,
-                    connection: stream,
+                    connection: stream.into_std()?,
                     unsent: None,
                     owed: 0,
                     header: [0; 4],
@@ -226,9 +230,26 @@ impl ShmRegion {
                 self.owed += 1;
                 return Ok(());
             }
-            match self.connection.write(&frame[*written..]).await? {
+            // SAFETY: the frame's rest is valid for reads of its length, and
+            // the descriptor is the connection's, open as long as `self`.
+            let sent = unsafe {
+                libc::send(
+                    self.connection.as_raw_fd(),
+                    frame[*written..].as_ptr().cast(),
+                    frame.len() - *written,
+                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                )
+            };
+            match sent {
                 0 => return Err(io::ErrorKind::WriteZero.into()),
-                n => *written += n,
+                n if n > 0 => *written += n as usize,
+                _ => match io::Error::last_os_error() {
+                    e if e.kind() == io::ErrorKind::WouldBlock => {
+                        wait_for(&self.connection, Interest::WRITABLE).await?;
+                    }
+                    e if e.kind() == io::ErrorKind::Interrupted => {}
+                    e => return Err(e),
+                },
             }
         }
     }
@@ -238,15 +259,13 @@ impl ShmRegion {
     async fn read_reply(&mut self) -> io::Result<()> {
         self.poll_reply()?;
         while self.header_read < 4 {
-            match self.connection.read(&mut self.header[self.header_read..]).await? {
-                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                n => self.header_arrived(n),
+            if let Some(n) = read_or_wait(&self.connection, &mut self.header[self.header_read..]).await? {
+                self.header_arrived(n);
             }
         }
         while self.reply_read < self.reply.len() {
-            match self.connection.read(&mut self.reply[self.reply_read..]).await? {
-                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                n => self.reply_read += n,
+            if let Some(n) = read_or_wait(&self.connection, &mut self.reply[self.reply_read..]).await? {
+                self.reply_read += n;
             }
         }
         self.header_read = 0;
@@ -274,9 +293,6 @@ impl ShmRegion {
         let fd = self.connection.as_raw_fd();
         let header = &mut self.header;
         let polled = self.poll.poll(|| {
-            // Straight to the socket: tokio's `try_read` answers from its
-            // readiness, which only its reactor updates, and the reactor
-            // does not run while this thread polls.
             // SAFETY: `header` is valid for writes of its length, and the
             // descriptor is the connection's, open as long as `self`.
             let n = unsafe { libc::recv(fd, header.as_mut_ptr().cast(), header.len(), libc::MSG_DONTWAIT) };
@@ -415,6 +431,37 @@ impl ShmRegion {
     pub fn as_ptr(&self) -> *const u8 {
         self.map.as_ptr()
     }
+}
+
+/// Some bytes read from `connection` into `buf`, or `None` once it was
+/// not readable and has become so (or the read was interrupted): read again.
+async fn read_or_wait(mut connection: &Connection, buf: &mut [u8]) -> io::Result<Option<usize>> {
+    match connection.read(buf) {
+        Ok(0) => Err(io::ErrorKind::UnexpectedEof.into()),
+        Ok(n) => Ok(Some(n)),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+            wait_for(connection, Interest::READABLE).await.map(|()| None)
+        }
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Waits until `connection` is ready for `interest`, in the runtime's
+/// reactor only meanwhile. A socket kept in it has the reactor's thread
+/// woken by every reply, though the calling thread polled it up already:
+/// a third thread on the CPUs of a client and a server polling for each
+/// other, on every call (2 cores: one such wake-up per call, ~5000 a
+/// second, in an SmolLM2 decode loop). Registered after a read or write
+/// would block, readiness that came between is reported at once.
+async fn wait_for(connection: &Connection, interest: Interest) -> io::Result<()> {
+    // SAFETY: the descriptor is borrowed from `connection`, which stays
+    // open (and the same) for as long as this registration lives: it is
+    // dropped, deregistered, before this function returns.
+    let registered = unsafe { AsyncFd::register_with_interest(connection.as_fd(), interest)? };
+    // The registration, readiness included, goes with this wait.
+    let _ready = registered.ready(interest).await?;
+    Ok(())
 }
 
 /// A memfd of `bytes`, sealed so that neither side can resize it: the
