@@ -477,8 +477,7 @@ class KVTierCache(Cache):
             append=step,
             append_position=stored,
         )
-        appended = (selection.appended or {}).get("timing") or {}
-        self.store_seconds += (selection.timing.get("store_us", 0) + appended.get("store_us", 0)) / 1e6
+        self.store_seconds += selection.store_us / 1e6
         return selection
 
     def _select_call(self, scaling: float) -> SelectKvCall:

@@ -139,7 +139,6 @@ class Selection:
         return gather(self.pages, kv_head)
 
 
-@dataclass
 class HeadKV:
     """One head's chosen pages that came with data (gone pages never), in
     position order, and their K and V rows concatenated: ``[rows,
@@ -147,34 +146,76 @@ class HeadKV:
     summary page gives its summary rows, as :func:`gather` does), or with
     ``views`` read-only views of the region, valid until its next call."""
 
-    kv_head: int
-    #: With per-query-head aggregation.
-    query_head: Optional[int]
-    #: The pages' indices (uint32), in the order of ``k``'s and ``v``'s rows.
-    pages: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
+    # Made on every decode step's call: slots, and the page indices
+    # unpacked only when read.
+    __slots__ = ("kv_head", "query_head", "k", "v", "_pages")
+
+    def __init__(self, kv_head: int, query_head: Optional[int], pages: bytes, k: np.ndarray, v: np.ndarray):
+        #: The KV head.
+        self.kv_head = kv_head
+        #: With per-query-head aggregation: the query head.
+        self.query_head = query_head
+        #: K rows, ``[rows, head_dim]``.
+        self.k = k
+        #: V rows, as ``k``'s.
+        self.v = v
+        self._pages = pages
+
+    @property
+    def pages(self) -> np.ndarray:
+        """The pages' indices (uint32), in the order of ``k``'s and ``v``'s rows."""
+        return np.frombuffer(self._pages, dtype="<u4")
+
+    def __repr__(self) -> str:
+        return f"HeadKV(kv_head={self.kv_head}, query_head={self.query_head}, pages={self.pages.tolist()}, rows={len(self.k)})"
 
 
-@dataclass
+def _total(name: str, doc: str) -> Any:
+    """A :class:`SelectionKV` total, read from its totals once made."""
+
+    def get(self: "SelectionKV") -> Any:
+        return self._totals()[name]
+
+    get.__doc__ = doc
+    return property(get)
+
+
 class SelectionKV:
     """A ``select_kv`` answer: per head the chosen pages' K and V, gathered
     by the native client (no object per page), and the selection's totals
-    as :class:`Selection` has them."""
+    as :class:`Selection` has them (converted when first read: a decode
+    step reads :attr:`store_us` alone)."""
 
-    heads: List[HeadKV]
-    pages_scored: int
-    digest_bytes: int
-    swap: Dict[str, int]
-    timing: Dict[str, int]
-    prefetch_queued: int
-    lease_id: Optional[int]
-    lease_expires_in_ms: int
-    mode: str
-    #: With ``append``: the ``AppendTokensResponse`` of the step's tokens.
-    appended: Optional[Dict[str, Any]] = None
-    #: With ``reuse_similarity``: lanes chosen from their last ranking.
-    lanes_reused: int = 0
+    __slots__ = ("heads", "_native", "_dict")
+
+    def __init__(self, heads: List[HeadKV], totals: Any):
+        #: Per KV head (and query head, with per-query-head aggregation).
+        self.heads = heads
+        self._native = totals
+        self._dict: Optional[Dict[str, Any]] = None
+
+    def _totals(self) -> Dict[str, Any]:
+        if self._dict is None:
+            self._dict = _selection_totals(self._native.to_dict())
+        return self._dict
+
+    @property
+    def store_us(self) -> int:
+        """Microseconds the server's store spent on the call: its
+        selection's (``timing["store_us"]``) and its append's
+        (``appended["timing"]["store_us"]``)."""
+        return self._native.store_us
+
+    pages_scored = _total("pages_scored", "Pages whose digests were scored.")
+    digest_bytes = _total("digest_bytes", "Digest bytes scanned.")
+    swap = _total("swap", "Where the swap-in's pages came from and its time per source.")
+    timing = _total("timing", "Where the server spent the call (microseconds).")
+    prefetch_queued = _total("prefetch_queued", "Pages queued for promotion in the background.")
+    lease_id = _total("lease_id", "The lease taken on the chosen pages, if asked.")
+    lease_expires_in_ms = _total("lease_expires_in_ms", "When the lease ends.")
+    mode = _total("mode", "The mode that ranked.")
+    appended = _total("appended", "With ``append``: the ``AppendTokensResponse`` of the step's tokens.")
+    lanes_reused = _total("lanes_reused", "With ``reuse_similarity``: lanes chosen from their last ranking.")
 
     def head(self, kv_head: int, query_head: Optional[int] = None) -> HeadKV:
         """The selection of ``kv_head`` (and, with per-query-head
@@ -183,6 +224,9 @@ class SelectionKV:
             if h.kv_head == kv_head and h.query_head == query_head:
                 return h
         raise LookupError(f"kv_head: no selection of KV head {kv_head} (query head {query_head}) in this answer")
+
+    def __repr__(self) -> str:
+        return f"SelectionKV(heads={self.heads!r}, **{self._totals()!r})"
 
 
 def gather(pages: Sequence[Page], kv_head: int) -> Tuple[np.ndarray, np.ndarray, List[Page]]:
@@ -380,24 +424,22 @@ def _selection_totals(first: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def selection_kv_from_native(
-    gathered: Tuple[Dict[str, Any], List[Tuple[Any, ...]]], layout: Layout, region: Optional["ShmRegion"] = None
+    gathered: Tuple[Any, List[Tuple[Any, ...]]], layout: Layout, region: Optional["ShmRegion"] = None
 ) -> SelectionKV:
     """A selection the native client gathered per head (``gather=True``):
     each head's K and V its own bytes, or where they lie in ``region``
     (``(offset, length)``, with ``views``), as read-only views of it."""
-    info, heads = gathered
+    totals, heads = gathered
     dtype = _arrays.storage_dtype(layout.dtype)
+    head_dim = layout.head_dim
 
     def rows(data: Any) -> np.ndarray:
         if isinstance(data, tuple):
             offset, length = data
-            data = region.buffer[offset : offset + length]  # type: ignore[union-attr]
-        return np.frombuffer(data, dtype=dtype).reshape(-1, layout.head_dim)
+            # A slice of the region's array: a view, read-only as it is.
+            return region.buffer[offset : offset + length].view(dtype).reshape(-1, head_dim)  # type: ignore[union-attr]
+        return np.frombuffer(data, dtype=dtype).reshape(-1, head_dim)
 
     return SelectionKV(
-        heads=[
-            HeadKV(kv_head=kv_head, query_head=query_head, pages=np.frombuffer(pages, dtype="<u4"), k=rows(k), v=rows(v))
-            for kv_head, query_head, pages, k, v in heads
-        ],
-        **_selection_totals(info),
+        [HeadKV(kv_head, query_head, pages, rows(k), rows(v)) for kv_head, query_head, pages, k, v in heads], totals
     )

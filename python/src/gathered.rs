@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyList, PyTuple};
 use tonic::Status;
 
-use crate::reflect;
+use crate::select_totals::SelectTotals;
 
 /// Where one chosen page's bytes are: in the region (its K rows' offset,
 /// its V rows'), or in a message (reply, page).
@@ -77,8 +77,8 @@ impl Gathered {
         Ok(Self { info, replies, heads })
     }
 
-    /// `(info, heads)`: `info` a dict of the first message's fields as
-    /// `call` gives them (`heads` and `pages` empty), `heads` a list of
+    /// `(totals, heads)`: `totals` the first message's fields but `heads`
+    /// and `pages` ([`SelectTotals`]), `heads` a list of
     /// `(kv_head, query_head, pages, k, v)` with `pages` the page indices as
     /// little-endian u32 `bytes` and `k`, `v` `bytearray`s. Pages in
     /// `region` are read from it: the caller holds it, so that no later
@@ -92,9 +92,6 @@ impl Gathered {
         region: Option<&ShmRegion>,
         views: bool,
     ) -> PyResult<Py<PyAny>> {
-        let info =
-            crate::as_dynamic(&self.info, output).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
-        let info = reflect::to_dict(py, &info)?;
         let heads = self
             .heads
             .iter()
@@ -126,9 +123,12 @@ impl Gathered {
                 )
             })
             .collect::<PyResult<Vec<_>>>()?;
-        Ok(PyTuple::new(py, [info.into_any(), PyList::new(py, heads)?.into_any()])?
-            .into_any()
-            .unbind())
+        let totals = Bound::new(py, SelectTotals::new(self.info, output.clone()))?;
+        Ok(
+            PyTuple::new(py, [totals.into_any(), PyList::new(py, heads)?.into_any()])?
+                .into_any()
+                .unbind(),
+        )
     }
 
     /// One head's K rows (`half` 0) or V rows (1), its pages' in order, in

@@ -12,6 +12,7 @@ mod gathered;
 mod partitioned;
 mod reflect;
 mod select_request;
+mod select_totals;
 
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
@@ -628,6 +629,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Connection>()?;
     m.add_class::<Region>()?;
     m.add_class::<SelectRequest>()?;
+    m.add_class::<select_totals::SelectTotals>()?;
     m.add_class::<Pending>()?;
     Ok(())
 }

@@ -1,0 +1,51 @@
+//! A gathered selection's totals (its first message less its heads and
+//! pages), kept as the generated type and made a dict only when Python
+//! asks: a decode step reads one number of them (the store's time), and
+//! converting all of them by reflection took more of a step's call than
+//! its socket round trip.
+
+use kvtier_proto::v1 as pb;
+use prost_reflect::MessageDescriptor;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::reflect;
+
+/// What `SelectionKV` reads its totals from.
+#[pyclass(frozen, module = "kvtier._native")]
+pub(crate) struct SelectTotals {
+    info: pb::SelectPagesResponse,
+    /// `SelectPagesResponse`, to make the dict by reflection.
+    output: MessageDescriptor,
+}
+
+impl SelectTotals {
+    pub(crate) fn new(info: pb::SelectPagesResponse, output: MessageDescriptor) -> Self {
+        Self { info, output }
+    }
+}
+
+#[pymethods]
+impl SelectTotals {
+    /// The totals as `call` gives the first message's fields.
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let info =
+            crate::as_dynamic(&self.info, &self.output).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
+        reflect::to_dict(py, &info)
+    }
+
+    /// Microseconds the server's store spent on the call: its selection's
+    /// (`timing.store_us`) and its append's (`appended.timing.store_us`).
+    #[getter]
+    fn store_us(&self) -> u64 {
+        let selection = self.info.timing.as_ref().map_or(0, |t| t.store_us);
+        let append = self
+            .info
+            .appended
+            .as_ref()
+            .and_then(|a| a.timing.as_ref())
+            .map_or(0, |t| t.store_us);
+        selection + append
+    }
+}
