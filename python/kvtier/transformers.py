@@ -63,6 +63,44 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def _attention_over(
+    query: torch.Tensor,
+    chosen: List[Tuple[np.ndarray, np.ndarray]],
+    step_k: np.ndarray,
+    step_v: np.ndarray,
+    scaling: float,
+) -> torch.Tensor:
+    """A decode step's attention, ``[1, query heads, 1, head_dim]``: each
+    query head of ``query`` over its KV head's ``chosen`` rows (``(k, v)``,
+    ``[rows, head_dim]``) and the step's own (``step_k``, ``step_v``:
+    ``[kv heads, 1, head_dim]``, in the rows' storage dtype)."""
+    rows = [len(k) for k, _ in chosen]
+    width = max(rows) + 1
+    dtype = chosen[0][0].dtype
+    # One copy: every head's rows (views of the region, or the answer's
+    # own) and, last, the step's own, into arrays of their own, for one
+    # attention call over all heads. A head with fewer rows (pages gone)
+    # leaves a gap that the mask hides.
+    k = np.empty((len(chosen), width, step_k.shape[-1]), dtype)
+    v = np.empty_like(k)
+    for i, (head_k, head_v) in enumerate(chosen):
+        k[i, : rows[i]], v[i, : rows[i]] = head_k, head_v
+    k[:, -1], v[:, -1] = step_k[:, -1].view(dtype), step_v[:, -1].view(dtype)
+    mask = None
+    if min(rows) < width - 1:
+        allowed = np.ones((len(chosen), width), dtype=bool)
+        for i, n in enumerate(rows):
+            # Zeros, not whatever was there: a masked NaN still poisons the sum.
+            allowed[i, n:-1], k[i, n:-1], v[i, n:-1] = False, 0, 0
+        groups = query.shape[1] // len(chosen)
+        mask = torch.from_numpy(np.repeat(allowed, groups, axis=0))[None, :, None].to(query.device)
+    k_t = _tensor(k, query.dtype).to(query.device)[None]
+    v_t = _tensor(v, query.dtype).to(query.device)[None]
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, k_t, v_t, attn_mask=mask, scale=scaling, enable_gqa=True
+    )
+
+
 def prompt_hashes(prompt_ids: Sequence[int], page_size: int, model_key: str) -> List[bytes]:
     """The hash chain of a prompt: one SHA-256 per full page, each over the
     one before it, ``model_key`` and the page's token ids. The prompt's last
@@ -242,23 +280,9 @@ class KVTierLayer(CacheLayerMixin):
                 " been appended; this cache cannot go on (its length in kvtier is unknown)"
             )
             raise
-        groups = query.shape[1] // cache.layout.num_kv_heads
-        outputs = []
-        for head in range(cache.layout.num_kv_heads):
-            chosen = selection.head(head)
-            # One copy: the chosen rows (views of the region, or the
-            # answer's own) and the step's own, into an array of its own.
-            k = np.concatenate([chosen.k, step_k[head].view(chosen.k.dtype)])
-            v = np.concatenate([chosen.v, step_v[head].view(chosen.v.dtype)])
-            k = _tensor(k, query.dtype).to(query.device)[None, None]
-            v = _tensor(v, query.dtype).to(query.device)[None, None]
-            q = query[:, head * groups : (head + 1) * groups]
-            outputs.append(
-                torch.nn.functional.scaled_dot_product_attention(
-                    q, k.expand(1, groups, -1, -1), v.expand(1, groups, -1, -1), scale=scaling
-                )
-            )
-        return torch.cat(outputs, dim=1).transpose(1, 2).contiguous(), None
+        heads = [selection.head(h) for h in range(cache.layout.num_kv_heads)]
+        out = _attention_over(query, [(h.k, h.v) for h in heads], step_k, step_v, scaling)
+        return out.transpose(1, 2).contiguous(), None
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> Tuple[int, int]:
         return self.tokens + cache_position.shape[0], 0

@@ -155,6 +155,28 @@ def test_a_small_budget_attends_over_the_selection_only(model_and_tokenizer, cli
     assert torch.equal(ours.logits[0], reference.logits[0])
 
 
+@pytest.mark.parametrize("rows", [[48, 48, 48], [48, 32, 16], [1, 48, 0]])
+def test_one_attention_call_over_every_head_equals_one_call_per_head(rows):
+    # A budgeted step attends over all KV heads at once; a head with fewer
+    # rows (its pages gone) must still see only its own rows and the step's.
+    rng = np.random.default_rng(sum(rows))
+    kv_heads, groups, d, scale = len(rows), 3, 64, 0.125
+
+    def normal(*shape):
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    chosen = [(normal(n, d), normal(n, d)) for n in rows]
+    step_k, step_v = normal(kv_heads, 1, d), normal(kv_heads, 1, d)
+    query = torch.from_numpy(normal(1, kv_heads * groups, 1, d))
+    got = kvtier_transformers._attention_over(query, chosen, step_k, step_v, scale)
+    for h, (k, v) in enumerate(chosen):
+        k = torch.from_numpy(np.concatenate([k, step_k[h]]))[None, None].expand(1, groups, -1, -1)
+        v = torch.from_numpy(np.concatenate([v, step_v[h]]))[None, None].expand(1, groups, -1, -1)
+        q = query[:, h * groups : (h + 1) * groups]
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        torch.testing.assert_close(got[:, h * groups : (h + 1) * groups], want, rtol=1e-5, atol=1e-6)
+
+
 def test_over_a_polling_region_a_budget_decodes_as_over_grpc(model_and_tokenizer, client):
     """Shared memory with both ends polling (``region.spin``, and
     ``region.server_poll``, which every call asks of the server's thread)
