@@ -150,7 +150,9 @@ class HeadKV:
     # unpacked only when read.
     __slots__ = ("kv_head", "query_head", "k", "v", "_pages")
 
-    def __init__(self, kv_head: int, query_head: Optional[int], pages: bytes, k: np.ndarray, v: np.ndarray):
+    def __init__(self, kv_head: int, query_head: Optional[int], pages: Any, k: np.ndarray, v: np.ndarray):
+        """``pages``: the indices as little-endian uint32 bytes (as the
+        native client gives them) or anything ``np.asarray`` takes."""
         #: The KV head.
         self.kv_head = kv_head
         #: With per-query-head aggregation: the query head.
@@ -164,7 +166,9 @@ class HeadKV:
     @property
     def pages(self) -> np.ndarray:
         """The pages' indices (uint32), in the order of ``k``'s and ``v``'s rows."""
-        return np.frombuffer(self._pages, dtype="<u4")
+        if isinstance(self._pages, (bytes, bytearray)):
+            return np.frombuffer(self._pages, dtype="<u4")
+        return np.asarray(self._pages, dtype="<u4")
 
     def __repr__(self) -> str:
         return f"HeadKV(kv_head={self.kv_head}, query_head={self.query_head}, pages={self.pages.tolist()}, rows={len(self.k)})"

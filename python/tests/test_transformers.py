@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch", reason="needs python/transformers-env/env.s
 transformers = pytest.importorskip("transformers")
 
 import kvtier.transformers as kvtier_transformers  # noqa: E402
+from kvtier import _arrays as kvtier_arrays  # noqa: E402
 from kvtier.transformers import KVTierCache  # noqa: E402
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -155,26 +156,32 @@ def test_a_small_budget_attends_over_the_selection_only(model_and_tokenizer, cli
     assert torch.equal(ours.logits[0], reference.logits[0])
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("rows", [[48, 48, 48], [48, 32, 16], [1, 48, 0]])
-def test_one_attention_call_over_every_head_equals_one_call_per_head(rows):
+def test_one_attention_call_over_every_head_equals_one_call_per_head(rows, dtype):
     # A budgeted step attends over all KV heads at once; a head with fewer
     # rows (its pages gone) must still see only its own rows and the step's.
+    # Rows come in the layout's storage dtype (bfloat16 as its bits).
     rng = np.random.default_rng(sum(rows))
     kv_heads, groups, d, scale = len(rows), 3, 64, 0.125
+    torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
 
-    def normal(*shape):
-        return rng.standard_normal(shape, dtype=np.float32)
+    def stored(*shape):
+        return kvtier_arrays.encode(rng.standard_normal(shape, dtype=np.float32), dtype, "rows")
 
-    chosen = [(normal(n, d), normal(n, d)) for n in rows]
-    step_k, step_v = normal(kv_heads, 1, d), normal(kv_heads, 1, d)
-    query = torch.from_numpy(normal(1, kv_heads * groups, 1, d))
+    chosen = [(stored(n, d), stored(n, d)) for n in rows]
+    step_k, step_v = stored(kv_heads, 1, d), stored(kv_heads, 1, d)
+    query = torch.from_numpy(rng.standard_normal((1, kv_heads * groups, 1, d), dtype=np.float32)).to(torch_dtype)
     got = kvtier_transformers._attention_over(query, chosen, step_k, step_v, scale)
     for h, (k, v) in enumerate(chosen):
-        k = torch.from_numpy(np.concatenate([k, step_k[h]]))[None, None].expand(1, groups, -1, -1)
-        v = torch.from_numpy(np.concatenate([v, step_v[h]]))[None, None].expand(1, groups, -1, -1)
+        k = kvtier_transformers._tensor(np.concatenate([k, step_k[h]]), torch_dtype)[None, None]
+        v = kvtier_transformers._tensor(np.concatenate([v, step_v[h]]), torch_dtype)[None, None]
         q = query[:, h * groups : (h + 1) * groups]
-        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
-        torch.testing.assert_close(got[:, h * groups : (h + 1) * groups], want, rtol=1e-5, atol=1e-6)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k.expand(1, groups, -1, -1), v.expand(1, groups, -1, -1), scale=scale
+        )
+        tolerance = 1e-5 if dtype == "f32" else 2e-2
+        torch.testing.assert_close(got[:, h * groups : (h + 1) * groups], want, rtol=tolerance, atol=tolerance)
 
 
 def test_over_a_polling_region_a_budget_decodes_as_over_grpc(model_and_tokenizer, client):

@@ -101,9 +101,7 @@ pub struct ShmRegion {
     /// The memfd, for processes or runtimes that map the region themselves.
     file: File,
     /// Open as long as the region is the client's; carries its calls.
-    /// Non-blocking, and in the runtime's reactor only while a call waits
-    /// on it ([`wait_for`]).
-    connection: Connection,
+    connection: Socket,
     /// A call's frame and how much of it is written, until all of it is.
     unsent: Option<(Vec<u8>, usize)>,
     /// Replies the server still owes: calls sent whole, not yet answered.
@@ -154,7 +152,10 @@ impl ShmRegion {
                     id,
                     map,
                     file,
-                    connection: stream.into_std()?,
+                    connection: Socket {
+                        stream: stream.into_std()?,
+                        runtime: tokio::runtime::Handle::current(),
+                    },
                     unsent: None,
                     owed: 0,
                     header: [0; 4],
@@ -234,7 +235,7 @@ impl ShmRegion {
             // the descriptor is the connection's, open as long as `self`.
             let sent = unsafe {
                 libc::send(
-                    self.connection.as_raw_fd(),
+                    self.connection.stream.as_raw_fd(),
                     frame[*written..].as_ptr().cast(),
                     frame.len() - *written,
                     libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
@@ -245,7 +246,7 @@ impl ShmRegion {
                 n if n > 0 => *written += n as usize,
                 _ => match io::Error::last_os_error() {
                     e if e.kind() == io::ErrorKind::WouldBlock => {
-                        wait_for(&self.connection, Interest::WRITABLE).await?;
+                        self.connection.wait_for(Interest::WRITABLE).await?;
                     }
                     e if e.kind() == io::ErrorKind::Interrupted => {}
                     e => return Err(e),
@@ -259,12 +260,16 @@ impl ShmRegion {
     async fn read_reply(&mut self) -> io::Result<()> {
         self.poll_reply()?;
         while self.header_read < 4 {
-            if let Some(n) = read_or_wait(&self.connection, &mut self.header[self.header_read..]).await? {
+            if let Some(n) = self
+                .connection
+                .read_or_wait(&mut self.header[self.header_read..])
+                .await?
+            {
                 self.header_arrived(n);
             }
         }
         while self.reply_read < self.reply.len() {
-            if let Some(n) = read_or_wait(&self.connection, &mut self.reply[self.reply_read..]).await? {
+            if let Some(n) = self.connection.read_or_wait(&mut self.reply[self.reply_read..]).await? {
                 self.reply_read += n;
             }
         }
@@ -290,7 +295,7 @@ impl ShmRegion {
         if self.header_read > 0 {
             return Ok(());
         }
-        let fd = self.connection.as_raw_fd();
+        let fd = self.connection.stream.as_raw_fd();
         let header = &mut self.header;
         let polled = self.poll.poll(|| {
             // SAFETY: `header` is valid for writes of its length, and the
@@ -433,35 +438,55 @@ impl ShmRegion {
     }
 }
 
-/// Some bytes read from `connection` into `buf`, or `None` once it was
-/// not readable and has become so (or the read was interrupted): read again.
-async fn read_or_wait(mut connection: &Connection, buf: &mut [u8]) -> io::Result<Option<usize>> {
-    match connection.read(buf) {
-        Ok(0) => Err(io::ErrorKind::UnexpectedEof.into()),
-        Ok(n) => Ok(Some(n)),
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-            wait_for(connection, Interest::READABLE).await.map(|()| None)
-        }
-        Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(None),
-        Err(e) => Err(e),
-    }
+/// A region's connection: non-blocking, and in the reactor of the runtime
+/// that registered the region only while a call waits on it
+/// ([`Socket::wait_for`]).
+#[derive(Debug)]
+struct Socket {
+    stream: Connection,
+    /// Where a wait registers when the caller's executor is not a tokio
+    /// runtime's (a registered region may be called from any).
+    runtime: tokio::runtime::Handle,
 }
 
-/// Waits until `connection` is ready for `interest`, in the runtime's
-/// reactor only meanwhile. A socket kept in it has the reactor's thread
-/// woken by every reply, though the calling thread polled it up already:
-/// a third thread on the CPUs of a client and a server polling for each
-/// other, on every call (2 cores: one such wake-up per call, ~5000 a
-/// second, in an SmolLM2 decode loop). Registered after a read or write
-/// would block, readiness that came between is reported at once.
-async fn wait_for(connection: &Connection, interest: Interest) -> io::Result<()> {
-    // SAFETY: the descriptor is borrowed from `connection`, which stays
-    // open (and the same) for as long as this registration lives: it is
-    // dropped, deregistered, before this function returns.
-    let registered = unsafe { AsyncFd::register_with_interest(connection.as_fd(), interest)? };
-    // The registration, readiness included, goes with this wait.
-    let _ready = registered.ready(interest).await?;
-    Ok(())
+impl Socket {
+    /// Some bytes read into `buf`, or `None` once the socket was not
+    /// readable and has become so (or the read was interrupted): read again.
+    async fn read_or_wait(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        match (&self.stream).read(buf) {
+            Ok(0) => Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => Ok(Some(n)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wait_for(Interest::READABLE).await.map(|()| None),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Waits until the socket is ready for `interest`, in the reactor only
+    /// meanwhile. A socket kept in it has the reactor's thread woken by
+    /// every reply, though the calling thread polled it up already: a
+    /// third thread on the CPUs of a client and a server polling for each
+    /// other, on every call (2 cores: one such wake-up per call, ~5000 a
+    /// second, in an SmolLM2 decode loop). Registered after a read or
+    /// write would block, readiness that came between is reported at once.
+    async fn wait_for(&self, interest: Interest) -> io::Result<()> {
+        let registered = {
+            // Entered only to register (the registration keeps its runtime);
+            // a guard held across the wait would make the call `!Send`.
+            let _entered = tokio::runtime::Handle::try_current()
+                .is_err()
+                .then(|| self.runtime.enter());
+            // SAFETY: the descriptor is borrowed from `self.stream` for the
+            // registration's lifetime (`BorrowedFd<'_>`), and `self` is
+            // borrowed from the region (`&mut`) as long as the call lives:
+            // the descriptor stays open, and the same, until the
+            // registration is dropped with this wait or with the call.
+            unsafe { AsyncFd::register_with_interest(self.stream.as_fd(), interest)? }
+        };
+        // The registration, readiness included, goes with this wait.
+        let _ready = registered.ready(interest).await?;
+        Ok(())
+    }
 }
 
 /// A memfd of `bytes`, sealed so that neither side can resize it: the

@@ -744,3 +744,63 @@ async fn a_per_head_layout_holds_its_buffer_in_flight() {
     let half = client.select_pages_local(&mut region, "s", &select).await.unwrap();
     assert!(half.pages.iter().all(|p| p.shm_v_offset.is_some()));
 }
+
+/// Polls `future` on this thread with no tokio runtime entered: a
+/// registered region may be called from any executor.
+fn block_on_without_tokio<F: std::future::Future>(future: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(std::sync::Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let std::task::Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::park();
+    }
+}
+
+/// A region's calls that must sleep on their reply (no polling) register
+/// with the reactor of the runtime that registered the region when the
+/// caller's executor is not a tokio runtime's: the reply arrives, nothing
+/// panics.
+#[test]
+fn a_region_called_outside_any_runtime_sleeps_on_its_reply() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (server, socket) = rt.block_on(server(dir.path()));
+    let mut client = rt.block_on(server.client());
+    let mut region = rt.block_on(client.register_shm(&socket, REGION)).unwrap();
+    region.set_spin(Duration::ZERO);
+    let layout = kvtier_client::layout(1, 1, 1, 8, pb::DType::DtypeF32, 4);
+    rt.block_on(client.create_sequence("outside", layout, vec![])).unwrap();
+    let mut lanes = [LaneData::default()];
+    let kv = random_kv(pb::DType::DtypeF32, 8, &mut lanes.iter_mut().collect::<Vec<_>>(), 8, 3);
+    rt.block_on(client.put_pages("outside", 0, 0..1, 0, 8, kv)).unwrap();
+    let fetch = pb::FetchPagesRequest {
+        sequence_id: "outside".to_owned(),
+        kv_head_count: 1,
+        per_head_pages: vec![pb::PageList { pages: vec![0, 1] }],
+        ..Default::default()
+    };
+    let pages = std::thread::scope(|s| {
+        s.spawn(|| {
+            assert!(tokio::runtime::Handle::try_current().is_err());
+            (0..20)
+                .map(|_| block_on_without_tokio(client.fetch_local(&mut region, fetch.clone())).unwrap())
+                .last()
+                .unwrap()
+        })
+        .join()
+        .unwrap()
+    });
+    assert_eq!(pages.len(), 2);
+    for p in &pages {
+        assert_eq!(region.page_bytes(p).unwrap().len(), 2 * 4 * 8 * 4, "page {}", p.page);
+    }
+}
