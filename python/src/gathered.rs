@@ -10,7 +10,6 @@ use std::mem::MaybeUninit;
 
 use kvtier_client::ShmRegion;
 use kvtier_proto::v1 as pb;
-use prost_reflect::MessageDescriptor;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -85,13 +84,7 @@ impl Gathered {
     /// call overwrites them first. With `views`, a head whose K rows and V
     /// rows each lie in one run of the region (`gather_heads`) gives `k`
     /// and `v` as `(offset, length)` in it instead, copied nowhere.
-    pub(crate) fn into_py(
-        self,
-        py: Python<'_>,
-        output: &MessageDescriptor,
-        region: Option<&ShmRegion>,
-        views: bool,
-    ) -> PyResult<Py<PyAny>> {
+    pub(crate) fn into_py(self, py: Python<'_>, region: Option<&ShmRegion>, views: bool) -> PyResult<Py<PyAny>> {
         let heads = self
             .heads
             .iter()
@@ -123,7 +116,7 @@ impl Gathered {
                 )
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let totals = Bound::new(py, SelectTotals::new(self.info, output.clone()))?;
+        let totals = Bound::new(py, SelectTotals::new(self.info))?;
         Ok(
             PyTuple::new(py, [totals.into_any(), PyList::new(py, heads)?.into_any()])?
                 .into_any()

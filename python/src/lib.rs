@@ -135,12 +135,11 @@ fn status_error(py: Python<'_>, status: &Status) -> PyErr {
 }
 
 /// What a call returns: one message, a server stream's messages, or a
-/// selection gathered per head (with the reply's message type; boxed, as
-/// it holds a whole first message).
+/// selection gathered per head (boxed, as it holds a whole first message).
 enum Reply {
     One(DynamicMessage),
     Many(Vec<DynamicMessage>),
-    Gathered(Box<Gathered>, MessageDescriptor),
+    Gathered(Box<Gathered>),
 }
 
 impl Reply {
@@ -158,7 +157,7 @@ impl Reply {
                     .collect::<PyResult<Vec<_>>>()?;
                 PyList::new(py, dicts)?.into_any().unbind()
             }
-            Reply::Gathered(gathered, output) => gathered.into_py(py, &output, region, views)?,
+            Reply::Gathered(gathered) => gathered.into_py(py, region, views)?,
         })
     }
 }
@@ -255,21 +254,23 @@ impl Connection {
         } else {
             vec![request_message(request, &method, "")?]
         };
-        let gather = gather.then(|| gatherable(&method)).transpose()?;
+        if gather {
+            gatherable(&method)?;
+        }
         let client = self.client.clone().with_incarnation(incarnation.unwrap_or(0));
         let reply = limited(self.timeout, async move {
             let reply = send(client, method, requests).await?;
             match (gather, reply) {
-                (None, reply) => Ok(reply),
-                (Some(output), Reply::Many(messages)) => {
+                (false, reply) => Ok(reply),
+                (true, Reply::Many(messages)) => {
                     let typed = messages
                         .iter()
                         .map(DynamicMessage::transcode_to::<pb::SelectPagesResponse>)
                         .collect::<Result<Vec<_>, _>>()
                         .map_err(|e| Status::internal(format!("the server's reply: {e}")))?;
-                    Ok(Reply::Gathered(Box::new(Gathered::new(typed)?), output))
+                    Ok(Reply::Gathered(Box::new(Gathered::new(typed)?)))
                 }
-                (Some(_), _) => Err(Status::internal("SelectPages answered with one message, not a stream")),
+                (true, _) => Err(Status::internal("SelectPages answered with one message, not a stream")),
             }
         });
         match done {
@@ -333,16 +334,16 @@ impl Pending {
     }
 }
 
-/// The answer type of `method`, which `gather` asks to be gathered per
-/// head: SelectPages' only.
-fn gatherable(method: &MethodDescriptor) -> PyResult<MessageDescriptor> {
+/// Refuses `gather` for any method but SelectPages, whose answer alone is
+/// gathered per head.
+fn gatherable(method: &MethodDescriptor) -> PyResult<()> {
     if method.name() != "SelectPages" {
         return Err(PyValueError::new_err(format!(
             "gather: only SelectPages' answer is gathered per head, not {}'s",
             method.name()
         )));
     }
-    Ok(method.output())
+    Ok(())
 }
 
 /// `call`, failing with DEADLINE_EXCEEDED after `timeout`.
@@ -565,7 +566,7 @@ fn local_answer(reply: pb::LocalReply, method: &MethodDescriptor, gather: bool) 
     }
     let output = method.output();
     match method.name() {
-        "SelectPages" if gather => Ok(Reply::Gathered(Box::new(Gathered::new(reply.select_pages)?), output)),
+        "SelectPages" if gather => Ok(Reply::Gathered(Box::new(Gathered::new(reply.select_pages)?))),
         "SelectPages" => all_dynamic(&reply.select_pages, &output),
         "FetchPages" => all_dynamic(&reply.fetch_pages, &output),
         _ => match &reply.append_tokens {

@@ -5,7 +5,6 @@
 //! its socket round trip.
 
 use kvtier_proto::v1 as pb;
-use prost_reflect::MessageDescriptor;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -16,13 +15,11 @@ use crate::reflect;
 #[pyclass(frozen, module = "kvtier._native")]
 pub(crate) struct SelectTotals {
     info: pb::SelectPagesResponse,
-    /// `SelectPagesResponse`, to make the dict by reflection.
-    output: MessageDescriptor,
 }
 
 impl SelectTotals {
-    pub(crate) fn new(info: pb::SelectPagesResponse, output: MessageDescriptor) -> Self {
-        Self { info, output }
+    pub(crate) fn new(info: pb::SelectPagesResponse) -> Self {
+        Self { info }
     }
 }
 
@@ -30,8 +27,9 @@ impl SelectTotals {
 impl SelectTotals {
     /// The totals as `call` gives the first message's fields.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let output = crate::method("SelectPages")?.output();
         let info =
-            crate::as_dynamic(&self.info, &self.output).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
+            crate::as_dynamic(&self.info, &output).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
         reflect::to_dict(py, &info)
     }
 

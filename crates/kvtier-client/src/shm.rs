@@ -231,26 +231,8 @@ impl ShmRegion {
                 self.owed += 1;
                 return Ok(());
             }
-            // SAFETY: the frame's rest is valid for reads of its length, and
-            // the descriptor is the connection's, open as long as `self`.
-            let sent = unsafe {
-                libc::send(
-                    self.connection.stream.as_raw_fd(),
-                    frame[*written..].as_ptr().cast(),
-                    frame.len() - *written,
-                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-                )
-            };
-            match sent {
-                0 => return Err(io::ErrorKind::WriteZero.into()),
-                n if n > 0 => *written += n as usize,
-                _ => match io::Error::last_os_error() {
-                    e if e.kind() == io::ErrorKind::WouldBlock => {
-                        self.connection.wait_for(Interest::WRITABLE).await?;
-                    }
-                    e if e.kind() == io::ErrorKind::Interrupted => {}
-                    e => return Err(e),
-                },
+            if let Some(n) = self.connection.send_or_wait(&frame[*written..]).await? {
+                *written += n;
             }
         }
     }
@@ -459,6 +441,32 @@ impl Socket {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wait_for(Interest::READABLE).await.map(|()| None),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(None),
             Err(e) => Err(e),
+        }
+    }
+
+    /// Some of `bytes` sent, or `None` once the socket was not writable and
+    /// has become so (or the send was interrupted): send again. Without
+    /// SIGPIPE where the server has gone (a process embedding the client
+    /// may not ignore it).
+    async fn send_or_wait(&self, bytes: &[u8]) -> io::Result<Option<usize>> {
+        // SAFETY: `bytes` is valid for reads of its length, and the
+        // descriptor is the socket's, open as long as `self`.
+        let sent = unsafe {
+            libc::send(
+                self.stream.as_raw_fd(),
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        match sent {
+            0 => Err(io::ErrorKind::WriteZero.into()),
+            n if n > 0 => Ok(Some(n as usize)),
+            _ => match io::Error::last_os_error() {
+                e if e.kind() == io::ErrorKind::WouldBlock => self.wait_for(Interest::WRITABLE).await.map(|()| None),
+                e if e.kind() == io::ErrorKind::Interrupted => Ok(None),
+                e => Err(e),
+            },
         }
     }
 
