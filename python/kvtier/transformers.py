@@ -394,12 +394,14 @@ class KVTierCache(Cache):
         #: Tokens of the prompt found stored and attached (whole pages).
         self.attached_tokens = int(created.get("attached_pages", 0)) * page_size
         #: Calls made to kvtier by kind (append, put, fetch, select_kv), the
-        #: seconds the model waited for them, the seconds of it the server
-        #: spent in its store on the decode steps' selections and appends
-        #: (the rest is transport), and the tokens this cache prefilled
+        #: seconds the model waited for them, the seconds of the decode
+        #: steps' selections (with their appends) the server spent on them
+        #: and the part of that in its store (the rest of the wait is the
+        #: transport and the client), and the tokens this cache prefilled
         #: (not attached).
         self.calls: Dict[str, int] = {}
         self.kvtier_seconds = 0.0
+        self.server_seconds = 0.0
         self.store_seconds = 0.0
         self.prefilled_tokens = 0
         self._closed = False
@@ -501,6 +503,7 @@ class KVTierCache(Cache):
             append=step,
             append_position=stored,
         )
+        self.server_seconds += selection.server_us / 1e6
         self.store_seconds += selection.store_us / 1e6
         return selection
 

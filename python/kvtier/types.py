@@ -210,6 +210,13 @@ class SelectionKV:
         (``appended["timing"]["store_us"]``)."""
         return self._native.store_us
 
+    @property
+    def server_us(self) -> int:
+        """Microseconds the server spent on the call, its append included
+        (``timing["server_us"]``): the call's own time less this is what
+        the transport and the client cost."""
+        return self._native.server_us
+
     pages_scored = _total("pages_scored", "Pages whose digests were scored.")
     digest_bytes = _total("digest_bytes", "Digest bytes scanned.")
     swap = _total("swap", "Where the swap-in's pages came from and its time per source.")

@@ -46,4 +46,12 @@ impl SelectTotals {
             .map_or(0, |t| t.store_us);
         selection + append
     }
+
+    /// Microseconds the server spent on the call, its append included
+    /// (`timing.server_us`): less than the call's own time by what the
+    /// transport and the client cost.
+    #[getter]
+    fn server_us(&self) -> u64 {
+        self.info.timing.as_ref().map_or(0, |t| t.server_us)
+    }
 }

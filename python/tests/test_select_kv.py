@@ -6,6 +6,7 @@ and a selection that appends the step's own token in the same call."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -103,9 +104,15 @@ def test_a_selection_appends_the_steps_token_after_choosing(client, regions, pla
         q = rng.standard_normal((6, 16)).astype(np.float32)
         before = client.select_kv(seq, 1, q, 3, sink_pages=1, window_pages=1, shm=shm)
         new_k, new_v = rows(rng, (3, 1, 16), "f16"), rows(rng, (3, 1, 16), "f16")
+        asked = time.perf_counter()
         step = client.select_kv(
             seq, 1, q, 3, sink_pages=1, window_pages=1, shm=shm, append=(new_k, new_v), append_position=18
         )
+        waited_us = (time.perf_counter() - asked) * 1e6
+        # The server's time for the call holds its store's (the append's
+        # too) and lies within the call's.
+        assert step.store_us <= step.server_us <= waited_us
+        assert step.server_us == step.timing["server_us"]
         # Chosen among the 18 stored tokens: the new one is not in it.
         for a, b in zip(before.heads, step.heads):
             assert a.pages.tolist() == b.pages.tolist() and a.k.tobytes() == b.k.tobytes()

@@ -6,6 +6,7 @@ mod common;
 
 use common::{LaneData, TestServer, size_of, value};
 use kvtier_client::{Client, Part, Partitioned, SelectRequest, actions, pb};
+use std::time::Instant;
 
 const D: usize = 8;
 const PAGE: usize = 4;
@@ -195,12 +196,18 @@ async fn partial_pages_gone_pages_data_and_aggregations() {
         include_data: true,
         ..quest(0, 0..KV_HEADS, q.clone(), 3)
     };
+    let asked = Instant::now();
     let got = client.select_pages("p", &req).await.unwrap();
+    let round_trip = asked.elapsed().as_micros() as u64;
     assert_eq!(got.heads[0].selected_but_gone, 1);
     let t = got.timing;
     assert!(
         t.store_us >= t.rank_us + t.read_us + got.swap.host_us + got.swap.nvme_us,
         "the store's time covers its parts: {t:?}"
+    );
+    assert!(
+        t.store_us <= t.server_us && t.server_us <= round_trip,
+        "the server's time covers the store's and is within the call's ({round_trip} us): {t:?}"
     );
     assert_eq!(got.heads[0].pages[1].state(), pb::PageState::Gone);
     assert_eq!(got.heads[1].selected_but_gone, 0);

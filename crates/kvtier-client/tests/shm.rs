@@ -247,9 +247,18 @@ async fn check(client: &mut Client, region: &mut ShmRegion, seq: &str, c: Case) 
     assert_eq!(inline.heads, shm.heads);
     gathered_pages(region, &window, &inline.pages, &shm.pages);
     clear(region);
+    let asked = Instant::now();
     let local = client.select_pages_local(region, seq, &select).await.unwrap();
+    let round_trip = asked.elapsed().as_micros() as u64;
     assert_eq!(inline.heads, local.heads);
     gathered_pages(region, &window, &inline.pages, &local.pages);
+    // The server's whole time for the call: the store's within it, and
+    // itself within the client's.
+    let t = local.timing;
+    assert!(
+        t.store_us <= t.server_us && t.server_us <= round_trip,
+        "{t:?} in {round_trip} us"
+    );
     client.drop_sequence(seq).await.unwrap();
 }
 

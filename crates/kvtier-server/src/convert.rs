@@ -463,6 +463,8 @@ pub(crate) fn timing_to_pb(t: &kvtier_store::SelectTiming) -> pb::SelectTiming {
         rank_us: t.rank_us,
         read_us: t.read_us,
         store_us: t.store_us,
+        // The server's, stamped by its handler.
+        server_us: 0,
     }
 }
 

@@ -5,6 +5,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvtier_core::rank::Ranking;
 use kvtier_core::select::{Aggregation, Budget, Shard};
@@ -31,6 +32,7 @@ pub(super) async fn select_pages(
     svc: &KvTierService,
     request: Request<pb::SelectPagesRequest>,
 ) -> Result<Response<SelectStream>, Status> {
+    let start = Instant::now();
     let (caller, incarnation, r) = open_seq(request)?;
     let (_, _permit) = svc
         .located(&caller, &r.tenant, &r.sequence_id, incarnation, step_append::access(&r))
@@ -53,6 +55,7 @@ pub(super) async fn select_pages(
         let appended = sized(&svc.store, &key, append.bytes(), move |s| append.run(s, &k)).await;
         step_append::answer(&svc.store, &key.tenant, appended, &mut messages)?;
     }
+    stamp_server_time(&mut messages, start);
     Ok(Response::new(Holding::new(tokio_stream::iter(holding(messages, held)))))
 }
 
@@ -61,6 +64,7 @@ pub(super) fn select_pages_local(
     caller: &Caller,
     r: pb::SelectPagesRequest,
 ) -> Result<Vec<pb::SelectPagesResponse>, Status> {
+    let start = Instant::now();
     let access = step_append::access(&r);
     let call = svc.plan_select(caller, r)?;
     let _permit = svc.enter(&call.key, access)?;
@@ -83,7 +87,16 @@ pub(super) fn select_pages_local(
         let appended = a.run(&svc.store, &key).map_err(to_status);
         step_append::answer(&svc.store, &key.tenant, appended, &mut messages)?;
     }
+    stamp_server_time(&mut messages, start);
     Ok(messages)
+}
+
+/// Puts the server's time for a selection since `start` in its first
+/// message, which [`select_messages`] sized with room for any.
+fn stamp_server_time(messages: &mut [pb::SelectPagesResponse], start: Instant) {
+    if let Some(timing) = messages.first_mut().and_then(|m| m.timing.as_mut()) {
+        timing.server_us = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX);
+    }
 }
 
 /// After selection `r` answered over a region: the next layer's index and
@@ -394,7 +407,11 @@ pub(crate) fn select_messages<B>(
         lease_expires_in_ms: selection.lease.map_or(0, |(_, at)| {
             at.saturating_duration_since(std::time::Instant::now()).as_millis() as u64
         }),
-        timing: Some(convert::timing_to_pb(&selection.timing)),
+        // Sized with room for the server's time, stamped once the answer is made.
+        timing: Some(pb::SelectTiming {
+            server_us: u64::MAX,
+            ..convert::timing_to_pb(&selection.timing)
+        }),
         mode: convert::mode_to_pb(selection.mode) as i32,
         // Sized with room for the append's answer, which replaces it.
         appended: appends.then(step_append::largest_answer),
