@@ -82,22 +82,6 @@ impl InFlight {
             .map_err(|_| Status::unavailable("the server is shutting down"))
     }
 
-    /// Room for `bytes` of a response now, or a refusal: for a caller
-    /// that cannot wait (the shm socket's thread).
-    pub(crate) fn try_hold_response(&self, what: &str, bytes: usize) -> Result<Held, Status> {
-        self.check_response(what, bytes)?;
-        Arc::clone(&self.responses)
-            .try_acquire_many_owned(units(bytes))
-            .map(|permit| Held { permit })
-            .map_err(|_| {
-                Status::resource_exhausted(format!(
-                    "the responses in flight leave no room for {what} of {bytes} bytes (they may hold \
-                     {} bytes, half of max_inflight_bytes); retry",
-                    self.half
-                ))
-            })
-    }
-
     /// Refuses a response larger than responses may ever hold at once.
     fn check_response(&self, what: &str, bytes: usize) -> Result<(), Status> {
         if units(bytes) as usize > self.half.div_ceil(UNIT) {

@@ -40,9 +40,8 @@ pub(super) async fn select_pages(
     let call = svc.plan_select(&caller, r)?;
     // The data's room in flight, at most what the selection can choose,
     // is taken before the store reads any of it. Data over shm goes to
-    // the client's memory: nothing held in flight, unless it is laid out
-    // per head from a buffer of the server's first.
-    let held = match call.buffered() {
+    // the client's memory: nothing held in flight.
+    let held = match call.data_inline() {
         true => Some(svc.in_flight.hold("a selection's data", call.bound).await?),
         false => None,
     };
@@ -74,12 +73,6 @@ pub(super) fn select_pages_local(
             "is required with include_data over the shm socket, which carries no page bytes",
         ));
     }
-    // Its per-head layout's buffer, where it has one: this thread cannot
-    // wait for room.
-    let _held = match call.buffered() {
-        true => Some(svc.in_flight.try_hold_response("a selection's data", call.bound)?),
-        false => None,
-    };
     let (key, limit) = (call.key.clone(), call.limit);
     let (selection, data, append) = call.run(&svc.store).map_err(to_status)?;
     let mut messages = svc.selection_messages(&key.tenant, selection, data, limit, append.is_some())?;
@@ -235,13 +228,6 @@ impl SelectCall {
         self.request.include_data && self.window.is_none()
     }
 
-    /// Whether its page bytes are read into a buffer of the server's:
-    /// the messages', or one they are laid out per head from
-    /// (`gather_heads`).
-    fn buffered(&self) -> bool {
-        self.data_inline() || (self.window.is_some() && self.request.gather_heads)
-    }
-
     /// Bytes it scans and copies, for where it runs.
     fn work(&self) -> usize {
         // A swap-in copies pages to the device and may wait for its
@@ -359,7 +345,7 @@ pub(crate) fn index_scanned(
 /// A selection with its data read straight into `window`, or into a new
 /// buffer of `room` bytes when there is none; the pages' messages apart.
 /// With `gather_heads`, the window gets each KV head's K rows then its V
-/// rows, copied from such a buffer.
+/// rows, read there as such.
 pub(crate) fn select_into(
     store: &Arc<Store>,
     key: &SequenceKey,
@@ -370,9 +356,11 @@ pub(crate) fn select_into(
 ) -> StoreResult<(Selection<Range<usize>>, Vec<pb::Page>)> {
     Ok(match window {
         Some(w) if gather_heads => {
-            let (mut selection, bytes) = read_to_bytes(room, |buf| store.select_pages_into(key, req, buf))?;
-            let pages = w.gathered_pages(std::mem::take(&mut selection.data), &bytes);
-            (selection, pages)
+            let mut buf = w.per_head_buf();
+            let mut selection = store.select_pages_into(key, req, &mut buf)?;
+            let data = std::mem::take(&mut selection.data);
+            let halves = data.into_iter().map(|p| p.map(|r| buf.halves(&r))).collect();
+            (selection, w.gathered_pages(halves))
         }
         Some(w) => {
             let mut selection = store.select_pages_into(key, req, &mut w.buf())?;

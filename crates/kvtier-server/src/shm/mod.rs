@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use kvtier_core::{TenantId, wire};
 use kvtier_proto::v1 as pb;
-use kvtier_store::{FetchedPage, PageBuf, PageContent};
+use kvtier_store::{FetchedPage, PageBuf};
 use kvtier_sync::{Mutex, MutexGuard, Rank};
 use memmap2::{MmapOptions, MmapRaw};
 use tonic::Status;
@@ -243,6 +243,13 @@ impl Window {
         PageBuf::new(self.room())
     }
 
+    /// The window as room for a read of several KV heads' pages, each
+    /// head's K rows, in the pages' order, then its V rows
+    /// (`SelectPagesRequest.gather_heads`).
+    pub(crate) fn per_head_buf(&mut self) -> PageBuf<'_> {
+        PageBuf::per_head(self.room())
+    }
+
     /// The window's bytes, to write.
     fn room(&mut self) -> &mut [MaybeUninit<u8>] {
         let len = (self.range.end - self.range.start) as usize;
@@ -275,58 +282,22 @@ impl Window {
             .collect()
     }
 
-    /// Pages read into `bytes` (KV head after KV head), written into this
-    /// window as each head's K rows, in the pages' order, then its V rows
-    /// (`SelectPagesRequest.gather_heads`), as messages saying where each
-    /// page's halves are. `bytes` fits the window: both were sized for the
-    /// call's most bytes.
-    pub(crate) fn gathered_pages(&mut self, pages: Vec<FetchedPage<Range<usize>>>, bytes: &[u8]) -> Vec<pb::Page> {
+    /// Pages read into this window's [`Window::per_head_buf`], each with
+    /// where its K half and its V half lie in it, as messages saying where
+    /// they are in the region.
+    pub(crate) fn gathered_pages(&self, pages: Vec<FetchedPage<(Range<usize>, Range<usize>)>>) -> Vec<pb::Page> {
         let start = self.range.start;
-        let room = self.room();
-        assert!(bytes.len() <= room.len(), "the pages' bytes fit the window");
-        let half = |p: &FetchedPage<Range<usize>>| match &p.content {
-            PageContent::Original(r) | PageContent::Summary { kv: r, .. } => r.len() / 2,
-            PageContent::Gone(_) => 0,
-        };
-        let mut out = Vec::with_capacity(pages.len());
-        let (mut k_at, mut v_at, mut head) = (0, 0, None);
-        for (i, p) in pages.iter().enumerate() {
-            if head != Some(p.kv_head) {
-                // A new head: its K run here, its V run after all its K rows.
-                head = Some(p.kv_head);
-                k_at = v_at.max(k_at);
-                let k_rows: usize = pages[i..].iter().take_while(|q| q.kv_head == p.kv_head).map(half).sum();
-                v_at = k_at + k_rows;
-            }
-            let n = half(p);
-            if let PageContent::Original(r) | PageContent::Summary { kv: r, .. } = &p.content {
-                write(&mut room[k_at..k_at + n], &bytes[r.start..r.start + n]);
-                write(&mut room[v_at..v_at + n], &bytes[r.start + n..r.end]);
-            }
-            let (k, v) = (k_at, v_at);
-            (k_at, v_at) = (k_at + n, v_at + n);
-            out.push((k, v));
-        }
         pages
             .into_iter()
-            .zip(out)
-            .map(|(p, (k, v))| {
-                page_to_pb(p, |page, r| {
-                    page.shm_offset = start + k as u64;
-                    page.shm_v_offset = Some(start + v as u64);
-                    page.shm_bytes = r.len() as u64;
+            .map(|p| {
+                page_to_pb(p, |page, (k, v)| {
+                    page.shm_offset = start + k.start as u64;
+                    page.shm_v_offset = Some(start + v.start as u64);
+                    page.shm_bytes = (k.len() + v.len()) as u64;
                 })
             })
             .collect()
     }
-}
-
-/// Copies `src` into `dst`, of the same length.
-fn write(dst: &mut [MaybeUninit<u8>], src: &[u8]) {
-    assert_eq!(dst.len(), src.len());
-    // SAFETY: both are `src.len()` bytes long (asserted); `src` is this
-    // process's memory, which cannot overlap the mapping `dst` is in.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<u8>(), src.len()) };
 }
 
 impl Drop for Window {

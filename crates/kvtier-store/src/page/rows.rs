@@ -28,17 +28,14 @@ pub(crate) fn rows_of(page: &[u8], layout: &Layout, rows: u32) -> Vec<u8> {
     [&page[..n], &page[v..v + n]].concat()
 }
 
-/// Reads the first `rows` rows of K then of V into `dst`, which is exactly
-/// that long.
+/// Reads the first `rows` K rows into `dst.0` and V rows into `dst.1`,
+/// each exactly that long.
 pub(crate) fn read_rows_into(
     tier: &dyn Tier,
     slot: &Slot,
     layout: &Layout,
-    rows: u32,
-    dst: &mut [MaybeUninit<u8>],
+    (k, v): (&mut [MaybeUninit<u8>], &mut [MaybeUninit<u8>]),
 ) -> Result<(), TierError> {
-    let n = rows as usize * layout.row_bytes();
-    let (k, v) = dst.split_at_mut(n);
     tier.read_uninit(slot, 0, k)?;
     tier.read_uninit(slot, u64::from(layout.page_size()) * layout.row_bytes() as u64, v)
 }

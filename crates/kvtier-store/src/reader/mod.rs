@@ -120,7 +120,7 @@ impl Reader<'_> {
                     if state == PageState::Hot {
                         hot.push(Arc::clone(&r.page));
                     }
-                    match self.source(&r.page, layout, rows, buf.at(&range))? {
+                    match self.source(&r.page, layout, buf.at(&range))? {
                         Some(Source::Read) => (state, PageContent::Original(range)),
                         Some(Source::ReadFromHost) => {
                             from_host.push(&r.page);
@@ -138,7 +138,11 @@ impl Reader<'_> {
                 }
                 LogicalPage::Summary(s) => {
                     let range = buf.take(room_for(layout, lane, p))?;
-                    self.host.tier().read_uninit(&s.slot, 0, buf.at(&range))?;
+                    // Laid out like an original's rows: K rows, then as many V rows.
+                    let (k, v) = buf.at(&range);
+                    let tier = self.host.tier();
+                    tier.read_uninit(&s.slot, 0, k)?;
+                    tier.read_uninit(&s.slot, (range.len() / 2) as u64, v)?;
                     (
                         PageState::Summary,
                         PageContent::Summary {
@@ -244,28 +248,27 @@ impl Reader<'_> {
         }
     }
 
-    /// Reads a page's first `rows` K then V rows into `dst` when a host or
-    /// device copy has them; otherwise says where they are (NVMe), or
-    /// `None` when lost.
+    /// Reads a page's first K rows into `dst.0` and as many V rows into
+    /// `dst.1` (each as long as those rows) when a host or device copy has them; otherwise says where
+    /// they are (NVMe), or `None` when lost.
     fn source(
         &self,
         page: &Arc<PhysPage>,
         layout: &Layout,
-        rows: u32,
-        dst: &mut [MaybeUninit<u8>],
+        dst: (&mut [MaybeUninit<u8>], &mut [MaybeUninit<u8>]),
     ) -> StoreResult<Option<Source>> {
         let place = page.place.read();
         if place.lost().is_some() {
             return Ok(None);
         }
         if let Some(host) = place.host() {
-            read_rows_into(&**self.host.tier(), host, layout, rows, dst)?;
+            read_rows_into(&**self.host.tier(), host, layout, dst)?;
             // The LRU after the page lock is released: never an LRU lock
             // under a page lock (migration takes them the other way).
             return Ok(Some(Source::ReadFromHost));
         }
         if let Some(device) = place.device() {
-            read_rows_into(self.device, device, layout, rows, dst)?;
+            read_rows_into(self.device, device, layout, dst)?;
             return Ok(Some(Source::Read));
         }
         match place.nvme() {
@@ -283,7 +286,7 @@ impl Reader<'_> {
         let len = 2 * rows as usize * layout.row_bytes();
         let mut bytes = Vec::with_capacity(len);
         Ok(
-            match self.source(page, layout, rows, &mut bytes.spare_capacity_mut()[..len])? {
+            match self.source(page, layout, bytes.spare_capacity_mut()[..len].split_at_mut(len / 2))? {
                 Some(read @ (Source::Read | Source::ReadFromHost)) => {
                     if self.touch && matches!(read, Source::ReadFromHost) {
                         self.host.touch([page]);

@@ -193,8 +193,9 @@ impl Store {
 type ReadPage = (PageState, PageContent<Range<usize>>);
 
 impl Store {
-    /// Reads runs of pages, each of one lane, into `buf` one after another;
-    /// every page's state and content, in order. When there are
+    /// Reads runs of pages, each of one lane, into `buf` one after another
+    /// (each run per head, where `buf` lays them out so); every page's
+    /// state and content, in order. When there are
     /// enough bytes the runs are shared out over the cores, each share into
     /// its own stretch of `buf` (in memory a read is a copy bound by memory
     /// bandwidth, which one core does not saturate); each share is one
@@ -210,6 +211,7 @@ impl Store {
             .iter()
             .map(|(lane, pages)| pages.iter().map(|&p| room_for(layout, lane, p)).sum())
             .collect();
+        buf.declare_runs(&room)?;
         let threads = parallel::threads_for(runs.len(), room.iter().sum(), parallel::cores());
         let share = runs.len().div_ceil(threads).max(1);
         let shares: Vec<&[(&StoreLane, &[usize])]> = runs.chunks(share).collect();
