@@ -159,6 +159,59 @@ def step_costs(client, model, tokenizer, regions: Dict[str, object], prompt_toke
     return rows
 
 
+def back_to_back(client, config, region, prompt_tokens: int, steps: int) -> List[dict]:
+    """The decode steps' calls at 1/8 over the polling region, of the
+    model's shape but with no model between them (random K/V and queries):
+    what a call costs when the caches its client and server use stay warm,
+    against the same calls between the model's layers (``step_costs``),
+    whose compute streams the weights through the caches."""
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = config.hidden_size // config.num_attention_heads
+    layout = kvtier.Layout(layers, kv_heads, config.num_attention_heads, head_dim, "f32", 16)
+    rng = np.random.default_rng(0)
+    budget = math.ceil(-(-prompt_tokens // 16) / 8)
+    rows = []
+    for mode in ("default", "quest"):
+        seq = f"back-to-back-{mode}"
+        client.create(seq, layout)
+        for layer in range(layers):
+            k, v = (rng.standard_normal((kv_heads, prompt_tokens, head_dim), dtype=np.float32) for _ in "kv")
+            client.put(seq, layer, k, v)
+        options = {} if mode == "default" else {"mode": mode}
+        call = client.select_kv_call(
+            seq, sink_pages=1, window_pages=1, softmax_scale=head_dim**-0.5, shm=region, views=True, **options
+        )
+        queries = rng.standard_normal((config.num_attention_heads, head_dim)).astype(np.float32)
+        step_kv = [(rng.standard_normal((kv_heads, 1, head_dim), dtype=np.float32),) * 2 for _ in range(layers)]
+        kvtier_s, server_s, store_s = [], [], []
+        for position in range(prompt_tokens, prompt_tokens + steps):
+            total = server = store = 0.0
+            for layer in range(layers):
+                start = time.perf_counter()
+                got = call(layer, queries, budget, append=step_kv[layer], append_position=position)
+                total += time.perf_counter() - start
+                server += got.server_us / 1e6
+                store += got.store_us / 1e6
+            kvtier_s.append(total)
+            server_s.append(server)
+            store_s.append(store)
+        client.drop(seq)
+        rows.append(
+            {
+                "budget": "1/8",
+                "plane": "shm polling, no model",
+                "mode": mode,
+                "step_ms_p50": None,
+                "kvtier_ms_p50": float(np.median(kvtier_s) * 1e3),
+                "kvtier_ms_p99": float(np.percentile(kvtier_s, 99) * 1e3),
+                "calls_per_step": float(layers),
+                "server_ms_p50": float(np.median(server_s) * 1e3),
+                "store_ms_p50": float(np.median(store_s) * 1e3),
+            }
+        )
+    return rows
+
+
 def passkey(client, model, tokenizer, region, context: int, depths: List[float]) -> List[dict]:
     rows = []
     filler = tokenizer(FILLER * (context // 20 + 10)).input_ids
@@ -249,6 +302,7 @@ def main() -> None:
             regions = {"shm": region, "shm polling": polling}
             floor = floor_us(client, regions)
             steps = step_costs(client, model, tokenizer, regions, a.step_prompt, a.steps)
+            steps += back_to_back(client, model.config, polling, a.step_prompt, a.steps)
             keys = passkey(client, model, tokenizer, region, a.context, [float(d) for d in a.depths.split(",")])
             ppl = perplexity(client, model, tokenizer, region, a.ppl_prompt, a.ppl_tokens)
         finally:
@@ -285,7 +339,10 @@ def report(r: dict, a) -> str:
         "lower of the two shm floors; the target",
         f"is 2. *shm polling*: the region's calls poll for their replies up to {POLL_SPIN_S * 1e3:g} ms (`region.spin`) and",
         f"ask the server's thread to poll for the next call up to {POLL_SERVER_S * 1e3:g} ms (`region.server_poll`), where",
-        "*shm* keeps the defaults (0.1 ms; the server's `--shm-poll-us`, 50 µs).",
+        "*shm* keeps the defaults (0.1 ms; the server's `--shm-poll-us`, 50 µs). *no model*: the same calls back to",
+        "back, of the model's shape with random K/V and queries and no model between them (`back_to_back`): what they",
+        "cost while the caches kvtier's client and server use stay warm; between the model's layers its weights,",
+        "streamed through the caches, evict them.",
         "",
         "| budget | mode | plane | step ms p50 | kvtier ms p50 | kvtier ms p99 | server ms p50 | store ms p50"
         " | calls/step | kvtier µs per layer | ÷ floor |",
@@ -295,8 +352,9 @@ def report(r: dict, a) -> str:
     floor = min(r["floor_us"]["shm"], r["floor_us"]["shm polling"])
     for s in r["steps"]:
         per_layer = s["kvtier_ms_p50"] * 1e3 / layers
+        step = "-" if s["step_ms_p50"] is None else f"{s['step_ms_p50']:.1f}"
         lines.append(
-            f"| {s['budget']} | {s['mode']} | {s['plane']} | {s['step_ms_p50']:.1f} | {s['kvtier_ms_p50']:.1f} | {s['kvtier_ms_p99']:.1f}"
+            f"| {s['budget']} | {s['mode']} | {s['plane']} | {step} | {s['kvtier_ms_p50']:.1f} | {s['kvtier_ms_p99']:.1f}"
             f" | {s['server_ms_p50']:.1f} | {s['store_ms_p50']:.1f} | {s['calls_per_step']:.0f} | {per_layer:.0f}"
             f" | {per_layer / floor:.1f} |"
         )
