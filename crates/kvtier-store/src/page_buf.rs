@@ -70,7 +70,7 @@ impl<'a> PageBuf<'a> {
         };
         let mut at = runs.last().map_or(self.origin + self.used, |r| r.end);
         for &len in lens {
-            if len % 2 != 0 {
+            if !len.is_multiple_of(2) {
                 return Err(StoreError::Internal(format!(
                     "a run of {len} bytes has no two equal halves"
                 )));
@@ -114,11 +114,22 @@ impl<'a> PageBuf<'a> {
         Ok(parts)
     }
 
-    /// Takes and zeroes whatever is left, so that all of it counts as filled.
-    pub(crate) fn zero_rest(&mut self) {
+    /// Takes and zeroes whatever is left, so that all of it counts as
+    /// filled. Per head, every run must have been taken whole: a run taken
+    /// in part has bytes inside it that no page wrote.
+    pub(crate) fn zero_rest(&mut self) -> StoreResult<()> {
+        let at = self.origin + self.used;
+        if let Some(runs) = &self.runs
+            && runs.iter().any(|r| r.start < at && at < r.end)
+        {
+            return Err(StoreError::Internal(format!(
+                "a per-head read stopped at {at}, inside one of its runs"
+            )));
+        }
         let rest = self.used..self.room.len();
         self.room[rest].fill(MaybeUninit::new(0));
         self.used = self.room.len();
+        Ok(())
     }
 
     /// Bytes taken so far, from the start.
@@ -141,6 +152,11 @@ impl<'a> PageBuf<'a> {
         if let Some(runs) = &self.runs
             && len > 0
         {
+            if !len.is_multiple_of(2) {
+                return Err(StoreError::Internal(format!(
+                    "a page of {len} bytes has no two equal halves to lay out per head"
+                )));
+            }
             let free = runs
                 .iter()
                 .find(|r| r.start <= start && start < r.end)
@@ -307,7 +323,7 @@ mod tests {
                 part.fill(&range, &page_bytes(id, half));
                 ranges.push(range);
             }
-            part.zero_rest();
+            part.zero_rest().unwrap();
         }
         ranges
     }
@@ -362,6 +378,8 @@ mod tests {
         buf.take(4).unwrap();
         let refused = buf.take(8).unwrap_err().to_string();
         assert!(refused.contains("grew while the call ran"), "{refused}");
+        assert!(buf.take(3).is_err(), "a page with no equal halves");
+        assert!(buf.zero_rest().is_err(), "a run taken in part");
         assert!(buf.declare_runs(&[3]).is_err(), "a run with no equal halves");
         assert!(buf.declare_runs(&[64]).is_err(), "a run past the room");
     }

@@ -225,7 +225,7 @@ impl Store {
                 .collect();
             let mut hot = Vec::new();
             let contents = reader.contents(layout, &items, &mut hot, part)?;
-            part.zero_rest();
+            part.zero_rest()?;
             Ok::<_, StoreError>((contents, hot))
         });
         let mut hot = Vec::new();
