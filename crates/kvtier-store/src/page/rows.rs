@@ -28,8 +28,8 @@ pub(crate) fn rows_of(page: &[u8], layout: &Layout, rows: u32) -> Vec<u8> {
     [&page[..n], &page[v..v + n]].concat()
 }
 
-/// Reads the first `rows` K rows into `dst.0` and V rows into `dst.1`,
-/// each exactly that long.
+/// Reads a page's first K rows into `dst.0` and as many V rows into
+/// `dst.1`: as many rows as each is long.
 pub(crate) fn read_rows_into(
     tier: &dyn Tier,
     slot: &Slot,

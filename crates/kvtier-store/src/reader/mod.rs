@@ -249,8 +249,8 @@ impl Reader<'_> {
     }
 
     /// Reads a page's first K rows into `dst.0` and as many V rows into
-    /// `dst.1` (each as long as those rows) when a host or device copy has them; otherwise says where
-    /// they are (NVMe), or `None` when lost.
+    /// `dst.1` ([`read_rows_into`]) when a host or device copy has them;
+    /// otherwise says where they are (NVMe), or `None` when lost.
     fn source(
         &self,
         page: &Arc<PhysPage>,
