@@ -30,6 +30,11 @@ cases = st.fixed_dictionaries(
         "aggregation": st.sampled_from(["max", "mean", "per_query_head"]),
         "mode": st.sampled_from(["quest", "two_stage"]),
         "plane": st.sampled_from(["grpc", "shm", "foreign", "views"]),
+        # Pages made gone or a summary before selecting, as (kv_head, page,
+        # action): a head's pages with data need not be one run any more.
+        "moved": st.lists(
+            st.tuples(st.integers(0, 2), st.integers(0, 40), st.sampled_from(["evict", "summarize"])), max_size=4
+        ),
         "seed": st.integers(0, 2**32 - 1),
     }
 )
@@ -63,6 +68,11 @@ def test_select_kv_gathers_what_select_chooses(client, regions, case):
     client.create(seq, layout)
     try:
         client.put(seq, 0, rows(rng, (h, case["tokens"], d), case["dtype"]), rows(rng, (h, case["tokens"], d), case["dtype"]))
+        pages = -(-case["tokens"] // case["page_size"])
+        # One move per page: a gone page cannot be moved again.
+        for (kv_head, page), action in dict(((m[0], m[1]), m[2]) for m in reversed(case["moved"])).items():
+            if kv_head < h and page < pages:
+                client.set_page_state(seq, action, kv_heads=kv_head, pages=[page], rows=1 if action == "summarize" else None)
         q = rng.standard_normal((h * g, d)).astype(np.float32)
         shm = {"grpc": None, "shm": regions[0], "foreign": regions[1], "views": regions[0]}[case["plane"]]
         views = case["plane"] == "views"
@@ -74,7 +84,8 @@ def test_select_kv_gathers_what_select_chooses(client, regions, case):
         assert len(got.heads) == len(sel.heads)
         for head in sel.heads:
             mine = got.head(head.kv_head, head.query_head)
-            pages = [p.page for p in head.pages]
+            # Gone pages come without data, and are in no head's rows.
+            pages = [p.page for p in head.pages if (head.kv_head, p.page) in data]
             assert mine.pages.tolist() == pages
             assert mine.k.tobytes() == b"".join(data[(head.kv_head, p)].k.tobytes() for p in pages)
             assert mine.v.tobytes() == b"".join(data[(head.kv_head, p)].v.tobytes() for p in pages)
@@ -82,7 +93,7 @@ def test_select_kv_gathers_what_select_chooses(client, regions, case):
             # The answer's own arrays, not views of a region a later call
             # reuses; with views, read-only views of it, where the head's
             # rows lie in one run (per query head, its pages need not).
-            if views and case["aggregation"] != "per_query_head" and pages:
+            if views and case["aggregation"] != "per_query_head" and pages and not case["moved"]:
                 assert np.shares_memory(mine.k, shm.buffer) and np.shares_memory(mine.v, shm.buffer)
                 assert not mine.k.flags.writeable
             elif shm is not None and not views:
