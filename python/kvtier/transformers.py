@@ -21,6 +21,7 @@ each layer attends over the pages kvtier selects for it, per KV head.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import math
 import sys
@@ -37,7 +38,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from . import _arrays, errors
 from .client import MAX_MESSAGE_BYTES, Client, SelectKvCall
-from .types import Layout, ShmRegion, ShmWindow, gather
+from .types import Layout, SelectionKV, ShmRegion, ShmWindow, gather
 
 __all__ = ["KVTierCache", "install_attention", "prompt_hashes"]
 
@@ -66,32 +67,35 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 def _attention_over(
     query: torch.Tensor,
     chosen: List[Tuple[np.ndarray, np.ndarray]],
-    step_k: np.ndarray,
-    step_v: np.ndarray,
+    own_k: np.ndarray,
+    own_v: np.ndarray,
     scaling: float,
 ) -> torch.Tensor:
     """A decode step's attention, ``[1, query heads, 1, head_dim]``: each
     query head of ``query`` over its KV head's ``chosen`` rows (``(k, v)``,
-    ``[rows, head_dim]``) and the step's own (``step_k``, ``step_v``:
-    ``[kv heads, 1, head_dim]``, in the rows' storage dtype)."""
+    ``[rows, head_dim]``) and then the rows kvtier did not give (``own_k``,
+    ``own_v``: ``[kv heads, n, head_dim]``, in the rows' storage dtype: the
+    step's own token, after the last step's where that was appended after
+    choosing)."""
     rows = [len(k) for k, _ in chosen]
-    width = max(rows) + 1
+    own = own_k.shape[1]
+    width = max(rows) + own
     dtype = chosen[0][0].dtype
     # One copy: every head's rows (views of the region, or the answer's
-    # own) and, last, the step's own, into arrays of their own, for one
+    # own) and, last, the own rows, into arrays of their own, for one
     # attention call over all heads. A head with fewer rows (pages gone)
     # leaves a gap that the mask hides.
-    k = np.empty((len(chosen), width, step_k.shape[-1]), dtype)
+    k = np.empty((len(chosen), width, own_k.shape[-1]), dtype)
     v = np.empty_like(k)
     for i, (head_k, head_v) in enumerate(chosen):
         k[i, : rows[i]], v[i, : rows[i]] = head_k, head_v
-    k[:, -1], v[:, -1] = step_k[:, -1].view(dtype), step_v[:, -1].view(dtype)
+    k[:, width - own :], v[:, width - own :] = own_k.view(dtype), own_v.view(dtype)
     mask = None
-    if min(rows) < width - 1:
+    if min(rows) < width - own:
         allowed = np.ones((len(chosen), width), dtype=bool)
         for i, n in enumerate(rows):
             # Zeros, not whatever was there: a masked NaN still poisons the sum.
-            allowed[i, n:-1], k[i, n:-1], v[i, n:-1] = False, 0, 0
+            allowed[i, n : width - own], k[i, n : width - own], v[i, n : width - own] = False, 0, 0
         groups = query.shape[1] // len(chosen)
         mask = torch.from_numpy(np.repeat(allowed, groups, axis=0))[None, :, None].to(query.device)
     k_t = _tensor(k, query.dtype).to(query.device)[None]
@@ -182,6 +186,28 @@ _REFUSALS = (
 )
 
 
+def _split(shm: Union[ShmRegion, ShmWindow], n: int) -> List[ShmWindow]:
+    """``n`` disjoint windows of equal size of a region or of a window."""
+    if isinstance(shm, ShmRegion):
+        return shm.split(n)
+    part = shm.length // n
+    return [ShmWindow(shm.region, shm.offset + i * part, part) for i in range(n)]
+
+
+class _Ahead:
+    """A layer's selection for its next decode step, made in the
+    background (``KVTierCache(speculative=True)``): the call, at what
+    position it chose, and the K/V it appends after choosing (``None``:
+    none; the step's own call did)."""
+
+    __slots__ = ("future", "position", "kept")
+
+    def __init__(self, future: "concurrent.futures.Future[SelectionKV]", position: int, kept: Optional[Tuple[np.ndarray, np.ndarray]]):
+        self.future = future
+        self.position = position
+        self.kept = kept
+
+
 class KVTierLayer(CacheLayerMixin):
     """One layer's K/V, kept in kvtier (the cache's sequence, this layer)."""
 
@@ -200,6 +226,8 @@ class KVTierLayer(CacheLayerMixin):
         #: step's call failed without a refusal (its append may have been
         #: made).
         self.unknown: Optional[str] = None
+        #: With ``speculative``: the next step's selection, in flight.
+        self.ahead: Optional[_Ahead] = None
         # Never holds K/V itself: initialized from the start.
         self.dtype, self.device = dtype, device
         self.is_initialized = True
@@ -228,6 +256,7 @@ class KVTierLayer(CacheLayerMixin):
             key_states._kvtier_layer = self
             self.tokens += 1
             return key_states, value_states
+        cache._drain(self)
         cache._write(self, key_states[0], value_states[0])
         if before == 0:
             return key_states, value_states
@@ -257,7 +286,10 @@ class KVTierLayer(CacheLayerMixin):
         """A decode step's attention over the pages kvtier selects for
         ``query`` (``[1, query heads, 1, head_dim]``), per KV head, and the
         step's own token (``key``, ``value``: ``[1, kv heads, 1, head_dim]``),
-        which the same call appends once it has selected."""
+        which the same call appends once it has selected. With the cache's
+        ``speculative``, over the pages the last step's query selected (and
+        the last step's token): this step's selection is made in the
+        background for the next step."""
         if attention_mask is not None:
             allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
             if not bool(allowed[..., : self.tokens].all()):
@@ -268,8 +300,35 @@ class KVTierLayer(CacheLayerMixin):
         # In the layout's dtype: what is appended, and what the views'
         # rows are joined with.
         step_k, step_v = _arrays.kv_arrays(_numpy(key[0]), _numpy(value[0]), cache.layout.dtype, cache.layout.head_dim)
+        queries = query[0, :, 0, :]
+        ahead = self.ahead
+        if ahead is None:
+            selection = self._select_now(stored, queries, (step_k, step_v), scaling)
+            own = (step_k, step_v)
+        else:
+            # Chosen last step, with its query; its token was appended
+            # after choosing, so it joins this step's own.
+            self.ahead = None
+            selection = cache._wait(self, ahead)
+            own = (step_k, step_v)
+            if ahead.kept is not None:
+                own = (np.concatenate([ahead.kept[0], step_k], 1), np.concatenate([ahead.kept[1], step_v], 1))
+        heads = [selection.head(h) for h in range(cache.layout.num_kv_heads)]
+        out = _attention_over(query, [(h.k, h.v) for h in heads], *own, scaling)
+        if cache.speculative:
+            # The next step's selection, with this step's query, made while
+            # the model computes; it appends this step's token unless the
+            # call above did.
+            self.ahead = cache._select_ahead(self, queries, None if ahead is None else (step_k, step_v), stored, scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    def _select_now(
+        self, stored: int, queries: torch.Tensor, step: Tuple[np.ndarray, np.ndarray], scaling: float
+    ) -> SelectionKV:
+        """This step's selection, with its query, appending its token."""
+        cache = self.cache
         try:
-            selection = cache._select(self, stored, query[0, :, 0, :], (step_k, step_v), scaling)
+            return cache._select(self, stored, queries, step, scaling)
         except _REFUSALS:
             # Refused as a whole: neither selected nor appended.
             self.tokens = stored
@@ -280,9 +339,6 @@ class KVTierLayer(CacheLayerMixin):
                 " been appended; this cache cannot go on (its length in kvtier is unknown)"
             )
             raise
-        heads = [selection.head(h) for h in range(cache.layout.num_kv_heads)]
-        out = _attention_over(query, [(h.k, h.v) for h in heads], step_k, step_v, scaling)
-        return out.transpose(1, 2).contiguous(), None
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> Tuple[int, int]:
         return self.tokens + cache_position.shape[0], 0
@@ -332,6 +388,15 @@ class KVTierCache(Cache):
     sliding-window layers, per-query-head aggregation, rewriting stored
     positions and padding under a budget are refused. A model on a GPU gets
     its K/V through host memory (untested: no GPU here).
+
+    ``speculative`` (with a budget): each layer's selection for the next
+    decode step is made in the background, on a thread of the cache's,
+    with this step's query, while the model computes (FreeKV's speculative
+    retrieval, without its correction): a step attends over the pages the
+    last step's query chose, the last step's token and its own, and waits
+    only for a call that is usually done. Selections lag one step's query;
+    bench/results/transformers.md has what that costs on tasks. With
+    ``shm``, the region (or window) is split into one window per layer.
     """
 
     def __init__(
@@ -353,6 +418,7 @@ class KVTierCache(Cache):
         reuse_similarity: float = 0.0,
         shm: Optional[Union[ShmRegion, ShmWindow]] = None,
         model_key: Optional[str] = None,
+        speculative: bool = False,
     ):
         config = model.config.get_text_config(decoder=True)
         if getattr(config, "sliding_window", None) or any(
@@ -365,6 +431,8 @@ class KVTierCache(Cache):
             (isinstance(budget, int) and budget >= 1) or (isinstance(budget, float) and 0 < budget < 1)
         ):
             raise ValueError(f"budget: {budget!r}; None, pages (an int >= 1) or a fraction in (0, 1)")
+        if speculative and budget is None:
+            raise ValueError("speculative: selects ahead under a budget; give a budget")
         if aggregation == "per_query_head":
             raise ValueError("aggregation: per_query_head selects per query head; a KV head's K/V serve its whole group")
         install_attention(model)
@@ -386,14 +454,22 @@ class KVTierCache(Cache):
             "reuse_similarity": reuse_similarity,
         }
         self.shm = shm
-        self._select_calls: Dict[float, SelectKvCall] = {}
+        #: Whether each layer's selection for the next decode step is made
+        #: in the background with this step's query.
+        self.speculative = speculative
+        # With `speculative`: a window per layer, each read by its next
+        # step while the other layers' calls write theirs.
+        self._windows = _split(shm, config.num_hidden_layers) if speculative and shm is not None else None
+        self._select_calls: Dict[Tuple[float, Optional[int]], SelectKvCall] = {}
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.sequence_id = sequence_id or f"hf-{uuid.uuid4().hex}"
         key = model_key or _model_key(model, self.layout)
         hashes = prompt_hashes(prompt_ids, page_size, key) if prompt_ids is not None else []
         created = client.create(self.sequence_id, self.layout, hashes)
         #: Tokens of the prompt found stored and attached (whole pages).
         self.attached_tokens = int(created.get("attached_pages", 0)) * page_size
-        #: Calls made to kvtier by kind (append, put, fetch, select_kv), the
+        #: Calls made to kvtier by kind (append, put, fetch, select_kv; with
+        #: ``speculative``, those made ahead counted when made), the
         #: seconds the model waited for them, the seconds of the decode
         #: steps' selections (with their appends) the server spent on them
         #: and the part of that in its store (the rest of the wait is the
@@ -488,7 +564,7 @@ class KVTierCache(Cache):
         queries: torch.Tensor,
         step: Tuple[np.ndarray, np.ndarray],
         scaling: float,
-    ):
+    ) -> SelectionKV:
         """The pages ``queries`` select among the layer's ``stored``
         tokens, with the step's own K/V (``step``, in the layout's dtype)
         appended by the same call, after them: one round trip per layer
@@ -496,31 +572,91 @@ class KVTierCache(Cache):
         q = queries.detach().to("cpu", torch.float32).numpy()
         selection = self._call(
             "select_kv",
-            self._select_call(float(scaling)),
+            self._select_call(float(scaling), layer.index),
             layer.index,
             q,
             self.budget_pages(stored),
             append=step,
             append_position=stored,
         )
-        self.server_seconds += selection.server_us / 1e6
-        self.store_seconds += selection.store_us / 1e6
+        self._count_server(selection)
         return selection
 
-    def _select_call(self, scaling: float) -> SelectKvCall:
+    def _count_server(self, selection: SelectionKV) -> None:
+        self.server_seconds += selection.server_us / 1e6
+        self.store_seconds += selection.store_us / 1e6
+
+    def _select_ahead(
+        self,
+        layer: KVTierLayer,
+        queries: torch.Tensor,
+        step: Optional[Tuple[np.ndarray, np.ndarray]],
+        stored: int,
+        scaling: float,
+    ) -> _Ahead:
+        """Starts, on the cache's thread, the layer's selection for its next
+        step with this step's ``queries`` (position ``stored``), appending
+        ``step`` (this step's K/V) after choosing, or, without ``step``,
+        among the tokens through this step's (appended already). Its
+        arguments are copies: the model reuses its tensors' memory."""
+        start = time.perf_counter()
+        q = queries.detach().to("cpu", torch.float32).numpy().copy()
+        chosen_among = stored if step is not None else stored + 1
+        options: Dict[str, Any] = {}
+        if step is not None:
+            step = (step[0].copy(), step[1].copy())
+            options = {"append": step, "append_position": stored}
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-ahead")
+        call = self._select_call(float(scaling), layer.index)
+        future = self._pool.submit(call, layer.index, q, self.budget_pages(chosen_among), **options)
+        self.kvtier_seconds += time.perf_counter() - start
+        self.calls["select_kv"] = self.calls.get("select_kv", 0) + 1
+        return _Ahead(future, stored, step)
+
+    def _wait(self, layer: KVTierLayer, ahead: _Ahead) -> SelectionKV:
+        """The selection ``ahead`` made; where it failed, the layer's length
+        in kvtier is unknown (its append may have been made) and the cache
+        cannot go on."""
+        start = time.perf_counter()
+        try:
+            selection = ahead.future.result()
+        except BaseException as e:
+            layer.unknown = (
+                f"the selection made ahead at position {ahead.position} failed ({type(e).__name__}: {e}); its"
+                " token may have been appended; this cache cannot go on (its length in kvtier is unknown)"
+            )
+            raise
+        finally:
+            self.kvtier_seconds += time.perf_counter() - start
+        self._count_server(selection)
+        return selection
+
+    def _drain(self, layer: KVTierLayer) -> None:
+        """Waits for the layer's selection made ahead, if any: its append
+        must be in kvtier before anything else reads or writes the layer."""
+        ahead, layer.ahead = layer.ahead, None
+        if ahead is not None:
+            self._wait(layer, ahead)
+
+    def _select_call(self, scaling: float, layer: int) -> SelectKvCall:
         """The decode steps' selection at the attention's ``scaling``
-        (one model's layers share it), made once."""
-        call = self._select_calls.get(scaling)
+        (one model's layers share it), made once; with ``speculative``,
+        one per layer, each into its own window."""
+        key = (scaling, layer if self._windows is not None else None)
+        call = self._select_calls.get(key)
         if call is None:
-            call = self._select_calls[scaling] = self.client.select_kv_call(
+            shm = self.shm if self._windows is None else self._windows[layer]
+            call = self._select_calls[key] = self.client.select_kv_call(
                 self.sequence_id,
                 sink_pages=self.sink_pages,
                 window_pages=self.window_pages,
                 softmax_scale=scaling,
-                shm=self.shm,
+                shm=shm,
                 # Over a region of the client's: each head's pages as views
-                # of it, which the step's attention copies before the next call.
-                views=self.client._via(self.shm) is not None,
+                # of it, which the step's attention copies before the next
+                # call into the same window.
+                views=self.client._via(shm) is not None,
                 **self.select_options,
             )
         return call
@@ -534,8 +670,16 @@ class KVTierCache(Cache):
         self._closed = True
         try:
             for layer in self.layers:
+                # Its last step's append, made ahead, lands first (a failure
+                # marks the layer, which check_stored raises).
+                try:
+                    self._drain(layer)
+                except Exception:
+                    pass
                 layer.check_stored()
         finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
             self.client.drop(self.sequence_id)
 
     def __enter__(self) -> "KVTierCache":

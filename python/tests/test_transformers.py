@@ -301,6 +301,74 @@ def test_a_refused_step_leaves_each_layer_as_kvtier_has_it(model_and_tokenizer, 
         assert [layer.tokens for layer in cache.layers[4:7]] == [stored + 1, stored, stored]
 
 
+@pytest.mark.parametrize("plane", ["grpc", "shm"])
+def test_speculative_selection_covering_every_page_decodes_as_the_steps_own(model_and_tokenizer, client, plane):
+    """Ahead, a step attends over the pages the last step's query chose and
+    the last step's token, appended after choosing: with every page
+    chosen, the same rows in the same order as a step's own selection."""
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT * 2)
+    layers = model.config.num_hidden_layers
+    region = client.register_shm(8 << 20) if plane == "shm" else None
+    try:
+        with KVTierCache(client, 64, model=model, shm=region) as cache:
+            reference = generate(model, ids, cache, new_tokens=6)
+        with KVTierCache(client, 64, model=model, shm=region, speculative=True) as cache:
+            ours = generate(model, ids, cache, new_tokens=6)
+            # The first decode step selects for itself and ahead; the four
+            # after it only ahead.
+            assert cache.calls["select_kv"] == 6 * layers
+            for layer in cache.layers:
+                cache._drain(layer)
+            # Every step's token reached kvtier, the last one's from ahead.
+            assert int(client.info(cache.sequence_id)["tokens"]) == ids.shape[1] + 5
+        assert_identical(ours, reference)
+    finally:
+        if region is not None:
+            region.close()
+
+
+def test_a_small_speculative_budget_decodes_and_stores_every_token(model_and_tokenizer, client):
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT * 3)
+    with KVTierCache(client, 3, model=model, speculative=True) as cache:
+        ours = generate(model, ids, cache, new_tokens=8)
+        for layer in cache.layers:
+            cache._drain(layer)
+        assert int(client.info(cache.sequence_id)["tokens"]) == ids.shape[1] + 7
+        # A forward of several tokens after the steps (their appends made
+        # ahead first) writes after every one of them.
+        with torch.no_grad():
+            model(ours.sequences[:, -2:], past_key_values=cache, use_cache=True)
+        assert int(client.info(cache.sequence_id)["tokens"]) == ids.shape[1] + 9
+    with pytest.raises(ValueError, match="speculative"):
+        KVTierCache(client, model=model, speculative=True)
+
+
+def test_a_failed_selection_made_ahead_stops_the_cache(model_and_tokenizer, client):
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT)
+    cache = KVTierCache(client, 4, model=model, speculative=True)
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        # The sequence goes before layer 0's selection ahead is made: the
+        # next step sees its failure, and the cache stops.
+        for layer in cache.layers:
+            cache._drain(layer)
+        client.drop(cache.sequence_id)
+        cache.layers[0].ahead = cache._select_ahead(
+            cache.layers[0], torch.zeros(9, 64), None, cache.layers[0].tokens - 1, 0.125
+        )
+        with pytest.raises(errors.NotFound):
+            model(token, past_key_values=cache, use_cache=True)
+        with pytest.raises(RuntimeError, match="made ahead"):
+            model(token, past_key_values=cache, use_cache=True)
+    with pytest.raises((RuntimeError, errors.NotFound)):
+        cache.close()
+
+
 def test_a_step_whose_attention_bypassed_kvtier_is_an_error_not_a_lost_token(model_and_tokenizer, client):
     model, tokenizer = model_and_tokenizer
     ids = ids_of(tokenizer, TEXT)
