@@ -42,7 +42,13 @@ MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 BUDGETS = ["1/16", "1/8", "1/4"]
 #: label -> KVTierCache options (streaming: sinks and the window only).
-MODES = {"default": {}, "quest": {"mode": "quest"}, "streaming": {}}
+MODES = {
+    "default": {},
+    "quest": {"mode": "quest"},
+    "streaming": {},
+    "default, speculative": {"speculative": True},
+    "quest, speculative": {"mode": "quest", "speculative": True},
+}
 
 
 def load():
@@ -123,6 +129,8 @@ def step_costs(client, model, tokenizer, regions: Dict[str, object], prompt_toke
         ("1/8", "shm", "quest"),
         ("1/8", "shm polling", "default"),
         ("1/8", "shm polling", "quest"),
+        ("1/8", "shm polling", "default, speculative"),
+        ("1/8", "shm polling", "quest, speculative"),
         ("1/8", "grpc", "default"),
         ("dense", "shm", "-"),
         ("dense", "shm polling", "-"),
@@ -156,7 +164,22 @@ def step_costs(client, model, tokenizer, regions: Dict[str, object], prompt_toke
             }
         )
     base.close()
+    rows.append(without_kvtier(model, ids, steps))
     return rows
+
+
+def without_kvtier(model, ids, steps: int) -> dict:
+    """The same decode steps with transformers' own ``DynamicCache`` (every
+    token, in the process): what a step costs with no kvtier at all."""
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        step_s = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            step_s.append(time.perf_counter() - t0)
+    return {"budget": "dense", "plane": "DynamicCache, no kvtier", "mode": "-", "step_ms_p50": float(np.median(step_s) * 1e3)}
 
 
 def back_to_back(client, config, region, prompt_tokens: int, steps: int) -> List[dict]:
@@ -342,7 +365,11 @@ def report(r: dict, a) -> str:
         "*shm* keeps the defaults (0.1 ms; the server's `--shm-poll-us`, 50 µs). *no model*: the same calls back to",
         "back, of the model's shape with random K/V and queries and no model between them (`back_to_back`): what they",
         "cost while the caches kvtier's client and server use stay warm; between the model's layers its weights,",
-        "streamed through the caches, evict them.",
+        "streamed through the caches, evict them. *DynamicCache, no kvtier*: the same steps with transformers' own",
+        "cache, every token in the process: a step's cost with no kvtier at all. *speculative*",
+        "(`KVTierCache(speculative=True)`): each layer's selection for the next step is made in the background with",
+        "this step's query; *kvtier ms* is then what the model waited (handing the call over, and its answer when",
+        "not yet done), *server ms* the server's time on the calls made in the background.",
         "",
         "| budget | mode | plane | step ms p50 | kvtier ms p50 | kvtier ms p99 | server ms p50 | store ms p50"
         " | calls/step | kvtier µs per layer | ÷ floor |",
@@ -351,8 +378,11 @@ def report(r: dict, a) -> str:
     layers = 30
     floor = min(r["floor_us"]["shm"], r["floor_us"]["shm polling"])
     for s in r["steps"]:
-        per_layer = s["kvtier_ms_p50"] * 1e3 / layers
         step = "-" if s["step_ms_p50"] is None else f"{s['step_ms_p50']:.1f}"
+        if "kvtier_ms_p50" not in s:
+            lines.append(f"| {s['budget']} | {s['mode']} | {s['plane']} | {step} |" + " - |" * 7)
+            continue
+        per_layer = s["kvtier_ms_p50"] * 1e3 / layers
         lines.append(
             f"| {s['budget']} | {s['mode']} | {s['plane']} | {step} | {s['kvtier_ms_p50']:.1f} | {s['kvtier_ms_p99']:.1f}"
             f" | {s['server_ms_p50']:.1f} | {s['store_ms_p50']:.1f} | {s['calls_per_step']:.0f} | {per_layer:.0f}"
