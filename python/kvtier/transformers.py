@@ -396,7 +396,9 @@ class KVTierCache(Cache):
     last step's query chose, the last step's token and its own, and waits
     only for a call that is usually done. Selections lag one step's query;
     bench/results/transformers.md has what that costs on tasks. With
-    ``shm``, the region (or window) is split into one window per layer.
+    ``shm``, the region (or window) is split into one window per layer,
+    each of which must hold a step's selection (its budget's pages of
+    every KV head): the server refuses a call whose window is smaller.
     """
 
     def __init__(
