@@ -256,7 +256,11 @@ class KVTierLayer(CacheLayerMixin):
             key_states._kvtier_layer = self
             self.tokens += 1
             return key_states, value_states
-        cache._drain(self)
+        # Every layer's call made ahead lands first: this layer's append,
+        # and no other layer's call writing its window into the region
+        # while this layer's read views it.
+        for layer in cache.layers:
+            cache._drain(layer)
         cache._write(self, key_states[0], value_states[0])
         if before == 0:
             return key_states, value_states
@@ -313,13 +317,22 @@ class KVTierLayer(CacheLayerMixin):
             own = (step_k, step_v)
             if ahead.kept is not None:
                 own = (np.concatenate([ahead.kept[0], step_k], 1), np.concatenate([ahead.kept[1], step_v], 1))
-        heads = [selection.head(h) for h in range(cache.layout.num_kv_heads)]
-        out = _attention_over(query, [(h.k, h.v) for h in heads], *own, scaling)
-        if cache.speculative:
-            # The next step's selection, with this step's query, made while
-            # the model computes; it appends this step's token unless the
-            # call above did.
-            self.ahead = cache._select_ahead(self, queries, None if ahead is None else (step_k, step_v), stored, scaling)
+        try:
+            heads = [selection.head(h) for h in range(cache.layout.num_kv_heads)]
+            out = _attention_over(query, [(h.k, h.v) for h in heads], *own, scaling)
+            if cache.speculative:
+                # The next step's selection, with this step's query, made
+                # while the model computes; it appends this step's token
+                # unless the call above did.
+                self.ahead = cache._select_ahead(
+                    self, queries, None if ahead is None else (step_k, step_v), stored, scaling
+                )
+        except BaseException:
+            if ahead is not None:
+                # The call that was to append this step's token was not
+                # made: kvtier holds the tokens before it.
+                self.tokens = stored
+            raise
         return out.transpose(1, 2).contiguous(), None
 
     def _select_now(
@@ -383,7 +396,8 @@ class KVTierCache(Cache):
     its page holds those tokens' K/V). ``shm``: a registered region
     of ``client`` to read pages through (a decode step's attention reads
     its pages as views of the region, copied once, by the attention:
-    no other thread may call on it while the model runs; for a decode
+    no other thread may call on it while the model runs, but the cache's
+    own with ``speculative``, into windows of its own; for a decode
     loop, poll: ``region.spin, region.server_poll = 1e-3, 5e-3``). Batch size 1; beam search,
     sliding-window layers, per-query-head aggregation, rewriting stored
     positions and padding under a budget are refused. A model on a GPU gets
@@ -624,10 +638,16 @@ class KVTierCache(Cache):
         try:
             selection = ahead.future.result()
         except BaseException as e:
-            layer.unknown = (
-                f"the selection made ahead at position {ahead.position} failed ({type(e).__name__}: {e}); its"
-                " token may have been appended; this cache cannot go on (its length in kvtier is unknown)"
-            )
+            if ahead.kept is None:
+                # It appended nothing: kvtier holds the layer's tokens
+                # through its position, and the step waiting on it is
+                # refused as a whole.
+                layer.tokens = ahead.position + 1
+            else:
+                layer.unknown = (
+                    f"the selection made ahead at position {ahead.position} failed ({type(e).__name__}: {e}); its"
+                    " token may have been appended; this cache cannot go on (its length in kvtier is unknown)"
+                )
             raise
         finally:
             self.kvtier_seconds += time.perf_counter() - start
@@ -670,19 +690,24 @@ class KVTierCache(Cache):
         if self._closed:
             return
         self._closed = True
-        try:
-            for layer in self.layers:
-                # Its last step's append, made ahead, lands first (a failure
-                # marks the layer, which check_stored raises).
-                try:
-                    self._drain(layer)
-                except Exception:
-                    pass
+        # Each layer's last append, made ahead, lands first; the first
+        # failure is raised once the sequence is dropped.
+        error: Optional[BaseException] = None
+        for layer in self.layers:
+            try:
+                self._drain(layer)
                 layer.check_stored()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+            except Exception as e:
+                error = error or e
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        try:
             self.client.drop(self.sequence_id)
+        except Exception:
+            if error is None:
+                raise
+        if error is not None:
+            raise error
 
     def __enter__(self) -> "KVTierCache":
         return self

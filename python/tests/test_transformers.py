@@ -328,19 +328,37 @@ def test_speculative_selection_covering_every_page_decodes_as_the_steps_own(mode
             region.close()
 
 
-def test_a_small_speculative_budget_decodes_and_stores_every_token(model_and_tokenizer, client):
+@pytest.mark.parametrize("plane", ["grpc", "shm"])
+def test_a_small_speculative_budget_decodes_and_stores_every_token(model_and_tokenizer, client, plane):
     model, tokenizer = model_and_tokenizer
     ids = ids_of(tokenizer, TEXT * 3)
-    with KVTierCache(client, 3, model=model, speculative=True) as cache:
-        ours = generate(model, ids, cache, new_tokens=8)
-        for layer in cache.layers:
-            cache._drain(layer)
-        assert int(client.info(cache.sequence_id)["tokens"]) == ids.shape[1] + 7
-        # A forward of several tokens after the steps (their appends made
-        # ahead first) writes after every one of them.
-        with torch.no_grad():
-            model(ours.sequences[:, -2:], past_key_values=cache, use_cache=True)
-        assert int(client.info(cache.sequence_id)["tokens"]) == ids.shape[1] + 9
+    region = client.register_shm(8 << 20) if plane == "shm" else None
+    try:
+        with KVTierCache(client, 3, model=model, shm=region, speculative=True) as cache:
+            generate(model, ids, cache, new_tokens=8)
+            for layer in cache.layers:
+                cache._drain(layer)
+            assert int(client.info(cache.sequence_id)["tokens"]) == ids.shape[1] + 7
+        # A forward of several tokens after the steps (every layer's call
+        # made ahead landed first, and wrote its window before the layer
+        # reads the region) writes after every token and reads every page
+        # as the cache selecting for itself does; with every page chosen,
+        # the steps before it are the same too.
+        logits = []
+        for speculative in (False, True):
+            with KVTierCache(client, 64, model=model, shm=region, speculative=speculative) as cache:
+                ours = generate(model, ids, cache, new_tokens=4)
+                if speculative:
+                    for layer in cache.layers[1:4]:
+                        cache._drain(layer)
+                        layer.ahead = cache._select_ahead(layer, torch.zeros(9, 64), None, layer.tokens - 1, 0.125)
+                with torch.no_grad():
+                    logits.append(model(ours.sequences[:, -2:], past_key_values=cache, use_cache=True).logits)
+                assert int(client.info(cache.sequence_id)["tokens"]) == ids.shape[1] + 5
+        assert torch.equal(logits[0], logits[1])
+    finally:
+        if region is not None:
+            region.close()
     with pytest.raises(ValueError, match="speculative"):
         KVTierCache(client, model=model, speculative=True)
 
@@ -348,25 +366,55 @@ def test_a_small_speculative_budget_decodes_and_stores_every_token(model_and_tok
 def test_a_failed_selection_made_ahead_stops_the_cache(model_and_tokenizer, client):
     model, tokenizer = model_and_tokenizer
     ids = ids_of(tokenizer, TEXT)
+    heads, head_dim = model.config.num_key_value_heads, model.config.head_dim
     cache = KVTierCache(client, 4, model=model, speculative=True)
     with torch.no_grad():
         out = model(ids, past_key_values=cache, use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        # The sequence goes before layer 0's selection ahead is made: the
-        # next step sees its failure, and the cache stops.
         for layer in cache.layers:
             cache._drain(layer)
+        # Layer 0's next token goes with a selection made ahead, which
+        # fails (its sequence gone): whether it was appended is unknown,
+        # so the step sees the failure and the cache stops.
         client.drop(cache.sequence_id)
-        cache.layers[0].ahead = cache._select_ahead(
-            cache.layers[0], torch.zeros(9, 64), None, cache.layers[0].tokens - 1, 0.125
-        )
+        first = cache.layers[0]
+        row = np.zeros((heads, 1, head_dim), np.float32)
+        first.ahead = cache._select_ahead(first, torch.zeros(9, head_dim), (row, row), first.tokens, 0.125)
+        first.tokens += 1
         with pytest.raises(errors.NotFound):
             model(token, past_key_values=cache, use_cache=True)
         with pytest.raises(RuntimeError, match="made ahead"):
             model(token, past_key_values=cache, use_cache=True)
-    with pytest.raises((RuntimeError, errors.NotFound)):
+    with pytest.raises(RuntimeError, match="made ahead"):
         cache.close()
+
+
+def test_a_step_failing_before_its_call_ahead_leaves_its_token_out(model_and_tokenizer, client, monkeypatch):
+    """A step whose own token was to go with the call made ahead, failing
+    before that call, leaves the layer as kvtier has it: the next step
+    selects for itself and appends at the right position."""
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT)
+    with KVTierCache(client, 4, model=model, speculative=True) as cache, torch.no_grad():
+        token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(2):
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        original = kvtier_transformers._attention_over
+
+        def failing(*args, **kwargs):
+            raise MemoryError("out of memory in the step's attention")
+
+        monkeypatch.setattr(kvtier_transformers, "_attention_over", failing)
+        with pytest.raises(MemoryError):
+            model(token, past_key_values=cache, use_cache=True)
+        monkeypatch.setattr(kvtier_transformers, "_attention_over", original)
+        for _ in range(2):
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for layer in cache.layers:
+            cache._drain(layer)
+        assert {layer.tokens for layer in cache.layers} == {ids.shape[1] + 4}
+        assert int(client.info(cache.sequence_id)["tokens"]) == ids.shape[1] + 4
 
 
 def test_a_step_whose_attention_bypassed_kvtier_is_an_error_not_a_lost_token(model_and_tokenizer, client):
