@@ -200,12 +200,29 @@ class _Ahead:
     position it chose, and the K/V it appends after choosing (``None``:
     none; the step's own call did)."""
 
-    __slots__ = ("future", "position", "kept")
+    __slots__ = ("future", "position", "queries", "kept")
 
-    def __init__(self, future: "concurrent.futures.Future[SelectionKV]", position: int, kept: Optional[Tuple[np.ndarray, np.ndarray]]):
+    def __init__(
+        self,
+        future: "concurrent.futures.Future[SelectionKV]",
+        position: int,
+        queries: np.ndarray,
+        kept: Optional[Tuple[np.ndarray, np.ndarray]],
+    ):
         self.future = future
         self.position = position
+        #: The queries that chose, ``[query heads, head_dim]``, float32.
+        self.queries = queries
         self.kept = kept
+
+
+def _least_similarity(chose: np.ndarray, queries: torch.Tensor) -> float:
+    """The least cosine similarity, over query heads, between the queries
+    that chose a selection and ``queries`` (``[query heads, head_dim]``)."""
+    now = queries.detach().to("cpu", torch.float32).numpy()
+    dot = (chose * now).sum(-1)
+    norms = np.linalg.norm(chose, axis=-1) * np.linalg.norm(now, axis=-1)
+    return float((dot / np.maximum(norms, 1e-30)).min())
 
 
 class KVTierLayer(CacheLayerMixin):
@@ -306,29 +323,38 @@ class KVTierLayer(CacheLayerMixin):
         step_k, step_v = _arrays.kv_arrays(_numpy(key[0]), _numpy(value[0]), cache.layout.dtype, cache.layout.head_dim)
         queries = query[0, :, 0, :]
         ahead = self.ahead
+        self.ahead = None
+        # Whether a call that has returned appended this step's token.
+        appended = ahead is None
         if ahead is None:
             selection = self._select_now(stored, queries, (step_k, step_v), scaling)
             own = (step_k, step_v)
         else:
             # Chosen last step, with its query; its token was appended
             # after choosing, so it joins this step's own.
-            self.ahead = None
             selection = cache._wait(self, ahead)
             own = (step_k, step_v)
             if ahead.kept is not None:
                 own = (np.concatenate([ahead.kept[0], step_k], 1), np.concatenate([ahead.kept[1], step_v], 1))
+            if cache.correction and _least_similarity(ahead.queries, queries) < cache.correction:
+                # This step's query has moved too far from the one that
+                # chose: it selects for itself, among every token before
+                # its own (the last step's landed with the call above).
+                cache.corrections += 1
+                selection = self._select_now(stored, queries, (step_k, step_v), scaling)
+                own, appended = (step_k, step_v), True
         try:
             heads = [selection.head(h) for h in range(cache.layout.num_kv_heads)]
             out = _attention_over(query, [(h.k, h.v) for h in heads], *own, scaling)
             if cache.speculative:
                 # The next step's selection, with this step's query, made
                 # while the model computes; it appends this step's token
-                # unless the call above did.
+                # unless a call above did.
                 self.ahead = cache._select_ahead(
-                    self, queries, None if ahead is None else (step_k, step_v), stored, scaling
+                    self, queries, None if appended else (step_k, step_v), stored, scaling
                 )
         except BaseException:
-            if ahead is not None:
+            if not appended:
                 # The call that was to append this step's token was not
                 # made: kvtier holds the tokens before it.
                 self.tokens = stored
@@ -409,7 +435,10 @@ class KVTierCache(Cache):
     retrieval, without its correction): a step attends over the pages the
     last step's query chose, the last step's token and its own, and waits
     only for a call that is usually done. Selections lag one step's query;
-    bench/results/transformers.md has what that costs on tasks. With
+    ``correction`` (a cosine similarity; 0: never) makes a step whose
+    query heads moved further than that from the ones that chose select
+    for itself, as FreeKV corrects (``corrections`` counts them);
+    bench/results/transformers.md has what each costs on tasks. With
     ``shm``, the region (or window) is split into one window per layer,
     each of which must hold a step's selection (its budget's pages of
     every KV head): the server refuses a call whose window is smaller.
@@ -435,6 +464,7 @@ class KVTierCache(Cache):
         shm: Optional[Union[ShmRegion, ShmWindow]] = None,
         model_key: Optional[str] = None,
         speculative: bool = False,
+        correction: float = 0.0,
     ):
         config = model.config.get_text_config(decoder=True)
         if getattr(config, "sliding_window", None) or any(
@@ -449,6 +479,8 @@ class KVTierCache(Cache):
             raise ValueError(f"budget: {budget!r}; None, pages (an int >= 1) or a fraction in (0, 1)")
         if speculative and budget is None:
             raise ValueError("speculative: selects ahead under a budget; give a budget")
+        if not 0.0 <= correction <= 1.0 or (correction and not speculative):
+            raise ValueError(f"correction: {correction!r}; a cosine similarity in [0, 1], with speculative=True")
         if aggregation == "per_query_head":
             raise ValueError("aggregation: per_query_head selects per query head; a KV head's K/V serve its whole group")
         install_attention(model)
@@ -473,6 +505,12 @@ class KVTierCache(Cache):
         #: Whether each layer's selection for the next decode step is made
         #: in the background with this step's query.
         self.speculative = speculative
+        #: With ``speculative``: the least cosine similarity (over query
+        #: heads) between a step's queries and those that chose its pages
+        #: ahead under which the step selects for itself instead.
+        self.correction = correction
+        #: Steps of a layer that selected for themselves so.
+        self.corrections = 0
         # With `speculative`: a window per layer, each read by its next
         # step while the other layers' calls write theirs.
         self._windows = _split(shm, config.num_hidden_layers) if speculative and shm is not None else None
@@ -628,7 +666,7 @@ class KVTierCache(Cache):
         future = self._pool.submit(call, layer.index, q, self.budget_pages(chosen_among), **options)
         self.kvtier_seconds += time.perf_counter() - start
         self.calls["select_kv"] = self.calls.get("select_kv", 0) + 1
-        return _Ahead(future, stored, step)
+        return _Ahead(future, stored, q, step)
 
     def _wait(self, layer: KVTierLayer, ahead: _Ahead) -> SelectionKV:
         """The selection ``ahead`` made; where it failed, the layer's length

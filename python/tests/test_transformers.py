@@ -363,6 +363,24 @@ def test_a_small_speculative_budget_decodes_and_stores_every_token(model_and_tok
         KVTierCache(client, model=model, speculative=True)
 
 
+def test_a_speculative_step_corrected_selects_as_its_own(model_and_tokenizer, client):
+    """With ``correction`` at 1, every step's query has moved from the one
+    that chose ahead: each step selects for itself, among every token
+    before its own, and decodes exactly as a cache without speculation."""
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT * 3)
+    layers = model.config.num_hidden_layers
+    with KVTierCache(client, 3, model=model) as cache:
+        reference = generate(model, ids, cache, new_tokens=6)
+    with KVTierCache(client, 3, model=model, speculative=True, correction=1.0) as cache:
+        ours = generate(model, ids, cache, new_tokens=6)
+        # Every step after the first corrected, in every layer.
+        assert cache.corrections == 4 * layers
+    assert_identical(ours, reference)
+    with pytest.raises(ValueError, match="correction"):
+        KVTierCache(client, 3, model=model, correction=0.5)
+
+
 def test_a_failed_selection_made_ahead_stops_the_cache(model_and_tokenizer, client):
     model, tokenizer = model_and_tokenizer
     ids = ids_of(tokenizer, TEXT)
