@@ -48,6 +48,7 @@ MODES = {
     "streaming": {},
     "default, speculative": {"speculative": True},
     "quest, speculative": {"mode": "quest", "speculative": True},
+    "default, speculative, corrected below 0.5": {"speculative": True, "correction": 0.5},
 }
 
 
@@ -131,6 +132,7 @@ def step_costs(client, model, tokenizer, regions: Dict[str, object], prompt_toke
         ("1/8", "shm polling", "quest"),
         ("1/8", "shm polling", "default, speculative"),
         ("1/8", "shm polling", "quest, speculative"),
+        ("1/8", "shm polling", "default, speculative, corrected below 0.5"),
         ("1/8", "grpc", "default"),
         ("dense", "shm", "-"),
         ("dense", "shm polling", "-"),
@@ -369,7 +371,9 @@ def report(r: dict, a) -> str:
         "cache, every token in the process: a step's cost with no kvtier at all. *speculative*",
         "(`KVTierCache(speculative=True)`): each layer's selection for the next step is made in the background with",
         "this step's query; *kvtier ms* is then what the model waited (handing the call over, and its answer when",
-        "not yet done), *server ms* the server's time on the calls made in the background.",
+        "not yet done, and a corrected step's own call), *server ms* the server's time on all the calls. *corrected",
+        "below 0.5* (`correction=0.5`): a step whose query heads' least cosine similarity to the ones that chose is",
+        "below 0.5 selects for itself.",
         "",
         "| budget | mode | plane | step ms p50 | kvtier ms p50 | kvtier ms p99 | server ms p50 | store ms p50"
         " | calls/step | kvtier µs per layer | ÷ floor |",
