@@ -38,7 +38,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from . import _arrays, errors
 from .client import MAX_MESSAGE_BYTES, Client, SelectKvCall
-from .types import Layout, SelectionKV, ShmRegion, ShmWindow, gather
+from .types import Layout, SelectionKV, ShmRegion, ShmWindow, gather, window_of
 
 __all__ = ["KVTierCache", "install_attention", "prompt_hashes"]
 
@@ -186,14 +186,6 @@ _REFUSALS = (
 )
 
 
-def _split(shm: Union[ShmRegion, ShmWindow], n: int) -> List[ShmWindow]:
-    """``n`` disjoint windows of equal size of a region or of a window."""
-    if isinstance(shm, ShmRegion):
-        return shm.split(n)
-    part = shm.length // n
-    return [ShmWindow(shm.region, shm.offset + i * part, part) for i in range(n)]
-
-
 class _Ahead:
     """A layer's selection for its next decode step, made in the
     background (``KVTierCache(speculative=True)``): the call, at what
@@ -216,10 +208,9 @@ class _Ahead:
         self.kept = kept
 
 
-def _least_similarity(chose: np.ndarray, queries: torch.Tensor) -> float:
+def _least_similarity(chose: np.ndarray, now: np.ndarray) -> float:
     """The least cosine similarity, over query heads, between the queries
-    that chose a selection and ``queries`` (``[query heads, head_dim]``)."""
-    now = queries.detach().to("cpu", torch.float32).numpy()
+    that chose a selection and ``now`` (each ``[query heads, head_dim]``)."""
     dot = (chose * now).sum(-1)
     norms = np.linalg.norm(chose, axis=-1) * np.linalg.norm(now, axis=-1)
     return float((dot / np.maximum(norms, 1e-30)).min())
@@ -321,7 +312,9 @@ class KVTierLayer(CacheLayerMixin):
         # In the layout's dtype: what is appended, and what the views'
         # rows are joined with.
         step_k, step_v = _arrays.kv_arrays(_numpy(key[0]), _numpy(value[0]), cache.layout.dtype, cache.layout.head_dim)
-        queries = query[0, :, 0, :]
+        # Float32, of its own: a call made ahead reads it after the model
+        # has reused the tensor's memory.
+        queries = query[0, :, 0, :].detach().to("cpu", torch.float32).numpy().copy()
         ahead = self.ahead
         self.ahead = None
         # Whether a call that has returned appended this step's token.
@@ -362,7 +355,7 @@ class KVTierLayer(CacheLayerMixin):
         return out.transpose(1, 2).contiguous(), None
 
     def _select_now(
-        self, stored: int, queries: torch.Tensor, step: Tuple[np.ndarray, np.ndarray], scaling: float
+        self, stored: int, queries: np.ndarray, step: Tuple[np.ndarray, np.ndarray], scaling: float
     ) -> SelectionKV:
         """This step's selection, with its query, appending its token."""
         cache = self.cache
@@ -432,7 +425,7 @@ class KVTierCache(Cache):
     ``speculative`` (with a budget): each layer's selection for the next
     decode step is made in the background, on a thread of the cache's,
     with this step's query, while the model computes (FreeKV's speculative
-    retrieval, without its correction): a step attends over the pages the
+    retrieval): a step attends over the pages the
     last step's query chose, the last step's token and its own, and waits
     only for a call that is usually done. Selections lag one step's query;
     ``correction`` (a cosine similarity; 0: never) makes a step whose
@@ -513,7 +506,7 @@ class KVTierCache(Cache):
         self.corrections = 0
         # With `speculative`: a window per layer, each read by its next
         # step while the other layers' calls write theirs.
-        self._windows = _split(shm, config.num_hidden_layers) if speculative and shm is not None else None
+        self._windows = window_of(shm).split(config.num_hidden_layers) if speculative and shm is not None else None
         self._select_calls: Dict[Tuple[float, Optional[int]], SelectKvCall] = {}
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.sequence_id = sequence_id or f"hf-{uuid.uuid4().hex}"
@@ -615,20 +608,19 @@ class KVTierCache(Cache):
         self,
         layer: KVTierLayer,
         stored: int,
-        queries: torch.Tensor,
+        queries: np.ndarray,
         step: Tuple[np.ndarray, np.ndarray],
         scaling: float,
     ) -> SelectionKV:
-        """The pages ``queries`` select among the layer's ``stored``
-        tokens, with the step's own K/V (``step``, in the layout's dtype)
-        appended by the same call, after them: one round trip per layer
-        and step."""
-        q = queries.detach().to("cpu", torch.float32).numpy()
+        """The pages ``queries`` (float32) select among the layer's
+        ``stored`` tokens, with the step's own K/V (``step``, in the
+        layout's dtype) appended by the same call, after them: one round
+        trip per layer and step."""
         selection = self._call(
             "select_kv",
             self._select_call(float(scaling), layer.index),
             layer.index,
-            q,
+            queries,
             self.budget_pages(stored),
             append=step,
             append_position=stored,
@@ -643,18 +635,18 @@ class KVTierCache(Cache):
     def _select_ahead(
         self,
         layer: KVTierLayer,
-        queries: torch.Tensor,
+        queries: np.ndarray,
         step: Optional[Tuple[np.ndarray, np.ndarray]],
         stored: int,
         scaling: float,
     ) -> _Ahead:
         """Starts, on the cache's thread, the layer's selection for its next
-        step with this step's ``queries`` (position ``stored``), appending
-        ``step`` (this step's K/V) after choosing, or, without ``step``,
-        among the tokens through this step's (appended already). Its
-        arguments are copies: the model reuses its tensors' memory."""
+        step with this step's ``queries`` (float32, of their own; position
+        ``stored``), appending ``step`` (this step's K/V) after choosing,
+        or, without ``step``, among the tokens through this step's
+        (appended already). ``step`` is copied: the model reuses its
+        tensors' memory."""
         start = time.perf_counter()
-        q = queries.detach().to("cpu", torch.float32).numpy().copy()
         chosen_among = stored if step is not None else stored + 1
         options: Dict[str, Any] = {}
         if step is not None:
@@ -663,15 +655,16 @@ class KVTierCache(Cache):
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-ahead")
         call = self._select_call(float(scaling), layer.index)
-        future = self._pool.submit(call, layer.index, q, self.budget_pages(chosen_among), **options)
+        future = self._pool.submit(call, layer.index, queries, self.budget_pages(chosen_among), **options)
         self.kvtier_seconds += time.perf_counter() - start
         self.calls["select_kv"] = self.calls.get("select_kv", 0) + 1
-        return _Ahead(future, stored, q, step)
+        return _Ahead(future, stored, queries, step)
 
     def _wait(self, layer: KVTierLayer, ahead: _Ahead) -> SelectionKV:
-        """The selection ``ahead`` made; where it failed, the layer's length
-        in kvtier is unknown (its append may have been made) and the cache
-        cannot go on."""
+        """The selection ``ahead`` made. Where it failed after asking for
+        an append, the layer's length in kvtier is unknown and the cache
+        cannot go on; where it asked for none, the layer keeps the length
+        kvtier has."""
         start = time.perf_counter()
         try:
             selection = ahead.future.result()

@@ -339,8 +339,7 @@ class ShmRegion:
 
     def split(self, n: int) -> List["ShmWindow"]:
         """``n`` disjoint windows of equal size, for ``n`` calls at once."""
-        part = self.size // n
-        return [self.window(i * part, part) for i in range(n)]
+        return self.window().split(n)
 
     def close(self) -> None:
         """Ends the registration; arrays that still view the region keep
@@ -358,6 +357,12 @@ class ShmWindow:
     region: ShmRegion
     offset: int
     length: int
+
+    def split(self, n: int) -> List["ShmWindow"]:
+        """``n`` disjoint windows of equal size of this one, for ``n``
+        calls at once."""
+        part = self.length // n
+        return [ShmWindow(self.region, self.offset + i * part, part) for i in range(n)]
 
     def to_proto(self) -> Dict[str, int]:
         """The `kvtier.v1.ShmWindow` message, as a dict."""

@@ -351,7 +351,7 @@ def test_a_small_speculative_budget_decodes_and_stores_every_token(model_and_tok
                 if speculative:
                     for layer in cache.layers[1:4]:
                         cache._drain(layer)
-                        layer.ahead = cache._select_ahead(layer, torch.zeros(9, 64), None, layer.tokens - 1, 0.125)
+                        layer.ahead = cache._select_ahead(layer, np.zeros((9, 64), np.float32), None, layer.tokens - 1, 0.125)
                 with torch.no_grad():
                     logits.append(model(ours.sequences[:, -2:], past_key_values=cache, use_cache=True).logits)
                 assert int(client.info(cache.sequence_id)["tokens"]) == ids.shape[1] + 5
@@ -398,7 +398,7 @@ def test_a_failed_selection_made_ahead_stops_the_cache(model_and_tokenizer, clie
         client.drop(cache.sequence_id)
         first = cache.layers[0]
         row = np.zeros((heads, 1, head_dim), np.float32)
-        first.ahead = cache._select_ahead(first, torch.zeros(9, head_dim), (row, row), first.tokens, 0.125)
+        first.ahead = cache._select_ahead(first, np.zeros((9, head_dim), np.float32), (row, row), first.tokens, 0.125)
         first.tokens += 1
         with pytest.raises(errors.NotFound):
             model(token, past_key_values=cache, use_cache=True)
