@@ -49,7 +49,25 @@ MODES = {
     "default, speculative": {"speculative": True},
     "quest, speculative": {"mode": "quest", "speculative": True},
     "default, speculative, corrected below 0.5": {"speculative": True, "correction": 0.5},
+    "default, in store": {"attend_in_store": True},
+    "quest, in store": {"mode": "quest", "attend_in_store": True},
 }
+#: The step-cost table's rows: (budget, plane, mode).
+STEP_ROWS = [
+    ("1/8", "shm", "default"),
+    ("1/8", "shm", "quest"),
+    ("1/8", "shm polling", "default"),
+    ("1/8", "shm polling", "quest"),
+    ("1/8", "shm polling", "default, speculative"),
+    ("1/8", "shm polling", "quest, speculative"),
+    ("1/8", "shm polling", "default, speculative, corrected below 0.5"),
+    ("1/8", "shm polling", "default, in store"),
+    ("1/8", "shm polling", "quest, in store"),
+    ("1/8", "grpc", "default"),
+    ("1/8", "grpc", "default, in store"),
+    ("dense", "shm", "-"),
+    ("dense", "shm polling", "-"),
+]
 
 
 def load():
@@ -121,22 +139,13 @@ def floor_us(client: kvtier.Client, regions: Dict[str, object], calls: int = 200
     return out
 
 
-def step_costs(client, model, tokenizer, regions: Dict[str, object], prompt_tokens: int, steps: int) -> List[dict]:
+def step_costs(
+    client, model, tokenizer, regions: Dict[str, object], prompt_tokens: int, steps: int, configs=STEP_ROWS
+) -> List[dict]:
     ids = tokenizer((FILLER * 400), return_tensors="pt").input_ids[:, :prompt_tokens]
     base, _ = store_prompt(client, model, ids, regions["shm"])
     rows = []
-    for label, plane, mode in (
-        ("1/8", "shm", "default"),
-        ("1/8", "shm", "quest"),
-        ("1/8", "shm polling", "default"),
-        ("1/8", "shm polling", "quest"),
-        ("1/8", "shm polling", "default, speculative"),
-        ("1/8", "shm polling", "quest, speculative"),
-        ("1/8", "shm polling", "default, speculative, corrected below 0.5"),
-        ("1/8", "grpc", "default"),
-        ("dense", "shm", "-"),
-        ("dense", "shm polling", "-"),
-    ):
+    for label, plane, mode in configs:
         cache = cache_for(client, model, ids, label, mode, regions.get(plane))
         with torch.no_grad():
             out = model(ids[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True)

@@ -15,10 +15,11 @@ from .aio import AsyncClient
 from .client import DEFAULT_ADDRESS, DEFAULT_SHM_SOCKET, Client, SelectKvCall
 from .cluster import Cluster
 from .errors import KvtierError
-from .types import HeadKV, HeadSelection, Layout, Page, SelectedPage, Selection, SelectionKV, ShmRegion, ShmWindow
+from .types import Attention, HeadKV, HeadSelection, Layout, Page, SelectedPage, Selection, SelectionKV, ShmRegion, ShmWindow
 
 __all__ = [
     "AsyncClient",
+    "Attention",
     "Client",
     "Cluster",
     "DEFAULT_ADDRESS",

@@ -83,6 +83,7 @@ _KV_CALL_OPTIONS = (
     "min_pages",
     "reuse_similarity",
     "views",
+    "attend",
 )
 
 
@@ -509,6 +510,7 @@ class _Api:
         append: Optional[Tuple[Any, Any]] = None,
         append_position: Optional[int] = None,
         views: bool = False,
+        attend: bool = False,
     ) -> SelectionKV:
         """:meth:`select` for a decode step's attention: per head, the chosen
         pages' K and V rows concatenated in position order
@@ -527,7 +529,14 @@ class _Api:
         read-only views of them, copied nowhere: valid until the next call
         on the region (calls that may overlap, an asyncio client's, need
         windows of their own: :meth:`ShmRegion.window`). A loop making
-        this call every step: :meth:`select_kv_call`."""
+        this call every step: :meth:`select_kv_call`. ``attend``: the
+        server attends over the chosen pages with ``queries`` (at
+        ``softmax_scale``) instead of returning them
+        (``SelectPagesRequest.attend``): the answer's
+        :attr:`SelectionKV.attention` holds each query head's output and
+        log-sum-exp, to merge with rows the caller holds
+        (:meth:`Attention.merged`), and its heads hold no rows; over
+        ``shm``, only the region's connection is used."""
         args = locals()
         options = {name: args[name] for name in _KV_CALL_OPTIONS}
 
@@ -558,6 +567,7 @@ class _Api:
         min_pages: int = 0,
         reuse_similarity: float = 0.0,
         views: bool = False,
+        attend: bool = False,
     ) -> SelectKvCall:
         """:meth:`select_kv` with every argument but a step's own made
         once (checked and converted when made, not on every call): a
@@ -569,21 +579,25 @@ class _Api:
 
     def _select_kv_call(self, sequence_id: str, options: Dict[str, Any]) -> Steps[SelectKvCall]:
         layout = yield from self._layout(sequence_id)
-        shm, views = options.pop("shm"), options.pop("views")
+        shm, views, attend = options.pop("shm"), options.pop("views"), options.pop("attend")
         via = self._via(shm)
-        window = window_of(shm) if via is not None else None
+        # Attending, the region's connection carries the call and no page.
+        window = window_of(shm) if via is not None and not attend else None
         if views and via is None:
             raise ValueError("views: the pages are viewed in a region; give shm, a region this client registered")
+        if views and attend:
+            raise ValueError("views: an attending selection returns no pages to view; leave views unset")
         ranking = _ranking(*(options.pop(k) for k in ("mode", "candidates", "softmax_scale", "top_p", "min_pages", "reuse_similarity")))
         start, count = _heads(options.pop("kv_heads"), layout.num_kv_heads)
         fields = {
             **self._seq(sequence_id),
             "kv_head_start": start,
             "kv_head_count": count,
-            **_select_options(include_data=True, **options),
+            **_select_options(include_data=not attend, **options),
             "shard": _shard(options["shard"]),
             "shm": window.to_proto() if window else None,
             "gather_heads": bool(views),
+            "attend": bool(attend),
             **ranking,
         }
         return SelectKvCall(self, layout, SelectRequest(fields), via, bool(views))

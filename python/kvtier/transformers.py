@@ -38,7 +38,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from . import _arrays, errors
 from .client import MAX_MESSAGE_BYTES, Client, SelectKvCall
-from .types import Layout, SelectionKV, ShmRegion, ShmWindow, gather, window_of
+from .types import Attention, Layout, SelectionKV, ShmRegion, ShmWindow, gather, window_of
 
 __all__ = ["KVTierCache", "install_attention", "prompt_hashes"]
 
@@ -103,6 +103,23 @@ def _attention_over(
     return torch.nn.functional.scaled_dot_product_attention(
         query, k_t, v_t, attn_mask=mask, scale=scaling, enable_gqa=True
     )
+
+
+def _merged_with_own(
+    query: torch.Tensor,
+    attention: Attention,
+    queries: np.ndarray,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """A decode step's attention, ``[1, query heads, 1, head_dim]``, from
+    kvtier's over its selection (``attention``) and the step's own token
+    (``key``, ``value``: ``[1, kv heads, 1, head_dim]``), for ``queries``
+    (float32 ``[query heads, head_dim]``)."""
+    own_k, own_v = (t[0].detach().to("cpu", torch.float32).numpy() for t in (key, value))
+    out = attention.merged(queries, own_k, own_v, scaling)
+    return torch.from_numpy(out).to(query.device, query.dtype)[None, :, None, :]
 
 
 def prompt_hashes(prompt_ids: Sequence[int], page_size: int, model_key: str) -> List[bytes]:
@@ -337,8 +354,11 @@ class KVTierLayer(CacheLayerMixin):
                 selection = self._select_now(stored, queries, (step_k, step_v), scaling)
                 own, appended = (step_k, step_v), True
         try:
-            heads = [selection.head(h) for h in range(cache.layout.num_kv_heads)]
-            out = _attention_over(query, [(h.k, h.v) for h in heads], *own, scaling)
+            if selection.attention is not None:
+                out = _merged_with_own(query, selection.attention, queries, key, value, scaling)
+            else:
+                heads = [selection.head(h) for h in range(cache.layout.num_kv_heads)]
+                out = _attention_over(query, [(h.k, h.v) for h in heads], *own, scaling)
             if cache.speculative:
                 # The next step's selection, with this step's query, made
                 # while the model computes; it appends this step's token
@@ -435,6 +455,14 @@ class KVTierCache(Cache):
     ``shm``, the region (or window) is split into one window per layer,
     each of which must hold a step's selection (its budget's pages of
     every KV head): the server refuses a call whose window is smaller.
+
+    ``attend_in_store`` (with a budget, not ``speculative``): kvtier
+    attends over each step's own selection where the pages are and
+    answers each query head's output and log-sum-exp, which the step
+    merges with its own token's: a row per query head crosses instead
+    of the pages (``SelectPagesRequest.attend``). The same selection and
+    the same attention as reading the pages, to float rounding; with
+    ``shm`` only the region's connection is used.
     """
 
     def __init__(
@@ -458,6 +486,7 @@ class KVTierCache(Cache):
         model_key: Optional[str] = None,
         speculative: bool = False,
         correction: float = 0.0,
+        attend_in_store: bool = False,
     ):
         config = model.config.get_text_config(decoder=True)
         if getattr(config, "sliding_window", None) or any(
@@ -474,6 +503,11 @@ class KVTierCache(Cache):
             raise ValueError("speculative: selects ahead under a budget; give a budget")
         if not 0.0 <= correction <= 1.0 or (correction and not speculative):
             raise ValueError(f"correction: {correction!r}; a cosine similarity in [0, 1], with speculative=True")
+        if attend_in_store and (budget is None or speculative):
+            raise ValueError(
+                "attend_in_store: attends over a step's own selection under a budget; give a budget,"
+                " without speculative"
+            )
         if aggregation == "per_query_head":
             raise ValueError("aggregation: per_query_head selects per query head; a KV head's K/V serve its whole group")
         install_attention(model)
@@ -504,6 +538,9 @@ class KVTierCache(Cache):
         self.correction = correction
         #: Steps of a layer that selected for themselves so.
         self.corrections = 0
+        #: Whether kvtier attends over each step's selection, answering
+        #: a row per query head instead of the pages.
+        self.attend_in_store = attend_in_store
         # With `speculative`: a window per layer, each read by its next
         # step while the other layers' calls write theirs.
         self._windows = window_of(shm).split(config.num_hidden_layers) if speculative and shm is not None else None
@@ -709,7 +746,8 @@ class KVTierCache(Cache):
                 # Over a region of the client's: each head's pages as views
                 # of it, which the step's attention copies before the next
                 # call into the same window.
-                views=self.client._via(shm) is not None,
+                views=self.client._via(shm) is not None and not self.attend_in_store,
+                attend=self.attend_in_store,
                 **self.select_options,
             )
         return call

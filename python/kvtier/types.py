@@ -184,17 +184,63 @@ def _total(name: str, doc: str) -> Any:
     return property(get)
 
 
+@dataclass(frozen=True)
+class Attention:
+    """What an attending selection (``select_kv(attend=True)``) answers:
+    each query head's attention over the rows kvtier chose for it, and
+    only those. ``out`` ``[query heads, head_dim]`` float32 is the
+    softmax-weighted sum of their values, ``lse`` ``[query heads]`` the log
+    of the softmax's normaliser (−inf without rows), ``tokens`` the tokens
+    the rows stand for, ``query_heads`` which query head each row is."""
+
+    query_heads: np.ndarray
+    out: np.ndarray
+    lse: np.ndarray
+    tokens: np.ndarray
+
+    def merged(self, queries: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+        """The attention over kvtier's rows and ``k``, ``v`` (``[KV heads,
+        rows, head_dim]``: rows kvtier does not hold, such as the step's
+        own token, for every KV head of :attr:`query_heads`, in order) for
+        ``queries`` (``[query heads, head_dim]``, float32), exact: the
+        two softmaxes merged by their log-sum-exps."""
+        group = len(self.query_heads) // k.shape[0]
+        k = np.repeat(k.astype(np.float32, copy=False), group, axis=0)
+        v = np.repeat(v.astype(np.float32, copy=False), group, axis=0)
+        logits = np.einsum("hd,hnd->hn", queries, k) * np.float32(scale)
+        top = np.maximum(self.lse, logits.max(axis=1))
+        kept = np.exp(self.lse - top)
+        weights = np.exp(logits - top[:, None])
+        total = kept + weights.sum(axis=1)
+        return (kept[:, None] * self.out + np.einsum("hn,hnd->hd", weights, v)) / total[:, None]
+
+
+def _attention(native: Optional[Tuple[bytes, bytes, bytes, bytes]], head_dim: int) -> Optional[Attention]:
+    if native is None:
+        return None
+    query_heads, out, lse, tokens = native
+    return Attention(
+        np.frombuffer(query_heads, "<u4"),
+        np.frombuffer(out, "<f4").reshape(-1, head_dim),
+        np.frombuffer(lse, "<f4"),
+        np.frombuffer(tokens, "<u8"),
+    )
+
+
 class SelectionKV:
     """A ``select_kv`` answer: per head the chosen pages' K and V, gathered
     by the native client (no object per page), and the selection's totals
     as :class:`Selection` has them (converted when first read: a decode
     step reads :attr:`store_us` alone)."""
 
-    __slots__ = ("heads", "_native", "_dict")
+    __slots__ = ("heads", "attention", "_native", "_dict")
 
-    def __init__(self, heads: List[HeadKV], totals: Any):
+    def __init__(self, heads: List[HeadKV], totals: Any, head_dim: int):
         #: Per KV head (and query head, with per-query-head aggregation).
         self.heads = heads
+        #: With ``attend``: each query head's attention over its chosen
+        #: rows (the heads then hold none); ``None`` otherwise.
+        self.attention = _attention(totals.attention, head_dim)
         self._native = totals
         self._dict: Optional[Dict[str, Any]] = None
 
@@ -457,5 +503,7 @@ def selection_kv_from_native(
         return np.frombuffer(data, dtype=dtype).reshape(-1, head_dim)
 
     return SelectionKV(
-        [HeadKV(kv_head, query_head, pages, rows(k), rows(v)) for kv_head, query_head, pages, k, v in heads], totals
+        [HeadKV(kv_head, query_head, pages, rows(k), rows(v)) for kv_head, query_head, pages, k, v in heads],
+        totals,
+        head_dim,
     )

@@ -7,7 +7,7 @@
 use kvtier_proto::v1 as pb;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::reflect;
 
@@ -45,6 +45,30 @@ impl SelectTotals {
             .and_then(|a| a.timing.as_ref())
             .map_or(0, |t| t.store_us);
         selection + append
+    }
+
+    /// With `attend`: `(query_heads, out, lse, tokens)`, each one `bytes`
+    /// of every query head's, little-endian (u32, f32 rows, f32, u64),
+    /// for numpy to read without a Python object per head; `None` without.
+    #[getter]
+    fn attention<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let rows = &self.info.attention;
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let bytes = |f: &dyn Fn(&pb::QueryAttention) -> Vec<u8>| {
+            PyBytes::new(py, &rows.iter().flat_map(f).collect::<Vec<u8>>())
+        };
+        PyTuple::new(
+            py,
+            [
+                bytes(&|a| a.query_head.to_le_bytes().to_vec()),
+                bytes(&|a| a.out.to_vec()),
+                bytes(&|a| a.lse.to_le_bytes().to_vec()),
+                bytes(&|a| a.tokens.to_le_bytes().to_vec()),
+            ],
+        )
+        .map(Some)
     }
 
     /// Microseconds the server spent on the call, its append included

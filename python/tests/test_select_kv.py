@@ -98,8 +98,44 @@ def test_select_kv_gathers_what_select_chooses(client, regions, case):
                 assert not mine.k.flags.writeable
             elif shm is not None and not views:
                 assert not np.shares_memory(mine.k, shm.buffer)
+        if not views:
+            check_attention(client, seq, q, case, shm, options, sel, data)
     finally:
         client.drop(seq)
+
+
+def widened(a: np.ndarray) -> np.ndarray:
+    """Rows as float64 (bfloat16 arrives as its bits)."""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def check_attention(client, seq, q, case, shm, options, sel, data):
+    """``attend=True``: each query head's softmax over the rows its
+    selection chose (a summary row weighted by its count), merged with one
+    row held apart, equals one softmax over all of them, computed here."""
+    g, d = case["group"], case["head_dim"]
+    got = client.select_kv(seq, 0, q, case["budget"], shm=shm, attend=True, **options)
+    assert all(len(h.k) == 0 for h in got.heads)
+    scale = 1 / np.sqrt(d)
+    rng = np.random.default_rng(case["seed"] + 1)
+    own_k, own_v = (rng.standard_normal((case["kv_heads"], 1, d)).astype(np.float32) for _ in range(2))
+    merged = got.attention.merged(q, own_k, own_v, scale)
+    wanted = []
+    for head in sel.heads:
+        chose = [head.query_head] if head.query_head is not None else range(head.kv_head * g, (head.kv_head + 1) * g)
+        pages = [data[(head.kv_head, p.page)] for p in head.pages if (head.kv_head, p.page) in data]
+        k = np.concatenate([widened(p.k) for p in pages] + [own_k[head.kv_head].astype(np.float64)])
+        v = np.concatenate([widened(p.v) for p in pages] + [own_v[head.kv_head].astype(np.float64)])
+        counts = np.concatenate([p.summary_counts or [1] * len(p.k) for p in pages] + [[1]]).astype(np.float64)
+        for query_head in chose:
+            logits = k @ q[query_head].astype(np.float64) * scale + np.log(counts)
+            w = np.exp(logits - logits.max())
+            wanted.append((query_head, w @ v / w.sum(), int(counts[:-1].sum())))
+    assert got.attention.query_heads.tolist() == [w[0] for w in wanted]
+    assert got.attention.tokens.tolist() == [w[2] for w in wanted]
+    np.testing.assert_allclose(merged, np.stack([w[1] for w in wanted]), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("plane", ["grpc", "shm"])

@@ -302,6 +302,35 @@ def test_a_refused_step_leaves_each_layer_as_kvtier_has_it(model_and_tokenizer, 
 
 
 @pytest.mark.parametrize("plane", ["grpc", "shm"])
+def test_attending_in_store_decodes_as_reading_the_pages(model_and_tokenizer, client, plane):
+    """kvtier attends over each step's own selection and the step merges
+    its own token's attention in: the tokens of a cache reading the
+    pages, the logits to float rounding, at a small budget and at one
+    covering every page."""
+    model, tokenizer = model_and_tokenizer
+    ids = ids_of(tokenizer, TEXT * 3)
+    layers = model.config.num_hidden_layers
+    region = client.register_shm(8 << 20) if plane == "shm" else None
+    try:
+        for budget in (3, 64):
+            with KVTierCache(client, budget, model=model, shm=region) as cache:
+                reference = generate(model, ids, cache, new_tokens=6)
+            with KVTierCache(client, budget, model=model, shm=region, attend_in_store=True) as cache:
+                ours = generate(model, ids, cache, new_tokens=6)
+                assert cache.calls["select_kv"] == 5 * layers
+                assert int(client.info(cache.sequence_id)["tokens"]) == ids.shape[1] + 5
+            assert torch.equal(ours.sequences, reference.sequences)
+            for a, b in zip(ours.logits, reference.logits):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    finally:
+        if region is not None:
+            region.close()
+    for options in ({}, {"speculative": True}):
+        with pytest.raises(ValueError, match="attend_in_store"):
+            KVTierCache(client, None if not options else 3, model=model, attend_in_store=True, **options)
+
+
+@pytest.mark.parametrize("plane", ["grpc", "shm"])
 def test_speculative_selection_covering_every_page_decodes_as_the_steps_own(model_and_tokenizer, client, plane):
     """Ahead, a step attends over the pages the last step's query chose and
     the last step's token, appended after choosing: with every page

@@ -586,6 +586,7 @@ impl Client {
             append: req.append.clone(),
             reuse_similarity: req.reuse_similarity,
             gather_heads: req.gather_heads,
+            attend: req.attend,
         }
     }
 
@@ -766,6 +767,10 @@ pub struct SelectRequest {
     /// With `shm`: each KV head's pages go into the window as one run of K
     /// rows then one of V rows (each page's V rows at its `shm_v_offset`).
     pub gather_heads: bool,
+    /// Attend in the store: the answer's [`SelectResult::attention`] holds
+    /// each query head's attention over its chosen pages, and no page
+    /// comes back (needs `include_data` and `shm` unset).
+    pub attend: bool,
 }
 
 impl SelectRequest {
@@ -795,6 +800,7 @@ impl SelectRequest {
             append: None,
             reuse_similarity: 0.0,
             gather_heads: false,
+            attend: false,
         }
     }
 
@@ -830,6 +836,7 @@ impl SelectRequest {
             append: m.append.clone(),
             reuse_similarity: m.reuse_similarity,
             gather_heads: m.gather_heads,
+            attend: m.attend,
         }
     }
 }
@@ -861,6 +868,9 @@ pub struct SelectResult {
     pub lease: Option<(u64, u64)>,
     /// With [`SelectRequest::append`]: what the append did.
     pub appended: Option<pb::AppendTokensResponse>,
+    /// With [`SelectRequest::attend`]: each query head's attention over
+    /// its chosen pages, in query-head order.
+    pub attention: Vec<pb::QueryAttention>,
 }
 
 /// `call` over `region`'s own connection: the reply, or the server's
@@ -896,6 +906,7 @@ impl SelectResult {
         if chunk.appended.is_some() {
             self.appended = chunk.appended;
         }
+        self.attention.extend(chunk.attention);
     }
 }
 

@@ -85,6 +85,13 @@ impl Partitioned {
             )
             .into());
         }
+        if req.attend {
+            return Err(tonic::Status::invalid_argument(
+                "attend: each server would attend over its own top pages, not the merged choice; select here, \
+                 then fetch the chosen pages",
+            )
+            .into());
+        }
         if req.reuse_similarity != 0.0 {
             return Err(tonic::Status::invalid_argument(
                 "reuse_similarity: a merge compares every server's scores for this query; a reused ranking's \

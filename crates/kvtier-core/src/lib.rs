@@ -5,6 +5,7 @@
 //! Everything here is deterministic and synchronous so that it can be tested
 //! exhaustively (property tests) and reused by every tier and by the server.
 
+pub mod attend;
 pub mod chunked;
 pub mod digest;
 pub mod dtype;

@@ -130,6 +130,12 @@ impl Ranking {
             reuse: None,
         }
     }
+
+    /// The softmax scale for heads of `head_dim`: the request's, or
+    /// `1/√head_dim`.
+    pub fn scale(&self, head_dim: usize) -> f32 {
+        self.softmax_scale.unwrap_or(1.0 / (head_dim as f32).sqrt())
+    }
 }
 
 impl Default for Ranking {
@@ -320,7 +326,7 @@ fn page_masses(q: &LaneQuery<'_>, pages: &[usize], queries: &[f32]) -> (Vec<f32>
     let d = index.digests().head_dim();
     let heads = queries.len() / d;
     let row = index.sketch_row_bytes();
-    let scale = q.ranking.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
+    let scale = q.ranking.scale(d);
     // Each page's sketch rows scored where they lie, the queries prepared once.
     let prepared = SketchQueries::new(d, queries);
     let sketches = Sketches::of(q, pages);

@@ -103,6 +103,7 @@ fields! {
     MIN_PAGES = "min_pages" in &[SELECT];
     REUSE_SIMILARITY = "reuse_similarity" in &[SELECT];
     GATHER_HEADS = "gather_heads" in &[SELECT];
+    ATTEND = "attend" in &[SELECT];
     SELECTION_APPEND = "append" in &[SELECT];
     APPEND_NUM_TOKENS = "append.num_tokens" in &[SELECT];
     APPEND_KV = "append.kv" in &[SELECT];

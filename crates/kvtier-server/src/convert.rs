@@ -462,9 +462,19 @@ pub(crate) fn timing_to_pb(t: &kvtier_store::SelectTiming) -> pb::SelectTiming {
     pb::SelectTiming {
         rank_us: t.rank_us,
         read_us: t.read_us,
+        attend_us: t.attend_us,
         store_us: t.store_us,
         // The server's, stamped by its handler.
         server_us: 0,
+    }
+}
+
+pub(crate) fn attention_to_pb(a: &kvtier_store::HeadAttention) -> pb::QueryAttention {
+    pb::QueryAttention {
+        query_head: a.query_head,
+        out: a.attention.out.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        lse: a.attention.lse,
+        tokens: a.attention.tokens,
     }
 }
 

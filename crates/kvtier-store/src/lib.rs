@@ -53,8 +53,8 @@ pub use stats::{
 };
 pub use store::{
     AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, Created, DeviceCache, ExportedPage,
-    FetchCursor, FetchPages, FetchedChunk, FetchedPage, HeadSelection, LaneAt, Miss, MovedContent, PageList,
-    PageSelection, PutOutcome, PutPages, ReportAttention, SelectPages, SelectTiming, SelectedPage, Selection,
+    FetchCursor, FetchPages, FetchedChunk, FetchedPage, HeadAttention, HeadSelection, LaneAt, Miss, MovedContent,
+    PageList, PageSelection, PutOutcome, PutPages, ReportAttention, SelectPages, SelectTiming, SelectedPage, Selection,
     SequenceExport, SetPageState, Store, StoreConfig, TransitionOutcome, data_bound, index_scan_bytes,
 };
 

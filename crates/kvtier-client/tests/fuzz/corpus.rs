@@ -189,6 +189,8 @@ impl Corpus {
                             reuse_similarity: if mass { 0.9 } else { 0.0 },
                             // Each head's rows laid out together where a window takes them.
                             gather_heads: data && !swap && lease == 0,
+                            // Attending where no page comes back.
+                            attend: !data && !swap,
                             // A decode step's token with the leased selections.
                             append: (lease > 0).then(|| pb::AppendAfterSelection {
                                 num_tokens: 1,

@@ -117,6 +117,7 @@ pub(super) async fn prefetch(
         (r.lease_ms > 0, wire::LEASE_MS.path),
         (r.append.is_some(), wire::SELECTION_APPEND.path),
         (r.gather_heads, wire::GATHER_HEADS.path),
+        (r.attend, wire::ATTEND.path),
     ] {
         if set {
             return Err(invalid(
@@ -238,8 +239,14 @@ impl SelectCall {
         }
     }
 
+    /// Page bytes it reads: into the answer, the window, or (attending)
+    /// the store's own buffer.
     fn room(&self) -> usize {
-        if self.request.include_data { self.bound } else { 0 }
+        if self.request.include_data || self.request.attend {
+            self.bound
+        } else {
+            0
+        }
     }
 
     /// The selection, its append checked first; the append is handed
@@ -249,8 +256,11 @@ impl SelectCall {
         if let Some(a) = &append {
             a.check(store, &self.key)?;
         }
-        let room = self.room();
         let req = select_request(&self.request, &self.inputs);
+        if self.request.attend {
+            return Ok((store.select_attending(&self.key, req)?, Vec::new(), append));
+        }
+        let room = self.room();
         let gather_heads = self.request.gather_heads;
         let (selection, data) = select_into(store, &self.key, req, self.window.as_mut(), gather_heads, room)?;
         Ok((selection, data, append))
@@ -272,6 +282,20 @@ impl KvTierService {
                 "a context-parallel rank's selection (shard) appends nothing: append from one rank with \
                  AppendTokens, or with an unsharded selection",
             ));
+        }
+        if r.attend {
+            for (set, field) in [
+                (r.include_data, wire::INCLUDE_DATA),
+                (shm.is_some(), wire::SHM),
+                (r.gather_heads, wire::GATHER_HEADS),
+            ] {
+                if set {
+                    return Err(invalid(
+                        field,
+                        "must be unset with attend, whose answer is each query head's attention, not the pages",
+                    ));
+                }
+            }
         }
         if shm.is_some() && !r.include_data {
             return Err(invalid(wire::SHM, "carries page bytes; set include_data too"));
@@ -403,6 +427,7 @@ pub(crate) fn select_messages<B>(
         mode: convert::mode_to_pb(selection.mode) as i32,
         // Sized with room for the append's answer, which replaces it.
         appended: appends.then(step_append::largest_answer),
+        attention: selection.attention.iter().map(convert::attention_to_pb).collect(),
     };
     let heads = selection.heads.iter().map(convert::head_selection_to_pb).collect();
     let mut head_runs = chunk::fit(heads, first.encoded_len(), limit, "KV head's selection")?.into_iter();
@@ -460,6 +485,7 @@ mod tests {
             lease: None,
             timing: SelectTiming::default(),
             mode: Mode::TwoStage,
+            attention: vec![],
         }
     }
 

@@ -45,6 +45,7 @@
 //! takes it only when it is free (`try_write`), leaving its change to the
 //! sequence's next writer otherwise.
 
+mod attend;
 mod fetch;
 mod moves;
 mod policy;
@@ -61,6 +62,7 @@ use std::sync::Arc;
 use kvtier_core::{SequenceKey, TenantId};
 use kvtier_tiers::{ArenaTier, NvmeConfig, NvmeTier, Tier, TierKind};
 
+pub use attend::HeadAttention;
 pub use fetch::{FetchCursor, FetchPages, FetchedChunk, FetchedPage, PageList};
 pub use moves::{ExportedPage, LaneAt, MovedContent, SequenceExport};
 pub use policy::{ApplyPolicy, AttentionWeights, ReportAttention};

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_core::{Layout, LogicalPage, PageState, Reason, SequenceKey, TenantId, parallel, wire};
 
+use super::attend::HeadAttention;
 use super::fetch::FetchedPage;
 use super::trace::tiers_of;
 use super::{Store, micros};
@@ -66,6 +67,17 @@ impl SelectPages<'_> {
     pub fn aggregation(&self) -> Aggregation {
         self.aggregation
             .unwrap_or_else(|| self.ranking.mode.default_aggregation())
+    }
+
+    /// The most page bytes this selection reads from `seq` ([`data_bound`]).
+    pub(super) fn data_bound(&self, seq: &Sequence) -> usize {
+        data_bound(
+            &seq.layout,
+            seq.tokens(),
+            self.budget.pages as u32,
+            self.heads.count,
+            self.aggregation(),
+        )
     }
 }
 
@@ -161,6 +173,9 @@ pub struct Selection<B = Vec<u8>> {
     pub timing: SelectTiming,
     /// The mode that ranked.
     pub mode: Mode,
+    /// With [`Store::select_attending`]: each query head's attention over
+    /// what it chose, in query-head order (and no data).
+    pub attention: Vec<HeadAttention>,
 }
 
 impl<B> Selection<B> {
@@ -178,6 +193,7 @@ impl<B> Selection<B> {
             lease: self.lease,
             timing: self.timing,
             mode: self.mode,
+            attention: self.attention,
         }
     }
 }
@@ -190,6 +206,8 @@ pub struct SelectTiming {
     pub rank_us: u64,
     /// Reading the chosen pages' bytes.
     pub read_us: u64,
+    /// Attending over them ([`Store::select_attending`]).
+    pub attend_us: u64,
     /// The whole call, waiting for the sequence included.
     pub store_us: u64,
 }
@@ -220,13 +238,7 @@ impl Store {
         let start = Instant::now();
         let mut selection = self.catalog.read(key, |seq| {
             let room = match req.with_data {
-                true => data_bound(
-                    &seq.layout,
-                    seq.tokens(),
-                    req.budget.pages as u32,
-                    req.heads.count,
-                    req.aggregation(),
-                ),
+                true => req.data_bound(seq),
                 false => 0,
             };
             let mut room = Vec::with_capacity(room);
@@ -254,7 +266,7 @@ impl Store {
 
     /// Records a selection's time in the store; one with a swap-in (a
     /// decode step's layer) also by the slowest tier its pages came from.
-    fn timed<B>(&self, selection: &mut Selection<B>, swap_in: bool, start: Instant) {
+    pub(super) fn timed<B>(&self, selection: &mut Selection<B>, swap_in: bool, start: Instant) {
         let elapsed = start.elapsed();
         selection.timing.store_us = micros(elapsed);
         if swap_in {
@@ -270,7 +282,7 @@ impl Store {
         }
     }
 
-    fn select_locked(
+    pub(super) fn select_locked(
         self: &Arc<Self>,
         seq: &Sequence,
         req: SelectPages<'_>,
@@ -294,6 +306,7 @@ impl Store {
             lease: None,
             timing: SelectTiming::default(),
             mode: req.ranking.mode,
+            attention: Vec::new(),
         };
         let ranking = Instant::now();
         let mut ranked = Ranked::default();

@@ -1,0 +1,116 @@
+//! A selection that attends instead of returning its pages
+//! (docs/CONCEPTS.md §3.4): the chosen pages are read into the store's own
+//! buffer and each query head's attention over them
+//! ([`kvtier_core::attend`]) is the answer, a row of values and a
+//! log-sum-exp per query head in place of the pages' bytes.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvtier_core::attend::{PageRows, PartialAttention, attend};
+use kvtier_core::{Layout, SequenceKey};
+
+use super::Store;
+use super::select::{SelectPages, Selection};
+use crate::page_buf::PageBuf;
+use crate::reader::PageContent;
+use crate::{StoreError, StoreResult};
+
+/// One query head's attention over the rows its selection chose.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeadAttention {
+    /// The query head (over the whole layer, not the request's range).
+    pub query_head: u32,
+    /// Its output, log-sum-exp and tokens, over the store's rows only.
+    pub attention: PartialAttention,
+}
+
+impl Store {
+    /// Selects as [`Store::select_pages`] does and attends over the chosen
+    /// pages with the request's queries, scaled by its ranking's softmax
+    /// scale: [`Selection::attention`] holds one result per query head of
+    /// the request's KV heads, and no page data is returned. Gone pages
+    /// are left out, a summary row counts as its tokens.
+    pub fn select_attending(
+        self: &Arc<Self>,
+        key: &SequenceKey,
+        req: SelectPages<'_>,
+    ) -> StoreResult<Selection<Range<usize>>> {
+        let start = Instant::now();
+        let req = SelectPages { with_data: true, ..req };
+        let mut selection = self.catalog.read(key, |seq| {
+            let mut room = Vec::with_capacity(req.data_bound(seq));
+            let mut buf = PageBuf::new(room.spare_capacity_mut());
+            let mut selection = self.select_locked(seq, req, &mut buf)?;
+            let attending = Instant::now();
+            selection.attention = attend_selection(&seq.layout, &req, &selection, buf.filled())?;
+            selection.timing.attend_us = super::micros(attending.elapsed());
+            selection.data.clear();
+            Ok(selection)
+        })?;
+        self.timed(&mut selection, req.swap_in, start);
+        Ok(selection)
+    }
+}
+
+/// Each selection head's query heads attending over the pages it chose
+/// that were read (`bytes` holds them at their ranges).
+fn attend_selection(
+    layout: &Layout,
+    req: &SelectPages<'_>,
+    selection: &Selection<Range<usize>>,
+    bytes: &[u8],
+) -> StoreResult<Vec<HeadAttention>> {
+    let (d, group) = (layout.head_dim() as usize, layout.group_size());
+    let rows = |r: &Range<usize>| {
+        bytes.get(r.clone()).ok_or_else(|| {
+            StoreError::Internal(format!(
+                "a selected page's bytes {r:?} lie past the {} read",
+                bytes.len()
+            ))
+        })
+    };
+    let mut read: BTreeMap<(u32, u32), PageRows<'_>> = BTreeMap::new();
+    for p in &selection.data {
+        let page = match &p.content {
+            PageContent::Original(r) => PageRows {
+                kv: rows(r)?,
+                counts: None,
+            },
+            PageContent::Summary { counts, kv } => PageRows {
+                kv: rows(kv)?,
+                counts: Some(counts.as_slice()),
+            },
+            PageContent::Gone(_) => continue,
+        };
+        read.insert((p.kv_head, p.page), page);
+    }
+    let scale = req.ranking.scale(d);
+    let mut out = Vec::new();
+    for head in &selection.heads {
+        // Its KV head's place in the request, and which of the group's
+        // query heads chose (all of them, aggregated).
+        let lane = (head.kv_head - req.heads.start) as usize;
+        let first = head.kv_head * group;
+        let heads = match head.query_head {
+            Some(q) => q..q + 1,
+            None => first..first + group,
+        };
+        let at = lane * group as usize + (heads.start - first) as usize;
+        let queries = &req.queries[at * d..(at + heads.len()) * d];
+        let pages: Vec<PageRows<'_>> = head
+            .pages
+            .iter()
+            .filter_map(|p| read.get(&(head.kv_head, p.page)).copied())
+            .collect();
+        let attended = attend(layout.dtype(), d, scale, queries, &pages);
+        out.extend(
+            heads
+                .zip(attended)
+                .map(|(query_head, attention)| HeadAttention { query_head, attention }),
+        );
+    }
+    Ok(out)
+}
