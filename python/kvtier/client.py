@@ -534,7 +534,8 @@ class _Api:
         ``softmax_scale``) instead of returning them
         (``SelectPagesRequest.attend``): the answer's
         :attr:`SelectionKV.attention` holds each query head's output and
-        log-sum-exp, to merge with rows the caller holds
+        log-sum-exp (over the tokens of ``append`` too, after the chosen
+        pages), to merge with rows the caller holds
         (:meth:`Attention.merged`), and its heads hold no rows; over
         ``shm``, only the region's connection is used."""
         args = locals()

@@ -105,21 +105,11 @@ def _attention_over(
     )
 
 
-def _merged_with_own(
-    query: torch.Tensor,
-    attention: Attention,
-    queries: np.ndarray,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """A decode step's attention, ``[1, query heads, 1, head_dim]``, from
-    kvtier's over its selection (``attention``) and the step's own token
-    (``key``, ``value``: ``[1, kv heads, 1, head_dim]``), for ``queries``
-    (float32 ``[query heads, head_dim]``)."""
-    own_k, own_v = (t[0].detach().to("cpu", torch.float32).numpy() for t in (key, value))
-    out = attention.merged(queries, own_k, own_v, scaling)
-    return torch.from_numpy(out).to(query.device, query.dtype)[None, :, None, :]
+def _attended(query: torch.Tensor, attention: Attention) -> torch.Tensor:
+    """A decode step's attention, ``[1, query heads, 1, head_dim]``, as
+    kvtier answered it: over the step's selection and its own token, which
+    the same call appended."""
+    return torch.tensor(attention.out).to(query.device, query.dtype)[None, :, None, :]
 
 
 def prompt_hashes(prompt_ids: Sequence[int], page_size: int, model_key: str) -> List[bytes]:
@@ -318,7 +308,8 @@ class KVTierLayer(CacheLayerMixin):
         which the same call appends once it has selected. With the cache's
         ``speculative``, over the pages the last step's query selected (and
         the last step's token): this step's selection is made in the
-        background for the next step."""
+        background for the next step. With ``attend_in_store``, kvtier
+        attends and answers the output."""
         if attention_mask is not None:
             allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
             if not bool(allowed[..., : self.tokens].all()):
@@ -355,7 +346,7 @@ class KVTierLayer(CacheLayerMixin):
                 own, appended = (step_k, step_v), True
         try:
             if selection.attention is not None:
-                out = _merged_with_own(query, selection.attention, queries, key, value, scaling)
+                out = _attended(query, selection.attention)
             else:
                 heads = [selection.head(h) for h in range(cache.layout.num_kv_heads)]
                 out = _attention_over(query, [(h.k, h.v) for h in heads], *own, scaling)
@@ -457,12 +448,12 @@ class KVTierCache(Cache):
     every KV head): the server refuses a call whose window is smaller.
 
     ``attend_in_store`` (with a budget, not ``speculative``): kvtier
-    attends over each step's own selection where the pages are and
-    answers each query head's output and log-sum-exp, which the step
-    merges with its own token's: a row per query head crosses instead
-    of the pages (``SelectPagesRequest.attend``). The same selection and
-    the same attention as reading the pages, to float rounding; with
-    ``shm`` only the region's connection is used.
+    attends over each step's own selection where the pages are, and over
+    the step's token the same call appends, and answers each query head's
+    output: a row per query head crosses instead of the pages
+    (``SelectPagesRequest.attend``). The same selection and the same
+    attention as reading the pages, to float rounding; with ``shm`` only
+    the region's connection is used.
     """
 
     def __init__(

@@ -187,8 +187,8 @@ def _total(name: str, doc: str) -> Any:
 @dataclass(frozen=True)
 class Attention:
     """What an attending selection (``select_kv(attend=True)``) answers:
-    each query head's attention over the rows kvtier chose for it, and
-    only those. ``out`` ``[query heads, head_dim]`` float32 is the
+    each query head's attention over the rows kvtier chose for it (and the
+    call's ``append``, after them), and only those. ``out`` ``[query heads, head_dim]`` float32 is the
     softmax-weighted sum of their values, ``lse`` ``[query heads]`` the log
     of the softmax's normaliser (−inf without rows), ``tokens`` the tokens
     the rows stand for, ``query_heads`` which query head each row is."""

@@ -1,9 +1,9 @@
 //! A selection that attends in the store (`attend`), over gRPC and over a
 //! region's socket, against a model: for the pages the same selection
-//! chooses, each query head's softmax over the tokens the test wrote (a
-//! summary's rows weighted by their counts, gone pages left out),
-//! computed here in f64. Conflicting fields are refused by name, with
-//! nothing appended.
+//! chooses, and the step's own token where the call appends one, each
+//! query head's softmax over the tokens the test wrote (a summary's rows
+//! weighted by their counts, gone pages left out), computed here in f64.
+//! Conflicting fields are refused by name, with nothing appended.
 
 mod common;
 
@@ -60,10 +60,10 @@ struct Row {
     count: f64,
 }
 
-/// The rows the model attends over for one head's chosen pages: the
-/// test's own for a kept page, the server's for a summary (its means are
-/// the server's to choose), none for a gone one.
-fn model_rows(dtype: pb::DType, layer: u32, head: &pb::HeadSelection, read: &[pb::Page]) -> Vec<Row> {
+/// The rows the model attends over for one head's chosen pages (of a lane
+/// of `len` tokens): the test's own for a kept page, the server's for a
+/// summary (its means are the server's to choose), none for a gone one.
+fn model_rows(dtype: pb::DType, layer: u32, len: u32, head: &pb::HeadSelection, read: &[pb::Page]) -> Vec<Row> {
     let mut rows = Vec::new();
     for chosen in &head.pages {
         let Some(page) = read.iter().find(|p| p.kv_head == head.kv_head && p.page == chosen.page) else {
@@ -71,18 +71,7 @@ fn model_rows(dtype: pb::DType, layer: u32, head: &pb::HeadSelection, read: &[pb
         };
         if page.summary_counts.is_empty() {
             let first = page.page * PAGE;
-            for t in first..(first + PAGE).min(TOKENS) {
-                let row = |half| {
-                    (0..D)
-                        .map(|i| f64::from(element(layer, head.kv_head, t, half, i)))
-                        .collect()
-                };
-                rows.push(Row {
-                    k: row(0),
-                    v: row(1),
-                    count: 1.0,
-                });
-            }
+            rows.extend((first..(first + PAGE).min(len)).map(|t| token_row(layer, head.kv_head, t)));
         } else {
             let m = page.summary_counts.len();
             let at = |r: usize, i: usize| f64::from(common::value(dtype, &page.kv, r * D + i));
@@ -96,6 +85,16 @@ fn model_rows(dtype: pb::DType, layer: u32, head: &pb::HeadSelection, read: &[pb
         }
     }
     rows
+}
+
+/// Token `t`'s rows in (layer, head), as the test wrote them.
+fn token_row(layer: u32, head: u32, t: u32) -> Row {
+    let row = |half| (0..D).map(|i| f64::from(element(layer, head, t, half, i))).collect();
+    Row {
+        k: row(0),
+        v: row(1),
+        count: 1.0,
+    }
 }
 
 /// One query's softmax over `rows`: its output and log-sum-exp.
@@ -160,6 +159,8 @@ async fn each_query_head_gets_the_softmax_over_what_it_chose() {
             .await
             .unwrap();
         c.set_page_state("s", 0..1, 1..2, 4..5, actions::evict()).await.unwrap();
+        // Tokens per (layer, KV head): appends grow them.
+        let mut len = [[TOKENS; KV_HEADS as usize]; LAYERS as usize];
         for seed in 0..24u32 {
             let layer = seed % LAYERS;
             let aggregation = [
@@ -188,16 +189,26 @@ async fn each_query_head_gets_the_softmax_over_what_it_chose() {
                 },
             )
             .await;
-            let got = select(
-                &mut c,
-                &mut region,
-                local,
-                &SelectRequest {
-                    attend: true,
-                    ..base.clone()
-                },
-            )
-            .await;
+            // Every third call over every head appends the step's own token, which it attends too.
+            let appends = seed % 3 == 1 && heads == KV_HEADS;
+            let append = appends.then(|| pb::AppendAfterSelection {
+                num_tokens: 1,
+                kv: (first..first + heads)
+                    .flat_map(|h| {
+                        let t = len[layer as usize][h as usize];
+                        (0..2).flat_map(move |half| encode(dtype, (0..D).map(move |i| element(layer, h, t, half, i))))
+                    })
+                    .collect::<Vec<u8>>()
+                    .into(),
+                position: None,
+                persist: false,
+            });
+            let attending = SelectRequest {
+                attend: true,
+                append,
+                ..base.clone()
+            };
+            let got = select(&mut c, &mut region, local, &attending).await;
             assert_eq!(got.heads, read.heads, "the same choice, attending or not");
             assert!(got.pages.is_empty(), "an attending selection returns no page");
             let scale = if base.softmax_scale == 0.0 {
@@ -207,7 +218,11 @@ async fn each_query_head_gets_the_softmax_over_what_it_chose() {
             };
             let mut expected = Vec::new();
             for head in &read.heads {
-                let rows = model_rows(dtype, layer, head, &read.pages);
+                let stored = len[layer as usize][head.kv_head as usize];
+                let mut rows = model_rows(dtype, layer, stored, head, &read.pages);
+                if appends {
+                    rows.push(token_row(layer, head.kv_head, stored));
+                }
                 let chose: Vec<u32> = match head.query_head {
                     Some(q) => vec![q],
                     None => (head.kv_head * GROUP..(head.kv_head + 1) * GROUP).collect(),
@@ -237,6 +252,9 @@ async fn each_query_head_gets_the_softmax_over_what_it_chose() {
                         "seed {seed}: {values:?} vs {out:?}"
                     );
                 }
+            }
+            if appends {
+                (first..first + heads).for_each(|h| len[layer as usize][h as usize] += 1);
             }
             cases += 1;
         }

@@ -258,7 +258,10 @@ impl SelectCall {
         }
         let req = select_request(&self.request, &self.inputs);
         if self.request.attend {
-            return Ok((store.select_attending(&self.key, req)?, Vec::new(), append));
+            // The step's own tokens are attended too, after the chosen
+            // pages: the answer is then the step's whole attention.
+            let own = append.as_ref().map(StepAppend::kv);
+            return Ok((store.select_attending(&self.key, req, own)?, Vec::new(), append));
         }
         let room = self.room();
         let gather_heads = self.request.gather_heads;

@@ -44,9 +44,14 @@ impl StepAppend {
         }
     }
 
-    /// Its K/V bytes.
+    /// Its K/V bytes' length.
     pub(crate) fn bytes(&self) -> usize {
         self.tokens.kv.len()
+    }
+
+    /// Its K/V rows, per KV head K rows then V rows (checked).
+    pub(crate) fn kv(&self) -> &[u8] {
+        &self.tokens.kv
     }
 
     /// Refuses now what the append would refuse, naming `append.*`.

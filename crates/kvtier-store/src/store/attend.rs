@@ -32,11 +32,16 @@ impl Store {
     /// pages with the request's queries, scaled by its ranking's softmax
     /// scale: [`Selection::attention`] holds one result per query head of
     /// the request's KV heads, and no page data is returned. Gone pages
-    /// are left out, a summary row counts as its tokens.
+    /// are left out, a summary row counts as its tokens. `own`: rows not
+    /// stored yet that the queries also see, after the chosen pages (a
+    /// decode step's own tokens, appended by the same call once it has
+    /// answered), laid out as an append's (per KV head of the request,
+    /// its K rows then its V rows).
     pub fn select_attending(
         self: &Arc<Self>,
         key: &SequenceKey,
         req: SelectPages<'_>,
+        own: Option<&[u8]>,
     ) -> StoreResult<Selection<Range<usize>>> {
         let start = Instant::now();
         let req = SelectPages { with_data: true, ..req };
@@ -45,7 +50,7 @@ impl Store {
             let mut buf = PageBuf::new(room.spare_capacity_mut());
             let mut selection = self.select_locked(seq, req, &mut buf)?;
             let attending = Instant::now();
-            selection.attention = attend_selection(&seq.layout, &req, &selection, buf.filled())?;
+            selection.attention = attend_selection(&seq.layout, &req, &selection, buf.filled(), own)?;
             selection.timing.attend_us = super::micros(attending.elapsed());
             selection.data.clear();
             Ok(selection)
@@ -56,12 +61,14 @@ impl Store {
 }
 
 /// Each selection head's query heads attending over the pages it chose
-/// that were read (`bytes` holds them at their ranges).
+/// that were read (`bytes` holds them at their ranges), then over its KV
+/// head's `own` rows.
 fn attend_selection(
     layout: &Layout,
     req: &SelectPages<'_>,
     selection: &Selection<Range<usize>>,
     bytes: &[u8],
+    own: Option<&[u8]>,
 ) -> StoreResult<Vec<HeadAttention>> {
     let (d, group) = (layout.head_dim() as usize, layout.group_size());
     let rows = |r: &Range<usize>| {
@@ -87,6 +94,14 @@ fn attend_selection(
         };
         read.insert((p.kv_head, p.page), page);
     }
+    let per_head = own.map_or(0, |own| own.len() / req.heads.count.max(1) as usize);
+    if own.is_some_and(|own| per_head * req.heads.count as usize != own.len()) {
+        return Err(StoreError::Internal(format!(
+            "{} bytes of own rows are not the same for each of {} KV heads",
+            own.map_or(0, <[u8]>::len),
+            req.heads.count
+        )));
+    }
     let scale = req.ranking.scale(d);
     let mut out = Vec::new();
     for head in &selection.heads {
@@ -100,10 +115,15 @@ fn attend_selection(
         };
         let at = lane * group as usize + (heads.start - first) as usize;
         let queries = &req.queries[at * d..(at + heads.len()) * d];
+        let own = own.map(|own| PageRows {
+            kv: &own[lane * per_head..(lane + 1) * per_head],
+            counts: None,
+        });
         let pages: Vec<PageRows<'_>> = head
             .pages
             .iter()
             .filter_map(|p| read.get(&(head.kv_head, p.page)).copied())
+            .chain(own)
             .collect();
         let attended = attend(layout.dtype(), d, scale, queries, &pages);
         out.extend(
