@@ -150,13 +150,14 @@ def step_costs(
         with torch.no_grad():
             out = model(ids[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
-            step_s, kvtier_s, calls, server, store = [], [], [], [], []
+            step_s, kvtier_s, attention_s, calls, server, store = [], [], [], [], [], []
             for _ in range(steps):
-                k0, t0 = cache.kvtier_seconds, time.perf_counter()
+                k0, a0, t0 = cache.kvtier_seconds, cache.attention_seconds, time.perf_counter()
                 c0, v0, s0 = sum(cache.calls.values()), cache.server_seconds, cache.store_seconds
                 token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
                 step_s.append(time.perf_counter() - t0)
                 kvtier_s.append(cache.kvtier_seconds - k0)
+                attention_s.append(cache.attention_seconds - a0)
                 calls.append(sum(cache.calls.values()) - c0)
                 server.append(cache.server_seconds - v0)
                 store.append(cache.store_seconds - s0)
@@ -169,6 +170,7 @@ def step_costs(
                 "step_ms_p50": float(np.median(step_s) * 1e3),
                 "kvtier_ms_p50": float(np.median(kvtier_s) * 1e3),
                 "kvtier_ms_p99": float(np.percentile(kvtier_s, 99) * 1e3),
+                "attention_ms_p50": float(np.median(attention_s) * 1e3) if label != "dense" else None,
                 "calls_per_step": float(np.median(calls)),
                 "server_ms_p50": float(np.median(server) * 1e3),
                 "store_ms_p50": float(np.median(store) * 1e3),
@@ -382,22 +384,28 @@ def report(r: dict, a) -> str:
         "this step's query; *kvtier ms* is then what the model waited (handing the call over, and its answer when",
         "not yet done, and a corrected step's own call), *server ms* the server's time on all the calls. *corrected",
         "below 0.5* (`correction=0.5`): a step whose query heads' least cosine similarity to the ones that chose is",
-        "below 0.5 selects for itself.",
+        "below 0.5 selects for itself. *in store* (`attend_in_store=True`): the step's own selection, kvtier attending",
+        "over it and the step's token where the pages are and answering a row per query head; *kvtier ms* then",
+        "includes the store's attention, which the other rows compute in the model after the call. *attention ms*: a",
+        "step's whole attention under a budget (`attention_seconds`: the kvtier calls, the copies around them and",
+        "the attention over what came back), the part of a step that kvtier's modes change.",
         "",
-        "| budget | mode | plane | step ms p50 | kvtier ms p50 | kvtier ms p99 | server ms p50 | store ms p50"
-        " | calls/step | kvtier µs per layer | ÷ floor |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| budget | mode | plane | step ms p50 | attention ms p50 | kvtier ms p50 | kvtier ms p99 | server ms p50"
+        " | store ms p50 | calls/step | kvtier µs per layer | ÷ floor |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     layers = 30
     floor = min(r["floor_us"]["shm"], r["floor_us"]["shm polling"])
     for s in r["steps"]:
         step = "-" if s["step_ms_p50"] is None else f"{s['step_ms_p50']:.1f}"
         if "kvtier_ms_p50" not in s:
-            lines.append(f"| {s['budget']} | {s['mode']} | {s['plane']} | {step} |" + " - |" * 7)
+            lines.append(f"| {s['budget']} | {s['mode']} | {s['plane']} | {step} |" + " - |" * 8)
             continue
         per_layer = s["kvtier_ms_p50"] * 1e3 / layers
+        attention = "-" if s.get("attention_ms_p50") is None else f"{s['attention_ms_p50']:.1f}"
         lines.append(
-            f"| {s['budget']} | {s['mode']} | {s['plane']} | {step} | {s['kvtier_ms_p50']:.1f} | {s['kvtier_ms_p99']:.1f}"
+            f"| {s['budget']} | {s['mode']} | {s['plane']} | {step} | {attention} | {s['kvtier_ms_p50']:.1f}"
+            f" | {s['kvtier_ms_p99']:.1f}"
             f" | {s['server_ms_p50']:.1f} | {s['store_ms_p50']:.1f} | {s['calls_per_step']:.0f} | {per_layer:.0f}"
             f" | {per_layer / floor:.1f} |"
         )

@@ -155,7 +155,11 @@ def _kvtier_attention(base: str):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         layer = getattr(key, "_kvtier_layer", None)
         if layer is not None:
-            return layer.attend(query, key, value, attention_mask, scaling)
+            start = time.perf_counter()
+            try:
+                return layer.attend(query, key, value, attention_mask, scaling)
+            finally:
+                layer.cache.attention_seconds += time.perf_counter() - start
         forward = sdpa_attention_forward if base == "sdpa" else _eager_of(module)
         return forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
@@ -549,9 +553,12 @@ class KVTierCache(Cache):
         #: steps' selections (with their appends) the server spent on them
         #: and the part of that in its store (the rest of the wait is the
         #: transport and the client), and the tokens this cache prefilled
-        #: (not attached).
+        #: (not attached). ``attention_seconds``: the decode steps' whole
+        #: attention under a budget (their kvtier calls, the copies around
+        #: them and the attention over what came back).
         self.calls: Dict[str, int] = {}
         self.kvtier_seconds = 0.0
+        self.attention_seconds = 0.0
         self.server_seconds = 0.0
         self.store_seconds = 0.0
         self.prefilled_tokens = 0

@@ -81,6 +81,8 @@ def test_without_a_budget_tokens_and_logits_equal_dynamic_cache(model_and_tokeni
         ours = generate(model, ids, cache)
         assert model.config._attn_implementation == f"kvtier_{attention}"
         assert_identical(ours, reference)
+        # The model's own attention, over what the layers returned.
+        assert cache.attention_seconds == 0
         # Every layer's tokens are in kvtier: prompt and all but the last new token.
         info = client.info(cache.sequence_id)
         assert int(info["tokens"]) == ids.shape[1] + 11
@@ -318,6 +320,7 @@ def test_attending_in_store_decodes_as_reading_the_pages(model_and_tokenizer, cl
             with KVTierCache(client, budget, model=model, shm=region, attend_in_store=True) as cache:
                 ours = generate(model, ids, cache, new_tokens=6)
                 assert cache.calls["select_kv"] == 5 * layers
+                assert cache.attention_seconds > 0
                 assert int(client.info(cache.sequence_id)["tokens"]) == ids.shape[1] + 5
             assert torch.equal(ours.sequences, reference.sequences)
             for a, b in zip(ours.logits, reference.logits):

@@ -7,11 +7,7 @@
 
 mod common;
 
-use std::path::Path;
-
-use common::{TestServer, small_store};
 use kvtier_client::{Client, ClientError, SelectRequest, ShmRegion, actions, pb};
-use kvtier_server::ServerConfig;
 use tonic::Code;
 
 const LAYERS: u32 = 2;
@@ -134,16 +130,7 @@ async fn select(
 #[tokio::test]
 async fn each_query_head_gets_the_softmax_over_what_it_chose() {
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("shm.sock");
-    let config = ServerConfig {
-        shm_socket: Some(socket.clone()),
-        ..ServerConfig::default()
-    };
-    let server = TestServer::start_with(small_store(), config).await;
-    let mut c = server.client().await;
-    let mut region = ShmRegion::register(Path::new(&socket), 1 << 20, "", None)
-        .await
-        .unwrap();
+    let (_server, mut c, mut region) = common::with_region(dir.path()).await;
     let mut cases = 0;
     for dtype in [pb::DType::DtypeF32, pb::DType::DtypeF16] {
         let _ = c.drop_sequence("s").await;
@@ -265,16 +252,7 @@ async fn each_query_head_gets_the_softmax_over_what_it_chose() {
 #[tokio::test]
 async fn attend_with_fields_it_replaces_is_refused_and_appends_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("shm.sock");
-    let config = ServerConfig {
-        shm_socket: Some(socket.clone()),
-        ..ServerConfig::default()
-    };
-    let server = TestServer::start_with(small_store(), config).await;
-    let mut c = server.client().await;
-    let region = ShmRegion::register(Path::new(&socket), 1 << 20, "", None)
-        .await
-        .unwrap();
+    let (_server, mut c, region) = common::with_region(dir.path()).await;
     let dtype = pb::DType::DtypeF32;
     let layout = kvtier_client::layout(LAYERS, KV_HEADS, KV_HEADS * GROUP, D as u32, dtype, PAGE);
     c.create_sequence("s", layout, vec![]).await.unwrap();

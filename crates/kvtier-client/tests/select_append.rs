@@ -6,12 +6,9 @@
 
 mod common;
 
-use std::path::Path;
-
 use common::{TestServer, small_store};
-use kvtier_client::{Client, ClientError, SelectRequest, ShmRegion, pb};
+use kvtier_client::{Client, ClientError, SelectRequest, pb};
 use kvtier_core::TenantId;
-use kvtier_server::ServerConfig;
 use kvtier_store::{Limits, Quota, StoreConfig};
 use tonic::Code;
 
@@ -54,16 +51,7 @@ async fn stored(c: &mut Client, id: &str) -> u64 {
 #[tokio::test]
 async fn the_step_token_lands_after_the_selection_over_grpc_and_shm() {
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("shm.sock");
-    let config = ServerConfig {
-        shm_socket: Some(socket.clone()),
-        ..ServerConfig::default()
-    };
-    let server = TestServer::start_with(small_store(), config).await;
-    let mut c = server.client().await;
-    let mut region = ShmRegion::register(Path::new(&socket), 1 << 20, "", None)
-        .await
-        .unwrap();
+    let (_server, mut c, mut region) = common::with_region(dir.path()).await;
     c.create_sequence("s", layout(), vec![]).await.unwrap();
     c.put_pages("s", 0, 0..2, 0, 40, kv(40, 0.0).into()).await.unwrap();
     let plain = SelectRequest {

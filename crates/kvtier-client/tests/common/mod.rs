@@ -55,6 +55,22 @@ impl TestServer {
     }
 }
 
+/// A small-store server with a region socket in `dir`, a client of it and
+/// a 1 MiB region registered.
+pub async fn with_region(dir: &std::path::Path) -> (TestServer, Client, kvtier_client::ShmRegion) {
+    let socket = dir.join("shm.sock");
+    let config = ServerConfig {
+        shm_socket: Some(socket.clone()),
+        ..ServerConfig::default()
+    };
+    let server = TestServer::start_with(small_store(), config).await;
+    let client = server.client().await;
+    let region = kvtier_client::ShmRegion::register(&socket, 1 << 20, "", None)
+        .await
+        .unwrap();
+    (server, client, region)
+}
+
 /// The tiers of `TestServer::default`.
 pub fn small_store() -> StoreConfig {
     StoreConfig {
