@@ -25,6 +25,14 @@ def storage_dtype(dtype: str) -> np.dtype:
     return DTYPES[dtype]
 
 
+def widened(a: np.ndarray) -> np.ndarray:
+    """``a`` as float32: a float array cast, bfloat16 bits (``uint16``,
+    :func:`storage_dtype` without ml_dtypes) shifted into place."""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32, copy=False)
+
+
 def as_array(x: Any, name: str) -> np.ndarray:
     """``x`` as a numpy array without a copy where possible."""
     if isinstance(x, np.ndarray):

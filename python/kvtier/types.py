@@ -201,12 +201,15 @@ class Attention:
     def merged(self, queries: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
         """The attention over kvtier's rows and ``k``, ``v`` (``[KV heads,
         rows, head_dim]``: rows kvtier does not hold, such as the step's
-        own token, for every KV head of :attr:`query_heads`, in order) for
-        ``queries`` (``[query heads, head_dim]``, float32), exact: the
-        two softmaxes merged by their log-sum-exps."""
+        own token, for every KV head of :attr:`query_heads`, in order; a
+        float dtype or a layout's storage dtype) for ``queries`` (``[query
+        heads, head_dim]``, float32), exact: the two softmaxes merged by
+        their log-sum-exps."""
+        if k.shape[1] == 0:
+            return self.out.copy()
         group = len(self.query_heads) // k.shape[0]
-        k = np.repeat(k.astype(np.float32, copy=False), group, axis=0)
-        v = np.repeat(v.astype(np.float32, copy=False), group, axis=0)
+        k = np.repeat(_arrays.widened(k), group, axis=0)
+        v = np.repeat(_arrays.widened(v), group, axis=0)
         logits = np.einsum("hd,hnd->hn", queries, k) * np.float32(scale)
         top = np.maximum(self.lse, logits.max(axis=1))
         kept = np.exp(self.lse - top)

@@ -120,14 +120,15 @@ def check_attention(client, seq, q, case, shm, options, sel, data):
     assert all(len(h.k) == 0 for h in got.heads)
     scale = 1 / np.sqrt(d)
     rng = np.random.default_rng(case["seed"] + 1)
-    own_k, own_v = (rng.standard_normal((case["kv_heads"], 1, d)).astype(np.float32) for _ in range(2))
+    # In the layout's storage dtype (bfloat16 as its bits), as a worker holds them.
+    own_k, own_v = (rows(rng, (case["kv_heads"], 1, d), case["dtype"]) for _ in range(2))
     merged = got.attention.merged(q, own_k, own_v, scale)
     wanted = []
     for head in sel.heads:
         chose = [head.query_head] if head.query_head is not None else range(head.kv_head * g, (head.kv_head + 1) * g)
         pages = [data[(head.kv_head, p.page)] for p in head.pages if (head.kv_head, p.page) in data]
-        k = np.concatenate([widened(p.k) for p in pages] + [own_k[head.kv_head].astype(np.float64)])
-        v = np.concatenate([widened(p.v) for p in pages] + [own_v[head.kv_head].astype(np.float64)])
+        k = np.concatenate([widened(p.k) for p in pages] + [widened(own_k[head.kv_head])])
+        v = np.concatenate([widened(p.v) for p in pages] + [widened(own_v[head.kv_head])])
         counts = np.concatenate([p.summary_counts or [1] * len(p.k) for p in pages] + [[1]]).astype(np.float64)
         for query_head in chose:
             logits = k @ q[query_head].astype(np.float64) * scale + np.log(counts)

@@ -322,3 +322,53 @@ async fn attend_with_fields_it_replaces_is_refused_and_appends_nothing() {
     assert_eq!(got.attention.len(), (KV_HEADS * GROUP) as usize);
     assert_eq!(c.get_sequence("s").await.unwrap().max_tokens, u64::from(TOKENS) + 1);
 }
+
+#[tokio::test]
+async fn an_attending_selection_holds_its_buffer_in_flight() {
+    // Responses may hold 1 MiB at once.
+    let config = kvtier_server::ServerConfig {
+        max_message_bytes: 1 << 20,
+        max_inflight_bytes: 2 << 20,
+        ..kvtier_server::ServerConfig::default()
+    };
+    let server = common::TestServer::start_with(common::small_store(), config).await;
+    let mut c = server.client().await;
+    let (d, tokens) = (128usize, 2048u32);
+    let dtype = pb::DType::DtypeF16;
+    let layout = kvtier_client::layout(1, KV_HEADS, KV_HEADS * GROUP, d as u32, dtype, 16);
+    c.create_sequence("s", layout, vec![]).await.unwrap();
+    // 512 tokens at a time, every head's the same.
+    let part = encode(
+        dtype,
+        (0..2 * KV_HEADS as usize * 512 * d).map(|i| (i % 7) as f32 / 8.0),
+    );
+    for first_page in (0..tokens / 16).step_by(32) {
+        c.put_pages("s", 0, 0..KV_HEADS, first_page, 512, part.clone().into())
+            .await
+            .unwrap();
+    }
+    let queries: Vec<f32> = (0..(KV_HEADS * GROUP) as usize * d)
+        .map(|i| (i % 5) as f32 / 10.0)
+        .collect();
+    // 128 pages of 8 KiB per head, and their rows widened to f32: 6 MiB.
+    let all = SelectRequest {
+        attend: true,
+        ..SelectRequest::new(0, 0..KV_HEADS, queries.clone(), 128)
+    };
+    match c.select_pages("s", &all).await {
+        Err(ClientError::Status(s)) => {
+            assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");
+            assert!(s.message().contains("more than responses may hold"), "{}", s.message());
+        }
+        other => panic!("{other:?}"),
+    }
+    // 8 pages per head fit.
+    let some = SelectRequest {
+        attend: true,
+        ..SelectRequest::new(0, 0..KV_HEADS, queries, 8)
+    };
+    assert_eq!(
+        c.select_pages("s", &some).await.unwrap().attention.len(),
+        (KV_HEADS * GROUP) as usize
+    );
+}

@@ -115,7 +115,7 @@ pub fn attend(
 /// Every query head's softmax over the `n` rows of `pages` (`n` > 0):
 /// its weighted values into `out` (`[head][d]`), its log-sum-exp into
 /// `lse`. Compiled for AVX2 with FMA too, chosen at run time: the same
-/// code, vectorised eight lanes wide (fused, so its last bits differ).
+/// code, vectorised eight lanes wide.
 fn weigh(pages: &[Floats<'_>], queries: &[f32], d: usize, n: usize, scale: f32, out: &mut [f32], lse: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if Kernel::Avx2.supported() && std::arch::is_x86_feature_detected!("fma") {

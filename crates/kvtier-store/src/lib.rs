@@ -55,7 +55,7 @@ pub use store::{
     AppendOutcome, AppendTiming, AppendTokens, ApplyPolicy, AttentionWeights, Created, DeviceCache, ExportedPage,
     FetchCursor, FetchPages, FetchedChunk, FetchedPage, HeadAttention, HeadSelection, LaneAt, Miss, MovedContent,
     PageList, PageSelection, PutOutcome, PutPages, ReportAttention, SelectPages, SelectTiming, SelectedPage, Selection,
-    SequenceExport, SetPageState, Store, StoreConfig, TransitionOutcome, data_bound, index_scan_bytes,
+    SequenceExport, SetPageState, Store, StoreConfig, TransitionOutcome, attend_room, data_bound, index_scan_bytes,
 };
 
 /// Whether this process may use io_uring (for tests that pick an engine).

@@ -39,10 +39,11 @@ pub(super) async fn select_pages(
         .await?;
     let call = svc.plan_select(&caller, r)?;
     // The data's room in flight, at most what the selection can choose,
-    // is taken before the store reads any of it. Data over shm goes to
-    // the client's memory: nothing held in flight.
-    let held = match call.data_inline() {
-        true => Some(svc.in_flight.hold("a selection's data", call.bound).await?),
+    // is taken before the store reads any of it; an attending selection's
+    // buffer likewise. Data over shm goes to the client's memory: nothing
+    // held in flight.
+    let held = match call.data_inline() || call.request.attend {
+        true => Some(svc.in_flight.hold("a selection's data", call.room()).await?),
         false => None,
     };
     let (key, limit, work) = (call.key.clone(), call.limit, call.work());
@@ -217,6 +218,8 @@ pub(crate) struct SelectCall {
     window: Option<Window>,
     /// The most page bytes it can return.
     bound: usize,
+    /// With `attend`: the most bytes the store's buffer holds.
+    attend_room: usize,
     /// Index bytes it scans.
     scanned: usize,
     /// The limit on one response message.
@@ -239,13 +242,13 @@ impl SelectCall {
         }
     }
 
-    /// Page bytes it reads: into the answer, the window, or (attending)
-    /// the store's own buffer.
+    /// Bytes it reads pages into: the answer, the window, or (attending)
+    /// the store's own buffer, with the rows widened to f32.
     fn room(&self) -> usize {
-        if self.request.include_data || self.request.attend {
-            self.bound
-        } else {
-            0
+        match (self.request.include_data, self.request.attend) {
+            (true, _) => self.bound,
+            (false, true) => self.attend_room,
+            (false, false) => 0,
         }
     }
 
@@ -333,6 +336,7 @@ impl KvTierService {
             inputs,
             window,
             bound,
+            attend_room: kvtier_store::attend_room(&shape.0, bound),
             scanned,
             limit,
         })

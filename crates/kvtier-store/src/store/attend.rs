@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvtier_core::attend::{PageRows, PartialAttention, attend};
-use kvtier_core::{Layout, SequenceKey};
+use kvtier_core::{DType, Layout, SequenceKey};
 
 use super::Store;
 use super::select::{SelectPages, Selection};
@@ -25,6 +25,17 @@ pub struct HeadAttention {
     pub query_head: u32,
     /// Its output, log-sum-exp and tokens, over the store's rows only.
     pub attention: PartialAttention,
+}
+
+/// The most bytes an attending selection of at most `data_bound` page
+/// bytes holds: the pages, and their rows widened to f32 where the
+/// layout's dtype is narrower (f32 rows are read where they lie).
+pub fn attend_room(layout: &Layout, data_bound: usize) -> usize {
+    let widened = match layout.dtype() {
+        DType::F32 => 0,
+        d => data_bound / d.size() * 4,
+    };
+    data_bound.saturating_add(widened)
 }
 
 impl Store {
@@ -79,6 +90,7 @@ fn attend_selection(
             ))
         })
     };
+    let row_pair = 2 * layout.row_bytes();
     let mut read: BTreeMap<(u32, u32), PageRows<'_>> = BTreeMap::new();
     for p in &selection.data {
         let page = match &p.content {
@@ -92,6 +104,17 @@ fn attend_selection(
             },
             PageContent::Gone(_) => continue,
         };
+        // The kernel pairs each K row with its V row and a summary's count.
+        let held = page.counts.map_or(page.kv.len() / row_pair, <[u32]>::len);
+        if page.kv.len() != held * row_pair {
+            return Err(StoreError::Internal(format!(
+                "KV head {} page {}: {} bytes are not {held} K and V rows of {} bytes",
+                p.kv_head,
+                p.page,
+                page.kv.len(),
+                row_pair / 2
+            )));
+        }
         read.insert((p.kv_head, p.page), page);
     }
     let per_head = own.map_or(0, |own| own.len() / req.heads.count.max(1) as usize);

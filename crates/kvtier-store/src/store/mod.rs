@@ -62,7 +62,7 @@ use std::sync::Arc;
 use kvtier_core::{SequenceKey, TenantId};
 use kvtier_tiers::{ArenaTier, NvmeConfig, NvmeTier, Tier, TierKind};
 
-pub use attend::HeadAttention;
+pub use attend::{HeadAttention, attend_room};
 pub use fetch::{FetchCursor, FetchPages, FetchedChunk, FetchedPage, PageList};
 pub use moves::{ExportedPage, LaneAt, MovedContent, SequenceExport};
 pub use policy::{ApplyPolicy, AttentionWeights, ReportAttention};
