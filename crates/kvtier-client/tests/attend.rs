@@ -49,6 +49,17 @@ fn layer_kv(dtype: pb::DType, layer: u32) -> Vec<u8> {
     out
 }
 
+/// Sequence "s": every layer's `TOKENS` tokens, as the test writes them.
+async fn store_all(c: &mut Client, dtype: pb::DType) {
+    let layout = kvtier_client::layout(LAYERS, KV_HEADS, KV_HEADS * GROUP, D as u32, dtype, PAGE);
+    c.create_sequence("s", layout, vec![]).await.unwrap();
+    for layer in 0..LAYERS {
+        c.put_pages("s", layer, 0..KV_HEADS, 0, TOKENS, layer_kv(dtype, layer).into())
+            .await
+            .unwrap();
+    }
+}
+
 /// A key or value row, and the tokens it stands for.
 struct Row {
     k: Vec<f64>,
@@ -134,13 +145,7 @@ async fn each_query_head_gets_the_softmax_over_what_it_chose() {
     let mut cases = 0;
     for dtype in [pb::DType::DtypeF32, pb::DType::DtypeF16] {
         let _ = c.drop_sequence("s").await;
-        let layout = kvtier_client::layout(LAYERS, KV_HEADS, KV_HEADS * GROUP, D as u32, dtype, PAGE);
-        c.create_sequence("s", layout, vec![]).await.unwrap();
-        for layer in 0..LAYERS {
-            c.put_pages("s", layer, 0..KV_HEADS, 0, TOKENS, layer_kv(dtype, layer).into())
-                .await
-                .unwrap();
-        }
+        store_all(&mut c, dtype).await;
         // Layer 0: a summary on head 0, a gone page on head 1.
         c.set_page_state("s", 0..1, 0..1, 2..3, actions::summarize(3))
             .await
@@ -254,13 +259,7 @@ async fn attend_with_fields_it_replaces_is_refused_and_appends_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let (_server, mut c, region) = common::with_region(dir.path()).await;
     let dtype = pb::DType::DtypeF32;
-    let layout = kvtier_client::layout(LAYERS, KV_HEADS, KV_HEADS * GROUP, D as u32, dtype, PAGE);
-    c.create_sequence("s", layout, vec![]).await.unwrap();
-    for layer in 0..LAYERS {
-        c.put_pages("s", layer, 0..KV_HEADS, 0, TOKENS, layer_kv(dtype, layer).into())
-            .await
-            .unwrap();
-    }
+    store_all(&mut c, dtype).await;
     let base = SelectRequest {
         attend: true,
         append: Some(pb::AppendAfterSelection {
