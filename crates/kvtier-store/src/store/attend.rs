@@ -82,24 +82,17 @@ fn attend_selection(
     own: Option<&[u8]>,
 ) -> StoreResult<Vec<HeadAttention>> {
     let (d, group) = (layout.head_dim() as usize, layout.group_size());
-    let rows = |r: &Range<usize>| {
-        bytes.get(r.clone()).ok_or_else(|| {
-            StoreError::Internal(format!(
-                "a selected page's bytes {r:?} lie past the {} read",
-                bytes.len()
-            ))
-        })
-    };
     let row_pair = 2 * layout.row_bytes();
     let mut read: BTreeMap<(u32, u32), PageRows<'_>> = BTreeMap::new();
     for p in &selection.data {
         let page = match &p.content {
+            // Ranges of the buffer the read filled, as `FetchedPage::owned` reads them.
             PageContent::Original(r) => PageRows {
-                kv: rows(r)?,
+                kv: &bytes[r.clone()],
                 counts: None,
             },
             PageContent::Summary { counts, kv } => PageRows {
-                kv: rows(kv)?,
+                kv: &bytes[kv.clone()],
                 counts: Some(counts.as_slice()),
             },
             PageContent::Gone(_) => continue,
