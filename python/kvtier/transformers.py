@@ -38,7 +38,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from . import _arrays, errors
 from .client import MAX_MESSAGE_BYTES, Client, SelectKvCall
-from .types import Attention, Layout, SelectionKV, ShmRegion, ShmWindow, gather, window_of
+from .types import Layout, SelectionKV, ShmRegion, ShmWindow, gather, window_of
 
 __all__ = ["KVTierCache", "install_attention", "prompt_hashes"]
 
@@ -57,11 +57,27 @@ def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
-    """``[kv_heads, tokens, head_dim]`` as numpy for a write (bfloat16 as bits)."""
-    t = t.detach().to("cpu").contiguous()
+    """``t`` as numpy (bfloat16 as bits), a view where it can be: each
+    torch call costs microseconds between a model's layers, so none is
+    made that changes nothing."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy()
     return t.numpy()
+
+
+def _query_rows(query: torch.Tensor) -> np.ndarray:
+    """A decode step's ``query`` (``[1, query heads, 1, head_dim]``) as
+    float32 ``[query heads, head_dim]``, a view where it can be."""
+    if query.dtype != torch.float32:
+        query = query.float()
+    q = _numpy(query)
+    return q.reshape(q.shape[1], q.shape[3])
 
 
 def _attention_over(
@@ -103,13 +119,6 @@ def _attention_over(
     return torch.nn.functional.scaled_dot_product_attention(
         query, k_t, v_t, attn_mask=mask, scale=scaling, enable_gqa=True
     )
-
-
-def _attended(query: torch.Tensor, attention: Attention) -> torch.Tensor:
-    """A decode step's attention, ``[1, query heads, 1, head_dim]``, as
-    kvtier answered it: over the step's selection and its own token, which
-    the same call appended."""
-    return torch.tensor(attention.out).to(query.device, query.dtype)[None, :, None, :]
 
 
 def prompt_hashes(prompt_ids: Sequence[int], page_size: int, model_key: str) -> List[bytes]:
@@ -323,10 +332,13 @@ class KVTierLayer(CacheLayerMixin):
         stored = self.tokens - 1
         # In the layout's dtype: what is appended, and what the views'
         # rows are joined with.
-        step_k, step_v = _arrays.kv_arrays(_numpy(key[0]), _numpy(value[0]), cache.layout.dtype, cache.layout.head_dim)
-        # Float32, of its own: a call made ahead reads it after the model
-        # has reused the tensor's memory.
-        queries = query[0, :, 0, :].detach().to("cpu", torch.float32).numpy().copy()
+        step_k, step_v = _arrays.kv_arrays(_numpy(key)[0], _numpy(value)[0], cache.layout.dtype, cache.layout.head_dim)
+        queries = _query_rows(query)
+        if cache.attend_in_store:
+            return self._attend_in_store(query, stored, queries, (step_k, step_v), scaling), None
+        # Of its own: a call made ahead reads it after the model has
+        # reused the tensor's memory.
+        queries = queries.copy()
         ahead = self.ahead
         self.ahead = None
         # Whether a call that has returned appended this step's token.
@@ -349,11 +361,8 @@ class KVTierLayer(CacheLayerMixin):
                 selection = self._select_now(stored, queries, (step_k, step_v), scaling)
                 own, appended = (step_k, step_v), True
         try:
-            if selection.attention is not None:
-                out = _attended(query, selection.attention)
-            else:
-                heads = [selection.head(h) for h in range(cache.layout.num_kv_heads)]
-                out = _attention_over(query, [(h.k, h.v) for h in heads], *own, scaling)
+            heads = [selection.head(h) for h in range(cache.layout.num_kv_heads)]
+            out = _attention_over(query, [(h.k, h.v) for h in heads], *own, scaling)
             if cache.speculative:
                 # The next step's selection, with this step's query, made
                 # while the model computes; it appends this step's token
@@ -368,6 +377,24 @@ class KVTierLayer(CacheLayerMixin):
                 self.tokens = stored
             raise
         return out.transpose(1, 2).contiguous(), None
+
+    def _attend_in_store(
+        self,
+        query: torch.Tensor,
+        stored: int,
+        queries: np.ndarray,
+        step: Tuple[np.ndarray, np.ndarray],
+        scaling: float,
+    ) -> torch.Tensor:
+        """A decode step's attention output, ``[1, 1, query heads,
+        head_dim]``, as kvtier computes it over the step's own selection
+        and its token (which the same call appends): the client's buffer
+        of its rows, wrapped."""
+        selection = self._select_now(stored, queries, step, scaling)
+        out = torch.frombuffer(selection.attention_out(), dtype=torch.float32).view((1, 1) + queries.shape)
+        if query.dtype != torch.float32 or query.device.type != "cpu":
+            out = out.to(query.device, query.dtype)
+        return out
 
     def _select_now(
         self, stored: int, queries: np.ndarray, step: Tuple[np.ndarray, np.ndarray], scaling: float

@@ -218,6 +218,10 @@ class Attention:
         return (kept[:, None] * self.out + np.einsum("hn,hnd->hd", weights, v)) / total[:, None]
 
 
+#: An attribute not computed yet.
+_UNREAD = object()
+
+
 def _attention(native: Optional[Tuple[bytes, bytes, bytes, bytes]], head_dim: int) -> Optional[Attention]:
     if native is None:
         return None
@@ -236,16 +240,31 @@ class SelectionKV:
     as :class:`Selection` has them (converted when first read: a decode
     step reads :attr:`store_us` alone)."""
 
-    __slots__ = ("heads", "attention", "_native", "_dict")
+    __slots__ = ("heads", "_head_dim", "_attention", "_native", "_dict")
 
     def __init__(self, heads: List[HeadKV], totals: Any, head_dim: int):
         #: Per KV head (and query head, with per-query-head aggregation).
         self.heads = heads
-        #: With ``attend``: each query head's attention over its chosen
-        #: rows (the heads then hold none); ``None`` otherwise.
-        self.attention = _attention(totals.attention, head_dim)
+        self._head_dim = head_dim
+        self._attention: Any = _UNREAD
         self._native = totals
         self._dict: Optional[Dict[str, Any]] = None
+
+    @property
+    def attention(self) -> Optional[Attention]:
+        """With ``attend``: each query head's attention over its chosen
+        rows (the heads then hold none); ``None`` otherwise. Made when
+        first read (:meth:`attention_out` needs none)."""
+        if self._attention is _UNREAD:
+            self._attention = _attention(self._native.attention, self._head_dim)
+        return self._attention
+
+    def attention_out(self) -> bytearray:
+        """With ``attend``: :attr:`attention`'s ``out``, every query head's
+        row in order, as little-endian float32 in a new ``bytearray``:
+        what a decode step wraps as its output tensor
+        (``torch.frombuffer``), with no array made per call."""
+        return self._native.attention_out()
 
     def _totals(self) -> Dict[str, Any]:
         if self._dict is None:

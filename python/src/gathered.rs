@@ -192,7 +192,7 @@ impl HeadPages {
 /// must, when it returns `Ok`): not zeroed first, as `PyByteArray::new_with`
 /// would, since each is copied over anyway (a step's pages: hundreds of
 /// kilobytes).
-fn filled_bytearray<'py>(
+pub(crate) fn filled_bytearray<'py>(
     py: Python<'py>,
     len: usize,
     fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> PyResult<()>,

@@ -5,9 +5,9 @@
 //! its socket round trip.
 
 use kvtier_proto::v1 as pb;
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyTuple};
 
 use crate::reflect;
 
@@ -69,6 +69,37 @@ impl SelectTotals {
             ],
         )
         .map(Some)
+    }
+
+    /// With `attend`: every query head's output row, in the answer's
+    /// order (its query heads, consecutive), as little-endian f32 in one
+    /// new `bytearray`: what a decode step wraps as its attention output
+    /// (`torch.frombuffer`), with no array made per row or per call.
+    fn attention_out<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyByteArray>> {
+        let rows = &self.info.attention;
+        let Some(first) = rows.first() else {
+            return Err(PyValueError::new_err(
+                "attention: this selection holds none (select with attend=True)",
+            ));
+        };
+        let width = first.out.len();
+        let ordered = rows
+            .iter()
+            .enumerate()
+            .all(|(i, a)| a.out.len() == width && u64::from(a.query_head) == u64::from(first.query_head) + i as u64);
+        if !ordered {
+            return Err(PyRuntimeError::new_err(
+                "the server's attention rows are not one per query head, consecutive and of one width",
+            ));
+        }
+        crate::gathered::filled_bytearray(py, width * rows.len(), |room| {
+            for (dst, row) in room.chunks_exact_mut(width).zip(rows) {
+                for (d, &s) in dst.iter_mut().zip(row.out.iter()) {
+                    d.write(s);
+                }
+            }
+            Ok(())
+        })
     }
 
     /// Microseconds the server spent on the call, its append included

@@ -137,6 +137,12 @@ def check_attention(client, seq, q, case, shm, options, sel, data):
     assert got.attention.query_heads.tolist() == [w[0] for w in wanted]
     assert got.attention.tokens.tolist() == [w[2] for w in wanted]
     np.testing.assert_allclose(merged, np.stack([w[1] for w in wanted]), rtol=1e-4, atol=1e-4)
+    # The output rows in one buffer, as a decode step wraps them.
+    assert np.array_equal(np.frombuffer(got.attention_out(), "<f4").reshape(got.attention.out.shape), got.attention.out)
+    plain = client.select_kv(seq, 0, q, case["budget"], shm=shm, **options)
+    assert plain.attention is None
+    with pytest.raises(ValueError, match="attention: this selection holds none"):
+        plain.attention_out()
 
 
 @pytest.mark.parametrize("plane", ["grpc", "shm"])
