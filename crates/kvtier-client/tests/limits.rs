@@ -283,6 +283,48 @@ async fn no_response_passes_the_servers_limit_whatever_the_request_asks() {
     let err = stock.fetch_pages(fetch).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().starts_with("max_chunk_bytes:"), "{}", err.message());
+    // An attending selection's rows (64 query heads') all go in its first
+    // message: a size they cannot fit in is refused before anything is
+    // selected or appended, naming the field; one they fit in is kept to.
+    let before = client.get_sequence("s").await.unwrap().max_tokens;
+    for (max_chunk_bytes, fits) in [(1_500u32, false), (10_000, true)] {
+        let attend = pb::SelectPagesRequest {
+            sequence_id: "s".into(),
+            kv_head_count: heads,
+            queries: vec![0u8; (heads * head_dim * 4) as usize].into(),
+            budget_pages: 4,
+            aggregation: pb::Aggregation::Max as i32,
+            attend: true,
+            max_chunk_bytes,
+            append: Some(pb::AppendAfterSelection {
+                num_tokens: 1,
+                kv: vec![0u8; (2 * heads * head_dim * 4) as usize].into(),
+                position: Some(before),
+                persist: false,
+            }),
+            ..Default::default()
+        };
+        match stock.select_pages(attend).await {
+            Ok(answer) if fits => {
+                let mut stream = answer.into_inner();
+                let mut rows = 0;
+                while let Some(msg) = stream.message().await.unwrap() {
+                    assert!(msg.encoded_len() <= max_chunk_bytes as usize);
+                    rows += msg.attention.len();
+                }
+                assert_eq!(rows as u32, heads);
+            }
+            Err(err) if !fits => {
+                assert_eq!(err.code(), Code::InvalidArgument);
+                let message = err.message();
+                assert!(message.starts_with("max_chunk_bytes:"), "{message}");
+                assert!(message.contains("64 query heads' rows"), "blames the rows: {message}");
+                assert_eq!(client.get_sequence("s").await.unwrap().max_tokens, before);
+            }
+            other => panic!("max_chunk_bytes {max_chunk_bytes}: {other:?}"),
+        }
+    }
+    assert_eq!(client.get_sequence("s").await.unwrap().max_tokens, before + 1);
 }
 
 /// Responses share the server's in-flight bytes with requests: concurrent

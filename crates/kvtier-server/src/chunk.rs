@@ -3,6 +3,7 @@
 //! default), and tonic refuses to send one over the server's.
 
 use kvtier_core::wire;
+use kvtier_proto::v1 as pb;
 use prost::Message;
 use prost::encoding::encoded_len_varint;
 use tonic::Status;
@@ -44,6 +45,36 @@ pub(crate) fn check_page_fits(page_bytes: usize, limit: usize) -> Result<(), Sta
     }
     Ok(())
 }
+
+/// Refuses a limit that an attending selection's answer cannot fit in,
+/// before anything is selected: its first message holds every query
+/// head's row (`query_heads` of `head_dim` floats) and the selection's
+/// other fields, which [`ATTENTION_FIELDS`] leaves room for.
+pub(crate) fn check_attention_fits(query_heads: usize, head_dim: usize, limit: usize) -> Result<(), Status> {
+    let row = field_len(&pb::QueryAttention {
+        query_head: u32::MAX,
+        out: vec![0; head_dim * 4].into(),
+        lse: f32::MAX,
+        tokens: u64::MAX,
+    });
+    let bytes = query_heads.saturating_mul(row);
+    if bytes.saturating_add(ATTENTION_FIELDS) > limit {
+        return Err(invalid(
+            wire::MAX_CHUNK_BYTES,
+            format!(
+                "allows messages of {limit} bytes (the smaller of it and the server's max_message_bytes), \
+                 but an attending selection's first message holds {query_heads} query heads' rows of \
+                 {head_dim} floats ({bytes} bytes) and its other fields"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Room in an attending selection's first message for its fields besides
+/// the attention rows: totals, timing, the append's answer and at least
+/// one head's selection (a few hundred bytes).
+const ATTENTION_FIELDS: usize = 1 << 10;
 
 /// What one item of a repeated message field (field number below 16) adds
 /// to its message.
