@@ -225,6 +225,26 @@ impl<'a> PageBuf<'a> {
         v.fill(MaybeUninit::new(0));
     }
 
+    /// Runs `read` over a new buffer of `capacity` bytes and, once it
+    /// has succeeded, gives back the bytes it took as a vector of their
+    /// own, which outlives whatever lock the read held.
+    pub(crate) fn read_owned<T>(
+        capacity: usize,
+        read: impl FnOnce(&mut PageBuf<'_>) -> StoreResult<T>,
+    ) -> StoreResult<(T, Vec<u8>)> {
+        let mut room = Vec::with_capacity(capacity);
+        let (value, used) = {
+            let mut buf = PageBuf::new(room.spare_capacity_mut());
+            let value = read(&mut buf)?;
+            (value, buf.used())
+        };
+        // SAFETY: the buffer took its first `used` bytes (at most
+        // `capacity`) from `room`, and a read that returned `Ok` wrote
+        // every byte it took (the type's invariant, as `filled` has it).
+        unsafe { room.set_len(used) };
+        Ok((value, room))
+    }
+
     /// The bytes taken, after a successful read (of a buffer not split
     /// from another).
     pub(crate) fn filled(&self) -> &[u8] {

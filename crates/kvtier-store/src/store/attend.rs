@@ -56,16 +56,18 @@ impl Store {
     ) -> StoreResult<Selection<Range<usize>>> {
         let start = Instant::now();
         let req = SelectPages { with_data: true, ..req };
-        let mut selection = self.catalog.read(key, |seq| {
-            let mut room = Vec::with_capacity(req.data_bound(seq));
-            let mut buf = PageBuf::new(room.spare_capacity_mut());
-            let mut selection = self.select_locked(seq, req, &mut buf)?;
-            let attending = Instant::now();
-            selection.attention = attend_selection(&seq.layout, &req, &selection, buf.filled(), own)?;
-            selection.timing.attend_us = super::micros(attending.elapsed());
-            selection.data.clear();
-            Ok(selection)
+        let ((mut selection, layout), bytes) = self.catalog.read(key, |seq| {
+            PageBuf::read_owned(req.data_bound(seq), |buf| {
+                Ok((self.select_locked(seq, req, buf)?, Arc::clone(&seq.layout)))
+            })
         })?;
+        // The rows are a buffer of the call's own: attending holds no
+        // lock, so the sequence's writers (the step's own append among
+        // them) do not wait for it.
+        let attending = Instant::now();
+        selection.attention = attend_selection(&layout, &req, &selection, &bytes, own)?;
+        selection.timing.attend_us = super::micros(attending.elapsed());
+        selection.data.clear();
         self.timed(&mut selection, req.swap_in, start);
         Ok(selection)
     }
