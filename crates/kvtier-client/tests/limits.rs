@@ -283,48 +283,59 @@ async fn no_response_passes_the_servers_limit_whatever_the_request_asks() {
     let err = stock.fetch_pages(fetch).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().starts_with("max_chunk_bytes:"), "{}", err.message());
-    // An attending selection's rows (64 query heads') all go in its first
-    // message: a size they cannot fit in is refused before anything is
-    // selected or appended, naming the field; one they fit in is kept to.
-    let before = client.get_sequence("s").await.unwrap().max_tokens;
-    for (max_chunk_bytes, fits) in [(1_500u32, false), (10_000, true)] {
+    // An attending selection's rows (64 query heads') and its first head's
+    // selection go in its first message: a size they cannot fit in is
+    // refused before anything is selected or appended, naming the field
+    // (the rows alone fit in 4,500 bytes, with 256 pages' head not); one
+    // they fit in is kept to.
+    let mut len = client.get_sequence("s").await.unwrap().max_tokens;
+    for (max_chunk_bytes, budget_pages, fits) in [
+        (1_500u32, 4, false),
+        (4_500, 256, false),
+        (10_000, 4, true),
+        (20_000, 256, true),
+    ] {
         let attend = pb::SelectPagesRequest {
             sequence_id: "s".into(),
             kv_head_count: heads,
             queries: vec![0u8; (heads * head_dim * 4) as usize].into(),
-            budget_pages: 4,
+            budget_pages,
             aggregation: pb::Aggregation::Max as i32,
             attend: true,
             max_chunk_bytes,
             append: Some(pb::AppendAfterSelection {
                 num_tokens: 1,
                 kv: vec![0u8; (2 * heads * head_dim * 4) as usize].into(),
-                position: Some(before),
+                position: Some(len),
                 persist: false,
             }),
             ..Default::default()
         };
+        let case = format!("max_chunk_bytes {max_chunk_bytes}, {budget_pages} pages");
         match stock.select_pages(attend).await {
             Ok(answer) if fits => {
                 let mut stream = answer.into_inner();
                 let mut rows = 0;
                 while let Some(msg) = stream.message().await.unwrap() {
-                    assert!(msg.encoded_len() <= max_chunk_bytes as usize);
+                    assert!(msg.encoded_len() <= max_chunk_bytes as usize, "{case}");
                     rows += msg.attention.len();
                 }
-                assert_eq!(rows as u32, heads);
+                assert_eq!(rows as u32, heads, "{case}");
+                len += 1;
             }
             Err(err) if !fits => {
-                assert_eq!(err.code(), Code::InvalidArgument);
+                assert_eq!(err.code(), Code::InvalidArgument, "{case}");
                 let message = err.message();
-                assert!(message.starts_with("max_chunk_bytes:"), "{message}");
-                assert!(message.contains("64 query heads' rows"), "blames the rows: {message}");
-                assert_eq!(client.get_sequence("s").await.unwrap().max_tokens, before);
+                assert!(message.starts_with("max_chunk_bytes:"), "{case}: {message}");
+                assert!(
+                    message.contains("64 query heads' rows"),
+                    "{case}: blames the rows: {message}"
+                );
             }
-            other => panic!("max_chunk_bytes {max_chunk_bytes}: {other:?}"),
+            other => panic!("{case}: {other:?}"),
         }
+        assert_eq!(client.get_sequence("s").await.unwrap().max_tokens, len, "{case}");
     }
-    assert_eq!(client.get_sequence("s").await.unwrap().max_tokens, before + 1);
 }
 
 /// Responses share the server's in-flight bytes with requests: concurrent

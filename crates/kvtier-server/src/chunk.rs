@@ -48,32 +48,53 @@ pub(crate) fn check_page_fits(page_bytes: usize, limit: usize) -> Result<(), Sta
 
 /// Refuses a limit that an attending selection's answer cannot fit in,
 /// before anything is selected: its first message holds every query
-/// head's row (`query_heads` of `head_dim` floats) and the selection's
-/// other fields, which [`ATTENTION_FIELDS`] leaves room for.
-pub(crate) fn check_attention_fits(query_heads: usize, head_dim: usize, limit: usize) -> Result<(), Status> {
+/// head's row (`query_heads` of `head_dim` floats), its first head's
+/// selection (at most `pages_per_head` pages) and its other fields, which
+/// [`ATTENTION_FIELDS`] leaves room for.
+pub(crate) fn check_attention_fits(
+    query_heads: usize,
+    head_dim: usize,
+    pages_per_head: usize,
+    limit: usize,
+) -> Result<(), Status> {
     let row = field_len(&pb::QueryAttention {
         query_head: u32::MAX,
         out: vec![0; head_dim * 4].into(),
         lse: f32::MAX,
         tokens: u64::MAX,
     });
-    let bytes = query_heads.saturating_mul(row);
-    if bytes.saturating_add(ATTENTION_FIELDS) > limit {
+    let page = field_len(&pb::SelectedPage {
+        page: u32::MAX,
+        bound: f32::MAX,
+        state: pb::PageState::Summary as i32,
+        cold_tier: pb::Tier::Nvme as i32,
+        miss: pb::Miss::NoRoom as i32,
+    });
+    let head = pb::HeadSelection {
+        kv_head: u32::MAX,
+        query_head: Some(u32::MAX),
+        pages: Vec::new(),
+        selected_but_gone: u32::MAX,
+    };
+    // Its pages, and the longer length prefix they may need.
+    let first_head = field_len(&head) + pages_per_head.saturating_mul(page) + 4;
+    let rows = query_heads.saturating_mul(row);
+    if rows.saturating_add(first_head).saturating_add(ATTENTION_FIELDS) > limit {
         return Err(invalid(
             wire::MAX_CHUNK_BYTES,
             format!(
                 "allows messages of {limit} bytes (the smaller of it and the server's max_message_bytes), \
                  but an attending selection's first message holds {query_heads} query heads' rows of \
-                 {head_dim} floats ({bytes} bytes) and its other fields"
+                 {head_dim} floats ({rows} bytes), a head's selection of up to {pages_per_head} pages \
+                 ({first_head} bytes) and its other fields"
             ),
         ));
     }
     Ok(())
 }
 
-/// Room in an attending selection's first message for its fields besides
-/// the attention rows: totals, timing, the append's answer and at least
-/// one head's selection (a few hundred bytes).
+/// Room in an attending selection's first message for its totals, timing
+/// and the append's answer (about 300 bytes at their widest).
 const ATTENTION_FIELDS: usize = 1 << 10;
 
 /// What one item of a repeated message field (field number below 16) adds

@@ -317,7 +317,9 @@ impl KvTierService {
             // Heads past the layout's are refused by the store, by name.
             let kv_heads = r.kv_head_count.min(shape.0.num_kv_heads());
             let query_heads = kv_heads as usize * shape.0.group_size() as usize;
-            chunk::check_attention_fits(query_heads, shape.0.head_dim() as usize, limit)?;
+            let pages = u64::from(r.budget_pages).min(shape.1.div_ceil(u64::from(shape.0.page_size())));
+            let pages = usize::try_from(pages).unwrap_or(usize::MAX);
+            chunk::check_attention_fits(query_heads, shape.0.head_dim() as usize, pages, limit)?;
         }
         let scanned = index_scanned(r.kv_head_count, r.budget_pages, &inputs.ranking, &shape);
         let bound = kvtier_store::data_bound(
