@@ -330,14 +330,13 @@ class KVTierLayer(CacheLayerMixin):
         cache = self.cache
         self.tagged = False
         stored = self.tokens - 1
-        step = (_numpy(key)[0], _numpy(value)[0])
+        # In the layout's dtype: what is appended, and what the views'
+        # rows are joined with. Converted (and checked) before any call,
+        # whose failure would leave the layer's length in doubt.
+        step_k, step_v = _arrays.kv_arrays(_numpy(key)[0], _numpy(value)[0], cache.layout.dtype, cache.layout.head_dim)
         queries = _query_rows(query)
         if cache.attend_in_store:
-            # Converted and checked by the call that appends them.
-            return self._attend_in_store(query, stored, queries, step, scaling), None
-        # In the layout's dtype: what is appended, and what the views'
-        # rows are joined with.
-        step_k, step_v = _arrays.kv_arrays(*step, cache.layout.dtype, cache.layout.head_dim)
+            return self._attend_in_store(query, stored, queries, (step_k, step_v), scaling), None
         # Of its own: a call made ahead reads it after the model has
         # reused the tensor's memory.
         queries = queries.copy()
@@ -677,9 +676,9 @@ class KVTierCache(Cache):
         scaling: float,
     ) -> SelectionKV:
         """The pages ``queries`` (float32) select among the layer's
-        ``stored`` tokens, with the step's own K/V (``step``: ``[kv heads,
-        1, head_dim]`` each, in any dtype the client converts) appended
-        by the same call, after them: one round trip per layer and step."""
+        ``stored`` tokens, with the step's own K/V (``step``, in the
+        layout's dtype) appended by the same call, after them: one round
+        trip per layer and step."""
         selection = self._call(
             "select_kv",
             self._select_call(float(scaling), layer.index),

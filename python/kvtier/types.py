@@ -4,7 +4,6 @@ V as numpy arrays, selections, shared-memory regions."""
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import mmap
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -508,13 +507,6 @@ def _selection_totals(first: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-@functools.lru_cache(maxsize=None)
-def _no_rows(dtype: np.dtype, head_dim: int) -> np.ndarray:
-    """``[0, head_dim]`` rows of ``dtype``: holds nothing, so one is
-    shared by every head that came without rows."""
-    return np.empty((0, head_dim), dtype)
-
-
 def selection_kv_from_native(
     gathered: Tuple[Any, List[Tuple[Any, ...]]], layout: Layout, region: Optional["ShmRegion"] = None
 ) -> SelectionKV:
@@ -526,9 +518,6 @@ def selection_kv_from_native(
     head_dim = layout.head_dim
 
     def rows(data: Any) -> np.ndarray:
-        if not data:
-            # An attending selection's heads: no rows, one shared array.
-            return _no_rows(dtype, head_dim)
         if isinstance(data, tuple):
             offset, length = data
             # A slice of the region's array: a view, read-only as it is.

@@ -83,10 +83,11 @@ impl SelectTotals {
             ));
         };
         let width = first.out.len();
-        let ordered = rows
-            .iter()
-            .enumerate()
-            .all(|(i, a)| a.out.len() == width && u64::from(a.query_head) == u64::from(first.query_head) + i as u64);
+        let ordered = width > 0
+            && width.is_multiple_of(4)
+            && rows.iter().enumerate().all(|(i, a)| {
+                a.out.len() == width && u64::from(a.query_head) == u64::from(first.query_head) + i as u64
+            });
         if !ordered {
             return Err(PyRuntimeError::new_err(
                 "the server's attention rows are not one per query head, consecutive and of one width",

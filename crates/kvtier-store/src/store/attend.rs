@@ -62,8 +62,8 @@ impl Store {
             })
         })?;
         // The rows are a buffer of the call's own: attending holds no
-        // lock, so the sequence's writers (the step's own append among
-        // them) do not wait for it.
+        // lock, so the sequence's writers (other workers' appends; the
+        // step's own comes after the answer) do not wait for it.
         let attending = Instant::now();
         selection.attention = attend_selection(&layout, &req, &selection, &bytes, own)?;
         selection.timing.attend_us = super::micros(attending.elapsed());
