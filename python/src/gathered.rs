@@ -6,12 +6,9 @@
 //! what a small selection cost through the reflection-driven `call`.
 
 use std::collections::HashMap;
-use std::mem::MaybeUninit;
 
 use kvtier_client::ShmRegion;
 use kvtier_proto::v1 as pb;
-use pyo3::exceptions::PyRuntimeError;
-use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyList, PyTuple};
 use tonic::Status;
@@ -134,7 +131,7 @@ impl Gathered {
         region: Option<&ShmRegion>,
     ) -> PyResult<Bound<'py, PyByteArray>> {
         let total = head.pages.iter().map(|&(.., n)| n).sum();
-        filled_bytearray(py, total, |out| {
+        crate::bytearray::filled(py, total, |out| {
             let mut at = 0;
             for &(page, source, n) in &head.pages {
                 let dst = &mut out[at..at + n];
@@ -186,32 +183,6 @@ impl HeadPages {
         }
         Some((k, v, length))
     }
-}
-
-/// A new `bytearray` of `len` bytes, every one written by `fill` (which
-/// must, when it returns `Ok`): not zeroed first, as `PyByteArray::new_with`
-/// would, since each is copied over anyway (a step's pages: hundreds of
-/// kilobytes).
-pub(crate) fn filled_bytearray<'py>(
-    py: Python<'py>,
-    len: usize,
-    fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> PyResult<()>,
-) -> PyResult<Bound<'py, PyByteArray>> {
-    let size = ffi::Py_ssize_t::try_from(len).map_err(|_| PyRuntimeError::new_err("a selection larger than memory"))?;
-    // SAFETY: a null source makes a bytearray of `len` bytes whose contents
-    // are not set; it is a new reference, owned here (or null with an
-    // exception set, which `from_owned_ptr_or_err` takes).
-    let array =
-        unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyByteArray_FromStringAndSize(std::ptr::null(), size))? }
-            .cast_into::<PyByteArray>()?;
-    // SAFETY: the bytearray's buffer holds `len` bytes and lives as long as
-    // `array`, which no other code has seen yet; `MaybeUninit` claims
-    // nothing of its contents. On an error the array is dropped unread.
-    let room = unsafe {
-        std::slice::from_raw_parts_mut(ffi::PyByteArray_AsString(array.as_ptr()).cast::<MaybeUninit<u8>>(), len)
-    };
-    fill(room)?;
-    Ok(array)
 }
 
 /// Where one head's pages that came with bytes (gone pages come without)

@@ -7,6 +7,7 @@
 //! callback, runs on the package's runtime and reports through it (the
 //! asyncio client).
 
+mod bytearray;
 mod codec;
 mod gathered;
 mod partitioned;

@@ -93,7 +93,7 @@ impl SelectTotals {
                 "the server's attention rows are not one per query head, consecutive and of one width",
             ));
         }
-        crate::gathered::filled_bytearray(py, width * rows.len(), |room| {
+        crate::bytearray::filled(py, width * rows.len(), |room| {
             for (dst, row) in room.chunks_exact_mut(width).zip(rows) {
                 for (d, &s) in dst.iter_mut().zip(row.out.iter()) {
                     d.write(s);
